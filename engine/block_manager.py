@@ -1,0 +1,209 @@
+"""Paged KV block pool with reference counts and a hash-chained prefix cache.
+
+A full block's key is hash(parent key, its token ids). Freed blocks keep their key and
+stay findable until the pool hands them out again (lazy eviction, least recently freed
+first). A key lookup also compares token ids, so a hash collision can never share a block.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.sequence import Sequence
+
+ROOT_HASH = 0
+
+
+def chain_hash(parent_hash: int, token_ids: list[int] | tuple[int, ...]) -> int:
+    """Content address of a full block: stable across processes and machines."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(parent_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """Chain hashes of every full block of token_ids."""
+    hashes, parent = [], ROOT_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_hash(parent, token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+    computed: bool = False   # its KV bytes are valid
+
+
+class NoFreeBlocks(RuntimeError):
+    """The pool cannot satisfy an allocation right now."""
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_cache_queries = 0   # prompt tokens looked up
+        self.prefix_cache_hits = 0      # prompt tokens found computed in the cache
+
+    # ---- pool -----------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take_free(self) -> Block:
+        if not self.free_ids:
+            raise NoFreeBlocks("no free KV blocks")
+        block_id, _ = self.free_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        self._forget_hash(block)
+        block.ref_count = 1
+        block.computed = False
+        return block
+
+    def _forget_hash(self, block: Block) -> None:
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
+            del self.hash_to_block[block.hash]
+        block.hash = None
+        block.token_ids = None
+
+    def _ref(self, block: Block) -> None:
+        if block.ref_count == 0:
+            del self.free_ids[block.block_id]
+        block.ref_count += 1
+
+    def _unref(self, block: Block) -> None:
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if not block.computed:
+                self._forget_hash(block)   # garbage bytes must never be found by key
+            self.free_ids[block.block_id] = None
+
+    def _lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
+        block_id = self.hash_to_block.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        return block if block.token_ids == token_ids else None
+
+    def _register(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        block.hash, block.token_ids = block_hash, token_ids
+        if self.enable_prefix_caching:
+            self.hash_to_block.setdefault(block_hash, block.block_id)
+
+    # ---- sequences ------------------------------------------------------------
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.blocks_needed(seq.num_tokens) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, max_cached_tokens: int | None = None) -> int:
+        """Give seq blocks for all its tokens, sharing cached ones. Returns computed prefix tokens.
+
+        Blocks found by key are shared even if another sequence is still computing them
+        (scheduled in the same step): the caller recomputes from the first uncomputed block,
+        which writes identical bytes, and no key is ever overwritten.
+        """
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.request_id} already holds blocks")
+        bs = self.block_size
+        n_full = seq.num_tokens // bs
+        hashes = prompt_block_hashes(seq.token_ids, bs) if self.enable_prefix_caching else []
+        # Blocks we will share: leading prefix found by key. Count fresh ones before touching state.
+        shared: list[Block] = []
+        for i, h in enumerate(hashes):
+            block = self._lookup(h, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            if block is None:
+                break
+            shared.append(block)
+        fresh_needed = self.blocks_needed(seq.num_tokens) - len(shared)
+        fresh_available = self.num_free_blocks - sum(1 for b in shared if b.ref_count == 0)
+        if fresh_needed > fresh_available:
+            raise NoFreeBlocks(f"need {fresh_needed} blocks, {fresh_available} free")
+        computed_prefix = 0
+        for i, block in enumerate(shared):
+            self._ref(block)
+            seq.block_table.append(block.block_id)
+            if block.computed and computed_prefix == i:
+                computed_prefix = i + 1
+        for i in range(len(shared), self.blocks_needed(seq.num_tokens)):
+            block = self._take_free()
+            if i < n_full and hashes:
+                self._register(block, hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            seq.block_table.append(block.block_id)
+        seq.block_hashes = hashes[:n_full]
+        seq.num_hashed_blocks = len(seq.block_hashes)
+        cached = computed_prefix * bs
+        limit = seq.num_tokens - 1 if max_cached_tokens is None else max_cached_tokens
+        cached = min(cached, (limit // bs) * bs)   # always compute at least the last token
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += cached
+        return cached
+
+    def free(self, seq: Sequence) -> None:
+        # Release in reverse so a sequence's tail is evicted before its (more shareable) head.
+        for block_id in reversed(seq.block_table):
+            self._unref(self.blocks[block_id])
+        seq.block_table.clear()
+        seq.num_hashed_blocks = 0
+        seq.block_hashes = []
+
+    def can_append(self, seq: Sequence) -> bool:
+        return len(seq.block_table) * self.block_size >= seq.num_tokens or self.num_free_blocks > 0
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Make sure seq has a block for its last token (before a decode step)."""
+        while len(seq.block_table) * self.block_size < seq.num_tokens:
+            seq.block_table.append(self._take_free().block_id)
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """After a step: flag full computed blocks and give them keys for the prefix cache."""
+        bs = self.block_size
+        n_done = seq.num_computed_tokens // bs
+        for i in range(n_done):
+            block = self.blocks[seq.block_table[i]]
+            if block.computed:
+                continue
+            block.computed = True
+        while seq.num_hashed_blocks < n_done:
+            i = seq.num_hashed_blocks
+            parent = seq.block_hashes[i - 1] if i else ROOT_HASH
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                self._register(block, h, tokens)
+            seq.block_hashes.append(h)
+            seq.num_hashed_blocks += 1
+
+    def computed_prefix_blocks(self, token_ids: list[int]) -> list[int]:
+        """Hashes of the leading full blocks of token_ids this pool holds computed."""
+        held = []
+        bs = self.block_size
+        for i, h in enumerate(prompt_block_hashes(token_ids, bs)):
+            block = self._lookup(h, tuple(token_ids[i * bs:(i + 1) * bs]))
+            if block is None or not block.computed:
+                break
+            held.append(h)
+        return held
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks

@@ -1,0 +1,112 @@
+"""Attention over the paged KV cache.
+
+The cache of one layer is [num_blocks, block_size, num_kv_heads, head_dim] for K and for V.
+A step's tokens are laid out decodes first (one token each), then prefill segments. New K/V
+are written to their slots first, then every query attends to its sequence's cached context.
+
+Backends: flash-attn on CUDA when it is installed; torch scaled_dot_product_attention
+everywhere else (CPU included). Both read the same cache layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # optional CUDA kernels; absent on CPU machines
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # type: ignore
+    HAS_FLASH_ATTN = True
+except Exception:  # ImportError, or a broken CUDA install
+    HAS_FLASH_ATTN = False
+
+
+@dataclass(slots=True)
+class PrefillSegment:
+    token_start: int                   # first row of this segment in the step's tokens
+    token_end: int
+    context_len: int                   # tokens of this sequence with KV after the step
+    block_table: torch.Tensor          # [num_blocks_of_seq] int64
+    mask: torch.Tensor | None          # [n, context_len] bool; None: plain causal from position 0
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor                      # [num_tokens] int64: block_id * block_size + offset
+    num_decode: int = 0
+    decode_block_tables: torch.Tensor | None = None # [num_decode, max_blocks] int64 (padded with 0)
+    decode_context_lens: torch.Tensor | None = None # [num_decode] int32
+    decode_mask: torch.Tensor | None = None         # [num_decode, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillSegment] = field(default_factory=list)
+    # flash-attn varlen inputs for the prefill part (CUDA only)
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    prefill_block_tables: torch.Tensor | None = None
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H, D]."""
+        self._store(k, v, meta.slot_mapping)
+        if HAS_FLASH_ATTN and q.is_cuda and self.k_cache.shape[1] % 256 == 0:
+            return self._flash(q, meta)   # flash-attn's paged kernels need block_size % 256 == 0
+        out = torch.empty_like(q)
+        if meta.num_decode:
+            out[:meta.num_decode] = self._decode_sdpa(q[:meta.num_decode], meta)
+        for seg in meta.prefills:
+            out[seg.token_start:seg.token_end] = self._prefill_sdpa(q, k, v, seg)
+        return out
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        hkv, d = self.num_kv_heads, self.head_dim
+        self.k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k)
+        self.v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v)
+
+    def _decode_sdpa(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        b = q.shape[0]
+        hkv, d = self.num_kv_heads, self.head_dim
+        keys = self.k_cache[meta.decode_block_tables].view(b, -1, hkv, d).transpose(1, 2)
+        values = self.v_cache[meta.decode_block_tables].view(b, -1, hkv, d).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+                                             scale=self.scale, enable_gqa=hkv != self.num_heads)
+        return out.squeeze(2)
+
+    def _prefill_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment) -> torch.Tensor:
+        hkv, d = self.num_kv_heads, self.head_dim
+        qs = q[seg.token_start:seg.token_end].transpose(0, 1).unsqueeze(0)
+        if seg.mask is None:   # no cached prefix: attend within the segment's own K/V
+            keys = k[seg.token_start:seg.token_end]
+            values = v[seg.token_start:seg.token_end]
+        else:
+            keys = self.k_cache[seg.block_table].view(-1, hkv, d)[:seg.context_len]
+            values = self.v_cache[seg.block_table].view(-1, hkv, d)[:seg.context_len]
+        out = F.scaled_dot_product_attention(
+            qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+            attn_mask=seg.mask, is_causal=seg.mask is None, scale=self.scale, enable_gqa=hkv != self.num_heads)
+        return out.squeeze(0).transpose(0, 1)
+
+    def _flash(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        nd = meta.num_decode
+        if nd:
+            out[:nd] = flash_attn_with_kvcache(
+                q[:nd].unsqueeze(1), self.k_cache, self.v_cache,
+                cache_seqlens=meta.decode_context_lens, block_table=meta.decode_block_tables.to(torch.int32),
+                softmax_scale=self.scale, causal=True).squeeze(1)
+        if meta.prefills:
+            out[nd:] = flash_attn_varlen_func(
+                q[nd:], self.k_cache, self.v_cache,
+                cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+                max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+                softmax_scale=self.scale, causal=True, block_table=meta.prefill_block_tables)
+        return out

@@ -1,0 +1,62 @@
+"""Offline batch generation: LLM(model_dir).generate(prompts, params)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Sequence as Seq
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]          # generated ids only
+    text: str
+    finish_reason: str
+    num_cached_tokens: int
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(str(model), **kwargs)
+        if self.config.role != "both":
+            raise ValueError(f"LLM runs the 'both' role, got role={self.config.role!r}")
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = load_tokenizer(str(model))
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Seq[str] | Seq[list[int]],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[CompletionOutput]:
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        for ids, p in zip(token_lists, params):   # every request is checked before any is queued
+            self.engine.validate_request(ids, p)
+        rids = [f"offline-{next(self._ids)}" for _ in prompts]
+        for rid, ids, p in zip(rids, token_lists, params):
+            self.engine.add_request(rid, ids, p)
+        generated: dict[str, list[int]] = {rid: [] for rid in rids}
+        reasons: dict[str, str] = {}
+        cached: dict[str, int] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                generated[out.request_id].extend(out.new_token_ids)
+                cached[out.request_id] = out.num_cached_tokens
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason or "stop"
+        return [CompletionOutput(rid, ids, generated[rid], self.tokenizer.decode(generated[rid], skip_special_tokens=True),
+                                 reasons[rid], cached.get(rid, 0))
+                for rid, ids in zip(rids, token_lists)]
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats()

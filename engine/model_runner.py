@@ -1,0 +1,174 @@
+"""Runs the model on a scheduled batch: builds inputs and attention metadata, samples."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
+from engine.layers.attention import AttentionMetadata, PrefillSegment
+from engine.layers.linear import Linear
+from engine.layers.sampler import Sampler
+from engine.loader import load_weights
+from engine.model_config import ModelConfig
+from engine.models import MODEL_CLASSES
+from engine.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        self.config = config
+        self.model_config = model_config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        dtype_name = model_config.torch_dtype if config.dtype == "auto" else config.dtype
+        self.dtype = TORCH_DTYPES.get(dtype_name, torch.float32)
+        self.block_size = config.block_size
+        self.model = self._load_model()
+        self.num_kv_blocks = self._num_kv_blocks()
+        # One spare block past the pool: CUDA graph padding rows write there, never into real KV.
+        self.kv_cache = torch.zeros(
+            model_config.num_layers, 2, self.num_kv_blocks + 1, self.block_size,
+            model_config.num_kv_heads, model_config.head_dim, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.sampler = Sampler(config.seed)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self, max_batch=config.max_num_seqs)
+
+    # ---- setup ----------------------------------------------------------------
+    def _load_model(self) -> torch.nn.Module:
+        cls = MODEL_CLASSES[self.model_config.architecture]
+        with torch.device(self.device):
+            model = cls(self.model_config)
+        load_weights(model, Path(self.config.model))
+        model.to(dtype=self.dtype)
+        if self.config.quantization == "w8a16":
+            for module in model.modules():
+                if isinstance(module, Linear) and module is not getattr(model, "lm_head", None):
+                    module.quantize_w8a16()
+        return model.eval()
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        mc = self.model_config
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_utilization)
+        else:
+            budget = self.config.kv_cache_memory_bytes
+        blocks = budget // self.kv_bytes_per_block
+        if blocks < 1:
+            raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of {self.kv_bytes_per_block} bytes")
+        return blocks
+
+    # ---- KV block access for the transports -------------------------------------
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[n, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous, on CPU."""
+        ids = torch.tensor(block_ids, device=self.device)
+        return self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        self.kv_cache[:, :, block_id].copy_(data.to(self.device, self.dtype))
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        mc = self.model_config
+        return (mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
+
+    # ---- one step -------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """Computes the scheduled tokens; returns the sampled token per sequence, or None
+        where the sequence is still mid-prefill."""
+        input_ids, positions, meta, sample_rows, sample_seqs = self.prepare(batch)
+        if self.graphs is not None and batch.num_decode_seqs == len(batch.seqs) and self.graphs.can_run(len(batch.seqs)):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
+        results: list[int | None] = [None] * len(batch.seqs)
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            seqs = [batch.seqs[i] for i in sample_seqs]
+            tokens = self.sampler(logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs])
+            for i, tok in zip(sample_seqs, tokens):
+                results[i] = tok
+        return results
+
+    def prepare(self, batch: ScheduledBatch):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[int] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if start + n == seq.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(i)
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev))
+        nd = batch.num_decode_seqs
+        if nd:
+            decode_seqs = batch.seqs[:nd]
+            max_blocks = max(len(s.block_table) for s in decode_seqs)
+            tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decode_seqs]
+            ctx = torch.tensor([s.num_computed_tokens + 1 for s in decode_seqs], dtype=torch.int32, device=dev)
+            meta.num_decode = nd
+            meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)
+            meta.decode_context_lens = ctx
+            meta.decode_mask = (torch.arange(max_blocks * bs, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
+        self._prepare_prefills(batch, meta)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        return input_ids, positions, meta, sample_rows, sample_seqs
+
+    def _prepare_prefills(self, batch: ScheduledBatch, meta: AttentionMetadata) -> None:
+        dev = self.device
+        row = batch.num_decode_seqs
+        cu_q, cu_k, tables = [0], [0], []
+        for seq, n in zip(batch.seqs[batch.num_decode_seqs:], batch.num_new_tokens[batch.num_decode_seqs:]):
+            start = seq.num_computed_tokens
+            ctx = start + n
+            mask = None
+            if start > 0:
+                mask = torch.arange(ctx, device=dev)[None, :] <= torch.arange(start, ctx, device=dev)[:, None]
+            n_blocks = -(-ctx // self.block_size)
+            table = torch.tensor(seq.block_table[:n_blocks], dtype=torch.int64, device=dev)
+            meta.prefills.append(PrefillSegment(row, row + n, ctx, table, mask))
+            row += n
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + ctx)
+            tables.append(seq.block_table)
+        if meta.prefills and dev.type == "cuda":
+            width = max(len(t) for t in tables)
+            meta.prefill_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                                     dtype=torch.int32, device=dev)
+            meta.cu_seqlens_q = torch.tensor(cu_q, dtype=torch.int32, device=dev)
+            meta.cu_seqlens_k = torch.tensor(cu_k, dtype=torch.int32, device=dev)
+            meta.max_seqlen_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
+            meta.max_seqlen_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))

@@ -1,0 +1,5 @@
+from engine.models.llama import LlamaForCausalLM
+
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen3": LlamaForCausalLM}
+
+__all__ = ["LlamaForCausalLM", "MODEL_CLASSES"]

@@ -1,0 +1,204 @@
+"""Continuous batching with chunked prefill, three step policies and recompute preemption.
+
+Every scheduled sequence computes the KV of token_ids[num_computed : num_computed + n]; when
+that reaches the end of its tokens, the step also samples its next token. A decode is the
+special case n == 1, so prefill chunks and decodes share one batch format.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.block_manager import BlockManager, NoFreeBlocks
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+class StepKind(str, Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    kind: StepKind
+    seqs: list[Sequence]
+    num_new_tokens: list[int]   # tokens computed per sequence this step
+    num_decode_seqs: int        # the first num_decode_seqs entries are decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+@dataclass(slots=True)
+class StepTrace:
+    """What one step did: read by tests and benchmarks."""
+
+    step: int
+    kind: StepKind
+    request_ids: list[str]
+    num_tokens: list[int]
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    blocks_in_use: int
+    num_preemptions: int
+    preempted: list[str] = field(default_factory=list)
+
+
+POLICIES = ("prefill_first", "interleave", "mixed")
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []     # admission order: the last is the youngest
+        self.last_kind: StepKind | None = None
+        self.num_preemptions = 0
+        self._preempted_this_step: list[str] = []
+
+    # ---- queue management -------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Decode role: a sequence whose KV arrived from elsewhere joins the batch."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_queued_prompt_tokens(self) -> int:
+        return sum(s.num_pending_tokens for s in self.waiting) + sum(
+            s.num_pending_tokens for s in self.running if s.is_prefilling)
+
+    # ---- scheduling -------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        self._preempted_this_step = []
+        prefill_pending = bool(self.waiting) or any(s.is_prefilling for s in self.running)
+        decoders = [s for s in self.running if not s.is_prefilling]
+        policy = self.config.schedule_policy
+        if policy == "mixed":
+            batch = self._build(decode=True, prefill=True)
+        elif (policy == "interleave" and self.last_kind is StepKind.PREFILL
+              and prefill_pending and decoders):
+            batch = self._build(decode=True, prefill=False)
+        elif prefill_pending:
+            batch = self._build(decode=False, prefill=True)
+            if batch is None and decoders:   # prompts could not be admitted: keep decoders moving
+                batch = self._build(decode=True, prefill=False)
+        else:
+            batch = self._build(decode=True, prefill=False)
+        if batch is not None:
+            self.last_kind = batch.kind
+        return batch
+
+    def _build(self, decode: bool, prefill: bool) -> ScheduledBatch | None:
+        budget = self.config.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        if decode:
+            budget = self._schedule_decodes(seqs, counts, budget)
+        n_decode = len(seqs)
+        if prefill:
+            self._schedule_prefills(seqs, counts, budget)
+        if not seqs:
+            return None
+        if n_decode == len(seqs):
+            kind = StepKind.DECODE
+        elif n_decode == 0:
+            kind = StepKind.PREFILL
+        else:
+            kind = StepKind.MIXED
+        return ScheduledBatch(kind, seqs, counts, n_decode)
+
+    def _schedule_decodes(self, seqs: list[Sequence], counts: list[int], budget: int) -> int:
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling:
+                continue
+            if not self._make_room_for(seq):
+                continue   # seq itself was preempted
+            seqs.append(seq)
+            counts.append(1)
+            budget -= 1
+        return budget
+
+    def _make_room_for(self, seq: Sequence) -> bool:
+        """Ensure seq has a slot for its next token, preempting the youngest others if needed."""
+        bm = self.block_manager
+        while True:
+            try:
+                bm.append_slot(seq)
+                return True
+            except NoFreeBlocks:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        self._preempted_this_step.append(seq.request_id)
+
+    def _schedule_prefills(self, seqs: list[Sequence], counts: list[int], budget: int) -> None:
+        # First continue prompts already mid-prefill, oldest first.
+        for seq in self.running:
+            if budget <= 0:
+                return
+            if seq.is_prefilling and seq not in seqs:
+                n = min(seq.num_pending_tokens, budget)
+                seqs.append(seq)
+                counts.append(n)
+                budget -= n
+        # Then admit waiting prompts while tokens, sequence slots and blocks last.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            try:
+                seq.num_computed_tokens = self.block_manager.allocate(seq)
+            except NoFreeBlocks:
+                break
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+                seq.num_cached_tokens = seq.num_computed_tokens
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_pending_tokens, budget)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+
+    # ---- after the step ---------------------------------------------------------
+    def trace(self, step: int, batch: ScheduledBatch) -> StepTrace:
+        n_decode = batch.num_decode_seqs
+        return StepTrace(
+            step=step,
+            kind=batch.kind,
+            request_ids=[s.request_id for s in batch.seqs],
+            num_tokens=list(batch.num_new_tokens),
+            num_prefill_tokens=batch.num_tokens - n_decode,
+            num_decode_seqs=n_decode,
+            blocks_in_use=self.block_manager.num_blocks - self.block_manager.num_free_blocks,
+            num_preemptions=len(self._preempted_this_step),
+            preempted=list(self._preempted_this_step),
+        )
