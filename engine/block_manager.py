@@ -34,6 +34,16 @@ def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
     return hashes
 
 
+def transfer_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """Chain hashes of every block of token_ids, the partial last block included: the
+    identity each shipped block carries, which the receiver recomputes and checks."""
+    hashes = prompt_block_hashes(token_ids, block_size)
+    tail = len(token_ids) % block_size
+    if tail:
+        hashes.append(chain_hash(hashes[-1] if hashes else ROOT_HASH, token_ids[-tail:]))
+    return hashes
+
+
 @dataclass(slots=True)
 class Block:
     block_id: int

@@ -24,6 +24,7 @@ from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepTrace
 from engine.sequence import Sequence, SequenceStatus
+from engine.validation import validate_request
 
 
 @dataclass(slots=True)
@@ -36,6 +37,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prefill_done: bool = False              # prefill role: KV complete, blocks pinned
     ready_blocks: list[int] = field(default_factory=list)   # prefill role: block indices exportable now
+    queue_s: float | None = None            # on the first token: arrival -> first scheduled
+    prefill_s: float | None = None          # on the first token: first scheduled -> first token
 
 
 class NoCapacity(RuntimeError):
@@ -67,17 +70,8 @@ class LLMEngine:
 
     # ---- validation -------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        params.validate()
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        for tok in prompt_token_ids:
-            if not isinstance(tok, int) or not 0 <= tok < vocab:
-                raise ValueError(f"prompt token id {tok!r} is outside the vocabulary [0, {vocab})")
+        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt tokens ({len(prompt_token_ids)}) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds max_model_len ({self.max_model_len})")
         need = self.block_manager.blocks_needed(total)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"request needs {need} KV blocks, more than num_kv_blocks ({self.block_manager.num_blocks})")
@@ -129,16 +123,19 @@ class LLMEngine:
                     outputs.append(self._prefill_progress(seq))
                 continue
             seq.token_ids.append(tok)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
             reason = self._stop_reason(seq, tok)
             if self.config.role == "prefill":
-                outputs.append(self._finish_prefill(seq, tok, reason))
+                out = self._finish_prefill(seq, tok, reason)
             else:
                 if reason is not None:
                     self._finish(seq, reason)
-                outputs.append(RequestOutput(seq.request_id, [tok], reason is not None, reason,
-                                             seq.num_prompt_tokens, seq.num_cached_tokens))
+                out = RequestOutput(seq.request_id, [tok], reason is not None, reason,
+                                    seq.num_prompt_tokens, seq.num_cached_tokens)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                out.queue_s = (seq.first_scheduled_time or now) - seq.arrival_time
+                out.prefill_s = now - (seq.first_scheduled_time or now)
+            outputs.append(out)
         return outputs
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
@@ -229,8 +226,10 @@ class LLMEngine:
         self.runner.write_block(res.seq.block_table[block_index], data)
         res.needed.discard(block_index)
 
-    def admit(self, request_id: str, first_token: int) -> None:
-        """All blocks arrived: the sequence joins the running batch with its first token."""
+    def admit(self, request_id: str, first_token: int, params: SamplingParams | None = None) -> str | None:
+        """All blocks arrived: the sequence joins the running batch with its first token.
+        params (optional) replace the reservation's; returns a finish reason if the first
+        token already ends the request (its blocks are then freed)."""
         res = self.reservations.get(request_id)
         if res is None:
             raise KeyError(f"no reservation for request {request_id!r}")
@@ -238,6 +237,11 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} still misses blocks {sorted(res.needed)}")
         if not 0 <= first_token < self.model_config.vocab_size:
             raise ValueError(f"first token {first_token} is outside the vocabulary")
+        if params is not None:
+            params.validate()
+            if params.max_tokens > res.seq.params.max_tokens:
+                raise ValueError(f"max_tokens {params.max_tokens} exceeds the reserved {res.seq.params.max_tokens}")
+            res.seq.params = params
         del self.reservations[request_id]
         seq = res.seq
         seq.num_computed_tokens = seq.num_tokens
@@ -247,8 +251,9 @@ class LLMEngine:
         reason = self._stop_reason(seq, first_token)
         if reason is not None:
             self._finish(seq, reason)
-            return
+            return reason
         self.scheduler.add_running(seq)
+        return None
 
     def expire_reservations(self) -> list[str]:
         now = time.monotonic()

@@ -1,0 +1,18 @@
+"""Request validation shared by the engine and the router (which holds no model)."""
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """Raise ValueError naming the field and its limit."""
+    params.validate()
+    if not prompt_token_ids:
+        raise ValueError("prompt must not be empty")
+    for tok in prompt_token_ids:
+        if not isinstance(tok, int) or not 0 <= tok < vocab_size:
+            raise ValueError(f"prompt token id {tok!r} is outside the vocabulary [0, {vocab_size})")
+    total = len(prompt_token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise ValueError(f"prompt tokens ({len(prompt_token_ids)}) + max_tokens ({params.max_tokens}) = {total} "
+                         f"exceeds max_model_len ({max_model_len})")
