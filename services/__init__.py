@@ -1,0 +1,1 @@
+"""pdserve services: router, prefill/decode/colocated workers, KV transport, client, CLI."""

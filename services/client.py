@@ -1,0 +1,117 @@
+"""Python clients for the router: blocking (Client) and asyncio (AsyncClient)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator, Sequence
+
+import grpc
+
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.server import GRPC_OPTIONS
+
+
+@dataclass(slots=True)
+class Completion:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def add(self, msg: router_pb2.GenerateResponse) -> None:
+        self.request_id = msg.request_id
+        self.token_ids.extend(msg.token_ids)
+        self.text += msg.text
+        if msg.finished:
+            self.finish_reason = msg.finish_reason
+            self.usage = {"prompt_tokens": msg.usage.prompt_tokens, "completion_tokens": msg.usage.completion_tokens,
+                          "cached_tokens": msg.usage.cached_tokens}
+            t = msg.timings
+            self.timings = {"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "kv_transfer_ms": t.kv_transfer_ms,
+                            "first_decode_step_ms": t.first_decode_step_ms, "ttft_ms": t.ttft_ms, "e2e_ms": t.e2e_ms}
+
+
+def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_tokens: int | None = None,
+                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                  seed: int | None = None, stop_token_ids: Sequence[int] = (), ignore_eos: bool | None = None,
+                  skip_special_tokens: bool | None = None) -> router_pb2.GenerateRequest:
+    """Only the parameters given are set; the rest take the server's defaults."""
+    params = common_pb2.SamplingParams(stop_token_ids=list(stop_token_ids))
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
+                        ("seed", seed), ("ignore_eos", ignore_eos), ("skip_special_tokens", skip_special_tokens)):
+        if value is not None:
+            setattr(params, name, value)
+    req = router_pb2.GenerateRequest(request_id=request_id, params=params)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+class Client:
+    """Blocking client: Client("127.0.0.1:50051").generate("Hello", max_tokens=16)."""
+
+    def __init__(self, address: str, timeout: float | None = None) -> None:
+        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+        self.timeout = timeout
+
+    def generate_stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[router_pb2.GenerateResponse]:
+        yield from self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout)
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> Completion:
+        out = Completion(kwargs.get("request_id", ""))
+        for msg in self.generate_stream(prompt, **kwargs):
+            out.add(msg)
+        return out
+
+    def abort(self, request_id: str) -> bool:
+        return self.stub.Abort(common_pb2.AbortRequest(request_id=request_id)).found
+
+    def model_info(self) -> router_pb2.ModelInfo:
+        return self.stub.GetModelInfo(router_pb2.ModelInfoRequest())
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client for load tests: same calls, awaited."""
+
+    def __init__(self, address: str, timeout: float | None = None) -> None:
+        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+        self.timeout = timeout
+
+    async def generate_stream(self, prompt: str | Sequence[int], **kwargs) -> AsyncIterator[router_pb2.GenerateResponse]:
+        async for msg in self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout):
+            yield msg
+
+    async def generate(self, prompt: str | Sequence[int], **kwargs) -> Completion:
+        out = Completion(kwargs.get("request_id", ""))
+        async for msg in self.generate_stream(prompt, **kwargs):
+            out.add(msg)
+        return out
+
+    async def abort(self, request_id: str) -> bool:
+        return (await self.stub.Abort(common_pb2.AbortRequest(request_id=request_id))).found
+
+    async def model_info(self) -> router_pb2.ModelInfo:
+        return await self.stub.GetModelInfo(router_pb2.ModelInfoRequest())
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,35 @@
+"""Conversions between protobuf messages and engine types."""
+from __future__ import annotations
+
+from engine import SamplingParams
+from pdserve.v1 import common_pb2
+
+DEFAULT_MAX_TOKENS = 16
+
+
+def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset fields take the engine's defaults (proto3 zero is never read as a value)."""
+    p = SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
+    if msg.HasField("temperature"):
+        p.temperature = float(msg.temperature)
+    if msg.HasField("top_p"):
+        p.top_p = float(msg.top_p)
+    if msg.HasField("top_k"):
+        p.top_k = int(msg.top_k)
+    if msg.HasField("max_tokens"):
+        p.max_tokens = int(msg.max_tokens)
+    if msg.HasField("seed"):
+        p.seed = int(msg.seed)
+    if msg.HasField("ignore_eos"):
+        p.ignore_eos = bool(msg.ignore_eos)
+    p.stop_token_ids = list(msg.stop_token_ids)
+    return p
+
+
+def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                    max_tokens=p.max_tokens, ignore_eos=p.ignore_eos,
+                                    stop_token_ids=p.stop_token_ids)
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
