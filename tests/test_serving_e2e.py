@@ -1,0 +1,191 @@
+"""End to end over real processes and real gRPC on loopback: router + prefill + decode."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from services.client import AsyncClient, Client
+from services.kv_transfer import GrpcKVSender, KVBlock
+from tests.conftest import hf_greedy, random_prompts
+from tests.serving import metric, scrape, start_cluster, worker_status, workers
+
+PROMPTS = random_prompts(8, 5, 60, seed=31)
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def offline_reference(tiny_qwen3: str) -> list[list[int]]:
+    llm = LLM(tiny_qwen3, dtype="float32", block_size=8, num_kv_blocks=512)
+    outs = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))]
+    assert outs == hf_greedy(tiny_qwen3, PROMPTS, MAX_NEW)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def cluster_1p1d(tiny_qwen3: str):
+    cluster = start_cluster(tiny_qwen3, prefill_workers=1, decode_workers=1)
+    yield cluster
+    cluster.stop()
+
+
+async def _generate_all(address: str, prompts: list[list[int]], **kwargs):
+    async with AsyncClient(address, timeout=60) as client:
+        return await asyncio.gather(*(client.generate(p, **kwargs) for p in prompts))
+
+
+def _assert_blocks_at_baseline(cluster, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        statuses = [worker_status(a) for a in workers(cluster)]
+        if all(s.num_free_blocks == s.num_total_blocks for s in statuses):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError([(s.worker_id, s.num_free_blocks, s.num_total_blocks) for s in statuses])
+        time.sleep(0.05)
+
+
+def test_concurrent_greedy_matches_offline_1p1d(cluster_1p1d, offline_reference) -> None:
+    outs = asyncio.run(_generate_all(cluster_1p1d.router_address, PROMPTS, max_tokens=MAX_NEW, temperature=0.0,
+                                     ignore_eos=True))
+    assert [o.token_ids for o in outs] == offline_reference
+    for o, p in zip(outs, PROMPTS):
+        assert o.finish_reason == "length"
+        assert o.usage["prompt_tokens"] == len(p) and o.usage["completion_tokens"] == MAX_NEW
+        assert 0 < o.timings["ttft_ms"] <= o.timings["e2e_ms"]
+    _assert_blocks_at_baseline(cluster_1p1d)
+
+
+def test_concurrent_greedy_matches_offline_2p2d(tiny_qwen3: str, offline_reference) -> None:
+    cluster = start_cluster(tiny_qwen3, prefill_workers=2, decode_workers=2)
+    try:
+        outs = asyncio.run(_generate_all(cluster.router_address, PROMPTS, max_tokens=MAX_NEW, temperature=0.0,
+                                         ignore_eos=True))
+        assert [o.token_ids for o in outs] == offline_reference
+        # every worker took part
+        for proc in cluster.processes:
+            if proc.name != "router":
+                assert metric(scrape(proc.metrics_address), "pdserve:generation_tokens_total") > 0, proc.name
+        _assert_blocks_at_baseline(cluster)
+    finally:
+        cluster.stop()
+
+
+def test_colocated_gives_same_tokens(tiny_qwen3: str, offline_reference) -> None:
+    cluster = start_cluster(tiny_qwen3, colocated_workers=1)
+    try:
+        outs = asyncio.run(_generate_all(cluster.router_address, PROMPTS, max_tokens=MAX_NEW, temperature=0.0,
+                                         ignore_eos=True))
+        assert [o.token_ids for o in outs] == offline_reference
+        _assert_blocks_at_baseline(cluster)
+    finally:
+        cluster.stop()
+
+
+def test_text_prompt_streams_text(cluster_1p1d) -> None:
+    with Client(cluster_1p1d.router_address, timeout=30) as client:
+        chunks = list(client.generate_stream("The quick brown fox", max_tokens=8, temperature=0.0, ignore_eos=True))
+        info = client.model_info()
+    assert len(chunks) >= 2 and chunks[-1].finished
+    assert sum(len(c.token_ids) for c in chunks) == 8
+    assert info.vocab_size == 1024 and info.num_prefill_workers == 1 and info.num_decode_workers == 1
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"prompt": [], "max_tokens": 4}, "prompt"),
+    ({"prompt": [5, 4096], "max_tokens": 4}, "vocabulary"),
+    ({"prompt": [5, 6], "max_tokens": 0}, "max_tokens"),
+    ({"prompt": [5, 6], "max_tokens": 4, "temperature": -1.0}, "temperature"),
+    ({"prompt": [5, 6], "max_tokens": 4, "top_p": 1.5}, "top_p"),
+    ({"prompt": [5, 6], "max_tokens": 4, "top_k": -2}, "top_k"),
+    ({"prompt": [5] * 2000, "max_tokens": 100}, "max_model_len"),
+])
+def test_invalid_requests_are_rejected_and_service_stays_up(cluster_1p1d, kwargs, field) -> None:
+    with Client(cluster_1p1d.router_address, timeout=30) as client:
+        prompt = kwargs.pop("prompt")
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(prompt, **kwargs)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details()
+        assert len(client.generate([5, 6, 7], max_tokens=3, temperature=0.0, ignore_eos=True).token_ids) == 3
+
+
+def test_cancel_mid_stream_frees_blocks(cluster_1p1d) -> None:
+    async def run() -> None:
+        async with AsyncClient(cluster_1p1d.router_address, timeout=60) as client:
+            stream = client.stub.Generate(__import__("services.client", fromlist=["build_request"]).build_request(
+                PROMPTS[0], max_tokens=1000, temperature=0.0, ignore_eos=True))
+            got = 0
+            async for msg in stream:
+                got += len(msg.token_ids)
+                if got >= 3:
+                    stream.cancel()
+                    break
+            assert got >= 3
+    asyncio.run(run())
+    _assert_blocks_at_baseline(cluster_1p1d)
+
+
+def test_router_abort_ends_stream_with_abort(cluster_1p1d) -> None:
+    async def run() -> str | None:
+        async with AsyncClient(cluster_1p1d.router_address, timeout=60) as client:
+            last = None
+            async for msg in client.generate_stream(PROMPTS[1], request_id="to-abort", max_tokens=1500,
+                                                    temperature=0.0, ignore_eos=True):
+                if len(msg.token_ids) and last is None:
+                    assert await client.abort("to-abort")
+                last = msg
+            return last.finish_reason if last.finished else None
+    assert asyncio.run(run()) == "abort"
+    _assert_blocks_at_baseline(cluster_1p1d)
+
+
+def test_shared_prefix_sends_fewer_kv_bytes(cluster_1p1d) -> None:
+    prefix = random_prompts(1, 160, 160, seed=41)[0]
+    prefill = next(p for p in cluster_1p1d.processes if p.name.startswith("prefill"))
+    before = metric(scrape(prefill.metrics_address), "pdserve:kv_transfer_bytes_total")
+    with Client(cluster_1p1d.router_address, timeout=30) as client:
+        first = client.generate(prefix + [7, 8, 9], max_tokens=4, temperature=0.0, ignore_eos=True)
+        mid = metric(scrape(prefill.metrics_address), "pdserve:kv_transfer_bytes_total")
+        second = client.generate(prefix + [10, 11], max_tokens=4, temperature=0.0, ignore_eos=True)
+    after = metric(scrape(prefill.metrics_address), "pdserve:kv_transfer_bytes_total")
+    first_bytes, second_bytes = mid - before, after - mid
+    block_bytes = 2 * 2 * 8 * 2 * 32 * 4   # layers, K+V, block, kv heads, head_dim, float32
+    assert first_bytes == 21 * block_bytes        # 163 tokens in blocks of 8
+    assert second_bytes == 1 * block_bytes        # only the block after the 160 shared tokens
+    assert second.usage["cached_tokens"] == 160
+    assert first.usage["cached_tokens"] == 0
+
+
+def test_corrupted_block_is_refused(cluster_1p1d) -> None:
+    decode_addr = workers(cluster_1p1d, "decode")[0]
+    prompt = random_prompts(1, 20, 20, seed=51)[0]
+    status = worker_status(decode_addr)
+    shape = (status.num_layers, 2, status.block_size, status.num_kv_heads, status.head_dim)
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(decode_addr) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            res = await stub.Reserve(worker_pb2.ReserveRequest(request_id="corrupt", prompt_token_ids=prompt, max_tokens=4))
+            assert list(res.needed_block_indices) == [0, 1, 2]
+            import torch
+            from engine.block_manager import transfer_block_hashes
+            hashes = transfer_block_hashes(prompt, status.block_size)
+            sender = GrpcKVSender()
+            wrong_hash = KVBlock.from_tensor(torch.zeros(shape), request_id="corrupt", block_index=0,
+                                             block_hash=hashes[0] ^ 1, num_tokens=8, layer_start=0, layer_end=shape[0])
+            result = await sender.send_blocks(decode_addr, [wrong_hash])
+            assert result.rejected == [0]
+            await sender.close()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Decode(worker_pb2.DecodeRequest(request_id="corrupt", first_token_id=5)):
+                    pass
+            assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    asyncio.run(run())
+    _assert_blocks_at_baseline(cluster_1p1d)
+    with Client(cluster_1p1d.router_address, timeout=30) as client:   # still serving
+        assert len(client.generate(prompt, max_tokens=3, temperature=0.0, ignore_eos=True).token_ids) == 3
