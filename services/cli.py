@@ -132,6 +132,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     return cluster.wait()
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when the process at ADDRESS reports SERVING (for container health checks)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    try:
+        with grpc.insecure_channel(args.address) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout).status
+    except grpc.RpcError as exc:
+        print(f"{args.address}: {exc.code().name}", file=sys.stderr)
+        return 1
+    print(f"{args.address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}")
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     if args.kind == "offline":
         from bench.offline_throughput import main as bench_main
@@ -191,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--metrics-port", type=int, default=None)
     p.set_defaults(func=cmd_router)
+
+    p = sub.add_parser("health", help="check a process's grpc.health.v1 status")
+    p.add_argument("address")
+    p.add_argument("--timeout", type=float, default=2.0)
+    p.set_defaults(func=cmd_health)
 
     p = sub.add_parser("bench", help="benchmarks: offline throughput, serving load test")
     p.add_argument("kind", choices=["offline", "serve"])
