@@ -189,3 +189,23 @@ def test_corrupted_block_is_refused(cluster_1p1d) -> None:
     _assert_blocks_at_baseline(cluster_1p1d)
     with Client(cluster_1p1d.router_address, timeout=30) as client:   # still serving
         assert len(client.generate(prompt, max_tokens=3, temperature=0.0, ignore_eos=True).token_ids) == 3
+
+
+def test_client_deadline_aborts_everywhere(cluster_1p1d) -> None:
+    with Client(cluster_1p1d.router_address, timeout=0.5) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(PROMPTS[2], max_tokens=1900, temperature=0.0, ignore_eos=True)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _assert_blocks_at_baseline(cluster_1p1d)
+
+
+def test_reservation_without_prefill_expires(cluster_1p1d) -> None:
+    decode_addr = workers(cluster_1p1d, "decode")[0]
+    with grpc.insecure_channel(decode_addr) as ch:
+        res = worker_pb2_grpc.WorkerStub(ch).Reserve(worker_pb2.ReserveRequest(
+            request_id="orphan", prompt_token_ids=PROMPTS[3], max_tokens=4, deadline_ms=200), timeout=10)
+    assert res.num_blocks > 0
+    status = worker_status(decode_addr)
+    assert status.num_free_blocks == status.num_total_blocks - res.num_blocks
+    time.sleep(0.3)
+    _assert_blocks_at_baseline(cluster_1p1d, timeout=2.0)
