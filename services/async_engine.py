@@ -38,6 +38,9 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[StepResult]] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # Published by the engine thread after every step and command batch, so status
+        # queries never wait behind a long prefill step.
+        self.snapshot: dict[str, int] = self.engine.stats()
 
     # ---- lifecycle --------------------------------------------------------------
     def start(self) -> None:
@@ -106,6 +109,8 @@ class AsyncEngine:
                 job = _idle
             if job is None or not self._run_jobs(job):
                 return
+            if job is not _idle:
+                self.snapshot = engine.stats()
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
@@ -114,8 +119,9 @@ class AsyncEngine:
                     self._fail_all()
                     continue
                 self._dispatch(outputs)
-            if engine.reservations:
-                engine.expire_reservations()
+                self.snapshot = engine.stats()
+            if engine.reservations and engine.expire_reservations():
+                self.snapshot = engine.stats()
 
     def _run_jobs(self, job: Callable[[], None]) -> bool:
         """Run job and every queued one after it. False when asked to stop."""

@@ -42,11 +42,18 @@ class DecodeHandler:
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         hashes = transfer_block_hashes(prompt, self.block_size)
+        self._forget_expired()
         self.expected_hashes[rid] = hashes
         self.failures.pop(rid, None)
         first_needed = needed[0] if needed else len(hashes)
         return worker_pb2.ReserveResponse(needed_block_indices=needed, held_block_hashes=hashes[:first_needed],
                                           num_blocks=len(hashes))
+
+    def _forget_expired(self) -> None:
+        """Drop expectations of reservations the engine has let expire (read-only peek)."""
+        live = self.aengine.engine.reservations
+        for rid in [r for r in self.expected_hashes if r not in live]:
+            del self.expected_hashes[rid]
 
     async def accept_block(self, header: BlockHeader, payload: bytearray) -> None:
         """KV sink: check the block against the reservation, then write it into the pool."""

@@ -34,6 +34,7 @@ class RouterOptions:
     colocated: list[str] = field(default_factory=list)
     reserve_timeout_s: float = 30.0       # how long a request may wait for decode capacity
     reservation_deadline_ms: int = 30_000  # decode side frees a reservation not admitted by then
+    worker_wait_s: float = 0.0             # with no healthy prefill/decode worker, wait this long (a restart)
 
 
 @dataclass(eq=False)
@@ -145,49 +146,64 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                              usage: router_pb2.Usage, context) -> AsyncIterator[tuple[list[int], str | None]]:
         rid = active.request_id
         decode, reservation = await self._reserve(active, prompt, params, context)
-        needed = set(reservation.needed_block_indices)
-        skip = [i for i in range(reservation.num_blocks) if i not in needed]
         try:
-            prefill = self.pool.pick_prefill()
-        except NoWorker as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        active.workers.append(prefill)
-        prefill.inflight += 1
-        prefill.inflight_prompt_tokens += len(prompt)
-        done = None
-        try:
-            call = prefill.stub.Prefill(worker_pb2.PrefillRequest(
-                request_id=rid, prompt_token_ids=prompt, params=params_to_proto(params),
-                decode_address=decode.status.kv_address or decode.address if decode.status else decode.address,
-                skip_block_indices=skip))
-            async for event in self._relay(call, active, context):
-                if event.HasField("done"):
-                    done = event.done
-        finally:
-            prefill.inflight -= 1
-            prefill.inflight_prompt_tokens -= len(prompt)
-        if done is None:
-            yield [], "abort"
-            return
-        timing.queue_ms, timing.prefill_ms, timing.kv_transfer_ms = done.queue_ms, done.prefill_ms, done.kv_transfer_ms
-        usage.cached_tokens = max(done.num_cached_tokens, len(skip) * (decode.status.block_size if decode.status else 0))
-        if done.HasField("finish_reason"):   # the first token ends it: no decode needed
-            await self._abort_worker(decode, rid)
-            yield [done.first_token_id], done.finish_reason
-            return
-        yield [done.first_token_id], None
-        call = decode.stub.Decode(worker_pb2.DecodeRequest(request_id=rid, first_token_id=done.first_token_id,
-                                                           params=params_to_proto(params)))
-        try:
+            done = await self._prefill(active, prompt, params, decode, reservation, context)
+            if done is None:
+                yield [], "abort"
+                return
+            timing.queue_ms, timing.prefill_ms, timing.kv_transfer_ms = done.queue_ms, done.prefill_ms, done.kv_transfer_ms
+            usage.cached_tokens = done.num_cached_tokens
+            if done.HasField("finish_reason"):   # the first token ends it: no decode needed
+                await self._abort_worker(decode, rid)
+                yield [done.first_token_id], done.finish_reason
+                return
+            yield [done.first_token_id], None
+            call = decode.stub.Decode(worker_pb2.DecodeRequest(request_id=rid, first_token_id=done.first_token_id,
+                                                               params=params_to_proto(params)))
             async for event in self._relay(call, active, context):
                 if event.first_decode_step_ms:
                     timing.first_decode_step_ms = event.first_decode_step_ms
                 yield list(event.token_ids), (event.finish_reason if event.finished else None)
                 if event.finished:
                     return
+            yield [], "abort"
         finally:
             decode.inflight -= 1
-        yield [], "abort"
+
+    async def _prefill(self, active: ActiveRequest, prompt: list[int], params: SamplingParams, decode: WorkerHandle,
+                       reservation: worker_pb2.ReserveResponse, context) -> worker_pb2.PrefillDone | None:
+        """Run the prompt on a prefill worker, which ships the KV blocks the decode worker lacks."""
+        needed = set(reservation.needed_block_indices)
+        prefill = await self._wait_for_worker(self.pool.pick_prefill, context)
+        active.workers.append(prefill)
+        prefill.inflight += 1
+        prefill.inflight_prompt_tokens += len(prompt)
+        kv_address = decode.status.kv_address if decode.status and decode.status.kv_address else decode.address
+        done = None
+        try:
+            call = prefill.stub.Prefill(worker_pb2.PrefillRequest(
+                request_id=active.request_id, prompt_token_ids=prompt, params=params_to_proto(params),
+                decode_address=kv_address,
+                skip_block_indices=[i for i in range(reservation.num_blocks) if i not in needed]))
+            async for event in self._relay(call, active, context):
+                if event.HasField("done"):
+                    done = event.done
+        finally:
+            prefill.inflight -= 1
+            prefill.inflight_prompt_tokens -= len(prompt)
+        return done
+
+    async def _wait_for_worker(self, pick, context):
+        """pick() from the pool; with no healthy worker, retry for up to options.worker_wait_s, then UNAVAILABLE."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.worker_wait_s
+        while True:
+            try:
+                return pick()
+            except NoWorker as exc:
+                if loop.time() >= deadline:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await asyncio.sleep(RESERVE_RETRY_S)
 
     async def _reserve(self, active: ActiveRequest, prompt: list[int], params: SamplingParams, context
                        ) -> tuple[WorkerHandle, worker_pb2.ReserveResponse]:
@@ -198,10 +214,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                             max_tokens=params.max_tokens,
                                             deadline_ms=self.options.reservation_deadline_ms)
         while True:
-            try:
-                candidates = self.pool.decode_candidates()
-            except NoWorker as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            candidates = await self._wait_for_worker(self.pool.decode_candidates, context)
             for worker in candidates:
                 try:
                     response = await worker.stub.Reserve(request, timeout=10)
@@ -298,14 +311,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 
 async def serve_router(options: RouterOptions, host: str, port: int, metrics_port: int | None = None,
-                       ready_timeout_s: float = 120.0, stop: asyncio.Event | None = None) -> None:
-    """Run the router until stop is set (or SIGINT/SIGTERM)."""
+                       ready_timeout_s: float = 120.0, stop: asyncio.Event | None = None,
+                       resolver=None, on_start=None) -> None:
+    """Run the router until stop is set (or SIGINT/SIGTERM). resolver: see WorkerPool;
+    on_start(bound_port) runs once serving."""
     import signal
 
     from services.metrics import start_metrics_server
     from services.server import start_server
 
-    pool = WorkerPool(options.prefill, options.decode, options.colocated)
+    pool = WorkerPool(options.prefill, options.decode, options.colocated, resolver=resolver)
     await pool.wait_ready(ready_timeout_s)
     pool.start()
     metrics = RouterMetrics()
@@ -316,6 +331,8 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
     if metrics_port is not None:
         note = f", metrics on http://{host}:{start_metrics_server(metrics.registry, host, metrics_port)}/metrics"
     print(f"pdserve router listening on {host}:{bound}{note}", flush=True)
+    if on_start is not None:
+        on_start(bound)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

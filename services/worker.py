@@ -7,6 +7,7 @@ import logging
 import signal
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
@@ -15,7 +16,7 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.async_engine import AsyncEngine
 from services.colocated import ColocatedHandler
 from services.decode import DecodeHandler
-from services.kv_transfer import GrpcKVSender, KVTransferServicer
+from services.kv_transfer import GrpcKVSender, KVSender, KVTransferServicer
 from services.kv_transfer.grpc_transport import register_kv_servicer
 from services.prefill import PrefillHandler
 from services.server import start_server
@@ -32,15 +33,19 @@ class WorkerOptions:
     port: int = 0
     worker_id: str = ""
     metrics_port: int | None = None   # Prometheus /metrics; None: no endpoint
+    kv_address: str = ""              # advertised as WorkerStatus.kv_address ("": the Worker address)
+    kv_sender: KVSender | None = None  # prefill: how KV blocks leave (None: a GrpcKVSender)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, aengine: AsyncEngine, worker_id: str, metrics=None) -> None:
+    def __init__(self, aengine: AsyncEngine, worker_id: str, metrics=None, sender: KVSender | None = None,
+                 kv_address: str = "") -> None:
         self.aengine = aengine
         self.role = aengine.config.role
         self.worker_id = worker_id
         self.metrics = metrics
-        self.sender = GrpcKVSender() if self.role == "prefill" else None
+        self.kv_address = kv_address
+        self.sender = (sender or GrpcKVSender()) if self.role == "prefill" else None
         self.prefill_handler = PrefillHandler(aengine, self.sender, metrics) if self.sender else None
         self.decode_handler = DecodeHandler(aengine, metrics) if self.role == "decode" else None
         self.colocated_handler = ColocatedHandler(aengine) if self.role == "both" else None
@@ -51,11 +56,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return handler
 
     async def GetStatus(self, request, context):
-        stats = await self.aengine.stats()
+        stats = self.aengine.snapshot
         engine = self.aengine.engine
         mc = engine.model_config
         return worker_pb2.WorkerStatus(
             role=ROLE_ENUM[self.role], worker_id=self.worker_id, model_name=self.aengine.config.model,
+            kv_address=self.kv_address,
             num_total_blocks=stats["num_total_blocks"], num_free_blocks=stats["num_free_blocks"],
             num_running=stats["num_running"], num_waiting=stats["num_waiting"],
             num_reserved=stats["num_reserved"], num_queued_prompt_tokens=stats["num_queued_prompt_tokens"],
@@ -90,15 +96,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 async def serve_worker(config: EngineConfig, options: WorkerOptions, ready: asyncio.Event | None = None,
-                       stop: asyncio.Event | None = None) -> None:
-    """Run one worker until stop is set (or SIGINT/SIGTERM)."""
+                       stop: asyncio.Event | None = None,
+                       on_start: Callable[[WorkerServicer, int], None] | None = None) -> None:
+    """Run one worker until stop is set (or SIGINT/SIGTERM). on_start(servicer, bound_port) runs once serving."""
     from services.metrics import WorkerMetrics, start_metrics_server
 
     worker_id = options.worker_id or f"{config.role}-{uuid.uuid4().hex[:8]}"
     metrics = WorkerMetrics(config.role, worker_id)
     aengine = AsyncEngine(config, on_step=metrics.on_step)
     aengine.start()
-    servicer = WorkerServicer(aengine, worker_id, metrics)
+    servicer = WorkerServicer(aengine, worker_id, metrics, sender=options.kv_sender, kv_address=options.kv_address)
     registrations = [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "pdserve.v1.Worker")]
     if servicer.decode_handler is not None:
         kv_servicer = KVTransferServicer(servicer.decode_handler)
@@ -116,6 +123,8 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, ready: asyn
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
+    if on_start is not None:
+        on_start(servicer, port)
     if ready is not None:
         ready.set()
     try:
