@@ -61,6 +61,7 @@ class Scheduler:
         self.last_kind: StepKind | None = None
         self.num_preemptions = 0
         self._preempted_this_step: list[str] = []
+        self.watermark_blocks = max(1, block_manager.num_blocks // 100)
 
     # ---- queue management -------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -171,8 +172,12 @@ class Scheduler:
                 counts.append(n)
                 budget -= n
         # Then admit waiting prompts while tokens, sequence slots and blocks last.
+        bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            # Leave a little room for running decoders to grow, or admission and preemption thrash.
+            if self.running and bm.num_free_blocks - bm.blocks_needed(seq.num_tokens) < self.watermark_blocks:
+                break
             try:
                 seq.num_computed_tokens = self.block_manager.allocate(seq)
             except NoFreeBlocks:
