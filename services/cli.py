@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks: offline throughput, serving load test")
     p.add_argument("kind", choices=["offline", "serve"])
     p.set_defaults(func=cmd_bench)
+
+    from services.ray_deploy.cli import add_ray_parser   # `pdserve ray up|down|status` (imports Ray only when run)
+    add_ray_parser(sub, _add_engine_args)
     return parser
 
 

@@ -216,16 +216,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         while True:
             candidates = await self._wait_for_worker(self.pool.decode_candidates, context)
             for worker in candidates:
+                worker.inflight += 1   # count it now, so concurrent requests spread over workers
                 try:
                     response = await worker.stub.Reserve(request, timeout=10)
                 except grpc.aio.AioRpcError as exc:
+                    worker.inflight -= 1
                     if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         continue
                     if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         await context.abort(exc.code(), exc.details())
                     self.pool.mark_down(worker)
                     continue
-                worker.inflight += 1
+                except BaseException:   # cancelled while reserving
+                    worker.inflight -= 1
+                    raise
                 active.workers.append(worker)
                 return worker, response
             if loop.time() > deadline:

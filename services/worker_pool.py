@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -27,13 +28,21 @@ class WorkerHandle:
         self.channel = channel(self.address)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
 
+    def rebind(self, address: str) -> grpc.aio.Channel:
+        """Point at the worker's new address (it was restarted elsewhere); returns the old channel."""
+        old, self.address = self.channel, address
+        self.channel = channel(address)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        return old
+
 
 class NoWorker(RuntimeError):
     """No healthy worker of the wanted role."""
 
 
 class WorkerPool:
-    def __init__(self, prefill: list[str], decode: list[str], colocated: list[str], poll_s: float = 0.5) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], colocated: list[str], poll_s: float = 0.5,
+                 resolver: Callable[[WorkerHandle], Awaitable[str | None]] | None = None) -> None:
         self.workers = ([WorkerHandle(a, "prefill") for a in prefill] + [WorkerHandle(a, "decode") for a in decode]
                         + [WorkerHandle(a, "both") for a in colocated])
         if not self.workers:
@@ -41,6 +50,8 @@ class WorkerPool:
         if bool(prefill) != bool(decode):
             raise ValueError("disaggregated serving needs both prefill and decode workers")
         self.poll_s = poll_s
+        # Optional: asked for an unreachable worker's current address (e.g. a restarted Ray actor's).
+        self.resolver = resolver
         self._task: asyncio.Task | None = None
 
     @property
@@ -53,7 +64,7 @@ class WorkerPool:
     async def refresh(self, timeout: float = 2.0) -> None:
         await asyncio.gather(*(self._poll(w, timeout) for w in self.workers))
 
-    async def _poll(self, worker: WorkerHandle, timeout: float) -> None:
+    async def _poll(self, worker: WorkerHandle, timeout: float, follow: bool = True) -> None:
         try:
             worker.status = await worker.stub.GetStatus(worker_pb2.StatusRequest(), timeout=timeout)
             if not worker.healthy:
@@ -63,6 +74,12 @@ class WorkerPool:
             if worker.healthy:
                 log.warning("worker %s unreachable: %s", worker.address, exc.code())
             worker.healthy = False
+            if follow and self.resolver is not None:
+                address = await self.resolver(worker)
+                if address and address != worker.address:
+                    log.info("worker %s (%s) moved to %s", worker.address, worker.role, address)
+                    await worker.rebind(address).close()
+                    await self._poll(worker, timeout, follow=False)
 
     async def wait_ready(self, timeout: float) -> None:
         loop = asyncio.get_running_loop()

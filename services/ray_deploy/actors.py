@@ -1,0 +1,226 @@
+"""The pdserve roles as Ray actors.
+
+Each actor runs the existing grpc.aio server (``serve_worker`` / ``serve_router``)
+as a task on the actor's own asyncio event loop, started from ``async __init__`` so
+that a restart by Ray (``max_restarts``) brings the server back by itself, on a new
+port. The actors take one argument, a JSON spec (plain data, nothing pickled of
+ours), and expose:
+
+* ``address()``: the gRPC address the server listens on;
+* ``info()``: a JSON-able dict (role, address, KV address, model path, pid, node,
+  transport counters);
+* decode workers: ``push_blocks(headers, refs)``, the receiving end of the
+  object-store KV transport (``services.kv_transfer.ray_transport``).
+
+The router actor resolves its workers' addresses through their actor names, and
+hands ``WorkerPool`` a resolver that asks an unreachable worker's actor for its
+current address, so a restarted worker is followed to its new port.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from typing import Any
+
+import ray
+
+log = logging.getLogger(__name__)
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def bind_host(host: str) -> str:
+    """'node-ip' -> this node's Ray IP; anything else as given."""
+    return ray.util.get_node_ip_address() if host == "node-ip" else host
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def model_dir(spec: dict[str, Any]) -> str:
+    """The model on this node: shipped in the runtime env's working_dir (the actor's cwd), or a shared path."""
+    return os.getcwd() if spec.get("ship_model") else spec["model"]
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
+
+
+async def _until_started(started: asyncio.Future, task: asyncio.Task) -> Any:
+    """Wait for the server's on_start, or raise what ended its task first."""
+    await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
+    if started.done():
+        return started.result()
+    task.result()   # raises the startup error
+    raise RuntimeError("server exited during startup")
+
+
+def _crash_if_unexpected(stop: asyncio.Event, name: str):
+    def on_done(task: asyncio.Task) -> None:
+        if stop.is_set():
+            return
+        exc = None if task.cancelled() else task.exception()
+        log.error("pdserve server of %s ended unexpectedly (%r); exiting so that Ray restarts the actor", name, exc)
+        os._exit(1)
+    return on_done
+
+
+def _node_info() -> dict[str, Any]:
+    ctx = ray.get_runtime_context()
+    return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+            "actor_id": ctx.get_actor_id()}
+
+
+@ray.remote
+class WorkerActor:
+    """A prefill or decode worker (grpc Worker service + KVTransfer, and push_blocks for Ray KV)."""
+
+    async def __init__(self, spec_json: str) -> None:
+        from engine import EngineConfig
+        from services.kv_transfer import GrpcKVSender
+        from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender, ray_kv_address
+        from services.worker import WorkerOptions, serve_worker
+
+        spec = json.loads(spec_json)
+        self.spec = spec
+        self.name, self.role, namespace = spec["name"], spec["role"], spec["namespace"]
+        self.model = model_dir(spec)
+        config = EngineConfig.from_kwargs(self.model, role=self.role, **spec.get("engine", {}))
+        ray_kv = spec["kv_transport"] == "ray"
+        sender = (RayKVSender(default_namespace=namespace, fallback=GrpcKVSender())
+                  if self.role == "prefill" and ray_kv else None)
+        kv_address = ray_kv_address(self.name, namespace) if self.role == "decode" and ray_kv else ""
+        host = bind_host(spec["host"])
+        options = WorkerOptions(host=host, port=0, worker_id=self.name, kv_address=kv_address, kv_sender=sender)
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future = loop.create_future()
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(serve_worker(
+            config, options, stop=self._stop, on_start=lambda servicer, port: started.set_result((servicer, port))))
+        servicer, port = await _until_started(started, self._task)
+        self._task.add_done_callback(_crash_if_unexpected(self._stop, self.name))
+        self.servicer = servicer
+        self._address = join_host_port(host, port)
+        self.kv_address = kv_address or self._address
+        self.receiver = RayKVReceiver(servicer.decode_handler) if servicer.decode_handler is not None else None
+
+    async def address(self) -> str:
+        return self._address
+
+    async def info(self) -> dict[str, Any]:
+        sender = self.servicer.sender
+        return {"name": self.name, "role": self.role, "address": self._address, "kv_address": self.kv_address,
+                "kv_transport": self.spec["kv_transport"], "model": self.model, **_node_info(),
+                "sender": sender.stats.as_dict() if sender is not None else None,
+                "ray_receiver": self.receiver.stats.as_dict() if self.receiver is not None else None,
+                "metrics": self._metrics()}
+
+    def _metrics(self) -> dict[str, float]:
+        metrics = self.servicer.metrics
+        if metrics is None:
+            return {}
+        return {name: metrics.registry.get_sample_value(f"pdserve:{name}_total", metrics.labels) or 0.0
+                for name in ("generation_tokens", "prompt_tokens", "kv_transfer_bytes")}
+
+    async def push_blocks(self, headers: list[bytes], refs: list[Any]) -> bytes:
+        if self.receiver is None:
+            raise RuntimeError(f"{self.name} is a {self.role} worker: it receives no KV blocks")
+        return await self.receiver.push_blocks(headers, refs)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await self._task
+
+
+class ActorResolver:
+    """Worker addresses through actor names: initial lookup, and after restarts."""
+
+    def __init__(self, namespace: str, timeout_s: float = 1.0) -> None:
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        self.names: dict[str, str] = {}               # address -> actor name
+        self._pending: dict[str, asyncio.Future] = {}  # actor name -> address() call in flight
+
+    async def address_of(self, name: str, timeout_s: float) -> str:
+        handle = ray.get_actor(name, namespace=self.namespace)
+        address = await asyncio.wait_for(_await(handle.address.remote()), timeout_s)
+        self.names[address] = name
+        return address
+
+    async def resolve(self, worker) -> str | None:
+        """WorkerPool resolver: the current address of an unreachable worker's actor, or None."""
+        name = self.names.get(worker.address)
+        if name is None:
+            return None
+        fut = self._pending.get(name)
+        if fut is None:
+            try:
+                handle = ray.get_actor(name, namespace=self.namespace)
+            except ValueError:   # gone for good (removed, or out of restarts)
+                return None
+            # While the actor restarts, this call waits in Ray's queue; keep it across polls.
+            fut = self._pending[name] = asyncio.ensure_future(_await(handle.address.remote()))
+        try:
+            address = await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+        except asyncio.TimeoutError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - died again, or unavailable: ask anew next poll
+            self._pending.pop(name, None)
+            log.info("worker actor %s not reachable yet: %s", name, exc)
+            return None
+        self._pending.pop(name, None)
+        self.names[address] = name
+        return address
+
+
+@ray.remote
+class RouterActor:
+    """The router: the client-facing pdserve.v1.Router gRPC API, unchanged."""
+
+    async def __init__(self, spec_json: str) -> None:
+        from services.router import RouterOptions, serve_router
+
+        spec = json.loads(spec_json)
+        self.spec = spec
+        self.name = spec["name"]
+        self.model = model_dir(spec)
+        timeout = spec["ready_timeout_s"]
+        self.resolver = ActorResolver(spec["namespace"])
+        prefill = [await self.resolver.address_of(n, timeout) for n in spec["prefill"]]
+        decode = [await self.resolver.address_of(n, timeout) for n in spec["decode"]]
+        options = RouterOptions(model=self.model, prefill=prefill, decode=decode,
+                                worker_wait_s=spec["worker_wait_s"])
+        self.host = bind_host(spec["host"])
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future = loop.create_future()
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(serve_router(
+            options, self.host, spec["port"], ready_timeout_s=timeout, stop=self._stop,
+            resolver=self.resolver.resolve, on_start=started.set_result))
+        port = await _until_started(started, self._task)
+        self._task.add_done_callback(_crash_if_unexpected(self._stop, self.name))
+        self._address = join_host_port(self.host, port)
+
+    async def address(self) -> str:
+        return self._address
+
+    async def health(self) -> str:
+        """grpc.health.v1 status of this router's server, checked from inside the actor."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else ("::1" if self.host == "::" else self.host)
+        async with grpc.aio.insecure_channel(join_host_port(host, int(self._address.rsplit(":", 1)[1]))) as ch:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def info(self) -> dict[str, Any]:
+        return {"name": self.name, "role": "router", "address": self._address, "model": self.model,
+                "workers": dict(self.resolver.names), **_node_info()}
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await self._task

@@ -1,0 +1,387 @@
+"""pdserve on a real Ray cluster (one loopback-only head shared by the module).
+
+Deploys 1 prefill + 1 decode and 2 + 2 as detached Ray actors, over both KV
+transports (object store and gRPC), checks concurrent greedy requests against the
+offline engine token for token, kills decode actors between requests, and checks
+that nothing of the cluster or the deployment listens beyond 127.0.0.1 and that
+Ray's token authentication is on. Skipped when Ray is not installed
+(`pip install 'pdserve[ray]'`).
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import ipaddress
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from engine import LLM, SamplingParams
+from services.client import AsyncClient
+from services.launcher import free_port
+from tests.conftest import random_prompts
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+NAMESPACE = "pdserve-test"
+PROMPTS = random_prompts(8, 5, 60, seed=31)
+MAX_NEW = 12
+ENGINE = {"block_size": 8, "num_kv_blocks": 512, "dtype": "float32"}
+ENGINE_FLAGS = ["--block-size", "8", "--num-kv-blocks", "512", "--dtype", "float32"]
+SMALL = {"worker_cpus": 0.5, "router_cpus": 0.5}   # logical CPUs: 2 + 2 and a router fit a 4-CPU head
+
+
+# ---- cluster -----------------------------------------------------------------------
+@contextmanager
+def _scoped_env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """`ray start --head` on 127.0.0.1 (token auth with a throwaway token, no dashboard,
+    4 logical CPUs, 200 MB object store); this process connected as a driver."""
+    from services.ray_deploy.cluster import LOOPBACK_ENV, start_local_cluster, stop_local_cluster, use_loopback_node
+
+    path = os.environ.get("PYTHONPATH", "")
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), LOOPBACK_ENV: "0",
+           "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, path) if p)}
+    with _scoped_env(**env):
+        use_loopback_node()
+        cluster = start_local_cluster(num_cpus=4, object_store_bytes=200 << 20, save=False)
+        try:
+            import ray
+
+            ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="WARNING")
+            try:
+                yield cluster
+            finally:
+                ray.shutdown()
+        finally:
+            stop_local_cluster(cluster)
+
+
+@pytest.fixture(scope="module")
+def offline_reference(tiny_qwen3: str) -> list[list[int]]:
+    llm = LLM(tiny_qwen3, **ENGINE)
+    return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW,
+                                                                          ignore_eos=True))]
+
+
+# ---- helpers ----------------------------------------------------------------------------
+async def _generate_all(address: str, prompts: list[list[int]], timeout: float = 60.0):
+    async with AsyncClient(address, timeout=timeout) as client:
+        return await asyncio.gather(*(client.generate(p, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+                                      for p in prompts))
+
+
+def _tokens(address: str, timeout: float = 60.0) -> list[list[int]]:
+    return [o.token_ids for o in asyncio.run(_generate_all(address, PROMPTS, timeout))]
+
+
+def _actor(name: str):
+    import ray
+    return ray.get_actor(name, namespace=NAMESPACE)
+
+
+def _info(name: str, timeout: float = 60.0) -> dict:
+    """The actor's info(); while it restarts (calls then fail fast), ask again."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get(_actor(name).info.remote(), timeout=timeout)
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _kill_and_wait_dead(name: str) -> dict:
+    """ray.kill(no_restart=False) and wait until the old process is gone (the kill is asynchronous)."""
+    import ray
+
+    before = _info(name)
+    ray.kill(_actor(name), no_restart=False)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(before["pid"], 0)
+        except ProcessLookupError:
+            return before
+        time.sleep(0.05)
+    raise AssertionError(f"{name} (pid {before['pid']}) did not die")
+
+
+def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO_ROOT)
+
+
+def _group_pids(pgid: int) -> set[int]:
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid:   # after "(comm)": state ppid pgrp
+                pids.add(int(entry))
+    return pids
+
+
+def _hex_ip(hex_addr: str):
+    host = hex_addr.split(":")[0]
+    if len(host) == 8:
+        return ipaddress.IPv4Address(bytes.fromhex(host)[::-1])
+    addr = ipaddress.IPv6Address(b"".join(bytes.fromhex(host[i:i + 8])[::-1] for i in range(0, 32, 8)))
+    return addr.ipv4_mapped or addr
+
+
+def _listening(pids: set[int]) -> list[tuple[int, str]]:
+    """(pid, ip:port) of every listening TCP socket owned by pids (from /proc)."""
+    owner = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                owner[int(link[8:-1])] = pid
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and int(f[9]) in owner:
+                out.append((owner[int(f[9])], f"{_hex_ip(f[1])}:{int(f[1].split(':')[1], 16)}"))
+    return out
+
+
+def _deploy(model: str, name: str, **kwargs):
+    from services.ray_deploy import RayDeployment, deploy
+    spec = RayDeployment(model=model, name=name, namespace=NAMESPACE, port=free_port(), engine=dict(ENGINE),
+                         ready_timeout_s=180, **{**SMALL, **kwargs})
+    return deploy(spec)
+
+
+def _teardown(name: str) -> None:
+    from services.ray_deploy import teardown
+    teardown(name, NAMESPACE)
+
+
+# ---- deployed with the CLI: 1 prefill + 1 decode, KV through the object store ---------------
+@pytest.fixture(scope="module")
+def cli_deployment(ray_cluster, tiny_qwen3: str):
+    res = _cli("ray", "up", "--address", ray_cluster.address, "--namespace", NAMESPACE, "--name", "cli",
+               "--model", tiny_qwen3, "--prefill-workers", "1", "--decode-workers", "1", "--port", str(free_port()),
+               "--worker-cpus", "0.5", "--router-cpus", "0.5", "--timeout", "180", "--json", *ENGINE_FLAGS)
+    assert res.returncode == 0, res.stderr[-4000:]
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    yield info
+    _teardown("cli")
+
+
+def test_cli_up_returns_serving_and_detached(cli_deployment) -> None:
+    # `pdserve ray up` has exited: its actors live on, named, in the namespace.
+    from services.ray_deploy.deploy import list_actors
+    assert list_actors("cli", NAMESPACE) == ["cli-decode-0", "cli-prefill-0", "cli-router"]
+    decode = next(w for w in cli_deployment["workers"] if w["role"] == "decode")
+    assert decode["kv_address"] == f"ray://{NAMESPACE}/cli-decode-0"
+    assert cli_deployment["router_address"].startswith("127.0.0.1:")
+
+
+def test_object_store_kv_matches_offline_1p1d(cli_deployment, offline_reference) -> None:
+    assert _tokens(cli_deployment["router_address"]) == offline_reference
+    decode, prefill = _info("cli-decode-0"), _info("cli-prefill-0")
+    assert decode["ray_receiver"]["blocks_received"] > 0 and decode["ray_receiver"]["blocks_rejected"] == 0
+    assert prefill["sender"]["blocks_sent"] == decode["ray_receiver"]["blocks_received"]
+
+
+def test_killed_decode_actor_is_restarted_and_followed(cli_deployment, offline_reference) -> None:
+    """The only decode worker dies between requests: Ray restarts it on a new port, the router
+    finds it there (through its actor name) and holds the next requests until it is back."""
+    before = _kill_and_wait_dead("cli-decode-0")
+    t0 = time.monotonic()
+    assert _tokens(cli_deployment["router_address"], timeout=90) == offline_reference
+    served_s = time.monotonic() - t0
+    after = _info("cli-decode-0")
+    assert after["pid"] != before["pid"]
+    assert after["ray_receiver"]["blocks_received"] > 0   # the restarted actor took the KV
+    router = _info("cli-router")
+    assert router["workers"][after["address"]] == "cli-decode-0"
+    assert served_s < 60
+
+
+def test_corrupted_block_through_the_object_store_is_refused(cli_deployment) -> None:
+    """A block with the wrong chain hash, pushed through the object store by this driver: the decode
+    actor refuses it, fails the request closed (Decode: DATA_LOSS), frees it, and keeps serving."""
+    import grpc
+    import torch
+
+    from engine.block_manager import transfer_block_hashes
+    from pdserve.v1 import worker_pb2, worker_pb2_grpc
+    from services.kv_transfer import KVBlock
+    from services.kv_transfer.ray_transport import RayKVSender
+
+    decode = _info("cli-decode-0")
+    prompt = random_prompts(1, 20, 20, seed=51)[0]
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(decode["address"]) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            status = await stub.GetStatus(worker_pb2.StatusRequest())
+            shape = (status.num_layers, 2, status.block_size, status.num_kv_heads, status.head_dim)
+            res = await stub.Reserve(worker_pb2.ReserveRequest(request_id="corrupt", prompt_token_ids=prompt,
+                                                               max_tokens=4))
+            assert list(res.needed_block_indices) == [0, 1, 2]
+            hashes = transfer_block_hashes(prompt, status.block_size)
+            block = KVBlock.from_tensor(torch.zeros(shape), request_id="corrupt", block_index=0,
+                                        block_hash=hashes[0] ^ 1, num_tokens=8, layer_start=0, layer_end=shape[0])
+            result = await RayKVSender().send_blocks(decode["kv_address"], [block], timeout=30)
+            assert result.rejected == [0] and "hash mismatch" in result.error
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Decode(worker_pb2.DecodeRequest(request_id="corrupt", first_token_id=5)):
+                    pass
+            assert err.value.code() == grpc.StatusCode.DATA_LOSS
+            status = await stub.GetStatus(worker_pb2.StatusRequest())
+            assert status.num_reserved == 0
+    asyncio.run(run())
+    assert _info("cli-decode-0")["ray_receiver"]["blocks_rejected"] >= 1
+    assert _tokens(cli_deployment["router_address"])   # still serving
+
+
+def test_nothing_listens_beyond_loopback(ray_cluster, cli_deployment) -> None:
+    actors = {_info(n)["pid"] for n in ("cli-router", "cli-prefill-0", "cli-decode-0")}
+    pids = _group_pids(ray_cluster.pgid) | actors | {os.getpid()}
+    listeners = _listening(pids)
+    assert any(pid in actors for pid, _ in listeners)   # the check sees the actors' servers
+    assert [(p, a) for p, a in listeners if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback] == []
+
+
+def test_token_auth_is_required(ray_cluster) -> None:
+    """The GCS refuses calls without the cluster's token (what ray.init would send)."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    def get_cluster_id(token: str | None):
+        with grpc.insecure_channel(ray_cluster.address) as ch:
+            metadata = [("authorization", f"Bearer {token}")] if token is not None else None
+            return gcs_service_pb2_grpc.NodeInfoGcsServiceStub(ch).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), metadata=metadata, timeout=10)
+
+    for token in (None, "0" * 32):
+        with pytest.raises(grpc.RpcError) as err:
+            get_cluster_id(token)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert get_cluster_id(os.environ["RAY_AUTH_TOKEN"]).cluster_id
+
+
+def test_cli_down_removes_the_deployment(ray_cluster, cli_deployment) -> None:
+    from services.ray_deploy.deploy import list_actors
+    res = _cli("ray", "down", "--address", ray_cluster.address, "--namespace", NAMESPACE, "--name", "cli")
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "cli-router" in res.stdout and "placement group cli-workers" in res.stdout
+    assert list_actors("cli", NAMESPACE) == []
+
+
+# ---- gRPC KV, model shipped in the runtime env (CLI), restart after the CLI has exited -----------
+def test_grpc_kv_with_shipped_model_matches_offline_1p1d(ray_cluster, tiny_qwen3, offline_reference) -> None:
+    """--kv-transport grpc --ship-model: the actors read the model from the working_dir that Ray
+    unpacked on their node, also after a restart that happens once `pdserve ray up` has exited."""
+    res = _cli("ray", "up", "--address", ray_cluster.address, "--namespace", NAMESPACE, "--name", "ship",
+               "--model", tiny_qwen3, "--ship-model", "--kv-transport", "grpc", "--port", str(free_port()),
+               "--worker-cpus", "0.5", "--router-cpus", "0.5", "--timeout", "180", "--json", *ENGINE_FLAGS)
+    assert res.returncode == 0, res.stderr[-4000:]
+    try:
+        router = json.loads(res.stdout.strip().splitlines()[-1])["router_address"]
+        assert _tokens(router) == offline_reference
+        decode, prefill = _info("ship-decode-0"), _info("ship-prefill-0")
+        assert decode["kv_address"] == decode["address"]            # KVTransfer on the worker's gRPC port
+        assert decode["ray_receiver"]["blocks_received"] == 0
+        assert prefill["sender"]["blocks_sent"] > 0
+        for w in (decode, prefill, _info("ship-router")):           # read from the shipped copy
+            assert w["model"] != tiny_qwen3 and Path(w["model"], "config.json").exists()
+        before = _kill_and_wait_dead("ship-decode-0")
+        assert _tokens(router, timeout=90) == offline_reference
+        after = _info("ship-decode-0")
+        assert after["pid"] != before["pid"] and Path(after["model"], "config.json").exists()
+    finally:
+        _teardown("ship")
+
+
+# ---- deployments that cannot work fail with a reason, and leave nothing behind --------------
+def test_deployment_too_big_for_the_head_fails_fast(ray_cluster, tiny_qwen3) -> None:
+    from services.ray_deploy import DeploymentError
+    from services.ray_deploy.deploy import list_actors
+
+    t0 = time.monotonic()
+    with pytest.raises(DeploymentError, match="worker-host node-ip"):
+        _deploy(tiny_qwen3, "big", prefill_workers=8, decode_workers=8)
+    assert time.monotonic() - t0 < 10 and list_actors("big", NAMESPACE) == []
+
+
+def test_worker_that_cannot_start_fails_the_deployment(ray_cluster, tmp_path) -> None:
+    from services.ray_deploy import DeploymentError
+    from services.ray_deploy.deploy import list_actors
+
+    with pytest.raises(DeploymentError, match="workers failed to start"):
+        _deploy(str(tmp_path / "no-such-model"), "broken")
+    assert list_actors("broken", NAMESPACE) == []
+
+
+# ---- 2 prefill + 2 decode through the Python API ---------------------------------------------
+@pytest.mark.parametrize("kv_transport", ["ray", "grpc"])
+def test_2p2d_matches_offline_and_survives_a_decode_kill(ray_cluster, tiny_qwen3, offline_reference,
+                                                         kv_transport) -> None:
+    import ray
+
+    name = f"two-{kv_transport}"
+    info = _deploy(tiny_qwen3, name, prefill_workers=2, decode_workers=2, kv_transport=kv_transport)
+    prefills, decodes = [f"{name}-prefill-{i}" for i in range(2)], [f"{name}-decode-{i}" for i in range(2)]
+    try:
+        table = ray.util.placement_group_table(ray.util.get_placement_group(f"{name}-workers"))
+        assert table["strategy"] == "SPREAD" and len(table["bundles"]) == 4
+        assert _tokens(info.router_address) == offline_reference
+        for n in prefills:   # both prefill workers took part
+            assert _info(n)["sender"]["blocks_sent"] > 0, n
+        # The busier decode worker dies between requests: the router routes around it at once ...
+        busy, other = sorted(decodes, key=lambda n: -_info(n)["metrics"]["generation_tokens"])
+        before = _kill_and_wait_dead(busy)
+        assert before["metrics"]["generation_tokens"] > 0
+        assert _tokens(info.router_address, timeout=60) == offline_reference
+        survivor = _info(other)
+        assert survivor["metrics"]["generation_tokens"] > 0   # so both decode workers served
+        if kv_transport == "ray":
+            assert survivor["ray_receiver"]["blocks_received"] > 0
+        # ... and Ray brings it back, where the router finds it again.
+        deadline = time.monotonic() + 60
+        while _info(busy)["address"] not in _info(f"{name}-router")["workers"]:
+            assert time.monotonic() < deadline, "the router did not follow the restarted actor"
+            time.sleep(0.2)
+    finally:
+        _teardown(name)
