@@ -9,6 +9,7 @@ role "decode":  reserve() blocks for a prompt whose KV arrives from elsewhere,
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -67,6 +68,7 @@ class LLMEngine:
         self.reservations: dict[str, Reservation] = {}
         self.trace: deque[StepTrace] = deque(maxlen=trace_limit)
         self.num_steps = 0
+        self._reservation_lock = threading.Lock()
 
     # ---- validation -------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -92,10 +94,11 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks. Returns whether it was found."""
-        seq = self.requests.pop(request_id, None) or self.pinned.pop(request_id, None)
-        if seq is None:
-            return False
-        self.reservations.pop(request_id, None)
+        with self._reservation_lock:   # no KV write may land in blocks being freed
+            seq = self.requests.pop(request_id, None) or self.pinned.pop(request_id, None)
+            if seq is None:
+                return False
+            self.reservations.pop(request_id, None)
         self.scheduler.remove(seq)
         self.block_manager.free(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
@@ -216,33 +219,33 @@ class LLMEngine:
         return sorted(needed)
 
     def write_kv_block(self, request_id: str, block_index: int, data: torch.Tensor) -> None:
-        res = self.reservations.get(request_id)
-        if res is None:
-            raise KeyError(f"no reservation for request {request_id!r}")
-        if block_index not in res.needed:
-            raise ValueError(f"block {block_index} of {request_id!r} was not requested or already written")
+        """Store one received block. Safe to call from a thread other than the one stepping the
+        engine: reserved blocks belong to no running sequence, and the lock keeps the write and
+        the reservation's release (abort, expiry, admission) apart. So arriving KV never waits
+        for a step to end."""
         if tuple(data.shape) != self.runner.block_shape:
             raise ValueError(f"block shape {tuple(data.shape)} != expected {self.runner.block_shape}")
-        self.runner.write_block(res.seq.block_table[block_index], data)
-        res.needed.discard(block_index)
+        with self._reservation_lock:
+            res = self.reservations.get(request_id)
+            if res is None:
+                raise KeyError(f"no reservation for request {request_id!r}")
+            if block_index not in res.needed:
+                raise ValueError(f"block {block_index} of {request_id!r} was not requested or already written")
+            self.runner.write_block(res.seq.block_table[block_index], data)
+            res.needed.discard(block_index)
 
     def admit(self, request_id: str, first_token: int, params: SamplingParams | None = None) -> str | None:
         """All blocks arrived: the sequence joins the running batch with its first token.
         params (optional) replace the reservation's; returns a finish reason if the first
         token already ends the request (its blocks are then freed)."""
-        res = self.reservations.get(request_id)
-        if res is None:
-            raise KeyError(f"no reservation for request {request_id!r}")
-        if res.needed:
-            raise ValueError(f"request {request_id!r} still misses blocks {sorted(res.needed)}")
-        if not 0 <= first_token < self.model_config.vocab_size:
-            raise ValueError(f"first token {first_token} is outside the vocabulary")
-        if params is not None:
-            params.validate()
-            if params.max_tokens > res.seq.params.max_tokens:
-                raise ValueError(f"max_tokens {params.max_tokens} exceeds the reserved {res.seq.params.max_tokens}")
-            res.seq.params = params
-        del self.reservations[request_id]
+        with self._reservation_lock:
+            res = self.reservations.get(request_id)
+            if res is None:
+                raise KeyError(f"no reservation for request {request_id!r}")
+            if res.needed:
+                raise ValueError(f"request {request_id!r} still misses blocks {sorted(res.needed)}")
+            self._admit_checks(res, first_token, params)
+            del self.reservations[request_id]
         seq = res.seq
         seq.num_computed_tokens = seq.num_tokens
         self.block_manager.mark_computed(seq)
@@ -254,6 +257,15 @@ class LLMEngine:
             return reason
         self.scheduler.add_running(seq)
         return None
+
+    def _admit_checks(self, res: Reservation, first_token: int, params: SamplingParams | None) -> None:
+        if not 0 <= first_token < self.model_config.vocab_size:
+            raise ValueError(f"first token {first_token} is outside the vocabulary")
+        if params is not None:
+            params.validate()
+            if params.max_tokens > res.seq.params.max_tokens:
+                raise ValueError(f"max_tokens {params.max_tokens} exceeds the reserved {res.seq.params.max_tokens}")
+            res.seq.params = params
 
     def expire_reservations(self) -> list[str]:
         now = time.monotonic()

@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=2.0)
     p.set_defaults(func=cmd_health)
 
-    p = sub.add_parser("bench", help="benchmarks: offline throughput, serving load test")
+    p = sub.add_parser("bench", help="benchmarks: offline throughput, serving load test", add_help=False)
     p.add_argument("kind", choices=["offline", "serve"])
     p.set_defaults(func=cmd_bench)
 

@@ -67,8 +67,8 @@ class DecodeHandler:
             if tuple(header.shape) != self.block_shape or header.dtype != self.kv_dtype:
                 raise KVIntegrityError(f"block layout {header.dtype}{list(header.shape)} != "
                                        f"{self.kv_dtype}{list(self.block_shape)}")
-            tensor = decode_tensor(header, payload)
-            await self.aengine.call(lambda e: e.write_kv_block(rid, header.block_index, tensor))
+            # Written from this thread, not queued behind the running step (write_kv_block is safe here).
+            self.aengine.engine.write_kv_block(rid, header.block_index, decode_tensor(header, payload))
         except Exception as exc:
             # Fail closed: the whole request is refused and its reservation freed.
             self.failures[rid] = str(exc)

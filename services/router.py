@@ -128,18 +128,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _parse(self, request: router_pb2.GenerateRequest, rid: str, context: grpc.aio.ServicerContext
                      ) -> tuple[list[int], SamplingParams, bool]:
         if rid in self.active:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is already in flight")
+            await self._reject(context, f"request_id {rid!r} is already in flight")
         which = request.WhichOneof("input")
         if which is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "input: give either text or token_ids")
+            await self._reject(context, "input: give either text or token_ids")
         prompt = self.tokenizer.encode(request.text) if which == "text" else list(request.token_ids.ids)
         params = params_from_proto(request.params)
         try:
             validate_request(prompt, params, self.model_config.vocab_size, self.max_model_len)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._reject(context, str(exc))
         skip_special = request.params.skip_special_tokens if request.params.HasField("skip_special_tokens") else True
         return prompt, params, skip_special
+
+    async def _reject(self, context: grpc.aio.ServicerContext, message: str) -> None:
+        self.metrics.request_failure.inc()
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
     # ---- disaggregated path --------------------------------------------------------
     async def _disaggregated(self, active: ActiveRequest, prompt: list[int], params: SamplingParams, timing: Timing,
