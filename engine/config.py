@@ -14,7 +14,9 @@ QUANTIZATIONS = (None, "w8a16")
 @dataclass(slots=True)
 class EngineConfig:
     model: str
-    dtype: str = "auto"                      # "auto": the checkpoint's torch_dtype
+    dtype: str = "auto"                      # "auto": the checkpoint's torch_dtype (weights as loaded, KV cache)
+    compute_dtype: str = "auto"              # activations and matmuls; "auto": float32 on CPU for bf16/fp16
+                                             # weights (CPU fp32 GEMMs run ~2x bf16's), else dtype
     device: str = "auto"                     # "auto": cuda when available, else cpu
     max_num_batched_tokens: int = 2048       # token budget of one step (chunked prefill)
     max_num_seqs: int = 64
@@ -35,6 +37,7 @@ class EngineConfig:
         _check_choice("role", self.role, ROLES)
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("compute_dtype", self.compute_dtype, DTYPES)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)

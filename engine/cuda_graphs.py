@@ -35,7 +35,7 @@ class DecodeGraphs:
         self.block_tables = torch.full((top, self.max_blocks), self.spare_block, dtype=torch.int64, device=dev)
         self.context_lens = torch.ones(top, dtype=torch.int32, device=dev)
         self.key_index = torch.arange(self.max_blocks * bs, device=dev)
-        self.hidden = torch.zeros(top, runner.model_config.hidden_size, dtype=runner.dtype, device=dev)
+        self.hidden = torch.zeros(top, runner.model_config.hidden_size, dtype=runner.compute_dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self._capture_all()

@@ -8,7 +8,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.layers.attention import AttentionMetadata, PrefillSegment
+from engine.layers import cpu_kernels
+from engine.layers.attention import AttentionMetadata, DecodeGroup, PrefillSegment
 from engine.layers.linear import Linear
 from engine.layers.sampler import Sampler
 from engine.loader import load_weights
@@ -35,7 +36,8 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         dtype_name = model_config.torch_dtype if config.dtype == "auto" else config.dtype
-        self.dtype = TORCH_DTYPES.get(dtype_name, torch.float32)
+        self.dtype = TORCH_DTYPES.get(dtype_name, torch.float32)        # checkpoint / KV cache dtype
+        self.compute_dtype = self._compute_dtype()
         self.block_size = config.block_size
         self.model = self._load_model()
         self.num_kv_blocks = self._num_kv_blocks()
@@ -45,7 +47,11 @@ class ModelRunner:
             model_config.num_kv_heads, model_config.head_dim, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        # CPU decode attention straight from the cache blocks when the native kernel builds here.
+        self.native_decode = (self.device.type == "cpu"
+                              and cpu_kernels.supports(self.kv_cache[0, 0], model_config.head_dim))
         self.sampler = Sampler(config.seed)
+        self._gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self, max_batch=config.max_num_seqs)
@@ -56,12 +62,29 @@ class ModelRunner:
         with torch.device(self.device):
             model = cls(self.model_config)
         load_weights(model, Path(self.config.model))
-        model.to(dtype=self.dtype)
+        if self.compute_dtype != self.dtype:   # a wider compute dtype sees the weights rounded to dtype
+            for param in model.parameters():
+                param.data = param.data.to(self.dtype)
+        model.to(dtype=self.compute_dtype)     # buffers (rotary tables) go straight to compute_dtype
         if self.config.quantization == "w8a16":
             for module in model.modules():
                 if isinstance(module, Linear) and module is not getattr(model, "lm_head", None):
                     module.quantize_w8a16()
+        if self.device.type == "cpu":
+            # float32 math on weights that hold bf16 values (a bf16 checkpoint, whatever dtype says):
+            # the bf16-weight kernel for decode rows; Linear checks the values are exactly bf16.
+            bf16_weights = self.compute_dtype == torch.float32 and self.model_config.torch_dtype == "bfloat16"
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.pack_for_cpu(bf16_weights=bf16_weights)
         return model.eval()
+
+    def _compute_dtype(self) -> torch.dtype:
+        if self.config.compute_dtype != "auto":
+            return TORCH_DTYPES[self.config.compute_dtype]
+        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
+            return torch.float32
+        return self.dtype
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -116,47 +139,102 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch):
         bs = self.block_size
+        seqs, counts, nd = batch.seqs, batch.num_new_tokens, batch.num_decode_seqs
+        # Decode rows go shortest context first (any row order is valid: results map back through
+        # sample_seqs), so that rows of similar length form contiguous groups for attention.
+        order = sorted(range(nd), key=lambda i: seqs[i].num_computed_tokens) if nd > 1 else list(range(nd))
+        order.extend(range(nd, len(seqs)))
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[int] = []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        for i in order:
+            seq, n = seqs[i], counts[i]
             start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start:start + n])
-            pos.extend(range(start, start + n))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                ids.append(seq.token_ids[start])
+                pos.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(seq.token_ids[start:start + n])
+                pos.extend(range(start, start + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if start + n == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(i)
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev))
-        nd = batch.num_decode_seqs
         if nd:
-            decode_seqs = batch.seqs[:nd]
-            max_blocks = max(len(s.block_table) for s in decode_seqs)
-            tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decode_seqs]
-            ctx = torch.tensor([s.num_computed_tokens + 1 for s in decode_seqs], dtype=torch.int32, device=dev)
-            meta.num_decode = nd
-            meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)
-            meta.decode_context_lens = ctx
-            meta.decode_mask = (torch.arange(max_blocks * bs, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
-        self._prepare_prefills(batch, meta)
+            self._prepare_decodes([seqs[i] for i in order[:nd]], meta)
+        self._prepare_prefills([seqs[i] for i in order[nd:]], [counts[i] for i in order[nd:]], nd, meta)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         return input_ids, positions, meta, sample_rows, sample_seqs
 
-    def _prepare_prefills(self, batch: ScheduledBatch, meta: AttentionMetadata) -> None:
+    def _prepare_decodes(self, decode_seqs: list, meta: AttentionMetadata) -> None:
+        bs, dev = self.block_size, self.device
+        nd = len(decode_seqs)
+        lens = [s.num_computed_tokens + 1 for s in decode_seqs]   # context after this step's token
+        meta.num_decode = nd
+        if self.native_decode:
+            width = -(-lens[-1] // bs)   # rows are sorted by length
+            meta.decode_native = True
+            meta.decode_block_tables = torch.tensor(
+                [s.block_table[:width] + [0] * (width - min(width, len(s.block_table))) for s in decode_seqs],
+                dtype=torch.int64)
+            meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32)
+            return
+        if dev.type == "cpu":
+            # Up to 4 groups of >= 8 rows (rows are sorted by length): each gathers and attends over
+            # its own longest context only, instead of every row padding to the batch's longest.
+            n_groups = max(1, min(4, nd // 8))
+            bounds = [nd * g // n_groups for g in range(n_groups + 1)]
+            rows = 0
+            for a, b in zip(bounds, bounds[1:]):
+                width = -(-lens[b - 1] // bs)
+                flat: list[int] = []
+                for s in decode_seqs[a:b]:
+                    table = s.block_table[:width]
+                    flat.extend(table)
+                    if len(table) < width:
+                        flat.extend([0] * (width - len(table)))
+                past_end = torch.arange(width * bs)[None, :] >= torch.tensor(lens[a:b])[:, None]
+                mask = torch.zeros(past_end.shape, dtype=self.dtype).masked_fill_(past_end, float("-inf"))
+                meta.decode_groups.append(DecodeGroup(a, b, torch.tensor(flat, dtype=torch.int64), mask[:, None, None, :]))
+                rows = max(rows, len(flat))
+            meta.decode_kv_buffers = self._decode_buffers(rows)
+            return
+        max_blocks = max(len(s.block_table) for s in decode_seqs)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decode_seqs]
+        ctx = torch.tensor(lens, dtype=torch.int32, device=dev)
+        meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)
+        meta.decode_context_lens = ctx
+        meta.decode_mask = (torch.arange(max_blocks * bs, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
+
+    def _decode_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch for the per-layer decode KV gather, reused across layers and steps (fresh large
+        allocations on CPU cost page faults every time)."""
+        bufs = self._gather_bufs
+        if bufs is None or bufs[0].shape[0] < rows:
+            mc = self.model_config
+            rows = max(rows, int(1.25 * bufs[0].shape[0]) if bufs is not None else 0)
+            width = self.block_size * mc.num_kv_heads * mc.head_dim
+            self._gather_bufs = bufs = (torch.empty(rows, width, dtype=self.dtype, device=self.device),
+                                        torch.empty(rows, width, dtype=self.dtype, device=self.device))
+        return bufs
+
+    def _prepare_prefills(self, prefill_seqs: list, counts: list[int], row: int, meta: AttentionMetadata) -> None:
         dev = self.device
-        row = batch.num_decode_seqs
         cu_q, cu_k, tables = [0], [0], []
-        for seq, n in zip(batch.seqs[batch.num_decode_seqs:], batch.num_new_tokens[batch.num_decode_seqs:]):
+        for seq, n in zip(prefill_seqs, counts):
             start = seq.num_computed_tokens
             ctx = start + n
             mask = None
             if start > 0:
-                mask = torch.arange(ctx, device=dev)[None, :] <= torch.arange(start, ctx, device=dev)[:, None]
+                future = torch.arange(ctx, device=dev)[None, :] > torch.arange(start, ctx, device=dev)[:, None]
+                mask = torch.zeros(future.shape, dtype=self.compute_dtype, device=dev).masked_fill_(future, float("-inf"))
             n_blocks = -(-ctx // self.block_size)
             table = torch.tensor(seq.block_table[:n_blocks], dtype=torch.int64, device=dev)
             meta.prefills.append(PrefillSegment(row, row + n, ctx, table, mask))

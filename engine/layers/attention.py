@@ -5,7 +5,11 @@ A step's tokens are laid out decodes first (one token each), then prefill segmen
 are written to their slots first, then every query attends to its sequence's cached context.
 
 Backends: flash-attn on CUDA when it is installed; torch scaled_dot_product_attention
-everywhere else (CPU included). Both read the same cache layout.
+everywhere else. On CPU, decode rows use the native kernel of engine/layers/cpu_kernels.py
+(reads the cache blocks in place) when it builds, else SDPA over gathered blocks in length
+groups. All read the same cache layout. Attention runs in the compute dtype for prefill (over
+K/V rounded to the cache dtype) and in the cache dtype for the SDPA decode path; the native
+kernel computes in float32.
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.layers import cpu_kernels
 
 try:  # optional CUDA kernels; absent on CPU machines
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # type: ignore
@@ -28,7 +34,17 @@ class PrefillSegment:
     token_end: int
     context_len: int                   # tokens of this sequence with KV after the step
     block_table: torch.Tensor          # [num_blocks_of_seq] int64
-    mask: torch.Tensor | None          # [n, context_len] bool; None: plain causal from position 0
+    mask: torch.Tensor | None          # [n, context_len] bool or additive float; None: causal from position 0
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Decode rows [start, end) of the step, gathered and attended together (CPU path). Rows are
+    grouped by context length so each group pads its keys only to its own longest context."""
+    start: int
+    end: int
+    block_ids: torch.Tensor            # [(end - start) * num_blocks] int64: the rows' block tables, padded
+    mask: torch.Tensor                 # [end - start, 1, 1, num_blocks * block_size] additive float (0 / -inf)
 
 
 @dataclass(slots=True)
@@ -37,7 +53,16 @@ class AttentionMetadata:
     num_decode: int = 0
     decode_block_tables: torch.Tensor | None = None # [num_decode, max_blocks] int64 (padded with 0)
     decode_context_lens: torch.Tensor | None = None # [num_decode] int32
-    decode_mask: torch.Tensor | None = None         # [num_decode, 1, 1, max_blocks * block_size] bool
+    decode_mask: torch.Tensor | None = None         # [num_decode, 1, 1, max_blocks * block_size]: bool (True:
+                                                    # attend) or float (additive: 0 / -inf) in the cache dtype
+    # CPU: decode rows in length groups (used instead of decode_block_tables / decode_mask when set), and
+    # reusable [rows, block_size * num_kv_heads * head_dim] buffers each layer's decode gather writes
+    # into (the same for every layer and group of a step); None: allocate per gather.
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    decode_kv_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    # CPU: decode attention by the native kernel (engine/layers/cpu_kernels.py) straight from the
+    # cache blocks, with decode_block_tables / decode_context_lens; no gather, no mask.
+    decode_native: bool = False
     prefills: list[PrefillSegment] = field(default_factory=list)
     # flash-attn varlen inputs for the prefill part (CUDA only)
     cu_seqlens_q: torch.Tensor | None = None
@@ -69,33 +94,62 @@ class Attention(nn.Module):
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         hkv, d = self.num_kv_heads, self.head_dim
-        self.k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k)
-        self.v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v)
+        dtype = self.k_cache.dtype
+        self.k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(dtype))
+        self.v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(dtype))
+
+    def _gather(self, cache: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Whole blocks of the cache, in ids order: [len(ids), block_size * num_kv_heads * head_dim]."""
+        flat = cache.view(cache.shape[0], -1)
+        if out is None:
+            return flat.index_select(0, ids)
+        return torch.index_select(flat, 0, ids, out=out[:ids.numel()])
 
     def _decode_sdpa(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.decode_native:
+            return cpu_kernels.decode_attention(q, self.k_cache, self.v_cache, meta.decode_block_tables,
+                                                meta.decode_context_lens, self.scale)
+        kbuf, vbuf = meta.decode_kv_buffers or (None, None)
+        if not meta.decode_groups:
+            return self._decode_rows(q, meta.decode_block_tables.reshape(-1), meta.decode_mask, kbuf, vbuf)
+        out = torch.empty_like(q)
+        for g in meta.decode_groups:
+            out[g.start:g.end] = self._decode_rows(q[g.start:g.end], g.block_ids, g.mask, kbuf, vbuf)
+        return out
+
+    def _decode_rows(self, q: torch.Tensor, block_ids: torch.Tensor, mask: torch.Tensor,
+                     kbuf: torch.Tensor | None, vbuf: torch.Tensor | None) -> torch.Tensor:
+        """One query token per row against its row's blocks (block_ids: the rows' padded tables, flat).
+        Runs in the cache dtype: memory-bound, so converting the gathered K/V would cost more than it saves."""
         b = q.shape[0]
         hkv, d = self.num_kv_heads, self.head_dim
-        keys = self.k_cache[meta.decode_block_tables].view(b, -1, hkv, d).transpose(1, 2)
-        values = self.v_cache[meta.decode_block_tables].view(b, -1, hkv, d).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+        keys = self._gather(self.k_cache, block_ids, kbuf).view(b, -1, hkv, d).transpose(1, 2)
+        values = self._gather(self.v_cache, block_ids, vbuf).view(b, -1, hkv, d).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.to(keys.dtype).unsqueeze(2), keys, values, attn_mask=mask,
                                              scale=self.scale, enable_gqa=hkv != self.num_heads)
         return out.squeeze(2)
 
     def _prefill_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment) -> torch.Tensor:
+        """Runs in q's (compute) dtype over K/V as the cache holds them (rounded to its dtype), so
+        a prefix-cache hit and a recompute see the same keys."""
         hkv, d = self.num_kv_heads, self.head_dim
+        dtype, cache_dtype = q.dtype, self.k_cache.dtype
         qs = q[seg.token_start:seg.token_end].transpose(0, 1).unsqueeze(0)
         if seg.mask is None:   # no cached prefix: attend within the segment's own K/V
             keys = k[seg.token_start:seg.token_end]
             values = v[seg.token_start:seg.token_end]
+            if cache_dtype != dtype:
+                keys, values = keys.to(cache_dtype).to(dtype), values.to(cache_dtype).to(dtype)
         else:
-            keys = self.k_cache[seg.block_table].view(-1, hkv, d)[:seg.context_len]
-            values = self.v_cache[seg.block_table].view(-1, hkv, d)[:seg.context_len]
+            keys = self._gather(self.k_cache, seg.block_table, None).view(-1, hkv, d)[:seg.context_len].to(dtype)
+            values = self._gather(self.v_cache, seg.block_table, None).view(-1, hkv, d)[:seg.context_len].to(dtype)
         out = F.scaled_dot_product_attention(
             qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
             attn_mask=seg.mask, is_causal=seg.mask is None, scale=self.scale, enable_gqa=hkv != self.num_heads)
         return out.squeeze(0).transpose(0, 1)
 
     def _flash(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q = q.contiguous()   # q may be a view into the fused q/k tensor
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:

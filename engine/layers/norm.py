@@ -2,6 +2,15 @@ import torch
 from torch import nn
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)) over the last dim, computed in float32 as Hugging Face does, the
+    normalized value cast back to x's dtype before the weight multiplies it."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
+    return x32.to(dtype).mul_(weight)
+
+
 class RMSNorm(nn.Module):
     """RMS norm computed in float32, as Hugging Face does, then cast back."""
 
@@ -11,7 +20,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)

@@ -1,8 +1,9 @@
 """Token sampling: greedy, temperature, top-k, top-p, reproducible per-request seeds.
 
-Sampling uses the exponential-race form of the Gumbel trick: argmax(p / E) with E ~ Exp(1)
-draws from p. A seeded request draws E from a generator keyed by (seed, output index), so
-its tokens do not depend on what else shares the batch, or on preemption and recompute.
+Sampling inverts the CDF: with the probabilities in token-id order, the token is the first
+whose cumulative probability (float64) exceeds U * total, U ~ Uniform[0, 1); one draw per row.
+A seeded request draws U from a generator keyed by (seed, output index), so its tokens do not
+depend on what else shares the batch, or on preemption and recompute.
 """
 from __future__ import annotations
 
@@ -27,27 +28,41 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]) -> list[int]:
         """logits: [B, V]; output_index[i]: how many tokens row i has generated so far."""
         logits = logits.float().cpu()
-        tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
-            sampled = self._sample(logits[rows], [params[i] for i in rows], [output_index[i] for i in rows])
-            tokens[rows] = sampled
+        if not rows:
+            return logits.argmax(dim=-1).tolist()
+        if len(rows) == len(params):
+            return self._sample(logits, params, output_index).tolist()
+        tokens = logits.argmax(dim=-1)
+        tokens[rows] = self._sample(logits[rows], [params[i] for i in rows], [output_index[i] for i in rows])
         return tokens.tolist()
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]) -> torch.Tensor:
         vocab = logits.shape[-1]
-        temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)
-        sorted_logits, sorted_ids = (logits / temps).sort(dim=-1, descending=True)
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+        probs = (logits / temps).softmax(dim=-1)
+        filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+        if filtered:
+            probs[filtered] = self._filter(logits[filtered] / temps[filtered], [params[i] for i in filtered])
+        cdf = probs.to(torch.float64).cumsum_(dim=-1)
+        u = torch.empty(len(params), 1, dtype=torch.float64)
+        for i, p in enumerate(params):
+            gen = self.generator if p.seed is None else _row_generator(p.seed, output_index[i])
+            u[i].uniform_(generator=gen)
+        # The first token whose cumulative mass exceeds u * total: it always has nonzero probability.
+        tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+        return tokens.clamp_(max=vocab - 1)
+
+    @staticmethod
+    def _filter(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Top-k, then top-p over the renormalized rest; returns probabilities in token-id order."""
+        vocab = scaled.shape[-1]
+        sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab).unsqueeze(0)
         top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
-        top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
+        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).unsqueeze(1)
         outside = (probs.cumsum(dim=-1) - probs) > top_p   # mass before this token already covers top_p
         probs = probs.masked_fill(outside, 0.0)
-        noise = torch.empty_like(probs)
-        for i, p in enumerate(params):
-            gen = self.generator if p.seed is None else _row_generator(p.seed, output_index[i])
-            noise[i].exponential_(generator=gen)
-        choice = (probs / noise).argmax(dim=-1, keepdim=True)
-        return sorted_ids.gather(1, choice).squeeze(1)
+        return torch.zeros_like(probs).scatter_(1, sorted_ids, probs)

@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.linear import Linear
-from engine.layers.norm import RMSNorm
+from engine.layers.norm import RMSNorm, rms_norm
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
 
@@ -26,14 +26,16 @@ class SelfAttention(nn.Module):
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        # q and k heads side by side ([T, nq + nkv, d]), so norm and rotary run once for both.
+        qk = qkv[:, :self.q_size + self.kv_size].view(-1, nq + nkv, d)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, nkv, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v.contiguous(), meta)
+            weight = torch.cat([self.q_norm.weight.expand(nq, d), self.k_norm.weight.expand(nkv, d)])
+            qk = rms_norm(qk, weight, self.q_norm.eps)
+        qk = self.rotary.rotate(positions, qk)
+        out = self.attn(qk[:, :nq], qk[:, nq:], v.contiguous(), meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -46,7 +48,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -59,7 +61,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaModel(nn.Module):
