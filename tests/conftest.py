@@ -1,8 +1,13 @@
 """Shared fixtures: tiny checkpoints made once per session, HF reference outputs."""
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
+
+# Ray reads its auth mode once, when first imported; whichever test module imports it first,
+# the Ray tests' local cluster uses token authentication.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 import pytest
 
