@@ -576,7 +576,7 @@ def _executor() -> ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None or _pool._max_workers < torch.get_num_threads():
-            _pool = ThreadPoolExecutor(max_workers=torch.get_num_threads(), thread_name_prefix="pd-attn")
+            _pool = ThreadPoolExecutor(max_workers=torch.get_num_threads(), thread_name_prefix="pd-cpu")
         return _pool
 
 

@@ -95,7 +95,8 @@ class Linear(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_bf16 is not None and x.dim() == 2 and x.shape[0] <= BF16_KERNEL_MAX_ROWS:
+        if (self.packed_bf16 is not None and x.dim() == 2 and x.shape[0] <= BF16_KERNEL_MAX_ROWS
+                and x.dtype == torch.float32):
             y = cpu_kernels.linear_bf16w(x, self.packed_bf16)
             return y if self.bias is None else y.add_(self.bias)
         if self.packed is not None:
