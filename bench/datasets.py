@@ -33,9 +33,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,27 +161,11 @@ def _jsonl(opts: DatasetOptions, num_prompts: int) -> list[SampleRequest]:
 
 
 def model_cache_dir(preset: str = "small", arch: str = "qwen3", seed: int = 0) -> Path:
-    from engine.model_maker import MAKER_VERSION, pdserve_home
-    return pdserve_home() / "models" / f"{preset}-{arch}-seed{seed}-v{MAKER_VERSION}"
+    from engine.model_maker import cached_model_dir
+    return cached_model_dir(preset, arch, seed)
 
 
 def ensure_model(preset: str = "small", arch: str = "qwen3", seed: int = 0) -> Path:
-    """The deterministic checkpoint of a preset, made once under $PDSERVE_HOME/models
-    (default ~/.cache/pdserve/models), atomically so concurrent makers are safe."""
-    from engine.model_maker import make_model
-    target = model_cache_dir(preset, arch, seed)
-    if target.is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        make_model(tmp, preset=preset, arch=arch, seed=seed)
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not target.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    """The deterministic checkpoint of a preset, made once under $PDSERVE_HOME/models."""
+    from engine.model_maker import ensure_model as make_once
+    return make_once(preset, arch, seed)

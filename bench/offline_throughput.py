@@ -24,9 +24,7 @@ import json
 import os
 import platform
 import random
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,31 +67,14 @@ def make_workload(num_prompts: int, vocab_size: int, input_range: tuple[int, int
 
 
 def model_cache_dir() -> Path:
-    from engine.model_maker import MAKER_VERSION, pdserve_home
-    return pdserve_home() / "models" / f"{MODEL_PRESET}-{MODEL_ARCH}-seed{MODEL_SEED}-v{MAKER_VERSION}"
+    from engine.model_maker import cached_model_dir
+    return cached_model_dir(MODEL_PRESET, MODEL_ARCH, MODEL_SEED)
 
 
 def ensure_model(model_dir: str | None) -> Path:
     """The benchmark checkpoint: ``model_dir`` if given, else made once in the cache (atomically)."""
-    from engine.model_maker import make_model
-    if model_dir:
-        return Path(model_dir)
-    target = model_cache_dir()
-    if target.is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        make_model(tmp, preset=MODEL_PRESET, arch=MODEL_ARCH, seed=MODEL_SEED)
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not target.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    from engine.model_maker import ensure_model as make_once
+    return Path(model_dir) if model_dir else make_once(MODEL_PRESET, MODEL_ARCH, MODEL_SEED)
 
 
 # ---------------------------------------------------------------- pdserve

@@ -20,16 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.model_maker import make_model, pdserve_home  # noqa: E402
+from engine.model_maker import ensure_model  # noqa: E402
 from services.client import Client  # noqa: E402
 from services.launcher import Cluster, Deployment, free_port  # noqa: E402
-
-
-def small_model_dir() -> str:
-    path = pdserve_home() / "models" / "small-qwen3-seed0"
-    if not (path / "config.json").exists():
-        make_model(path, preset="small", arch="qwen3", seed=0)
-    return str(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    model = args.model or small_model_dir()
+    model = args.model or str(ensure_model("small"))
     spec = Deployment(model=model, port=free_port(), threads_per_worker=args.threads,
                       engine_args=["--max-num-batched-tokens", str(args.max_num_batched_tokens),
                                    "--no-prefix-caching"])

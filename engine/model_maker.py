@@ -319,21 +319,25 @@ def pdserve_home() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "pdserve"
 
 
+def cached_model_dir(preset: str = DEFAULT_PRESET, arch: str = DEFAULT_ARCH, seed: int = DEFAULT_SEED) -> Path:
+    """Cache location of a preset's deterministic checkpoint."""
+    return pdserve_home() / "models" / f"{preset}-{arch}-seed{seed}-v{MAKER_VERSION}"
+
+
 def default_model_dir() -> Path:
     """Cache location of the default (tiny qwen3, seed 0) model."""
-    name = f"{DEFAULT_PRESET}-{DEFAULT_ARCH}-seed{DEFAULT_SEED}-v{MAKER_VERSION}"
-    return pdserve_home() / "models" / name
+    return cached_model_dir()
 
 
-def ensure_default_model() -> Path:
-    """Make the default model on first use (atomically) and return its directory."""
-    target = default_model_dir()
+def ensure_model(preset: str = DEFAULT_PRESET, arch: str = DEFAULT_ARCH, seed: int = DEFAULT_SEED) -> Path:
+    """Make a preset's checkpoint in the cache on first use (atomically) and return its directory."""
+    target = cached_model_dir(preset, arch, seed)
     if target.is_dir():  # only ever created by the rename below, so it is complete
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        make_model(tmp, DEFAULT_PRESET, DEFAULT_ARCH, DEFAULT_SEED)
+        make_model(tmp, preset, arch, seed)
         tmp.chmod(0o755)
         try:
             os.rename(tmp, target)
@@ -343,6 +347,11 @@ def ensure_default_model() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def ensure_default_model() -> Path:
+    """Make the default model on first use (atomically) and return its directory."""
+    return ensure_model()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -323,10 +323,9 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
                        resolver=None, on_start=None) -> None:
     """Run the router until stop is set (or SIGINT/SIGTERM). resolver: see WorkerPool;
     on_start(bound_port) runs once serving."""
-    import signal
 
     from services.metrics import start_metrics_server
-    from services.server import start_server
+    from services.server import start_server, stop_on_signals
 
     pool = WorkerPool(options.prefill, options.decode, options.colocated, resolver=resolver)
     await pool.wait_ready(ready_timeout_s)
@@ -342,12 +341,7 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
     if on_start is not None:
         on_start(bound)
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
+    stop_on_signals(stop)
     try:
         await stop.wait()
     finally:

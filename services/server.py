@@ -1,6 +1,8 @@
 """gRPC server bootstrap shared by every process: health, reflection, message limits."""
 from __future__ import annotations
 
+import asyncio
+import signal
 from typing import Callable, Iterable
 
 import grpc
@@ -33,6 +35,16 @@ async def start_server(registrations: Iterable[tuple[Callable, object, str]], ho
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound, health_servicer
+
+
+def stop_on_signals(stop: asyncio.Event) -> None:
+    """SIGINT and SIGTERM set stop (where the loop supports signal handlers)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
 
 
 def channel(address: str) -> grpc.aio.Channel:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import uuid
 from dataclasses import dataclass
 from typing import Callable
@@ -19,7 +18,7 @@ from services.decode import DecodeHandler
 from services.kv_transfer import GrpcKVSender, KVSender, KVTransferServicer
 from services.kv_transfer.grpc_transport import register_kv_servicer
 from services.prefill import PrefillHandler
-from services.server import start_server
+from services.server import start_server, stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -117,12 +116,7 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, ready: asyn
         metrics_note = f", metrics on http://{options.host}:{mport}/metrics"
     print(f"pdserve {config.role} worker {worker_id} listening on {options.host}:{port}{metrics_note}", flush=True)
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
+    stop_on_signals(stop)
     if on_start is not None:
         on_start(servicer, port)
     if ready is not None:
