@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 
-from engine.block_manager import NoFreeBlocks
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, NoFreeBlocks
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepTrace
 from engine.sequence import Sequence, SequenceStatus

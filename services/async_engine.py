@@ -96,9 +96,6 @@ class AsyncEngine:
             stream.put_nowait(StepResult(RequestOutput(request_id, [], True, "abort")))
         return found
 
-    async def stats(self) -> dict[str, int]:
-        return await self.call(lambda e: e.stats())
-
     # ---- the engine thread --------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
