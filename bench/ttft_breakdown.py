@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or str(ensure_model("small"))
     spec = Deployment(model=model, port=free_port(), threads_per_worker=args.threads,
                       engine_args=["--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                                   "--no-prefix-caching"])
+                                   "--no-enable-prefix-caching"])
     rng = random.Random(0)
     rows = []
     with Cluster(spec) as cluster, Client(cluster.router_address, timeout=300) as client:

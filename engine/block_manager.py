@@ -122,15 +122,18 @@ class BlockManager:
             self.hash_to_block.setdefault(block_hash, block.block_id)
 
     # ---- sequences ------------------------------------------------------------
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self.blocks_needed(seq.num_tokens) <= self.num_free_blocks
-
-    def allocate(self, seq: Sequence, max_cached_tokens: int | None = None) -> int:
+    def allocate(self, seq: Sequence, max_cached_tokens: int | None = None, *, receiving: bool = False,
+                 reserve_blocks: int = 0) -> int:
         """Give seq blocks for all its tokens, sharing cached ones. Returns computed prefix tokens.
 
         Blocks found by key are shared even if another sequence is still computing them
         (scheduled in the same step): the caller recomputes from the first uncomputed block,
         which writes identical bytes, and no key is ever overwritten.
+
+        receiving=True (a decode worker's reservation, whose bytes arrive from elsewhere): only
+        computed blocks are shared, and the fresh ones get no key until mark_computed, so no
+        other sequence can find a block whose received bytes are not verified yet.
+        reserve_blocks: free blocks that must remain after this allocation (room for others).
         """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.request_id} already holds blocks")
@@ -141,13 +144,13 @@ class BlockManager:
         shared: list[Block] = []
         for i, h in enumerate(hashes):
             block = self._lookup(h, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
-            if block is None:
+            if block is None or (receiving and not block.computed):
                 break
             shared.append(block)
         fresh_needed = self.blocks_needed(seq.num_tokens) - len(shared)
-        fresh_available = self.num_free_blocks - sum(1 for b in shared if b.ref_count == 0)
+        fresh_available = self.num_free_blocks - sum(1 for b in shared if b.ref_count == 0) - reserve_blocks
         if fresh_needed > fresh_available:
-            raise NoFreeBlocks(f"need {fresh_needed} blocks, {fresh_available} free")
+            raise NoFreeBlocks(f"need {fresh_needed} blocks, {max(0, fresh_available)} free")
         computed_prefix = 0
         for i, block in enumerate(shared):
             self._ref(block)
@@ -156,10 +159,11 @@ class BlockManager:
                 computed_prefix = i + 1
         for i in range(len(shared), self.blocks_needed(seq.num_tokens)):
             block = self._take_free()
-            if i < n_full and hashes:
+            if i < n_full and hashes and not receiving:
                 self._register(block, hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             seq.block_table.append(block.block_id)
-        seq.block_hashes = hashes[:n_full]
+        # A receiving sequence's keys are (re)computed by mark_computed once its bytes are verified.
+        seq.block_hashes = hashes[:len(shared)] if receiving else hashes[:n_full]
         seq.num_hashed_blocks = len(seq.block_hashes)
         cached = computed_prefix * bs
         limit = seq.num_tokens - 1 if max_cached_tokens is None else max_cached_tokens
@@ -175,9 +179,6 @@ class BlockManager:
         seq.block_table.clear()
         seq.num_hashed_blocks = 0
         seq.block_hashes = []
-
-    def can_append(self, seq: Sequence) -> bool:
-        return len(seq.block_table) * self.block_size >= seq.num_tokens or self.num_free_blocks > 0
 
     def append_slot(self, seq: Sequence) -> None:
         """Make sure seq has a block for its last token (before a decode step)."""

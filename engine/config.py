@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = ("both", "prefill", "decode")
@@ -11,27 +11,35 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "w8a16")
 
 
+def _f(default: Any, help: str, **meta: Any) -> Any:
+    """A config field with its help text (the CLI flags are generated from these)."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    model: str
-    dtype: str = "auto"                      # "auto": the checkpoint's torch_dtype (weights as loaded, KV cache)
-    compute_dtype: str = "auto"              # activations and matmuls; "auto": float32 on CPU for bf16/fp16
-                                             # weights (CPU fp32 GEMMs run ~2x bf16's), else dtype
-    device: str = "auto"                     # "auto": cuda when available, else cpu
-    max_num_batched_tokens: int = 2048       # token budget of one step (chunked prefill)
-    max_num_seqs: int = 64
-    max_model_len: int | None = None         # default: the model's max_position_embeddings
-    block_size: int = 16
-    num_kv_blocks: int | None = None         # explicit pool size; overrides the memory budget
-    kv_cache_memory_bytes: int = 1 << 30     # CPU pool budget
-    gpu_memory_utilization: float = 0.85     # CUDA: fraction of free memory for the pool
-    enable_prefix_caching: bool = True
-    schedule_policy: str = "prefill_first"
-    role: str = "both"
-    num_threads: int | None = None           # torch intra-op threads; None leaves torch's choice
-    enforce_eager: bool = False              # CUDA: skip graph capture for decode
-    quantization: str | None = None          # "w8a16": int8 weights, per-output-channel scales
-    seed: int = 0                            # for requests without their own seed
+    model: str = field(metadata={"help": "Hugging Face checkpoint directory (Qwen3 or Llama families)"})
+    dtype: str = _f("auto", "weights and KV cache dtype; auto: the checkpoint's torch_dtype", choices=DTYPES)
+    compute_dtype: str = _f("auto", "activations and matmuls; auto: float32 on CPU for bf16/fp16 weights "
+                                    "(CPU float32 GEMMs), else dtype", choices=DTYPES)
+    device: str = _f("auto", "cpu, cuda, cuda:N; auto: cuda when available")
+    max_num_batched_tokens: int = _f(2048, "token budget of one step (chunked prefill)")
+    max_num_seqs: int = _f(64, "sequences in one step")
+    max_model_len: int | None = _f(None, "longest sequence; default: the model's max_position_embeddings")
+    block_size: int = _f(16, "tokens per KV block")
+    num_kv_blocks: int | None = _f(None, "KV pool size in blocks; overrides the memory budget")
+    kv_cache_memory_bytes: int = _f(1 << 30, "CPU: KV pool budget in bytes")
+    gpu_memory_utilization: float = _f(0.85, "CUDA: fraction of free memory for the KV pool")
+    enable_prefix_caching: bool = _f(True, "share computed blocks between prompts with a common prefix")
+    schedule_policy: str = _f("prefill_first", "what one step holds: prefill_first, interleave (decode after "
+                                               "each prefill step while prompts wait) or mixed (decodes and "
+                                               "prefill chunks in one step)", choices=SCHEDULE_POLICIES)
+    role: str = _f("both", "both (colocated), prefill or decode", choices=ROLES)
+    num_threads: int | None = _f(None, "torch intra-op threads; none: torch's choice", aliases=("--threads",))
+    enforce_eager: bool = _f(False, "CUDA: no graph capture for decode")
+    quantization: str | None = _f(None, "w8a16: int8 weights with per-output-channel scales",
+                                  choices=QUANTIZATIONS)
+    seed: int = _f(0, "sampling seed of requests without their own")
 
     def __post_init__(self) -> None:
         _check_choice("role", self.role, ROLES)

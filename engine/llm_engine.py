@@ -1,10 +1,17 @@
-"""The step-level engine both worker roles drive.
+"""The step-level engine every worker role drives.
 
 role "both":    prompts are prefilled and decoded here (offline LLM, colocated worker).
-role "prefill": a prompt is prefilled, its first token sampled, and its blocks stay pinned
-                until release(); step outputs list blocks ready for export after each chunk.
-role "decode":  reserve() blocks for a prompt whose KV arrives from elsewhere,
-                write_kv_block() as blocks land, admit() to join continuous batching.
+role "prefill": a prompt is prefilled and its next token sampled; its blocks are exported
+                chunk by chunk and stay pinned until released (see kv_connector).
+role "decode":  reserve() blocks for a sequence whose KV arrives from elsewhere, the KV
+                connector verifies and stores each block, admit() joins continuous batching.
+                Prompts added with add_request() are prefilled locally, as in "both".
+
+Concurrency: one lock guards the scheduler, the block pool and the hand-off state. step()
+holds it while it schedules and while it applies the results, never during the forward
+pass, so add_request, abort, reserve and KV writes from other threads take effect at once
+and new work joins the next step. A request aborted while its step runs has its blocks
+freed when that forward pass ends.
 """
 from __future__ import annotations
 
@@ -14,15 +21,15 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence as Seq
 
-import torch
-
+from engine.block_manager import BlockManager, NoFreeBlocks
 from engine.config import EngineConfig
+from engine.kv_connector import KVConnector, LeasePolicy, Reservation
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
-from engine.block_manager import BlockManager, NoFreeBlocks
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, StepTrace
+from engine.scheduler import ScheduledBatch, Scheduler, StepTrace
 from engine.sequence import Sequence, SequenceStatus
 from engine.validation import validate_request
 
@@ -35,25 +42,18 @@ class RequestOutput:
     finish_reason: str | None = None       # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    prefill_done: bool = False              # prefill role: KV complete, blocks pinned
+    prefill_done: bool = False              # prefill role: the sampled token is in; blocks pinned
     ready_blocks: list[int] = field(default_factory=list)   # prefill role: block indices exportable now
     queue_s: float | None = None            # on the first token: arrival -> first scheduled
     prefill_s: float | None = None          # on the first token: first scheduled -> first token
 
 
 class NoCapacity(RuntimeError):
-    """The decode pool cannot reserve blocks for this prompt now."""
-
-
-@dataclass(slots=True)
-class Reservation:
-    seq: Sequence
-    needed: set[int]
-    expires_at: float
+    """The decode pool cannot reserve blocks for this sequence now."""
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, trace_limit: int = 10_000) -> None:
+    def __init__(self, config: EngineConfig, trace_limit: int = 10_000, lease: LeasePolicy | None = None) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.eos_token_ids = set(self.model_config.eos_token_ids) | _generation_eos(config.model)
@@ -62,75 +62,111 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.requests: dict[str, Sequence] = {}
-        self.pinned: dict[str, Sequence] = {}
-        self.reservations: dict[str, Reservation] = {}
+        self.kv = KVConnector(self, lease)
+        self.requests: dict[str, Sequence] = {}     # sequences the scheduler holds
         self.trace: deque[StepTrace] = deque(maxlen=trace_limit)
         self.num_steps = 0
-        self._reservation_lock = threading.Lock()
+        self.lock = threading.RLock()
 
     # ---- validation -------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
-        total = len(prompt_token_ids) + params.max_tokens
-        need = self.block_manager.blocks_needed(total)
+    def validate_request(self, prompt_token_ids: Seq[int], params: SamplingParams,
+                         output_token_ids: Seq[int] = ()) -> None:
+        validate_request(list(prompt_token_ids), params, self.model_config.vocab_size, self.max_model_len,
+                         output_token_ids=list(output_token_ids))
+        need = self.block_manager.blocks_needed(len(prompt_token_ids) + params.max_tokens)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"request needs {need} KV blocks, more than num_kv_blocks ({self.block_manager.num_blocks})")
 
-    # ---- requests -------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if self.config.role == "decode":
-            raise RuntimeError("a decode-role engine takes requests through reserve()/admit()")
-        self._check_new_id(request_id)
-        self.validate_request(prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params)
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
-
-    def _check_new_id(self, request_id: str) -> None:
-        if request_id in self.requests or request_id in self.pinned:
+    def _new_sequence(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                      output_token_ids: Seq[int]) -> Sequence:
+        if request_id in self.requests or request_id in self.kv.receiving or request_id in self.kv.sending:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self.validate_request(prompt_token_ids, params, output_token_ids)
+        return Sequence(request_id, [*prompt_token_ids, *output_token_ids], params,
+                        num_prompt_tokens=len(prompt_token_ids))
+
+    # ---- requests -------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                    output_token_ids: Seq[int] = ()) -> None:
+        """Queue a request; it joins the next step. output_token_ids: tokens it already generated
+        elsewhere (a migrated request): they are prefilled with the prompt and count towards max_tokens."""
+        with self.lock:
+            seq = self._new_sequence(request_id, prompt_token_ids, params, output_token_ids)
+            self.requests[request_id] = seq
+            if self.config.role == "prefill":
+                self.kv.track(seq)
+            self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks. Returns whether it was found."""
-        with self._reservation_lock:   # no KV write may land in blocks being freed
-            seq = self.requests.pop(request_id, None) or self.pinned.pop(request_id, None)
-            if seq is None:
-                return False
-            self.reservations.pop(request_id, None)
-        self.scheduler.remove(seq)
-        self.block_manager.free(seq)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-        return True
+        with self.lock:
+            seq = self.requests.get(request_id)
+            if seq is not None:
+                self.kv.sending.pop(request_id, None)
+                self._drop(seq, "abort")
+                return True
+            if request_id in self.kv.receiving:
+                return self.kv.fail(request_id, "ABORTED", f"request {request_id!r} was aborted")
+            return self.kv.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
+    def _drop(self, seq: Sequence, reason: str) -> None:
+        """End a sequence: out of the scheduler, blocks freed (after its forward pass, if one is running)."""
+        self.scheduler.remove(seq)
+        self.requests.pop(seq.request_id, None)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        if not seq.in_flight:
+            self.block_manager.free(seq)
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        if not seq.in_flight:
+            self.block_manager.free(seq)
+
     # ---- the step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.expire_reservations()
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        self.num_steps += 1
-        self.trace.append(self.scheduler.trace(self.num_steps, batch))
-        tokens = self.runner.run(batch)
+        with self.lock:
+            self.kv.expire()
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return []
+            self.num_steps += 1
+            self.trace.append(self.scheduler.trace(self.num_steps, batch))
+            for seq in batch.seqs:
+                seq.in_flight = True
+        try:
+            tokens = self.runner.run(batch)
+        finally:
+            with self.lock:
+                for seq in batch.seqs:
+                    seq.in_flight = False
+                    if seq.status is SequenceStatus.FINISHED:   # dropped while its step ran
+                        self.block_manager.free(seq)
+        with self.lock:
+            return self._apply(batch, tokens)
+
+    def _apply(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
+        prefill_role = self.config.role == "prefill"
         for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, tokens):
+            if seq.status is SequenceStatus.FINISHED:
+                continue
             seq.num_computed_tokens += n
             self.block_manager.mark_computed(seq)
             if tok is None:
-                if self.config.role == "prefill":
-                    outputs.append(self._prefill_progress(seq))
+                if prefill_role:
+                    outputs.append(RequestOutput(seq.request_id, [], False, None, seq.num_prompt_tokens,
+                                                 seq.num_cached_tokens, ready_blocks=self.kv.export(seq, final=False)))
                 continue
             seq.token_ids.append(tok)
             reason = self._stop_reason(seq, tok)
-            if self.config.role == "prefill":
+            if prefill_role:
                 out = self._finish_prefill(seq, tok, reason)
             else:
                 if reason is not None:
-                    self._finish(seq, reason)
+                    self._drop(seq, reason)
                 out = RequestOutput(seq.request_id, [tok], reason is not None, reason,
                                     seq.num_prompt_tokens, seq.num_cached_tokens)
             if seq.first_token_time is None:
@@ -148,146 +184,75 @@ class LLMEngine:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.remove(seq)
-        self.block_manager.free(seq)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        self.requests.pop(seq.request_id, None)
-
     # ---- prefill role -----------------------------------------------------------
-    def _ready_blocks(self, seq: Sequence, final: bool) -> list[int]:
-        bs = self.config.block_size
-        done = -(-seq.num_computed_tokens // bs) if final else seq.num_computed_tokens // bs
-        ready = list(range(seq.num_ready_blocks, done))
-        seq.num_ready_blocks = done
-        return ready
-
-    def _prefill_progress(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput(seq.request_id, [], False, None, seq.num_prompt_tokens, seq.num_cached_tokens,
-                             ready_blocks=self._ready_blocks(seq, final=False))
-
     def _finish_prefill(self, seq: Sequence, tok: int, reason: str | None) -> RequestOutput:
-        """The prompt's KV is complete: pin its blocks for export until release()."""
+        """The sequence's KV is complete and its next token sampled: pin its blocks for export."""
         self.scheduler.remove(seq)
         self.requests.pop(seq.request_id, None)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        self.pinned[seq.request_id] = seq
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        ready = self.kv.export(seq, final=True)
+        self.kv.pin(seq)
         return RequestOutput(seq.request_id, [tok], reason is not None, reason, seq.num_prompt_tokens,
-                             seq.num_cached_tokens, prefill_done=True, ready_blocks=self._ready_blocks(seq, final=True))
-
-    def block_ids(self, request_id: str) -> list[int]:
-        seq = self.pinned.get(request_id) or self.requests[request_id]
-        return list(seq.block_table)
-
-    def block_hashes(self, request_id: str) -> list[int]:
-        """Chain hashes of the request's full prompt blocks."""
-        seq = self.pinned.get(request_id) or self.requests[request_id]
-        return list(seq.block_hashes)
-
-    def read_kv_blocks(self, request_id: str, block_indices: list[int]) -> torch.Tensor:
-        table = self.block_ids(request_id)
-        return self.runner.read_blocks([table[i] for i in block_indices])
+                             seq.num_cached_tokens, prefill_done=True, ready_blocks=ready)
 
     def release(self, request_id: str) -> bool:
-        """Prefill role: the blocks were delivered; they fall back to the prefix cache."""
-        seq = self.pinned.pop(request_id, None)
-        if seq is None:
-            return False
-        self.block_manager.free(seq)
-        return True
+        """Prefill role: the pinned blocks were delivered; they fall back to the prefix cache."""
+        with self.lock:
+            return self.kv.release(request_id)
 
     # ---- decode role ----------------------------------------------------------
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                timeout_s: float = 30.0) -> list[int]:
-        """Reserve blocks for the whole prompt. Returns the block indices that must be sent
-        (those not already computed in this pool's prefix cache). Raises NoCapacity."""
-        self._check_new_id(request_id)
-        self.validate_request(prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params, status=SequenceStatus.RECEIVING)
-        # Keep room for the decode tokens of sequences already running plus this one's first block.
-        try:
-            cached = self.block_manager.allocate(seq, max_cached_tokens=seq.num_tokens)
-        except NoFreeBlocks as exc:
-            raise NoCapacity(str(exc)) from exc
-        seq.num_cached_tokens = cached
-        seq.first_scheduled_time = time.monotonic()
-        needed = set(range(cached // self.config.block_size, len(seq.block_table)))
-        self.requests[request_id] = seq
-        self.reservations[request_id] = Reservation(seq, needed, time.monotonic() + timeout_s)
-        return sorted(needed)
+    def reserve(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                output_token_ids: Seq[int] = (), lease_s: float | None = None) -> Reservation:
+        """Reserve blocks for the sequence (prompt + tokens already generated) whose KV arrives
+        from a prefill worker. Blocks this pool holds computed are shared and not shipped.
+        Raises NoCapacity (keeping room for the running sequences to grow) or ValueError."""
+        with self.lock:
+            seq = self._new_sequence(request_id, prompt_token_ids, params, output_token_ids)
+            headroom = max(self.scheduler.watermark_blocks, len(self.scheduler.running))
+            try:
+                return self.kv.reserve(seq, lease_s, reserve_blocks=headroom)
+            except NoFreeBlocks as exc:
+                raise NoCapacity(f"{exc} (keeping {headroom} for running sequences)") from exc
 
-    def write_kv_block(self, request_id: str, block_index: int, data: torch.Tensor) -> None:
-        """Store one received block. Safe to call from a thread other than the one stepping the
-        engine: reserved blocks belong to no running sequence, and the lock keeps the write and
-        the reservation's release (abort, expiry, admission) apart. So arriving KV never waits
-        for a step to end."""
-        if tuple(data.shape) != self.runner.block_shape:
-            raise ValueError(f"block shape {tuple(data.shape)} != expected {self.runner.block_shape}")
-        with self._reservation_lock:
-            res = self.reservations.get(request_id)
-            if res is None:
-                raise KeyError(f"no reservation for request {request_id!r}")
-            if block_index not in res.needed:
-                raise ValueError(f"block {block_index} of {request_id!r} was not requested or already written")
-            self.runner.write_block(res.seq.block_table[block_index], data)
-            res.needed.discard(block_index)
-
-    def admit(self, request_id: str, first_token: int, params: SamplingParams | None = None) -> str | None:
-        """All blocks arrived: the sequence joins the running batch with its first token.
-        params (optional) replace the reservation's; returns a finish reason if the first
-        token already ends the request (its blocks are then freed)."""
-        with self._reservation_lock:
-            res = self.reservations.get(request_id)
-            if res is None:
-                raise KeyError(f"no reservation for request {request_id!r}")
-            if res.needed:
-                raise ValueError(f"request {request_id!r} still misses blocks {sorted(res.needed)}")
-            self._admit_checks(res, first_token, params)
-            del self.reservations[request_id]
-        seq = res.seq
-        seq.num_computed_tokens = seq.num_tokens
-        self.block_manager.mark_computed(seq)
-        seq.token_ids.append(first_token)
-        seq.first_token_time = time.monotonic()
-        reason = self._stop_reason(seq, first_token)
-        if reason is not None:
-            self._finish(seq, reason)
-            return reason
-        self.scheduler.add_running(seq)
-        return None
-
-    def _admit_checks(self, res: Reservation, first_token: int, params: SamplingParams | None) -> None:
-        if not 0 <= first_token < self.model_config.vocab_size:
-            raise ValueError(f"first token {first_token} is outside the vocabulary")
-        if params is not None:
-            params.validate()
-            if params.max_tokens > res.seq.params.max_tokens:
-                raise ValueError(f"max_tokens {params.max_tokens} exceeds the reserved {res.seq.params.max_tokens}")
-            res.seq.params = params
-
-    def expire_reservations(self) -> list[str]:
-        now = time.monotonic()
-        expired = [rid for rid, r in self.reservations.items() if r.expires_at < now]
-        for rid in expired:
-            self.abort(rid)
-        return expired
+    def admit(self, request_id: str, first_token: int) -> str | None:
+        """Every block arrived and verified: the sequence joins the running batch with the token
+        the prefill side sampled. Returns a finish reason if that token already ends the request
+        (its blocks are then freed). Raises HandoffError if the KV is not ready or failed."""
+        with self.lock:
+            if not 0 <= first_token < self.model_config.vocab_size:
+                self.kv.fail(request_id, "INVALID_ARGUMENT", f"first token {first_token} is outside the vocabulary")
+                raise ValueError(f"first_token_id {first_token} is outside the vocabulary [0, "
+                                 f"{self.model_config.vocab_size})")
+            seq = self.kv.take_ready(request_id)
+            seq.num_computed_tokens = seq.num_tokens
+            self.block_manager.mark_computed(seq)   # verified blocks join the prefix cache now
+            seq.token_ids.append(first_token)
+            seq.first_token_time = time.monotonic()
+            reason = self._stop_reason(seq, first_token)
+            if reason is not None:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+                self.block_manager.free(seq)
+                return reason
+            self.requests[request_id] = seq
+            self.scheduler.add_running(seq)
+            return None
 
     # ---- introspection ----------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        bm = self.block_manager
-        return {
-            "num_total_blocks": bm.num_blocks,
-            "num_free_blocks": bm.num_free_blocks,
-            "prefix_cache_queries": bm.prefix_cache_queries,
-            "prefix_cache_hits": bm.prefix_cache_hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_reserved": len(self.reservations),
-            "num_pinned": len(self.pinned),
-            "num_queued_prompt_tokens": self.scheduler.num_queued_prompt_tokens,
-        }
+        with self.lock:
+            bm = self.block_manager
+            return {
+                "num_total_blocks": bm.num_blocks,
+                "num_free_blocks": bm.num_free_blocks,
+                "prefix_cache_queries": bm.prefix_cache_queries,
+                "prefix_cache_hits": bm.prefix_cache_hits,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "num_reserved": len(self.kv.receiving),
+                "num_pinned": sum(1 for h in self.kv.sending.values() if h.pinned_until is not None),
+                "num_queued_prompt_tokens": self.scheduler.num_queued_prompt_tokens,
+            }
 
 
 def _generation_eos(model_dir: str) -> set[int]:

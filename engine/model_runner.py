@@ -114,6 +114,11 @@ class ModelRunner:
         self.kv_cache[:, :, block_id].copy_(data.to(self.device, self.dtype))
 
     @property
+    def kv_dtype_name(self) -> str:
+        """The KV cache dtype as it travels on the wire ("bfloat16", "float32", ...)."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def block_shape(self) -> tuple[int, ...]:
         mc = self.model_config
         return (mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim)

@@ -29,8 +29,8 @@ class Sequence:
     num_cached_tokens: int = 0       # prompt tokens served by the prefix cache at admission
     num_hashed_blocks: int = 0       # leading blocks whose chain hash is known
     block_hashes: list[int] = field(default_factory=list)
-    num_ready_blocks: int = 0        # prefill role: leading blocks already reported as exportable
     finish_reason: str | None = None
+    in_flight: bool = False          # in the forward pass running now: its blocks are freed after it
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -4,14 +4,19 @@ from __future__ import annotations
 from engine.sampling_params import SamplingParams
 
 
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
-    """Raise ValueError naming the field and its limit."""
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                     output_token_ids: list[int] | None = None) -> None:
+    """Raise ValueError naming the field and its limit. output_token_ids: tokens the request
+    already generated (a migrated request); they count towards max_tokens."""
     params.validate()
     if not prompt_token_ids:
         raise ValueError("prompt must not be empty")
-    for tok in prompt_token_ids:
-        if not isinstance(tok, int) or not 0 <= tok < vocab_size:
-            raise ValueError(f"prompt token id {tok!r} is outside the vocabulary [0, {vocab_size})")
+    for name, ids in (("prompt", prompt_token_ids), ("output", output_token_ids or ())):
+        for tok in ids:
+            if not isinstance(tok, int) or not 0 <= tok < vocab_size:
+                raise ValueError(f"{name} token id {tok!r} is outside the vocabulary [0, {vocab_size})")
+    if output_token_ids and len(output_token_ids) >= params.max_tokens:
+        raise ValueError(f"output_token_ids ({len(output_token_ids)}) must be fewer than max_tokens ({params.max_tokens})")
     total = len(prompt_token_ids) + params.max_tokens
     if total > max_model_len:
         raise ValueError(f"prompt tokens ({len(prompt_token_ids)}) + max_tokens ({params.max_tokens}) = {total} "

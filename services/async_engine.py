@@ -1,24 +1,28 @@
 """Runs an LLMEngine on its own thread and exposes it to asyncio services.
 
-The engine is not thread-safe, so every call into it (add, abort, reserve, write, admit,
-stats) is queued and executed on the engine thread between steps. Step outputs are routed
-to one asyncio queue per request. Model work never blocks the event loop.
+The engine thread does nothing but step. Everything else (add, abort, reserve, KV writes,
+status) is a direct call from the event loop under the engine's lock, which a step holds
+only while it schedules and applies results: no call waits for a forward pass, and new
+work joins the next step. Step outputs are routed to one asyncio queue per request; the
+``request`` context manager pairs opening a request with aborting it if the caller leaves
+early, so no request outlives its RPC.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Callable, Sequence as Seq
 
 import torch
 
 from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from engine.kv_connector import HandoffState, LeasePolicy
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
+
+IDLE_WAKE_S = 0.05   # an idle engine thread still wakes this often to expire leases
 
 
 @dataclass(slots=True)
@@ -29,18 +33,44 @@ class StepResult:
     blocks: torch.Tensor | None = None   # [len(output.ready_blocks), *block_shape], on CPU
 
 
+class RequestStream:
+    """The outputs of one request, as they come. ``async with`` it: leaving the block before
+    the request finished aborts it on the engine, so no request outlives its caller."""
+
+    def __init__(self, aengine: "AsyncEngine", request_id: str) -> None:
+        self.aengine = aengine
+        self.request_id = request_id
+        self.queue: asyncio.Queue[StepResult] = asyncio.Queue()
+        self.finished = False
+
+    async def get(self, timeout: float | None = None) -> StepResult:
+        """The next output; raises asyncio.TimeoutError after timeout seconds without one."""
+        res = await (asyncio.wait_for(self.queue.get(), timeout) if timeout else self.queue.get())
+        if res.output.finished or res.output.prefill_done:
+            self.finished = True
+        return res
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.aengine._close(self)
+
+
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None) -> None:
-        self.engine = LLMEngine(config)
+    def __init__(self, config: EngineConfig, lease: LeasePolicy | None = None,
+                 on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None) -> None:
+        self.engine = LLMEngine(config, lease=lease)
         self.config = config
         self.on_step = on_step
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[StepResult]] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._streams: dict[str, RequestStream] = {}
+        self._kv_waiters: dict[str, list[asyncio.Future[HandoffState]]] = {}
+        self._status_waiters: list[asyncio.Future[None]] = []
+        self.engine.kv.on_change = self._on_kv_change
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        # Published by the engine thread after every step and command batch, so status
-        # queries never wait behind a long prefill step.
-        self.snapshot: dict[str, int] = self.engine.stats()
 
     # ---- lifecycle --------------------------------------------------------------
     def start(self) -> None:
@@ -48,127 +78,167 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self) -> None:
-        self._commands.put(None)
+        self._stopping = True
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
 
-    # ---- calls into the engine thread ------------------------------------------------
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run fn(engine) on the engine thread between steps; exceptions propagate."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[T] = loop.create_future()
+    # ---- requests ---------------------------------------------------------------------
+    def add(self, request_id: str, prompt: Seq[int], params: SamplingParams,
+            output_token_ids: Seq[int] = ()) -> RequestStream:
+        """Queue a request (it joins the next step) and return its output stream.
+        Raises ValueError (bad request, or id in use)."""
+        stream = self._open(request_id)
+        try:
+            self.engine.add_request(request_id, prompt, params, output_token_ids)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        self._wake.set()
+        self.status_changed()
+        return stream
 
-        def job() -> None:
-            try:
-                result = fn(self.engine)
-            except BaseException as exc:  # noqa: BLE001 - handed back to the caller
-                loop.call_soon_threadsafe(_set_exception, fut, exc)
-            else:
-                loop.call_soon_threadsafe(_set_result, fut, result)
+    def admit(self, request_id: str, first_token: int) -> tuple[RequestStream, str | None]:
+        """Decode role: admit a request whose KV is READY. Returns its stream and the finish
+        reason if the first token already ended it. Raises HandoffError / ValueError."""
+        stream = self._open(request_id)
+        try:
+            reason = self.engine.admit(request_id, first_token)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        stream.finished = reason is not None
+        self._wake.set()
+        self.status_changed()
+        return stream, reason
 
-        self._commands.put(job)
-        return await fut
-
-    def open_stream(self, request_id: str) -> asyncio.Queue[StepResult]:
-        """Register for a request's outputs before it can produce any."""
+    def _open(self, request_id: str) -> RequestStream:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        stream: asyncio.Queue[StepResult] = asyncio.Queue()
-        self._streams[request_id] = stream
+        stream = self._streams[request_id] = RequestStream(self, request_id)
         return stream
 
-    def close_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    def _close(self, stream: RequestStream) -> None:
+        self._streams.pop(stream.request_id, None)
+        if not stream.finished:
+            self.engine.abort(stream.request_id)
+            self.status_changed()
 
-    async def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue[StepResult]:
-        stream = self.open_stream(request_id)
-        try:
-            await self.call(lambda e: e.add_request(request_id, prompt, params))
-        except BaseException:
-            self.close_stream(request_id)
-            raise
-        return stream
-
-    async def abort(self, request_id: str) -> bool:
-        found = await self.call(lambda e: e.abort(request_id))
-        stream = self._streams.pop(request_id, None)
+    def abort(self, request_id: str) -> bool:
+        found = self.engine.abort(request_id)
+        stream = self._streams.get(request_id)
         if stream is not None:
-            stream.put_nowait(StepResult(RequestOutput(request_id, [], True, "abort")))
+            stream.queue.put_nowait(StepResult(RequestOutput(request_id, [], True, "abort")))
+        self.status_changed()
         return found
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # ---- KV hand-off ------------------------------------------------------------------
+    async def wait_kv(self, request_id: str, timeout: float) -> HandoffState | None:
+        """Wait until the request's KV is READY, or its hand-off ended (FAILED / EXPIRED / gone: None)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[HandoffState] = loop.create_future()
+        with self.engine.lock:
+            state = self.engine.kv.state(request_id)
+            if state not in (HandoffState.RESERVED, HandoffState.RECEIVING):
+                return state
+            self._kv_waiters.setdefault(request_id, []).append(fut)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            return self.engine.kv.state(request_id)
+        finally:
+            waiters = self._kv_waiters.get(request_id)
+            if waiters is not None and fut in waiters:
+                waiters.remove(fut)
+                if not waiters:
+                    del self._kv_waiters[request_id]
+
+    def _on_kv_change(self, request_id: str, state: HandoffState) -> None:
+        """Called under the engine lock, from whichever thread changed the state."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._resolve_kv, request_id, state)
+
+    def _resolve_kv(self, request_id: str, state: HandoffState) -> None:
+        for fut in self._kv_waiters.pop(request_id, []):
+            if not fut.done():
+                fut.set_result(state)
+        self.status_changed()
+
+    # ---- status -----------------------------------------------------------------------
+    def status_changed(self) -> None:
+        """Wake WatchStatus streams (call on the event loop)."""
+        waiters, self._status_waiters = self._status_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def wait_status_change(self, timeout: float) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._status_waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if fut in self._status_waiters:
+                self._status_waiters.remove(fut)
 
     # ---- the engine thread --------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
-        while True:
-            try:   # idle: wait for work (waking now and then to expire reservations)
-                job = self._commands.get_nowait() if engine.has_unfinished_requests() else self._commands.get(timeout=0.05)
-            except queue.Empty:
-                job = _idle
-            if job is None or not self._run_jobs(job):
-                return
-            if job is not _idle:
-                self.snapshot = engine.stats()
-            if engine.has_unfinished_requests():
-                try:
-                    outputs = engine.step()
-                except Exception:  # a failing step must not hang every caller
-                    log.exception("engine step failed")
-                    self._fail_all()
-                    continue
-                self._dispatch(outputs)
-                self.snapshot = engine.stats()
-            if engine.reservations and engine.expire_reservations():
-                self.snapshot = engine.stats()
-
-    def _run_jobs(self, job: Callable[[], None]) -> bool:
-        """Run job and every queued one after it. False when asked to stop."""
-        while True:
-            job()
+        while not self._stopping:
+            if not engine.has_unfinished_requests():
+                self._wake.wait(IDLE_WAKE_S)
+                self._wake.clear()
+                with engine.lock:
+                    if engine.kv.expire():
+                        self._call_soon(self.status_changed)
+                continue
             try:
-                job = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-            if job is None:
-                return False
+                outputs = engine.step()
+            except Exception:  # a failing step must not hang every caller
+                log.exception("engine step failed")
+                self._fail_all()
+                continue
+            results = self._collect(outputs)
+            self._call_soon(self._deliver, results)
+            if self.on_step is not None:
+                self.on_step(engine, outputs)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        if self.on_step is not None:
-            self.on_step(self.engine, outputs)
-        results = []
-        for out in outputs:
-            blocks = None
-            if out.ready_blocks:   # copy now, ship while the next chunk computes
-                blocks = self.engine.read_kv_blocks(out.request_id, out.ready_blocks)
-            results.append(StepResult(out, blocks))
+    def _call_soon(self, fn: Callable, *args) -> None:
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._deliver, results)
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:   # the loop closed while the thread was stepping
+            self._stopping = True
+
+    def _collect(self, outputs: list[RequestOutput]) -> list[StepResult]:
+        """Copy each output's newly exportable blocks now, before the next step reuses the pool."""
+        results = []
+        with self.engine.lock:
+            for out in outputs:
+                blocks = None
+                if out.ready_blocks and out.request_id in self.engine.kv.sending:
+                    blocks = self.engine.kv.read_blocks(out.request_id, out.ready_blocks)
+                results.append(StepResult(out, blocks))
+        return results
 
     def _deliver(self, results: list[StepResult]) -> None:
         for res in results:
             stream = self._streams.get(res.output.request_id)
             if stream is not None:
-                stream.put_nowait(res)
+                stream.queue.put_nowait(res)
+        self.status_changed()
 
     def _fail_all(self) -> None:
-        for rid in list(self.engine.requests):
-            self.engine.abort(rid)
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._fail_streams)
+        with self.engine.lock:
+            for rid in list(self.engine.requests):
+                self.engine.abort(rid)
+        self._call_soon(self._fail_streams)
 
     def _fail_streams(self) -> None:
         for rid, stream in list(self._streams.items()):
-            stream.put_nowait(StepResult(RequestOutput(rid, [], True, "abort")))
-
-
-def _idle() -> None:
-    pass
-
-
-def _set_result(fut: asyncio.Future, value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
+            stream.queue.put_nowait(StepResult(RequestOutput(rid, [], True, "abort")))

@@ -1,13 +1,21 @@
 """Python clients for the router: blocking (Client) and asyncio (AsyncClient)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.server import GRPC_OPTIONS
+from services.security import API_KEY_ENV, API_KEY_HEADER, metadata_interceptors
+from services.server import options as channel_options
+
+
+def _api_key_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """Bearer credentials for the router's API key (the argument, else $PDSERVE_API_KEY)."""
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    return ((API_KEY_HEADER, f"Bearer {key}"),) if key else ()
 
 
 @dataclass(slots=True)
@@ -29,7 +37,8 @@ class Completion:
                           "cached_tokens": msg.usage.cached_tokens}
             t = msg.timings
             self.timings = {"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "kv_transfer_ms": t.kv_transfer_ms,
-                            "first_decode_step_ms": t.first_decode_step_ms, "ttft_ms": t.ttft_ms, "e2e_ms": t.e2e_ms}
+                            "first_decode_step_ms": t.first_decode_step_ms, "ttft_ms": t.ttft_ms, "e2e_ms": t.e2e_ms,
+                            "migrations": t.migrations}
 
 
 def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_tokens: int | None = None,
@@ -51,15 +60,17 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_toke
 
 
 class Client:
-    """Blocking client: Client("127.0.0.1:50051").generate("Hello", max_tokens=16)."""
+    """Blocking client: Client("127.0.0.1:50051").generate("Hello", max_tokens=16).
+    api_key: the router's API key (default: $PDSERVE_API_KEY, if set)."""
 
-    def __init__(self, address: str, timeout: float | None = None) -> None:
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None) -> None:
+        self.channel = grpc.insecure_channel(address, options=channel_options())
+        self.metadata = _api_key_metadata(api_key)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
         self.timeout = timeout
 
     def generate_stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[router_pb2.GenerateResponse]:
-        yield from self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout)
+        yield from self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout, metadata=self.metadata)
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Completion:
         out = Completion(kwargs.get("request_id", ""))
@@ -68,10 +79,10 @@ class Client:
         return out
 
     def abort(self, request_id: str) -> bool:
-        return self.stub.Abort(common_pb2.AbortRequest(request_id=request_id)).found
+        return self.stub.Abort(common_pb2.AbortRequest(request_id=request_id), metadata=self.metadata).found
 
     def model_info(self) -> router_pb2.ModelInfo:
-        return self.stub.GetModelInfo(router_pb2.ModelInfoRequest())
+        return self.stub.GetModelInfo(router_pb2.ModelInfoRequest(), metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()
@@ -86,8 +97,10 @@ class Client:
 class AsyncClient:
     """asyncio client for load tests: same calls, awaited."""
 
-    def __init__(self, address: str, timeout: float | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+    def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None) -> None:
+        metadata = _api_key_metadata(api_key)
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(),
+                                                 interceptors=metadata_interceptors(metadata) if metadata else None)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
         self.timeout = timeout
 

@@ -5,52 +5,49 @@ from typing import AsyncIterator
 
 import grpc
 
-from pdserve.v1 import worker_pb2
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.async_engine import AsyncEngine
 from services.convert import params_from_proto
+from services.worker_state import WorkerState
 
 
-class ColocatedHandler:
-    def __init__(self, aengine: AsyncEngine) -> None:
+class ColocatedHandler(worker_pb2_grpc.ColocatedWorkerServicer):
+    def __init__(self, aengine: AsyncEngine, state: WorkerState) -> None:
         self.aengine = aengine
+        self.state = state
 
-    async def generate(self, request: worker_pb2.GenerateLocalRequest, context: grpc.aio.ServicerContext
+    async def Generate(self, request: worker_pb2.GenerateLocalRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[worker_pb2.GenerateLocalEvent]:
-        rid = request.request_id
+        await self.state.refuse_if_draining(context)
         try:
-            stream = await self.aengine.add_request(rid, list(request.prompt_token_ids), params_from_proto(request.params))
+            stream = self.aengine.add(request.request_id, request.prompt_token_ids, params_from_proto(request.params),
+                                      request.output_token_ids)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        finished = False
-        try:
-            first = True
-            while True:
-                out = (await stream.get()).output
-                if out.finish_reason == "abort":
-                    finished = True
-                    yield worker_pb2.GenerateLocalEvent(decode=worker_pb2.DecodeEvent(finished=True, finish_reason="abort"))
-                    return
-                if first:
-                    first = False
-                    done = worker_pb2.PrefillDone(first_token_id=out.new_token_ids[0],
-                                                  num_cached_tokens=out.num_cached_tokens,
-                                                  queue_ms=(out.queue_s or 0.0) * 1e3,
-                                                  prefill_ms=(out.prefill_s or 0.0) * 1e3)
-                    if out.finish_reason is not None:
-                        done.finish_reason = out.finish_reason
-                    yield worker_pb2.GenerateLocalEvent(prefill_done=done)
-                    if not out.finished:
+        with self.state.track():
+            async with stream:
+                first = True
+                while True:
+                    out = (await stream.get()).output
+                    if out.finish_reason == "abort":
+                        event = worker_pb2.DecodeEvent(finished=True, finish_reason="abort")
+                        yield worker_pb2.GenerateLocalEvent(decode=event)
+                        return
+                    if first:
+                        first = False
+                        token = worker_pb2.FirstToken(token_id=out.new_token_ids[0],
+                                                      num_cached_tokens=out.num_cached_tokens,
+                                                      queue_ms=(out.queue_s or 0.0) * 1e3,
+                                                      prefill_ms=(out.prefill_s or 0.0) * 1e3)
+                        if out.finish_reason is not None:
+                            token.finish_reason = out.finish_reason
+                        yield worker_pb2.GenerateLocalEvent(first_token=token)
+                        if out.finished:
+                            return
                         continue
-                    event = worker_pb2.DecodeEvent(finished=True, finish_reason=out.finish_reason)
-                else:
                     event = worker_pb2.DecodeEvent(token_ids=out.new_token_ids, finished=out.finished)
                     if out.finish_reason is not None:
                         event.finish_reason = out.finish_reason
-                finished = out.finished
-                yield worker_pb2.GenerateLocalEvent(decode=event)
-                if finished:
-                    return
-        finally:
-            self.aengine.close_stream(rid)
-            if not finished:
-                await self.aengine.call(lambda e: e.abort(rid))
+                    yield worker_pb2.GenerateLocalEvent(decode=event)
+                    if out.finished:
+                        return

@@ -1,4 +1,5 @@
-"""Decode role: reserve blocks, verify and store arriving KV, continuous batching of decodes."""
+"""Decode role: reserve blocks for a sequence whose KV arrives from a prefill worker, admit it
+once the KV connector has every block verified, and decode it with continuous batching."""
 from __future__ import annotations
 
 import time
@@ -6,117 +7,77 @@ from typing import AsyncIterator
 
 import grpc
 
-from engine import NoCapacity, SamplingParams
-from engine.block_manager import transfer_block_hashes
-from pdserve.v1 import worker_pb2
+from engine import NoCapacity
+from engine.kv_connector import HandoffError, HandoffState
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.async_engine import AsyncEngine
 from services.convert import params_from_proto
-from services.kv_transfer import BlockHeader, KVIntegrityError, decode_tensor, dtype_name
-
-DEFAULT_RESERVATION_S = 30.0
+from services.worker_state import WorkerState
 
 
-class DecodeHandler:
-    """Implements Reserve/Decode and is the KV sink of this worker's KVTransfer service."""
+def status_code(code: str) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL)
 
-    def __init__(self, aengine: AsyncEngine, metrics=None) -> None:
+
+class DecodeHandler(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, aengine: AsyncEngine, state: WorkerState) -> None:
         self.aengine = aengine
-        self.metrics = metrics
-        runner = aengine.engine.runner
-        self.block_shape = runner.block_shape
-        self.kv_dtype = dtype_name(runner.dtype)
-        self.block_size = aengine.config.block_size
-        self.expected_hashes: dict[str, list[int]] = {}   # request id -> chain hash per block
-        self.failures: dict[str, str] = {}                # request id -> why its KV was refused
+        self.state = state
 
-    async def reserve(self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+    async def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> worker_pb2.ReserveResponse:
-        rid = request.request_id
-        prompt = list(request.prompt_token_ids)
-        params = SamplingParams(max_tokens=max(1, request.max_tokens))
-        timeout = request.deadline_ms / 1e3 if request.deadline_ms else DEFAULT_RESERVATION_S
+        await self.state.refuse_if_draining(context)
         try:
-            needed = await self.aengine.call(lambda e: e.reserve(rid, prompt, params, timeout_s=timeout))
+            res = self.aengine.engine.reserve(request.request_id, request.prompt_token_ids,
+                                              params_from_proto(request.params), request.output_token_ids,
+                                              lease_s=request.lease_ms / 1e3 or None)
         except NoCapacity as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker is full: {exc}")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        hashes = transfer_block_hashes(prompt, self.block_size)
-        self._forget_expired()
-        self.expected_hashes[rid] = hashes
-        self.failures.pop(rid, None)
-        first_needed = needed[0] if needed else len(hashes)
-        return worker_pb2.ReserveResponse(needed_block_indices=needed, held_block_hashes=hashes[:first_needed],
-                                          num_blocks=len(hashes))
+        self.aengine.status_changed()
+        return worker_pb2.ReserveResponse(needed_block_indices=res.needed_block_indices,
+                                          held_block_hashes=res.held_block_hashes, num_blocks=res.num_blocks,
+                                          transfer_token=res.transfer_token, lease_ms=int(res.lease_s * 1e3))
 
-    def _forget_expired(self) -> None:
-        """Drop expectations of reservations the engine has let expire (read-only peek)."""
-        live = self.aengine.engine.reservations
-        for rid in [r for r in self.expected_hashes if r not in live]:
-            del self.expected_hashes[rid]
-
-    async def accept_block(self, header: BlockHeader, payload: bytearray) -> None:
-        """KV sink: check the block against the reservation, then write it into the pool."""
-        rid = header.request_id
-        try:
-            expected = self.expected_hashes.get(rid)
-            if expected is None:
-                raise KVIntegrityError(f"no reservation for request {rid!r}")
-            if not 0 <= header.block_index < len(expected) or expected[header.block_index] != header.block_hash:
-                raise KVIntegrityError(f"block {header.block_index} of {rid!r}: chain hash mismatch")
-            if tuple(header.shape) != self.block_shape or header.dtype != self.kv_dtype:
-                raise KVIntegrityError(f"block layout {header.dtype}{list(header.shape)} != "
-                                       f"{self.kv_dtype}{list(self.block_shape)}")
-            # Written from this thread, not queued behind the running step (write_kv_block is safe here).
-            self.aengine.engine.write_kv_block(rid, header.block_index, decode_tensor(header, payload))
-        except Exception as exc:
-            # Fail closed: the whole request is refused and its reservation freed.
-            self.failures[rid] = str(exc)
-            self.expected_hashes.pop(rid, None)
-            await self.aengine.call(lambda e: e.abort(rid))
-            if self.metrics is not None:
-                self.metrics.kv_failure()
-            raise KVIntegrityError(str(exc)) from exc
-        if self.metrics is not None:
-            self.metrics.kv_received(header.nbytes)
-
-    async def decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[worker_pb2.DecodeEvent]:
         rid = request.request_id
-        if rid in self.failures:
-            await context.abort(grpc.StatusCode.DATA_LOSS, f"KV of {rid!r} was refused: {self.failures.pop(rid)}")
-        params = params_from_proto(request.params)
-        stream = self.aengine.open_stream(rid)
-        finished = False
-        t_admit = time.perf_counter()
+        engine = self.aengine.engine
+        t0 = time.perf_counter()
+        wait_s = request.kv_wait_ms / 1e3 if request.kv_wait_ms else engine.kv.lease.max_s
+        state = await self.aengine.wait_kv(rid, wait_s)
+        if state is not HandoffState.READY:
+            failure = engine.kv.failure(rid)
+            if failure is not None:
+                await context.abort(status_code(failure.code), f"KV of {rid!r}: {failure.message}")
+            if state is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no reservation for request {rid!r}")
+            engine.abort(rid)   # still incomplete after kv_wait: give the blocks back
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"KV of {rid!r} incomplete after waiting {wait_s:g}s")
+        kv_wait_ms = (time.perf_counter() - t0) * 1e3
         try:
-            try:
-                reason = await self.aengine.call(lambda e: e.admit(rid, request.first_token_id, params))
-            except KeyError as exc:
-                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            finally:
-                self.expected_hashes.pop(rid, None)
-            if reason is not None:
-                finished = True
-                yield worker_pb2.DecodeEvent(finished=True, finish_reason=reason)
-                return
-            first = True
-            while True:
-                out = (await stream.get()).output
-                event = worker_pb2.DecodeEvent(token_ids=out.new_token_ids, finished=out.finished)
-                if out.finish_reason is not None:
-                    event.finish_reason = out.finish_reason
-                if first:
-                    event.first_decode_step_ms = (time.perf_counter() - t_admit) * 1e3
-                    first = False
-                if out.finished:
-                    finished = True
-                yield event
-                if out.finished:
+            stream, reason = self.aengine.admit(rid, request.first_token_id)
+        except HandoffError as exc:
+            await context.abort(status_code(exc.code), str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        with self.state.track():
+            async with stream:
+                if reason is not None:
+                    yield worker_pb2.DecodeEvent(finished=True, finish_reason=reason, kv_wait_ms=kv_wait_ms)
                     return
-        finally:
-            self.aengine.close_stream(rid)
-            if not finished:
-                await self.aengine.call(lambda e: e.abort(rid))
+                t_admit, first = time.perf_counter(), True
+                while True:
+                    out = (await stream.get()).output
+                    event = worker_pb2.DecodeEvent(token_ids=out.new_token_ids, finished=out.finished)
+                    if out.finish_reason is not None:
+                        event.finish_reason = out.finish_reason
+                    if first:
+                        event.kv_wait_ms = kv_wait_ms
+                        event.first_decode_step_ms = (time.perf_counter() - t_admit) * 1e3
+                        first = False
+                    yield event
+                    if out.finished:
+                        return

@@ -1,6 +1,17 @@
-"""`pdserve up`: the router and its workers as separate processes on one machine."""
+"""`pdserve up`: the router and its workers as separate processes on one machine, supervised.
+
+- One cluster token per deployment (unless one is given), handed to the children through the
+  environment; nothing secret goes into argv.
+- The router's port is checked before anything starts.
+- A child that dies is restarted, on the same port, with exponential backoff, while the rest
+  keep serving; the router notices through its status streams.
+- Children never outlive the supervisor: they ask the kernel to kill them when it dies
+  (PR_SET_PDEATHSIG, see ``die_with_parent``), and SIGTERM/SIGINT at any moment, start-up
+  included, stops them all: the router first (it drains), then the workers.
+"""
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -8,31 +19,89 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.security import Credentials, new_token
+from services.server import check_port_free
+
+PARENT_PID_ENV = "PDSERVE_PARENT_PID"
+PROBE_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                 ("grpc.max_reconnect_backoff_ms", 500)]
+RESTART_BACKOFF_S = (1.0, 30.0)     # first and largest delay before restarting a dead child
+STABLE_S = 60.0                     # a child up this long has its backoff reset
+
+
+class Stopped(Exception):
+    """The supervisor was asked to stop (SIGTERM / SIGINT) while it was starting."""
+
+
+def _f(default, help: str, **meta):
+    return field(default=default, metadata={"help": help, **meta})
+
 
 @dataclass(slots=True)
 class Deployment:
-    model: str
-    prefill_workers: int = 1
-    decode_workers: int = 1
-    colocated_workers: int = 0          # > 0: serve without disaggregation (the baseline)
-    host: str = "127.0.0.1"
-    port: int = 50051
-    engine_args: list[str] = field(default_factory=list)   # forwarded to every worker
-    metrics: bool = False               # give every process a /metrics port
-    threads_per_worker: int = 1
-    kv_transport: str = "grpc"
+    model: str = field(metadata={"help": "HF checkpoint directory"})
+    prefill_workers: int = _f(1, "prefill worker processes")
+    decode_workers: int = _f(1, "decode worker processes")
+    colocated_workers: int = _f(0, "colocated (prefill + decode) worker processes instead: the baseline")
+    host: str = _f("127.0.0.1", "address every process binds")
+    port: int = _f(50051, "the router's public gRPC port")
+    metrics: bool = _f(False, "give every process a Prometheus /metrics port")
+    threads_per_worker: int = _f(1, "torch threads of each worker process", aliases=("--threads",))
+    restart: bool = _f(True, "restart a child that dies (with backoff) instead of stopping the deployment")
+    drain_timeout_s: float = _f(30.0, "on SIGTERM, in-flight requests get this long to finish")
+    engine_args: list[str] = field(default_factory=list, metadata={"cli": False})   # forwarded to every worker
+    worker_args: list[str] = field(default_factory=list, metadata={"cli": False})   # forwarded to every worker
+    router_args: list[str] = field(default_factory=list, metadata={"cli": False})   # forwarded to the router
+    credentials: Credentials = field(default_factory=Credentials, metadata={"cli": False})
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_workers", "decode_workers", "colocated_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.colocated_workers == 0 and (self.prefill_workers < 1 or self.decode_workers < 1):
+            raise ValueError("a disaggregated deployment needs prefill_workers >= 1 and decode_workers >= 1")
+        if self.threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
 
 
-@dataclass(slots=True)
+@dataclass(eq=False)
 class Process:
     name: str
+    cmd: list[str]
     address: str
-    popen: subprocess.Popen
+    env: dict[str, str]
+    popen: subprocess.Popen | None = None
     metrics_address: str | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    next_start: float = 0.0
+
+    def start(self) -> None:
+        self.popen = subprocess.Popen(self.cmd, env=self.env, start_new_session=True)
+        self.started_at = time.monotonic()
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+
+def die_with_parent() -> None:
+    """In a child of `pdserve up`: be killed by the kernel when the supervisor dies (Linux)."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != int(parent):    # it died before the prctl took effect
+        os._exit(1)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -41,13 +110,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(address: str, popen: subprocess.Popen, timeout: float) -> None:
-    """Block until the process at address reports SERVING through grpc.health.v1."""
+def wait_serving(address: str, popen: subprocess.Popen | None, timeout: float,
+                 credentials: Credentials | None = None, stopping: Callable[[], bool] = lambda: False) -> None:
+    """Block until the process at address reports SERVING through grpc.health.v1. The probe's
+    channel reconnects within half a second, so a server that just came up is seen at once."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
+    creds = credentials or Credentials()
+    with creds.sync_channel(address, PROBE_OPTIONS) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
-            if popen.poll() is not None:
+            if stopping():
+                raise Stopped()
+            if popen is not None and popen.poll() is not None:
                 raise RuntimeError(f"process for {address} exited with code {popen.returncode}")
             try:
                 if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
@@ -60,18 +134,24 @@ def wait_serving(address: str, popen: subprocess.Popen, timeout: float) -> None:
 
 
 class Cluster:
-    """Starts, health-checks and stops the processes of one deployment."""
+    """Starts, health-checks, supervises and stops the processes of one deployment."""
 
     def __init__(self, spec: Deployment) -> None:
         self.spec = spec
         self.processes: list[Process] = []
+        if spec.credentials.cluster_token is None:   # a fresh secret for this deployment
+            spec.credentials = Credentials(new_token(), spec.credentials.tls)
+        self._stop_requested = False
 
     @property
     def router_address(self) -> str:
         return f"{self.spec.host}:{self.spec.port}"
 
-    def _spawn(self, name: str, args: list[str], port: int) -> Process:
-        env = dict(os.environ)
+    def request_stop(self, *_: object) -> None:
+        self._stop_requested = True
+
+    def _process(self, name: str, args: list[str], port: int) -> Process:
+        env = {**os.environ, **self.spec.credentials.child_env(), PARENT_PID_ENV: str(os.getpid())}
         env.setdefault("OMP_NUM_THREADS", str(self.spec.threads_per_worker))
         metrics = None
         if self.spec.metrics:
@@ -79,31 +159,36 @@ class Cluster:
             args = [*args, "--metrics-port", str(mport)]
             metrics = f"{self.spec.host}:{mport}"
         cmd = [sys.executable, "-m", "services.cli", *args, "--host", self.spec.host, "--port", str(port)]
-        popen = subprocess.Popen(cmd, env=env, start_new_session=True)
-        proc = Process(name, f"{self.spec.host}:{port}", popen, metrics)
+        proc = Process(name, cmd, f"{self.spec.host}:{port}", env, metrics_address=metrics)
         self.processes.append(proc)
         return proc
 
     def start(self, timeout: float = 180.0) -> None:
+        """Start every process and wait until each is SERVING. Raises Stopped if a stop was
+        requested meanwhile, after stopping whatever had started."""
         s = self.spec
-        worker_args = ["--model", s.model, "--threads", str(s.threads_per_worker), *s.engine_args]
+        check_port_free(s.host, s.port)
+        worker_args = ["--model", s.model, "--num-threads", str(s.threads_per_worker),
+                       "--drain-timeout-s", str(s.drain_timeout_s), *s.engine_args, *s.worker_args]
         roles = ([("both", s.colocated_workers)] if s.colocated_workers
                  else [("prefill", s.prefill_workers), ("decode", s.decode_workers)])
         try:
             groups: dict[str, list[str]] = {}
             for role, count in roles:
                 for i in range(count):
-                    proc = self._spawn(f"{role}-{i}", ["worker", "--role", role, "--worker-id", f"{role}-{i}",
-                                                       *worker_args], free_port(s.host))
+                    proc = self._process(f"{role}-{i}", ["worker", "--role", role, "--worker-id", f"{role}-{i}",
+                                                         *worker_args], free_port(s.host))
+                    proc.start()
                     groups.setdefault(role, []).append(proc.address)
             for proc in self.processes:
-                wait_serving(proc.address, proc.popen, timeout)
-            router_args = ["router", "--model", s.model]
+                wait_serving(proc.address, proc.popen, timeout, s.credentials, lambda: self._stop_requested)
+            router_args = ["router", "--model", s.model, "--drain-timeout-s", str(s.drain_timeout_s), *s.router_args]
             for role, flag in (("prefill", "--prefill"), ("decode", "--decode"), ("both", "--colocated")):
                 if groups.get(role):
                     router_args += [flag, ",".join(groups[role])]
-            router = self._spawn("router", router_args, s.port)
-            wait_serving(router.address, router.popen, timeout)
+            router = self._process("router", router_args, s.port)
+            router.start()
+            wait_serving(router.address, router.popen, timeout, s.credentials, lambda: self._stop_requested)
         except BaseException:
             self.stop()
             raise
@@ -115,41 +200,61 @@ class Cluster:
             lines.append(f"  {p.name:<12} {p.address}{extra}")
         return "\n".join(lines)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        for p in reversed(self.processes):
-            if p.popen.poll() is None:
-                p.popen.send_signal(signal.SIGTERM)
+    def stop(self, timeout: float | None = None) -> None:
+        """SIGTERM the router (it drains), then the workers; SIGKILL whatever outlives timeout."""
+        timeout = self.spec.drain_timeout_s + 5 if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        for p in self.processes:
-            try:
-                p.popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.popen.pid, signal.SIGKILL)
-                p.popen.wait()
+        router = [p for p in self.processes if p.name == "router"]
+        workers = [p for p in self.processes if p.name != "router"]
+        for group in (router, workers):
+            for p in group:
+                if p.alive:
+                    p.popen.send_signal(signal.SIGTERM)
+            for p in group:
+                if p.popen is None:
+                    continue
+                try:
+                    p.popen.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.popen.pid, signal.SIGKILL)
+                    p.popen.wait()
         self.processes.clear()
 
+    def supervise_once(self) -> list[str]:
+        """Restart dead children whose backoff has passed. Returns what it did, for the log."""
+        events = []
+        now = time.monotonic()
+        for p in self.processes:
+            if p.alive:
+                if p.restarts and now - p.started_at > STABLE_S:
+                    p.restarts = 0
+                continue
+            if p.popen is not None and p.next_start == 0.0:
+                delay = min(RESTART_BACKOFF_S[0] * 2 ** p.restarts, RESTART_BACKOFF_S[1])
+                p.next_start = now + delay
+                events.append(f"{p.name} exited with code {p.popen.returncode}; restarting in {delay:g}s")
+            elif now >= p.next_start:
+                p.restarts += 1
+                p.next_start = 0.0
+                p.start()
+                events.append(f"{p.name} restarted (pid {p.popen.pid})")
+        return events
+
     def wait(self) -> int:
-        """Block until SIGINT/SIGTERM or until a process dies; then stop everything."""
-        stop = {"flag": False}
-
-        def on_signal(signum, frame):
-            stop["flag"] = True
-
-        old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        code = 0
+        """Supervise until SIGINT/SIGTERM; then stop everything. Returns the exit code."""
         try:
-            while not stop["flag"]:
-                dead = [p for p in self.processes if p.popen.poll() is not None]
-                if dead:
-                    print(f"pdserve: {dead[0].name} exited with code {dead[0].popen.returncode}; stopping", flush=True)
-                    code = 1
-                    break
+            while not self._stop_requested:
+                if self.spec.restart:
+                    for event in self.supervise_once():
+                        print(f"pdserve: {event}", flush=True)
+                elif any(not p.alive for p in self.processes):
+                    dead = next(p for p in self.processes if not p.alive)
+                    print(f"pdserve: {dead.name} exited with code {dead.popen.returncode}; stopping", flush=True)
+                    return 1
                 time.sleep(0.2)
+            return 0
         finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
             self.stop()
-        return code
 
     def __enter__(self) -> "Cluster":
         self.start()

@@ -74,6 +74,11 @@ class WorkerMetrics(_Metrics):
     def kv_failure(self) -> None:
         self.kv_transfer_failures.inc()
 
+    def kv_handoff_ended(self, state) -> None:
+        """Decode role: a reservation ended; a failed or lapsed one counts as a KV failure."""
+        if state.value in ("failed", "expired"):
+            self.kv_transfer_failures.inc()
+
 
 class RouterMetrics(_Metrics):
     """Request-level latency metrics, as the client sees them."""
@@ -90,6 +95,7 @@ class RouterMetrics(_Metrics):
         self.e2e_request_latency_seconds = self.histogram("e2e_request_latency_seconds", "Request latency")
         self.request_queue_time_seconds = self.histogram("request_queue_time_seconds", "Time queued before prefill")
         self.kv_transfer_seconds = self.histogram("kv_transfer_seconds", "Exposed KV transfer time per request")
+        self.migrations = self.counter("request_migrations", "Requests moved to another worker after a fault")
 
 
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> int:

@@ -1,89 +1,94 @@
-"""Prefill role: chunked prefill, KV blocks shipped to the decode worker chunk by chunk."""
+"""Prefill role: chunked prefill; each chunk's finished blocks go to the decode worker while the
+next chunk computes; the sampled token goes back to the router at once, before the KV lands."""
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator
 
 import grpc
 
 from engine.block_manager import transfer_block_hashes
-from pdserve.v1 import worker_pb2
-from services.async_engine import AsyncEngine, StepResult
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from services.async_engine import AsyncEngine
 from services.convert import params_from_proto
 from services.kv_transfer import KVBlock, KVSender, KVTransferError
+from services.worker_state import WorkerState
+
+HEARTBEAT_S = 0.5          # Progress to the router and a KV heartbeat to the decode worker, while computing
+KV_ACK_TIMEOUT_S = 30.0    # the decode worker must acknowledge the last block within this
 
 
-class PrefillHandler:
-    def __init__(self, aengine: AsyncEngine, sender: KVSender, metrics=None) -> None:
+class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, aengine: AsyncEngine, sender: KVSender, state: WorkerState, metrics=None,
+                 heartbeat_s: float = HEARTBEAT_S, kv_ack_timeout_s: float = KV_ACK_TIMEOUT_S) -> None:
         self.aengine = aengine
         self.sender = sender
+        self.state = state
         self.metrics = metrics
         self.block_size = aengine.config.block_size
+        self.heartbeat_s = heartbeat_s
+        self.kv_ack_timeout_s = kv_ack_timeout_s
 
-    async def prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[worker_pb2.PrefillEvent]:
         rid = request.request_id
-        prompt = list(request.prompt_token_ids)
-        params = params_from_proto(request.params)
+        await self.state.refuse_if_draining(context)
+        tokens = [*request.prompt_token_ids, *request.output_token_ids]
         try:
-            stream = await self.aengine.add_request(rid, prompt, params)
+            stream = self.aengine.add(rid, request.prompt_token_ids, params_from_proto(request.params),
+                                      request.output_token_ids)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        hashes = transfer_block_hashes(prompt, self.block_size)
-        skip = set(request.skip_block_indices)
-        sent_bytes, transfer_s, done = 0, 0.0, False
+        target = request.target
+        needed = set(target.needed_block_indices)
+        kv = self.sender.open(target.address, rid, target.transfer_token) if needed else None
+        hashes = transfer_block_hashes(tokens, self.block_size)
+        delivered = False
         try:
-            while True:
-                res: StepResult = await stream.get()
-                out = res.output
-                if out.finish_reason == "abort":
-                    await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
-                if out.ready_blocks and request.decode_address:
-                    t0 = time.perf_counter()
-                    shipped, nbytes = await self._ship(rid, request.decode_address, out.ready_blocks, res, hashes, skip, context)
-                    elapsed = time.perf_counter() - t0
-                    sent_bytes += nbytes
-                    # Transfer that overlaps later chunks is hidden; what remains after the last chunk is exposed.
-                    transfer_s = elapsed if out.prefill_done else transfer_s
-                    if shipped:
-                        yield worker_pb2.PrefillEvent(blocks_shipped=worker_pb2.BlocksShipped(block_indices=shipped, bytes=nbytes))
-                if out.prefill_done:
-                    done = True
-                    pdone = worker_pb2.PrefillDone(
-                        first_token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens,
-                        queue_ms=(out.queue_s or 0.0) * 1e3, prefill_ms=(out.prefill_s or 0.0) * 1e3,
-                        kv_transfer_ms=transfer_s * 1e3, kv_bytes_sent=sent_bytes)
-                    if out.finish_reason is not None:
-                        pdone.finish_reason = out.finish_reason
-                    yield worker_pb2.PrefillEvent(done=pdone)
-                    return
+            with self.state.track():
+                async with stream:
+                    while True:
+                        try:
+                            res = await stream.get(timeout=self.heartbeat_s)
+                        except asyncio.TimeoutError:   # queued, or in a long step: say so, both ways
+                            if kv is not None:
+                                await kv.heartbeat()
+                            yield worker_pb2.PrefillEvent(progress=worker_pb2.Progress())
+                            continue
+                        out = res.output
+                        if out.finish_reason == "abort":
+                            await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
+                        if kv is not None and out.ready_blocks:
+                            await kv.send([KVBlock(rid, idx, hashes[idx], self.block_size, res.blocks[j])
+                                           for j, idx in enumerate(out.ready_blocks) if idx in needed])
+                        if out.prefill_done:
+                            break
+                        if out.ready_blocks:
+                            yield worker_pb2.PrefillEvent(progress=worker_pb2.Progress())
+                sampled_at = time.perf_counter()
+                token = worker_pb2.FirstToken(token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens,
+                                              queue_ms=(out.queue_s or 0.0) * 1e3,
+                                              prefill_ms=(out.prefill_s or 0.0) * 1e3)
+                if out.finish_reason is not None:
+                    token.finish_reason = out.finish_reason
+                yield worker_pb2.PrefillEvent(first_token=token)
+                blocks = nbytes = 0
+                if kv is not None:
+                    try:
+                        result = await kv.finish(timeout=self.kv_ack_timeout_s)
+                    except KVTransferError as exc:
+                        if self.metrics is not None:
+                            self.metrics.kv_failure()
+                        code = getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNAVAILABLE)
+                        await context.abort(code, f"KV transfer to {target.address} failed: {exc}")
+                    delivered = True
+                    blocks, nbytes = result.blocks, result.bytes
+                    if self.metrics is not None:
+                        self.metrics.kv_sent(nbytes, result.seconds)
+                yield worker_pb2.PrefillEvent(kv_delivered=worker_pb2.KVDelivered(
+                    blocks=blocks, bytes=nbytes, exposed_ms=(time.perf_counter() - sampled_at) * 1e3))
         finally:
-            self.aengine.close_stream(rid)
-            if done:
-                await self.aengine.call(lambda e: e.release(rid))
-            else:   # cancelled or failed: drop it wherever it is and unpin its blocks
-                await self.aengine.call(lambda e: e.abort(rid))
-
-    async def _ship(self, rid: str, target: str, indices: list[int], res: StepResult, hashes: list[int],
-                    skip: set[int], context: grpc.aio.ServicerContext) -> tuple[list[int], int]:
-        assert res.blocks is not None
-        n_layers = res.blocks.shape[1]
-        prompt_len = res.output.num_prompt_tokens
-        blocks = [
-            KVBlock.from_tensor(res.blocks[j], request_id=rid, block_index=idx, block_hash=hashes[idx],
-                                num_tokens=min(self.block_size, prompt_len - idx * self.block_size),
-                                layer_start=0, layer_end=n_layers)
-            for j, idx in enumerate(indices) if idx not in skip
-        ]
-        if not blocks:
-            return [], 0
-        try:
-            result = await self.sender.send_blocks(target, blocks)
-        except KVTransferError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer to {target} failed: {exc}")
-        if result.rejected:
-            await context.abort(grpc.StatusCode.DATA_LOSS,
-                                f"decode worker rejected blocks {result.rejected}: {result.error}")
-        if self.metrics is not None:
-            self.metrics.kv_sent(result.bytes, result.seconds)
-        return [b.block_index for b in blocks], result.bytes
+            if kv is not None and not delivered:
+                await kv.cancel()
+            self.aengine.engine.release(rid)   # pinned blocks fall back to the prefix cache

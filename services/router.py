@@ -1,11 +1,12 @@
-"""The router: validates and tokenizes, picks workers, orchestrates prefill → KV → decode,
-and streams tokens back. Colocated workers ("both") are served through the same API."""
+"""The router's gRPC API (pdserve.v1.Router): checks and parses requests, runs them through the
+generation core (services/generation.py), streams tokens and text back."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -15,15 +16,40 @@ from engine import SamplingParams
 from engine.model_config import ModelConfig
 from engine.tokenizer import load_tokenizer
 from engine.validation import validate_request
-from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
-from services.convert import params_from_proto, params_to_proto
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.convert import params_from_proto
 from services.detokenizer import IncrementalDetokenizer
+from services.errors import RouterError
+from services.generation import Generation, GenerationOptions, Generator
 from services.metrics import RouterMetrics
-from services.worker_pool import NoWorker, WorkerHandle, WorkerPool
+from services.security import Credentials, api_key_interceptor
+from services.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
-RESERVE_RETRY_S = 0.02
+RETRY_AFTER_KEY = "retry-after-ms"   # trailing metadata on RESOURCE_EXHAUSTED: when to retry
+
+
+@dataclass(slots=True)
+class RequestLimits:
+    """Sizes a caller controls, checked before any work is done for them."""
+
+    max_prompt_bytes: int = field(default=1 << 20, metadata={
+        "help": "largest text prompt in UTF-8 bytes, checked before tokenizing"})
+    max_request_id_chars: int = field(default=256, metadata={"help": "longest request_id"})
+    max_stop_token_ids: int = field(default=256, metadata={"help": "most stop_token_ids in one request"})
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_bytes", "max_request_id_chars", "max_stop_token_ids"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    drain_timeout_s: float = field(default=30.0, metadata={
+        "help": "on SIGTERM, in-flight requests get this long to finish"})
+    ready_timeout_s: float = field(default=120.0, metadata={"help": "workers must be up this soon after start"})
 
 
 @dataclass(slots=True)
@@ -32,27 +58,17 @@ class RouterOptions:
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
     colocated: list[str] = field(default_factory=list)
-    reserve_timeout_s: float = 30.0       # how long a request may wait for decode capacity
-    reservation_deadline_ms: int = 30_000  # decode side frees a reservation not admitted by then
-    worker_wait_s: float = 0.0             # with no healthy prefill/decode worker, wait this long (a restart)
-
-
-@dataclass(eq=False)
-class ActiveRequest:
-    request_id: str
-    workers: list[WorkerHandle] = field(default_factory=list)
-    aborted: bool = False
+    generation: GenerationOptions = field(default_factory=GenerationOptions)
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    config: RouterConfig = field(default_factory=RouterConfig)
 
 
 @dataclass(slots=True)
-class Timing:
-    start: float
-    first_token: float | None = None
-    last_token: float | None = None
-    queue_ms: float = 0.0
-    prefill_ms: float = 0.0
-    kv_transfer_ms: float = 0.0
-    first_decode_step_ms: float = 0.0
+class ParsedRequest:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    skip_special_tokens: bool
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -62,7 +78,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.metrics = metrics or RouterMetrics()
         self.model_config = ModelConfig.from_dir(options.model)
         self.tokenizer = load_tokenizer(options.model)
-        self.active: dict[str, ActiveRequest] = {}
+        self.generator = Generator(pool, options.generation, self.metrics)
+        self.draining = False
+        self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     @property
     def max_model_len(self) -> int:
@@ -79,271 +97,172 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             num_prefill_workers=len(self.pool.of_role("prefill")) + len(self.pool.of_role("both")),
             num_decode_workers=len(self.pool.of_role("decode")) + len(self.pool.of_role("both")))
 
-    async def Abort(self, request, context):
-        active = self.active.get(request.request_id)
-        if active is None:
-            return common_pb2.AbortResponse(found=False)
-        active.aborted = True
-        await self._abort_on_workers(active)
-        return common_pb2.AbortResponse(found=True)
+    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
+        return common_pb2.AbortResponse(found=await self.generator.abort(request.request_id))
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        timing = Timing(start=time.perf_counter())
-        rid = request.request_id or uuid.uuid4().hex
-        prompt, params, skip_special = await self._parse(request, rid, context)
-        active = ActiveRequest(rid)
-        self.active[rid] = active
+        try:
+            parsed = await self.parse(request)
+        except RouterError as exc:
+            self.metrics.request_failure.inc()
+            await abort_with(context, exc)
+        detok = IncrementalDetokenizer(self.tokenizer, parsed.skip_special_tokens)
+        usage = router_pb2.Usage(prompt_tokens=len(parsed.prompt))
         self.metrics.num_requests_running.inc()
-        detok = IncrementalDetokenizer(self.tokenizer, skip_special)
-        usage = router_pb2.Usage(prompt_tokens=len(prompt))
         finished = False
         try:
-            events = (self._colocated(active, prompt, params, timing, usage, context) if self.pool.colocated
-                      else self._disaggregated(active, prompt, params, timing, usage, context))
-            async for token_ids, reason in events:
+            async for chunk, gen in self.generator.generate(parsed.request_id, parsed.prompt, parsed.params):
                 now = time.perf_counter()
-                if token_ids:
-                    self._observe_tokens(timing, len(token_ids), now)
-                    usage.completion_tokens += len(token_ids)
-                msg = router_pb2.GenerateResponse(request_id=rid, token_ids=token_ids,
-                                                  text=detok.add(token_ids, final=reason is not None))
-                if reason is not None:
+                if chunk.token_ids:
+                    self._observe_tokens(gen, len(chunk.token_ids), now)
+                    usage.completion_tokens += len(chunk.token_ids)
+                msg = router_pb2.GenerateResponse(request_id=parsed.request_id, token_ids=chunk.token_ids,
+                                                  text=detok.add(chunk.token_ids, final=chunk.finish_reason is not None))
+                if chunk.finish_reason is not None:
                     finished = True
                     msg.finished = True
-                    msg.finish_reason = reason
+                    msg.finish_reason = chunk.finish_reason
+                    usage.cached_tokens = gen.timing.cached_tokens
                     msg.usage.CopyFrom(usage)
-                    msg.timings.CopyFrom(self._timings(timing, now))
-                    self._observe_finish(timing, usage, now)
+                    msg.timings.CopyFrom(timings(gen, now))
+                    self._observe_finish(gen, usage, now)
                 yield msg
+        except RouterError as exc:
+            await abort_with(context, exc)
         finally:
-            self.active.pop(rid, None)
             self.metrics.num_requests_running.dec()
             if not finished:
                 self.metrics.request_failure.inc()
-                # Client gone, deadline passed or a worker failed: free the request everywhere.
-                await asyncio.shield(self._abort_on_workers(active))
 
-    # ---- request parsing --------------------------------------------------------
-    async def _parse(self, request: router_pb2.GenerateRequest, rid: str, context: grpc.aio.ServicerContext
-                     ) -> tuple[list[int], SamplingParams, bool]:
-        if rid in self.active:
-            await self._reject(context, f"request_id {rid!r} is already in flight")
+    # ---- parsing ------------------------------------------------------------------
+    async def parse(self, request: router_pb2.GenerateRequest) -> ParsedRequest:
+        """Every check, cheapest first, before anything is allocated or tokenized. Raises RouterError."""
+        if self.draining:
+            raise RouterError("UNAVAILABLE", "the router is draining (shutting down)")
+        limits = self.options.limits
+        rid = request.request_id or uuid.uuid4().hex
+        if len(rid) > limits.max_request_id_chars:
+            raise RouterError("INVALID_ARGUMENT", f"request_id has {len(rid)} characters; the limit is "
+                                                  f"{limits.max_request_id_chars} (max_request_id_chars)")
+        msg = request.params
+        if len(msg.stop_token_ids) > limits.max_stop_token_ids:
+            raise RouterError("INVALID_ARGUMENT", f"stop_token_ids has {len(msg.stop_token_ids)} entries; the limit "
+                                                  f"is {limits.max_stop_token_ids} (max_stop_token_ids)")
         which = request.WhichOneof("input")
         if which is None:
-            await self._reject(context, "input: give either text or token_ids")
-        prompt = self.tokenizer.encode(request.text) if which == "text" else list(request.token_ids.ids)
-        params = params_from_proto(request.params)
+            raise RouterError("INVALID_ARGUMENT", "input: give either text or token_ids")
+        if which == "text":
+            prompt = await self.tokenize(request.text)
+        else:
+            prompt = list(request.token_ids.ids)
+            if len(prompt) > self.max_model_len:
+                raise RouterError("INVALID_ARGUMENT", f"prompt has {len(prompt)} tokens; max_model_len is "
+                                                      f"{self.max_model_len}")
+        params = params_from_proto(msg)
         try:
             validate_request(prompt, params, self.model_config.vocab_size, self.max_model_len)
         except ValueError as exc:
-            await self._reject(context, str(exc))
-        skip_special = request.params.skip_special_tokens if request.params.HasField("skip_special_tokens") else True
-        return prompt, params, skip_special
+            raise RouterError("INVALID_ARGUMENT", str(exc)) from None
+        skip = msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
+        return ParsedRequest(rid, prompt, params, skip)
 
-    async def _reject(self, context: grpc.aio.ServicerContext, message: str) -> None:
-        self.metrics.request_failure.inc()
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-    # ---- disaggregated path --------------------------------------------------------
-    async def _disaggregated(self, active: ActiveRequest, prompt: list[int], params: SamplingParams, timing: Timing,
-                             usage: router_pb2.Usage, context) -> AsyncIterator[tuple[list[int], str | None]]:
-        rid = active.request_id
-        decode, reservation = await self._reserve(active, prompt, params, context)
-        try:
-            done = await self._prefill(active, prompt, params, decode, reservation, context)
-            if done is None:
-                yield [], "abort"
-                return
-            timing.queue_ms, timing.prefill_ms, timing.kv_transfer_ms = done.queue_ms, done.prefill_ms, done.kv_transfer_ms
-            usage.cached_tokens = done.num_cached_tokens
-            if done.HasField("finish_reason"):   # the first token ends it: no decode needed
-                await self._abort_worker(decode, rid)
-                yield [done.first_token_id], done.finish_reason
-                return
-            yield [done.first_token_id], None
-            call = decode.stub.Decode(worker_pb2.DecodeRequest(request_id=rid, first_token_id=done.first_token_id,
-                                                               params=params_to_proto(params)))
-            async for event in self._relay(call, active, context):
-                if event.first_decode_step_ms:
-                    timing.first_decode_step_ms = event.first_decode_step_ms
-                yield list(event.token_ids), (event.finish_reason if event.finished else None)
-                if event.finished:
-                    return
-            yield [], "abort"
-        finally:
-            decode.inflight -= 1
-
-    async def _prefill(self, active: ActiveRequest, prompt: list[int], params: SamplingParams, decode: WorkerHandle,
-                       reservation: worker_pb2.ReserveResponse, context) -> worker_pb2.PrefillDone | None:
-        """Run the prompt on a prefill worker, which ships the KV blocks the decode worker lacks."""
-        needed = set(reservation.needed_block_indices)
-        prefill = await self._wait_for_worker(self.pool.pick_prefill, context)
-        active.workers.append(prefill)
-        prefill.inflight += 1
-        prefill.inflight_prompt_tokens += len(prompt)
-        kv_address = decode.status.kv_address if decode.status and decode.status.kv_address else decode.address
-        done = None
-        try:
-            call = prefill.stub.Prefill(worker_pb2.PrefillRequest(
-                request_id=active.request_id, prompt_token_ids=prompt, params=params_to_proto(params),
-                decode_address=kv_address,
-                skip_block_indices=[i for i in range(reservation.num_blocks) if i not in needed]))
-            async for event in self._relay(call, active, context):
-                if event.HasField("done"):
-                    done = event.done
-        finally:
-            prefill.inflight -= 1
-            prefill.inflight_prompt_tokens -= len(prompt)
-        return done
-
-    async def _wait_for_worker(self, pick, context):
-        """pick() from the pool; with no healthy worker, retry for up to options.worker_wait_s, then UNAVAILABLE."""
+    async def tokenize(self, text: str) -> list[int]:
+        """Tokenize off the event loop, after checking the size limit."""
+        limit = self.options.limits.max_prompt_bytes
+        if len(text) > limit or len(text.encode()) > limit:
+            raise RouterError("INVALID_ARGUMENT", f"prompt text has more than {limit} bytes (max_prompt_bytes)")
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.options.worker_wait_s
-        while True:
-            try:
-                return pick()
-            except NoWorker as exc:
-                if loop.time() >= deadline:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            await asyncio.sleep(RESERVE_RETRY_S)
+        ids = await loop.run_in_executor(self._tokenize, self.tokenizer.encode, text)
+        if len(ids) > self.max_model_len:
+            raise RouterError("INVALID_ARGUMENT", f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        return ids
 
-    async def _reserve(self, active: ActiveRequest, prompt: list[int], params: SamplingParams, context
-                       ) -> tuple[WorkerHandle, worker_pb2.ReserveResponse]:
-        """Reserve decode blocks for the whole prompt, waiting while every decode worker is full."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.options.reserve_timeout_s
-        request = worker_pb2.ReserveRequest(request_id=active.request_id, prompt_token_ids=prompt,
-                                            max_tokens=params.max_tokens,
-                                            deadline_ms=self.options.reservation_deadline_ms)
-        while True:
-            candidates = await self._wait_for_worker(self.pool.decode_candidates, context)
-            for worker in candidates:
-                worker.inflight += 1   # count it now, so concurrent requests spread over workers
-                try:
-                    response = await worker.stub.Reserve(request, timeout=10)
-                except grpc.aio.AioRpcError as exc:
-                    worker.inflight -= 1
-                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        continue
-                    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                        await context.abort(exc.code(), exc.details())
-                    self.pool.mark_down(worker)
-                    continue
-                except BaseException:   # cancelled while reserving
-                    worker.inflight -= 1
-                    raise
-                active.workers.append(worker)
-                return worker, response
-            if loop.time() > deadline:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"no decode capacity for {len(prompt)} prompt tokens within "
-                                    f"{self.options.reserve_timeout_s}s")
-            await asyncio.sleep(RESERVE_RETRY_S)
-
-    # ---- colocated path -------------------------------------------------------------
-    async def _colocated(self, active: ActiveRequest, prompt: list[int], params: SamplingParams, timing: Timing,
-                         usage: router_pb2.Usage, context) -> AsyncIterator[tuple[list[int], str | None]]:
-        try:
-            worker = self.pool.decode_candidates()[0]
-        except NoWorker as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        active.workers.append(worker)
-        worker.inflight += 1
-        try:
-            call = worker.stub.GenerateLocal(worker_pb2.GenerateLocalRequest(
-                request_id=active.request_id, prompt_token_ids=prompt, params=params_to_proto(params)))
-            async for event in self._relay(call, active, context):
-                if event.HasField("prefill_done"):
-                    done = event.prefill_done
-                    timing.queue_ms, timing.prefill_ms = done.queue_ms, done.prefill_ms
-                    usage.cached_tokens = done.num_cached_tokens
-                    yield [done.first_token_id], None
-                else:
-                    ev = event.decode
-                    yield list(ev.token_ids), (ev.finish_reason if ev.finished else None)
-                    if ev.finished:
-                        return
-        finally:
-            worker.inflight -= 1
-        yield [], "abort"
-
-    # ---- helpers ----------------------------------------------------------------
-    async def _relay(self, call, active: ActiveRequest, context):
-        """Iterate a worker stream; a worker error ends the client's call with the same status,
-        except that an abort requested through the router ends it normally with reason "abort"."""
-        try:
-            async for event in call:
-                yield event
-        except grpc.aio.AioRpcError as exc:
-            if active.aborted:
-                return
-            await context.abort(exc.code(), f"worker: {exc.details()}")
-        finally:
-            call.cancel()
-
-    async def _abort_on_workers(self, active: ActiveRequest) -> None:
-        await asyncio.gather(*(self._abort_worker(w, active.request_id) for w in active.workers))
-
-    async def _abort_worker(self, worker: WorkerHandle, rid: str) -> None:
-        try:
-            await worker.stub.Abort(common_pb2.AbortRequest(request_id=rid), timeout=5)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("abort of %s on %s failed: %s", rid, worker.address, exc.code())
-
-    def _observe_tokens(self, timing: Timing, n: int, now: float) -> None:
-        if timing.first_token is None:
-            timing.first_token = now
-            self.metrics.time_to_first_token_seconds.observe(now - timing.start)
-        elif timing.last_token is not None:
-            gap = (now - timing.last_token) / n
+    # ---- metrics --------------------------------------------------------------------
+    def _observe_tokens(self, gen: Generation, n: int, now: float) -> None:
+        t = gen.timing
+        if t.first_token is None:
+            t.first_token = now
+            self.metrics.time_to_first_token_seconds.observe(now - t.start)
+        elif t.last_token is not None:
+            gap = (now - t.last_token) / n
             for _ in range(n):
                 self.metrics.inter_token_latency_seconds.observe(gap)
-        timing.last_token = now
+        t.last_token = now
         self.metrics.generation_tokens.inc(n)
 
-    def _observe_finish(self, timing: Timing, usage: router_pb2.Usage, now: float) -> None:
+    def _observe_finish(self, gen: Generation, usage: router_pb2.Usage, now: float) -> None:
         self.metrics.request_success.inc()
         self.metrics.prompt_tokens.inc(usage.prompt_tokens)
-        self.metrics.e2e_request_latency_seconds.observe(now - timing.start)
-        self.metrics.request_queue_time_seconds.observe(timing.queue_ms / 1e3)
-        self.metrics.kv_transfer_seconds.observe(timing.kv_transfer_ms / 1e3)
+        self.metrics.e2e_request_latency_seconds.observe(now - gen.timing.start)
+        self.metrics.kv_transfer_seconds.observe(gen.timing.kv_transfer_ms / 1e3)
 
-    def _timings(self, timing: Timing, now: float) -> router_pb2.Timings:
-        ttft = ((timing.first_token or now) - timing.start) * 1e3
-        return router_pb2.Timings(queue_ms=timing.queue_ms, prefill_ms=timing.prefill_ms,
-                                  kv_transfer_ms=timing.kv_transfer_ms,
-                                  first_decode_step_ms=timing.first_decode_step_ms,
-                                  ttft_ms=ttft, e2e_ms=(now - timing.start) * 1e3)
+
+def timings(gen: Generation, now: float) -> router_pb2.Timings:
+    t = gen.timing
+    return router_pb2.Timings(queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, kv_transfer_ms=t.kv_transfer_ms,
+                              first_decode_step_ms=t.first_decode_step_ms,
+                              ttft_ms=((t.first_token or now) - t.start) * 1e3, e2e_ms=(now - t.start) * 1e3,
+                              migrations=t.migrations)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
+    trailing = ((RETRY_AFTER_KEY, str(int(exc.retry_after_s * 1e3))),) if exc.retry_after_s else ()
+    await context.abort(getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNKNOWN), exc.message,
+                        trailing_metadata=trailing)
 
 
 async def serve_router(options: RouterOptions, host: str, port: int, metrics_port: int | None = None,
-                       ready_timeout_s: float = 120.0, stop: asyncio.Event | None = None,
-                       resolver=None, on_start=None) -> None:
-    """Run the router until stop is set (or SIGINT/SIGTERM). resolver: see WorkerPool;
-    on_start(bound_port) runs once serving."""
-
+                       credentials: Credentials | None = None, api_key: str | None = None,
+                       stop: asyncio.Event | None = None, resolver=None, on_start=None) -> None:
+    """Run the router until stop is set (or SIGINT/SIGTERM), then drain. resolver: see
+    WorkerPool; on_start(bound_port) runs once serving."""
     from services.metrics import start_metrics_server
-    from services.server import start_server, stop_on_signals
+    from services.server import check_port_free, service_registration, start_server, stop_on_signals
 
-    pool = WorkerPool(options.prefill, options.decode, options.colocated, resolver=resolver)
-    await pool.wait_ready(ready_timeout_s)
+    credentials = credentials or Credentials()
+    check_port_free(host, port)
+    pool = WorkerPool(options.prefill, options.decode, options.colocated, credentials, resolver=resolver)
     pool.start()
-    metrics = RouterMetrics()
-    servicer = RouterServicer(options, pool, metrics)
-    server, bound, _ = await start_server(
-        [(router_pb2_grpc.add_RouterServicer_to_server, servicer, "pdserve.v1.Router")], host, port)
-    note = ""
-    if metrics_port is not None:
-        note = f", metrics on http://{host}:{start_metrics_server(metrics.registry, host, metrics_port)}/metrics"
-    print(f"pdserve router listening on {host}:{bound}{note}", flush=True)
-    if on_start is not None:
-        on_start(bound)
-    stop = stop or asyncio.Event()
-    stop_on_signals(stop)
     try:
-        await stop.wait()
+        await pool.wait_ready(options.config.ready_timeout_s)
+        metrics = RouterMetrics()
+        servicer = RouterServicer(options, pool, metrics)
+        interceptors = [api_key_interceptor(api_key)] if api_key else []
+        server = await start_server([service_registration(router_pb2.DESCRIPTOR.services_by_name["Router"], servicer)],
+                                    host, port, interceptors=interceptors,
+                                    credentials=credentials.server_credentials(require_client_cert=False))
+        health = asyncio.create_task(_follow_health(server, pool, servicer))
+        note = ""
+        if metrics_port is not None:
+            note = f", metrics on http://{host}:{start_metrics_server(metrics.registry, host, metrics_port)}/metrics"
+        print(f"pdserve router listening on {host}:{server.port}{note}", flush=True)
+        if on_start is not None:
+            on_start(server.port)
+        stop = stop or asyncio.Event()
+        stop_on_signals(stop)
+        try:
+            await stop.wait()
+            servicer.draining = True
+            await server.set_serving(False)
+            deadline = time.monotonic() + options.config.drain_timeout_s
+            while servicer.generator.active and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            health.cancel()
+            await server.server.stop(grace=1)
     finally:
-        await server.stop(grace=2)
         await pool.close()
+
+
+async def _follow_health(server, pool: WorkerPool, servicer: RouterServicer) -> None:
+    """The router is SERVING only while every role it needs has a healthy worker."""
+    serving = None
+    while True:
+        now = pool.serving and not servicer.draining
+        if now != serving:
+            await server.set_serving(now)
+            if serving is not None:
+                log.warning("router is %s", "SERVING again" if now else "NOT_SERVING: a role has no healthy worker")
+            serving = now
+        await pool.wait_changed(1.0)

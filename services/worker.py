@@ -1,29 +1,55 @@
-"""A worker process: the engine in one role behind the Worker gRPC service (+ KVTransfer
-on decode workers), with health, reflection and Prometheus metrics."""
+"""A worker process: the engine in one role behind that role's gRPC service (plus the common
+Worker service, and KVTransfer on decode workers), with health, reflection, metrics, the
+cluster-token check on every internal call, and a graceful drain on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
-from dataclasses import dataclass
-from typing import Callable
-
-import grpc
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
 
 from engine import EngineConfig
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from engine.kv_connector import LeasePolicy
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.async_engine import AsyncEngine
 from services.colocated import ColocatedHandler
 from services.decode import DecodeHandler
-from services.kv_transfer import GrpcKVSender, KVSender, KVTransferServicer
-from services.kv_transfer.grpc_transport import register_kv_servicer
+from services.kv_transfer import GrpcKVSender, KVSender, KVTransferServicer, register_kv_servicer
+from services.kv_transfer.grpc_transport import grpc_message_limit
 from services.prefill import PrefillHandler
-from services.server import start_server, stop_on_signals
+from services.security import Credentials
+from services.server import Server, options as channel_options, service_registration, start_server, stop_on_signals
+from services.worker_state import WorkerState
 
 log = logging.getLogger(__name__)
 
 ROLE_ENUM = {"prefill": worker_pb2.WORKER_ROLE_PREFILL, "decode": worker_pb2.WORKER_ROLE_DECODE,
              "both": worker_pb2.WORKER_ROLE_BOTH}
+STATUS_HEARTBEAT_S = 1.0     # WatchStatus sends the status at least this often
+STATUS_MIN_INTERVAL_S = 0.01  # and at most once per this interval
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """A worker's own settings (the engine's are EngineConfig)."""
+
+    drain_timeout_s: float = field(default=30.0, metadata={
+        "help": "on SIGTERM, in-flight requests get this long to finish"})
+    kv_lease_idle_s: float = field(default=10.0, metadata={
+        "help": "decode: a reservation whose KV makes no progress this long is freed"})
+    kv_lease_max_s: float = field(default=300.0, metadata={
+        "help": "decode: no reservation lives longer (prefill: nor do pinned blocks awaiting delivery)"})
+
+    def __post_init__(self) -> None:
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        self.lease   # validates the lease settings
+
+    @property
+    def lease(self) -> LeasePolicy:
+        return LeasePolicy(self.kv_lease_idle_s, self.kv_lease_max_s)
 
 
 @dataclass(slots=True)
@@ -33,29 +59,23 @@ class WorkerOptions:
     worker_id: str = ""
     metrics_port: int | None = None   # Prometheus /metrics; None: no endpoint
     kv_address: str = ""              # advertised as WorkerStatus.kv_address ("": the Worker address)
-    kv_sender: KVSender | None = None  # prefill: how KV blocks leave (None: a GrpcKVSender)
+    kv_sender: KVSender | None = None  # prefill: how KV blocks leave (None: gRPC)
+    credentials: Credentials = field(default_factory=Credentials)
+    config: WorkerConfig = field(default_factory=WorkerConfig)
 
 
-class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, aengine: AsyncEngine, worker_id: str, metrics=None, sender: KVSender | None = None,
-                 kv_address: str = "") -> None:
+class WorkerInfoServicer(worker_pb2_grpc.WorkerServicer):
+    """Status, status stream and abort: served by every role."""
+
+    def __init__(self, aengine: AsyncEngine, worker_id: str, state: WorkerState, kv_address: str = "") -> None:
         self.aengine = aengine
         self.role = aengine.config.role
         self.worker_id = worker_id
-        self.metrics = metrics
+        self.state = state
         self.kv_address = kv_address
-        self.sender = (sender or GrpcKVSender()) if self.role == "prefill" else None
-        self.prefill_handler = PrefillHandler(aengine, self.sender, metrics) if self.sender else None
-        self.decode_handler = DecodeHandler(aengine, metrics) if self.role == "decode" else None
-        self.colocated_handler = ColocatedHandler(aengine) if self.role == "both" else None
 
-    async def _require(self, handler, context: grpc.aio.ServicerContext, rpc: str):
-        if handler is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{rpc} is not served by a {self.role} worker")
-        return handler
-
-    async def GetStatus(self, request, context):
-        stats = self.aengine.snapshot
+    def status(self) -> worker_pb2.WorkerStatus:
+        stats = self.aengine.engine.stats()
         engine = self.aengine.engine
         mc = engine.model_config
         return worker_pb2.WorkerStatus(
@@ -65,66 +85,93 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_running=stats["num_running"], num_waiting=stats["num_waiting"],
             num_reserved=stats["num_reserved"], num_queued_prompt_tokens=stats["num_queued_prompt_tokens"],
             block_size=self.aengine.config.block_size, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim, kv_dtype=str(engine.runner.dtype).removeprefix("torch."),
-            max_model_len=engine.max_model_len)
+            head_dim=mc.head_dim, kv_dtype=engine.runner.kv_dtype_name, max_model_len=engine.max_model_len,
+            draining=self.state.draining)
 
-    async def Prefill(self, request, context):
-        handler = await self._require(self.prefill_handler, context, "Prefill")
-        async for event in handler.prefill(request, context):
-            yield event
+    async def GetStatus(self, request, context):
+        return self.status()
 
-    async def Reserve(self, request, context):
-        handler = await self._require(self.decode_handler, context, "Reserve")
-        return await handler.reserve(request, context)
+    async def WatchStatus(self, request, context) -> AsyncIterator[worker_pb2.WorkerStatus]:
+        last, sent_at = None, 0.0
+        while True:
+            status = self.status()
+            now = time.monotonic()
+            if status != last or now - sent_at >= STATUS_HEARTBEAT_S:
+                yield status
+                last, sent_at = status, now
+            await self.aengine.wait_status_change(STATUS_HEARTBEAT_S)
+            await asyncio.sleep(STATUS_MIN_INTERVAL_S)
 
-    async def Decode(self, request, context):
-        handler = await self._require(self.decode_handler, context, "Decode")
-        async for event in handler.decode(request, context):
-            yield event
-
-    async def GenerateLocal(self, request, context):
-        handler = await self._require(self.colocated_handler, context, "GenerateLocal")
-        async for event in handler.generate(request, context):
-            yield event
-
-    async def Abort(self, request, context):
-        found = await self.aengine.abort(request.request_id)
-        if self.decode_handler is not None:
-            self.decode_handler.expected_hashes.pop(request.request_id, None)
-        return worker_pb2.AbortResponse(found=found)
+    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
+        return common_pb2.AbortResponse(found=self.aengine.abort(request.request_id))
 
 
-async def serve_worker(config: EngineConfig, options: WorkerOptions, ready: asyncio.Event | None = None,
-                       stop: asyncio.Event | None = None,
-                       on_start: Callable[[WorkerServicer, int], None] | None = None) -> None:
-    """Run one worker until stop is set (or SIGINT/SIGTERM). on_start(servicer, bound_port) runs once serving."""
+@dataclass(eq=False)
+class RunningWorker:
+    """What serve_worker hands to on_start (Ray actors use it)."""
+
+    aengine: AsyncEngine
+    info: WorkerInfoServicer
+    server: Server
+    metrics: object
+    sender: KVSender | None
+
+
+async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: asyncio.Event | None = None,
+                       on_start: Callable[[RunningWorker], None] | None = None) -> None:
+    """Run one worker until stop is set (or SIGINT/SIGTERM), then drain. on_start runs once serving."""
     from services.metrics import WorkerMetrics, start_metrics_server
 
     worker_id = options.worker_id or f"{config.role}-{uuid.uuid4().hex[:8]}"
     metrics = WorkerMetrics(config.role, worker_id)
-    aengine = AsyncEngine(config, on_step=metrics.on_step)
+    aengine = AsyncEngine(config, lease=options.config.lease, on_step=metrics.on_step)
     aengine.start()
-    servicer = WorkerServicer(aengine, worker_id, metrics, sender=options.kv_sender, kv_address=options.kv_address)
-    registrations = [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "pdserve.v1.Worker")]
-    if servicer.decode_handler is not None:
-        kv_servicer = KVTransferServicer(servicer.decode_handler)
-        registrations.append((register_kv_servicer, kv_servicer, "pdserve.v1.KVTransfer"))
-    server, port, _ = await start_server(registrations, options.host, options.port)
+    state = WorkerState()
+    info = WorkerInfoServicer(aengine, worker_id, state, options.kv_address)
+    services = worker_pb2.DESCRIPTOR.services_by_name
+    registrations: list[tuple[Callable, object, str]] = [service_registration(services["Worker"], info)]
+    sender = None
+    if config.role == "prefill":
+        creds = options.credentials
+        sender = options.kv_sender or GrpcKVSender(
+            lambda address: creds.channel(address, channel_options([("grpc.max_send_message_length",
+                                                                     grpc_message_limit())])))
+        registrations.append(service_registration(services["PrefillWorker"],
+                                                  PrefillHandler(aengine, sender, state, metrics)))
+    elif config.role == "decode":
+        registrations.append(service_registration(services["DecodeWorker"], DecodeHandler(aengine, state)))
+        kv = aengine.engine.kv
+        kv.on_block = metrics.kv_received
+        notify = kv.on_change
+        kv.on_change = lambda rid, st: (metrics.kv_handoff_ended(st), notify(rid, st))
+        kv_servicer = KVTransferServicer(kv)
+        registrations.append((lambda servicer, server: register_kv_servicer(servicer, server), kv_servicer,
+                              "pdserve.v1.KVTransfer"))
+    else:
+        registrations.append(service_registration(services["ColocatedWorker"], ColocatedHandler(aengine, state)))
+    server = await start_server(registrations, options.host, options.port,
+                                interceptors=options.credentials.server_interceptors(),
+                                credentials=options.credentials.server_credentials())
     metrics_note = ""
     if options.metrics_port is not None:
         mport = start_metrics_server(metrics.registry, options.host, options.metrics_port)
         metrics_note = f", metrics on http://{options.host}:{mport}/metrics"
-    print(f"pdserve {config.role} worker {worker_id} listening on {options.host}:{port}{metrics_note}", flush=True)
+    print(f"pdserve {config.role} worker {worker_id} listening on {options.host}:{server.port}{metrics_note}",
+          flush=True)
     stop = stop or asyncio.Event()
     stop_on_signals(stop)
     if on_start is not None:
-        on_start(servicer, port)
-    if ready is not None:
-        ready.set()
+        on_start(RunningWorker(aengine, info, server, metrics, sender))
     try:
         await stop.wait()
+        state.draining = True               # refuse new work, tell the router, let the rest finish
+        aengine.status_changed()
+        await server.set_serving(False)
+        if not await state.wait_idle(options.config.drain_timeout_s):
+            log.warning("drain timeout: %d request(s) still in flight on %s", state.inflight, worker_id)
     finally:
-        await server.stop(grace=2)
-        if servicer.sender is not None:
-            await servicer.sender.close()
+        await server.server.stop(grace=1)
+        if sender is not None:
+            await sender.close()
         aengine.stop()
+

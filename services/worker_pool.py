@@ -1,39 +1,71 @@
-"""The router's view of its workers: addresses, stubs, polled status, local load counts."""
+"""The router's view of its workers: one status stream per worker (WatchStatus), health from
+that stream, and the router's own count of what it has placed on each worker.
+
+A worker is healthy while its status stream delivers (it sends at least every second; a
+stream silent for ``stale_s`` counts as a frozen worker) and it is not draining. A broken
+stream is retried at once and then every ``retry_s``, so a restarted worker is used again
+within a second; a resolver (Ray) may supply a restarted worker's new address. Every status
+change wakes ``changed`` waiters: the admission queue and the router's health.
+"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterator
 
 import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.server import channel
+from services.security import Credentials
+from services.server import options as channel_options
 
 log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "both")
 
 
 @dataclass(eq=False)
 class WorkerHandle:
     address: str
     role: str                                  # "prefill" | "decode" | "both"
-    stub: worker_pb2_grpc.WorkerStub = field(init=False)
+    credentials: Credentials = field(default_factory=Credentials, repr=False)
     status: worker_pb2.WorkerStatus | None = None
-    healthy: bool = False
+    connected: bool = False                    # its status stream is live
     inflight: int = 0                          # requests the router has on it now
     inflight_prompt_tokens: int = 0
+    last_seen: float = 0.0
 
     def __post_init__(self) -> None:
-        self.channel = channel(self.address)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self._connect(self.address)
 
-    def rebind(self, address: str) -> grpc.aio.Channel:
-        """Point at the worker's new address (it was restarted elsewhere); returns the old channel."""
-        old, self.address = self.channel, address
-        self.channel = channel(address)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        return old
+    def _connect(self, address: str) -> None:
+        self.address = address
+        self.channel = self.credentials.channel(address, channel_options())
+        self.info = worker_pb2_grpc.WorkerStub(self.channel)
+        self.prefill = worker_pb2_grpc.PrefillWorkerStub(self.channel)
+        self.decode = worker_pb2_grpc.DecodeWorkerStub(self.channel)
+        self.colocated = worker_pb2_grpc.ColocatedWorkerStub(self.channel)
+
+    async def rebind(self, address: str) -> None:
+        """Point at the worker's new address (it was restarted elsewhere)."""
+        old = self.channel
+        self._connect(address)
+        await old.close()
+
+    @property
+    def healthy(self) -> bool:
+        return self.connected and self.status is not None and not self.status.draining
+
+    @property
+    def kv_address(self) -> str:
+        return self.status.kv_address if self.status and self.status.kv_address else self.address
+
+    @property
+    def free_blocks(self) -> int:
+        return self.status.num_free_blocks if self.status else 0
 
 
 class NoWorker(RuntimeError):
@@ -41,18 +73,24 @@ class NoWorker(RuntimeError):
 
 
 class WorkerPool:
-    def __init__(self, prefill: list[str], decode: list[str], colocated: list[str], poll_s: float = 0.5,
+    def __init__(self, prefill: list[str], decode: list[str], colocated: list[str],
+                 credentials: Credentials | None = None, *, stale_s: float = 3.0, retry_s: float = 0.25,
                  resolver: Callable[[WorkerHandle], Awaitable[str | None]] | None = None) -> None:
-        self.workers = ([WorkerHandle(a, "prefill") for a in prefill] + [WorkerHandle(a, "decode") for a in decode]
-                        + [WorkerHandle(a, "both") for a in colocated])
+        creds = credentials or Credentials()
+        self.workers = ([WorkerHandle(a, "prefill", creds) for a in prefill]
+                        + [WorkerHandle(a, "decode", creds) for a in decode]
+                        + [WorkerHandle(a, "both", creds) for a in colocated])
         if not self.workers:
             raise ValueError("the router needs at least one worker")
         if bool(prefill) != bool(decode):
             raise ValueError("disaggregated serving needs both prefill and decode workers")
-        self.poll_s = poll_s
-        # Optional: asked for an unreachable worker's current address (e.g. a restarted Ray actor's).
-        self.resolver = resolver
-        self._task: asyncio.Task | None = None
+        if colocated and prefill:
+            raise ValueError("a router serves either colocated workers or prefill + decode workers, not both")
+        self.stale_s = stale_s
+        self.retry_s = retry_s
+        self.resolver = resolver   # the current address of an unreachable worker (e.g. a restarted Ray actor)
+        self._tasks: list[asyncio.Task] = []
+        self._waiters: list[asyncio.Future[None]] = []
 
     @property
     def colocated(self) -> bool:
@@ -61,68 +99,116 @@ class WorkerPool:
     def of_role(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers if w.role == role]
 
-    async def refresh(self, timeout: float = 2.0) -> None:
-        await asyncio.gather(*(self._poll(w, timeout) for w in self.workers))
+    def healthy(self, role: str) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.role == role and w.healthy]
 
-    async def _poll(self, worker: WorkerHandle, timeout: float, follow: bool = True) -> None:
-        try:
-            worker.status = await worker.stub.GetStatus(worker_pb2.StatusRequest(), timeout=timeout)
-            if not worker.healthy:
-                log.info("worker %s (%s) is up", worker.address, worker.role)
-            worker.healthy = True
-        except grpc.aio.AioRpcError as exc:
-            if worker.healthy:
-                log.warning("worker %s unreachable: %s", worker.address, exc.code())
-            worker.healthy = False
-            if follow and self.resolver is not None:
-                address = await self.resolver(worker)
-                if address and address != worker.address:
-                    log.info("worker %s (%s) moved to %s", worker.address, worker.role, address)
-                    await worker.rebind(address).close()
-                    await self._poll(worker, timeout, follow=False)
+    @property
+    def serving(self) -> bool:
+        """Every role the router needs has a healthy worker."""
+        roles = ("both",) if self.colocated else ("prefill", "decode")
+        return all(self.healthy(r) for r in roles)
+
+    # ---- status streams -----------------------------------------------------------------
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._watch(w), name=f"watch {w.address}") for w in self.workers]
+
+    async def _watch(self, worker: WorkerHandle) -> None:
+        while True:
+            try:
+                call = worker.info.WatchStatus(worker_pb2.StatusRequest())
+                while True:
+                    status = await asyncio.wait_for(call.read(), self.stale_s)
+                    if status is grpc.aio.EOF:
+                        raise ConnectionError("status stream ended")
+                    if not worker.connected:
+                        log.info("worker %s (%s) is up", worker.address, worker.role)
+                    worker.status, worker.connected, worker.last_seen = status, True, time.monotonic()
+                    self._notify()
+            except asyncio.CancelledError:
+                raise
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError) as exc:
+                call.cancel()
+                if worker.connected:
+                    why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "no status"
+                    log.warning("worker %s (%s) lost: %s", worker.address, worker.role, why)
+                    worker.connected = False
+                    self._notify()
+                await self._follow(worker)
+                await asyncio.sleep(self.retry_s)
+
+    async def _follow(self, worker: WorkerHandle) -> None:
+        if self.resolver is None:
+            return
+        address = await self.resolver(worker)
+        if address and address != worker.address:
+            log.info("worker %s (%s) moved to %s", worker.address, worker.role, address)
+            await worker.rebind(address)
+
+    def mark_down(self, worker: WorkerHandle) -> None:
+        """A call failed in a way that says the worker is gone; its stream will confirm or revive it."""
+        if worker.connected:
+            worker.connected = False
+            self._notify()
 
     async def wait_ready(self, timeout: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while True:
-            await self.refresh()
-            if all(w.healthy for w in self.workers):
-                return
+        while not all(w.healthy for w in self.workers):
             if loop.time() > deadline:
                 down = [w.address for w in self.workers if not w.healthy]
                 raise TimeoutError(f"workers not ready after {timeout}s: {down}")
-            await asyncio.sleep(0.2)
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._poll_forever())
-
-    async def _poll_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_s)
-            await self.refresh()
+            await self.wait_changed(deadline - loop.time())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
         for w in self.workers:
             await w.channel.close()
 
-    def mark_down(self, worker: WorkerHandle) -> None:
-        worker.healthy = False
+    # ---- change notification --------------------------------------------------------------
+    def _notify(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
-    # ---- choices --------------------------------------------------------------
-    def decode_candidates(self) -> list[WorkerHandle]:
-        """Healthy decode (or colocated) workers, least loaded first: fewest in-flight
-        requests, then most free KV blocks."""
+    async def wait_changed(self, timeout: float | None = None) -> None:
+        """Until any worker's status or health changes (or timeout)."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+
+    # ---- placement --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def placed(self, worker: WorkerHandle, prompt_tokens: int = 0) -> Iterator[WorkerHandle]:
+        """Count a request on worker for as long as the block runs."""
+        worker.inflight += 1
+        worker.inflight_prompt_tokens += prompt_tokens
+        try:
+            yield worker
+        finally:
+            worker.inflight -= 1
+            worker.inflight_prompt_tokens -= prompt_tokens
+
+    def decode_candidates(self, exclude: set[str] = frozenset()) -> list[WorkerHandle]:
+        """Healthy decode (or colocated) workers, least loaded first: fewest in-flight requests,
+        then most free KV blocks."""
         role = "both" if self.colocated else "decode"
-        healthy = [w for w in self.of_role(role) if w.healthy]
+        healthy = [w for w in self.healthy(role) if w.address not in exclude] or self.healthy(role)
         if not healthy:
             raise NoWorker(f"no healthy {role} worker")
-        return sorted(healthy, key=lambda w: (w.inflight, -(w.status.num_free_blocks if w.status else 0)))
+        return sorted(healthy, key=lambda w: (w.inflight, -w.free_blocks))
 
-    def pick_prefill(self) -> WorkerHandle:
-        """The prefill worker with the fewest queued prompt tokens (router's count plus its own)."""
-        healthy = [w for w in self.of_role("prefill") if w.healthy]
+    def pick_prefill(self, exclude: set[str] = frozenset()) -> WorkerHandle:
+        """The prefill worker with the fewest queued prompt tokens (the router's count plus its own)."""
+        healthy = [w for w in self.healthy("prefill") if w.address not in exclude] or self.healthy("prefill")
         if not healthy:
             raise NoWorker("no healthy prefill worker")
-        return min(healthy, key=lambda w: w.inflight_prompt_tokens + (w.status.num_queued_prompt_tokens if w.status else 0))
+        return min(healthy, key=lambda w: w.inflight_prompt_tokens + (w.status.num_queued_prompt_tokens
+                                                                      if w.status else 0))

@@ -1,6 +1,7 @@
 """Helpers for end-to-end tests against real processes."""
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import grpc
@@ -8,22 +9,45 @@ import grpc
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.launcher import Cluster, Deployment, free_port
 
+TEST_ENGINE_ARGS = ["--block-size", "8", "--num-kv-blocks", "512", "--dtype", "float32"]
+
 
 def start_cluster(model: str, **kwargs) -> Cluster:
-    engine_args = kwargs.pop("engine_args", ["--block-size", "8", "--num-kv-blocks", "512", "--dtype", "float32"])
+    engine_args = kwargs.pop("engine_args", TEST_ENGINE_ARGS)
     spec = Deployment(model=model, port=free_port(), engine_args=engine_args, metrics=True, **kwargs)
     cluster = Cluster(spec)
     cluster.start(timeout=120)
     return cluster
 
 
-def worker_status(address: str) -> worker_pb2.WorkerStatus:
-    with grpc.insecure_channel(address) as ch:
+def channel(cluster: Cluster, address: str) -> grpc.Channel:
+    """A blocking channel to a member of the deployment, with its credentials."""
+    return cluster.spec.credentials.sync_channel(address)
+
+
+def aio_channel(cluster: Cluster, address: str) -> grpc.aio.Channel:
+    return cluster.spec.credentials.channel(address)
+
+
+def worker_status(cluster: Cluster, address: str) -> worker_pb2.WorkerStatus:
+    with channel(cluster, address) as ch:
         return worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.StatusRequest(), timeout=10)
 
 
 def workers(cluster: Cluster, role: str | None = None) -> list[str]:
     return [p.address for p in cluster.processes if p.name != "router" and (role is None or p.name.startswith(role))]
+
+
+def assert_blocks_at_baseline(cluster: Cluster, timeout: float = 5.0) -> None:
+    """Every worker's free blocks back to its total (no leak), within timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        statuses = [worker_status(cluster, a) for a in workers(cluster)]
+        if all(s.num_free_blocks == s.num_total_blocks for s in statuses):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError([(s.worker_id, s.num_free_blocks, s.num_total_blocks) for s in statuses])
+        time.sleep(0.05)
 
 
 def scrape(metrics_address: str) -> dict[str, float]:

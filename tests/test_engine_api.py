@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import math
+import threading
+import time
+import zlib
 
 import pytest
 import torch
 
 from engine import LLM, EngineConfig, LLMEngine, NoCapacity, SamplingParams
+from engine.block_manager import transfer_block_hashes
+from engine.kv_connector import BlockMeta, HandoffError, HandoffState, LeasePolicy
 from tests.conftest import assert_no_leak, hf_greedy, random_prompts
 
 PROMPTS = random_prompts(6, 5, 40, seed=21)
@@ -97,6 +102,16 @@ def test_abort_frees_blocks_everywhere(tiny_qwen3: str) -> None:
     assert_no_leak(engine)
 
 
+def _ship(prefill: LLMEngine, decode: LLMEngine, rid: str, reservation, indices: list[int]) -> None:
+    """What a transport does: copy blocks out, send bytes with a header, the connector checks and stores them."""
+    data = prefill.kv.read_blocks(rid, indices)
+    hashes = transfer_block_hashes(prefill.kv.sending[rid].seq.token_ids[:-1], 8)
+    for j, idx in enumerate(indices):
+        raw = data[j].numpy().tobytes()                  # what goes on the wire
+        meta = BlockMeta(rid, idx, hashes[idx], "float32", tuple(data.shape[1:]), len(raw), zlib.crc32(raw))
+        decode.kv.accept(meta, reservation.transfer_token, raw)
+
+
 def test_prefill_to_decode_handoff_matches_colocated(tiny_qwen3: str) -> None:
     """Prefill in one engine, ship blocks as bytes, decode in another: same tokens as HF."""
     prefill = LLMEngine(EngineConfig(model=tiny_qwen3, role="prefill", **{**KW, "max_num_batched_tokens": 16}))
@@ -116,13 +131,13 @@ def test_prefill_to_decode_handoff_matches_colocated(tiny_qwen3: str) -> None:
     assert chunks > len(prompts), "prompts longer than 16 tokens report blocks chunk by chunk"
     for i, p in enumerate(prompts):
         rid = f"r{i}"
-        needed = decode.reserve(rid, p, GREEDY)
-        assert sorted(ready[rid]) == list(range(len(prefill.block_ids(rid))))
-        data = prefill.read_kv_blocks(rid, needed)
-        raw = data.numpy().tobytes()                     # what goes on the wire
-        back = torch.frombuffer(bytearray(raw), dtype=data.dtype).reshape(data.shape)
-        for j, idx in enumerate(needed):
-            decode.write_kv_block(rid, idx, back[j])
+        res = decode.reserve(rid, p, GREEDY)
+        assert sorted(ready[rid]) == list(range(-(-len(p) // 8))) == res.needed_block_indices
+        assert decode.kv.state(rid) is HandoffState.RESERVED
+        with pytest.raises(HandoffError, match="still misses"):
+            decode.admit(rid, firsts[rid])
+        _ship(prefill, decode, rid, res, res.needed_block_indices)
+        assert decode.kv.state(rid) is HandoffState.READY
         assert prefill.release(rid)
         decode.admit(rid, firsts[rid])
     outs: dict[str, list[int]] = {f"r{i}": [firsts[f"r{i}"]] for i in range(len(prompts))}
@@ -133,21 +148,94 @@ def test_prefill_to_decode_handoff_matches_colocated(tiny_qwen3: str) -> None:
     assert_no_leak(prefill)
     assert_no_leak(decode)
     # The decode pool now caches those prompts: a second reservation needs only the tail blocks.
-    needed = decode.reserve("again", prompts[0], GREEDY)
-    assert needed == list(range(len(prompts[0]) // 8, -(-len(prompts[0]) // 8)))
+    res = decode.reserve("again", prompts[0], GREEDY)
+    assert res.needed_block_indices == list(range(len(prompts[0]) // 8, -(-len(prompts[0]) // 8)))
     decode.abort("again")
     assert_no_leak(decode)
 
 
-def test_reservation_expires_and_capacity_is_refused(tiny_qwen3: str) -> None:
-    decode = LLMEngine(EngineConfig(model=tiny_qwen3, role="decode", **{**KW, "num_kv_blocks": 8}))
-    assert len(decode.reserve("a", [5] * 40, GREEDY, timeout_s=0.0)) == 5
+def test_handoff_fails_closed_on_any_bad_block(tiny_qwen3: str) -> None:
+    """Wrong token, hash, layout or checksum: the whole reservation is freed at once, with its reason kept."""
+    decode = LLMEngine(EngineConfig(model=tiny_qwen3, role="decode", **KW))
+    prompt = PROMPTS[0][:20]
+    hashes = transfer_block_hashes(prompt, 8)
+    shape = decode.runner.block_shape
+    good = torch.zeros(shape).numpy().tobytes()
+    cases = {
+        "token": lambda m, t: (m, b"x" * 16, good),
+        "hash": lambda m, t: (BlockMeta(m.request_id, 0, m.block_hash ^ 1, m.dtype, m.shape, m.nbytes, m.checksum), t, good),
+        "layout": lambda m, t: (BlockMeta(m.request_id, 0, m.block_hash, "bfloat16", m.shape, m.nbytes // 2, m.checksum), t, good),
+        "checksum": lambda m, t: (BlockMeta(m.request_id, 0, m.block_hash, m.dtype, m.shape, m.nbytes, m.checksum ^ 1), t, good),
+        "index": lambda m, t: (BlockMeta(m.request_id, 9, m.block_hash, m.dtype, m.shape, m.nbytes, m.checksum), t, good),
+    }
+    codes = {"token": "UNAUTHENTICATED", "hash": "DATA_LOSS", "layout": "DATA_LOSS", "checksum": "DATA_LOSS",
+             "index": "DATA_LOSS"}
+    for name, corrupt in cases.items():
+        rid = f"bad-{name}"
+        res = decode.reserve(rid, prompt, GREEDY)
+        meta = BlockMeta(rid, 0, hashes[0], "float32", tuple(shape), len(good), zlib.crc32(good))
+        with pytest.raises(HandoffError) as err:
+            decode.kv.accept(*corrupt(meta, res.transfer_token))
+        assert err.value.code == codes[name], name
+        if name == "token":   # a stranger cannot fail someone else's request
+            assert decode.kv.state(rid) is HandoffState.RESERVED
+            decode.abort(rid)
+        else:
+            assert decode.kv.state(rid) is HandoffState.FAILED
+            with pytest.raises(HandoffError) as again:
+                decode.admit(rid, 5)
+            assert again.value.code == codes[name]
+        assert_no_leak(decode)
+
+
+def test_reservation_lease_lapses_without_progress_and_progress_extends_it(tiny_qwen3: str) -> None:
+    decode = LLMEngine(EngineConfig(model=tiny_qwen3, role="decode", **{**KW, "num_kv_blocks": 10}),
+                       lease=LeasePolicy(idle_s=0.2, max_s=0.6))
+    res = decode.reserve("a", [5] * 40, GREEDY)
+    assert len(res.needed_block_indices) == 5
     with pytest.raises(NoCapacity):
-        decode.reserve("b", [7] * 40, GREEDY)   # 5 more blocks, 3 free
-    assert decode.expire_reservations() == ["a"]
-    assert len(decode.reserve("b", [7] * 40, GREEDY)) == 5
+        decode.reserve("b", [7] * 40, GREEDY)   # 5 more blocks + 1 kept as headroom, 5 free
+    t0 = time.monotonic()
+    assert decode.kv.expire(t0 + 0.1) == []
+    time.sleep(0.1)
+    t1 = time.monotonic()
+    decode.kv.heartbeat("a", res.transfer_token)  # progress: lapses 0.2 s after t1 instead of after t0
+    assert decode.kv.expire(t1 + 0.15) == []      # t1 + 0.15 > t0 + 0.2: the lease was extended
+    assert decode.kv.expire(t0 + 0.7) == ["a"]    # the cap (0.6 s) holds whatever the progress
+    with pytest.raises(HandoffError) as err:
+        decode.admit("a", 5)
+    assert err.value.code == "DEADLINE_EXCEEDED" and "lease cap" in str(err.value)
+    assert len(decode.reserve("b", [7] * 40, GREEDY).needed_block_indices) == 5
     decode.abort("b")
     assert_no_leak(decode)
+
+
+def test_abort_during_a_step_frees_blocks_after_it(tiny_qwen3: str) -> None:
+    """abort() from another thread never waits for the forward pass; the blocks go when it ends."""
+    engine = LLMEngine(EngineConfig(model=tiny_qwen3, **KW))
+    engine.add_request("r", PROMPTS[1], GREEDY)
+    engine.step()
+    started, release = threading.Event(), threading.Event()
+    run = engine.runner.run
+
+    def slow_run(batch):
+        started.set()
+        release.wait(10)
+        return run(batch)
+
+    engine.runner.run = slow_run
+    worker = threading.Thread(target=engine.step)
+    worker.start()
+    assert started.wait(10)
+    held = engine.stats()["num_free_blocks"]
+    assert engine.abort("r")                       # returns while the step still runs
+    engine.add_request("s", PROMPTS[2], GREEDY)     # and new work is accepted at once
+    assert engine.stats()["num_free_blocks"] == held
+    release.set()
+    worker.join(10)
+    engine.runner.run = run
+    engine.abort("s")
+    assert_no_leak(engine)
 
 
 def test_w8a16_quantization(tiny_qwen3: str) -> None:

@@ -28,16 +28,26 @@ def _delta(after: dict[str, float], before: dict[str, float], name: str) -> floa
     return metric(after, name) - metric(before, name)
 
 
+COUNTERS = ("pdserve:request_success_total", "pdserve:prompt_tokens_total", "pdserve:generation_tokens_total",
+            "pdserve:kv_transfer_bytes_total")
+
+
 def _settled(cluster, expect_success: float, before: dict, timeout: float = 10.0) -> dict[str, dict[str, float]]:
-    """Scrape every process once the router has counted every request as finished."""
+    """Scrape every process once the router has counted every request as finished and no counter
+    moves any more (a prefill worker counts its KV bytes when the last acknowledgement arrives,
+    which may be after the request's last token)."""
     deadline = time.monotonic() + timeout
+    last = None
     while True:
         after = {name: scrape(addr) for name, addr in _by_name(cluster).items()}
-        if _delta(after["router"], before["router"], "pdserve:request_success_total") >= expect_success:
+        counters = {(n, c): metric(after[n], c) for n in after for c in COUNTERS}
+        if (_delta(after["router"], before["router"], "pdserve:request_success_total") >= expect_success
+                and counters == last):
             return after
         if time.monotonic() > deadline:
-            raise AssertionError("router did not count the requests")
-        time.sleep(0.05)
+            raise AssertionError("counters did not settle")
+        last = counters
+        time.sleep(0.1)
 
 
 def _labelled(samples: dict[str, float], name: str, role: str, worker: str) -> float:
@@ -46,8 +56,8 @@ def _labelled(samples: dict[str, float], name: str, role: str, worker: str) -> f
     return samples[key]
 
 
-def _block_bytes(address: str) -> int:
-    s = worker_status(address)
+def _block_bytes(cluster, address: str) -> int:
+    s = worker_status(cluster, address)
     itemsize = torch.empty(0, dtype=getattr(torch, s.kv_dtype)).element_size()
     return s.num_layers * 2 * s.block_size * s.num_kv_heads * s.head_dim * itemsize
 
@@ -87,9 +97,9 @@ def test_counters_disaggregated(cluster_1p1d) -> None:
 
     # KV bytes: every prompt block, sent once and received once
     decode_addr = next(p.address for p in cluster_1p1d.processes if p.name == "decode-0")
-    status = worker_status(decode_addr)
+    status = worker_status(cluster_1p1d, decode_addr)
     blocks = sum(-(-len(p) // status.block_size) for p in prompts)
-    expected = blocks * _block_bytes(decode_addr)
+    expected = blocks * _block_bytes(cluster_1p1d, decode_addr)
     sent = _delta(pre_a, pre_b, "pdserve:kv_transfer_bytes_total")
     received = _delta(dec_a, dec_b, "pdserve:kv_transfer_bytes_total")
     assert sent == received == expected
@@ -115,7 +125,7 @@ def test_counters_disaggregated(cluster_1p1d) -> None:
 
 def test_prefix_hit_moves_cache_counters_and_sends_fewer_bytes(cluster_1p1d) -> None:
     decode_addr = next(p.address for p in cluster_1p1d.processes if p.name == "decode-0")
-    bs = worker_status(decode_addr).block_size
+    bs = worker_status(cluster_1p1d, decode_addr).block_size
     prefix = random_prompts(1, 4 * bs, 4 * bs, seed=902)[0]
     prompts = [prefix + [11, 12, 13], prefix + [21, 22]]
     before = {name: scrape(addr) for name, addr in _by_name(cluster_1p1d).items()}
@@ -126,7 +136,7 @@ def test_prefix_hit_moves_cache_counters_and_sends_fewer_bytes(cluster_1p1d) -> 
     # the prefill worker counts prompt tokens of every prefilled prompt, cached or not
     assert _delta(pre_a, pre_b, "pdserve:prompt_tokens_total") == sum(map(len, prompts))
     # the decode pool already holds the 4 prefix blocks: only the 5th block of the second prompt moves
-    assert _delta(pre_a, pre_b, "pdserve:kv_transfer_bytes_total") == (5 + 1) * _block_bytes(decode_addr)
+    assert _delta(pre_a, pre_b, "pdserve:kv_transfer_bytes_total") == (5 + 1) * _block_bytes(cluster_1p1d, decode_addr)
     assert _delta(after["decode-0"], before["decode-0"], "pdserve:prefix_cache_hits_total") == 4 * bs
 
 

@@ -45,12 +45,37 @@ def test_stubs_import_and_presence() -> None:
     assert not params.HasField("temperature")
     params.temperature = 0.0
     assert params.HasField("temperature")  # explicit presence even for 0
-    frame = kv_pb2.KVFrame(payload=b"x")
-    assert frame.WhichOneof("frame") == "payload"
     for mod, name in (
         (kv_pb2_grpc, "KVTransfer"),
         (router_pb2_grpc, "Router"),
         (worker_pb2_grpc, "Worker"),
+        (worker_pb2_grpc, "PrefillWorker"),
+        (worker_pb2_grpc, "DecodeWorker"),
+        (worker_pb2_grpc, "ColocatedWorker"),
     ):
         assert hasattr(mod, f"{name}Stub") and hasattr(mod, f"{name}Servicer")
     assert not (REPO_ROOT / "proto" / "__init__.py").exists()
+    assert kv_pb2.KVFrame(payload=b"x").payload == b"x"
+
+
+def test_hand_encoded_kv_frames_are_standard_protobuf() -> None:
+    """The transport's hand-written frames parse as KVFrame, and its parser reads what protobuf writes."""
+    import torch
+
+    from pdserve.v1 import kv_pb2
+    from services.kv_transfer import KVBlock
+    from services.kv_transfer.grpc_transport import encode_frames, encode_open, parse_frame
+
+    blocks = [KVBlock("r", i, 100 + i, 4, torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) + i) for i in range(3)]
+    frames = encode_frames(blocks, frame_bytes=150)   # 96-byte blocks: some share a frame, some span two
+    assert len(frames) == 2
+    payload = b"".join(kv_pb2.KVFrame.FromString(f).payload for f in frames)
+    assert payload == b"".join(b.data.numpy().tobytes() for b in blocks)
+    headers = [h for f in frames for h in kv_pb2.KVFrame.FromString(f).headers]
+    assert [h.block_index for h in headers] == [0, 1, 2] and headers[2].block_hash == 102
+    opened = kv_pb2.KVFrame.FromString(encode_open("r", b"token"))
+    assert opened.open.request_id == "r" and opened.open.transfer_token == b"token"
+    standard = kv_pb2.KVFrame(headers=headers[:1], payload=b"abc").SerializeToString()
+    parsed = parse_frame(standard)
+    assert not parsed.error and bytes(parsed.payload) == b"abc" and parsed.headers[0].block_index == 0
+    assert parse_frame(b"\x1a\xff").error   # truncated: reported, never raised

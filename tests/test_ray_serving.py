@@ -27,6 +27,7 @@ import pytest
 from engine import LLM, SamplingParams
 from services.client import AsyncClient
 from services.launcher import free_port
+from services.security import CLUSTER_TOKEN_ENV, Credentials
 from tests.conftest import random_prompts
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
@@ -38,6 +39,7 @@ MAX_NEW = 12
 ENGINE = {"block_size": 8, "num_kv_blocks": 512, "dtype": "float32"}
 ENGINE_FLAGS = ["--block-size", "8", "--num-kv-blocks", "512", "--dtype", "float32"]
 SMALL = {"worker_cpus": 0.5, "router_cpus": 0.5}   # logical CPUs: 2 + 2 and a router fit a 4-CPU head
+CLUSTER_TOKEN = secrets.token_urlsafe(32)          # the deployments' internal-plane secret (via the env)
 
 
 # ---- cluster -----------------------------------------------------------------------
@@ -63,7 +65,7 @@ def ray_cluster():
 
     path = os.environ.get("PYTHONPATH", "")
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), LOOPBACK_ENV: "0",
-           "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, path) if p)}
+           "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, path) if p), CLUSTER_TOKEN_ENV: CLUSTER_TOKEN}
     with _scoped_env(**env):
         use_loopback_node()
         cluster = start_local_cluster(num_cpus=4, object_store_bytes=200 << 20, save=False)
@@ -215,11 +217,24 @@ def test_cli_up_returns_serving_and_detached(cli_deployment) -> None:
     assert cli_deployment["router_address"].startswith("127.0.0.1:")
 
 
+def _kv_bytes_settled(sender: str, receiver: str, timeout: float = 10.0) -> tuple[float, float]:
+    """(bytes the prefill actor counted as sent, bytes the decode actor received), once equal: a
+    prefill worker counts its bytes when the acknowledgement arrives, after the tokens may have."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sent = _info(sender)["metrics"]["kv_transfer_bytes"]
+        received = _info(receiver)["metrics"]["kv_transfer_bytes"]
+        if sent == received or time.monotonic() > deadline:
+            return sent, received
+        time.sleep(0.1)
+
+
 def test_object_store_kv_matches_offline_1p1d(cli_deployment, offline_reference) -> None:
     assert _tokens(cli_deployment["router_address"]) == offline_reference
-    decode, prefill = _info("cli-decode-0"), _info("cli-prefill-0")
-    assert decode["ray_receiver"]["blocks_received"] > 0 and decode["ray_receiver"]["blocks_rejected"] == 0
-    assert prefill["sender"]["blocks_sent"] == decode["ray_receiver"]["blocks_received"]
+    decode = _info("cli-decode-0")
+    assert decode["ray_receiver"]["blocks_received"] > 0
+    sent, received = _kv_bytes_settled("cli-prefill-0", "cli-decode-0")
+    assert sent == received == decode["ray_receiver"]["bytes_received"] > 0
 
 
 def test_killed_decode_actor_is_restarted_and_followed(cli_deployment, offline_reference) -> None:
@@ -244,34 +259,34 @@ def test_corrupted_block_through_the_object_store_is_refused(cli_deployment) -> 
     import torch
 
     from engine.block_manager import transfer_block_hashes
-    from pdserve.v1 import worker_pb2, worker_pb2_grpc
-    from services.kv_transfer import KVBlock
+    from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+    from services.kv_transfer import KVBlock, KVTransferError
     from services.kv_transfer.ray_transport import RayKVSender
 
     decode = _info("cli-decode-0")
     prompt = random_prompts(1, 20, 20, seed=51)[0]
 
     async def run() -> None:
-        async with grpc.aio.insecure_channel(decode["address"]) as ch:
-            stub = worker_pb2_grpc.WorkerStub(ch)
-            status = await stub.GetStatus(worker_pb2.StatusRequest())
+        async with Credentials(CLUSTER_TOKEN).channel(decode["address"]) as ch:
+            info, stub = worker_pb2_grpc.WorkerStub(ch), worker_pb2_grpc.DecodeWorkerStub(ch)
+            status = await info.GetStatus(worker_pb2.StatusRequest())
             shape = (status.num_layers, 2, status.block_size, status.num_kv_heads, status.head_dim)
             res = await stub.Reserve(worker_pb2.ReserveRequest(request_id="corrupt", prompt_token_ids=prompt,
-                                                               max_tokens=4))
+                                                               params=common_pb2.SamplingParams(max_tokens=4)))
             assert list(res.needed_block_indices) == [0, 1, 2]
             hashes = transfer_block_hashes(prompt, status.block_size)
-            block = KVBlock.from_tensor(torch.zeros(shape), request_id="corrupt", block_index=0,
-                                        block_hash=hashes[0] ^ 1, num_tokens=8, layer_start=0, layer_end=shape[0])
-            result = await RayKVSender().send_blocks(decode["kv_address"], [block], timeout=30)
-            assert result.rejected == [0] and "hash mismatch" in result.error
+            stream = RayKVSender().open(decode["kv_address"], "corrupt", res.transfer_token)
+            await stream.send([KVBlock("corrupt", 0, hashes[0] ^ 1, 8, torch.zeros(shape))])
+            with pytest.raises(KVTransferError) as refused:
+                await stream.finish(timeout=30)
+            assert refused.value.code == "DATA_LOSS" and "chain hash" in str(refused.value)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in stub.Decode(worker_pb2.DecodeRequest(request_id="corrupt", first_token_id=5)):
                     pass
             assert err.value.code() == grpc.StatusCode.DATA_LOSS
-            status = await stub.GetStatus(worker_pb2.StatusRequest())
-            assert status.num_reserved == 0
+            status = await info.GetStatus(worker_pb2.StatusRequest())
+            assert status.num_reserved == 0 and status.num_free_blocks == status.num_total_blocks
     asyncio.run(run())
-    assert _info("cli-decode-0")["ray_receiver"]["blocks_rejected"] >= 1
     assert _tokens(cli_deployment["router_address"])   # still serving
 
 
@@ -323,7 +338,8 @@ def test_grpc_kv_with_shipped_model_matches_offline_1p1d(ray_cluster, tiny_qwen3
         decode, prefill = _info("ship-decode-0"), _info("ship-prefill-0")
         assert decode["kv_address"] == decode["address"]            # KVTransfer on the worker's gRPC port
         assert decode["ray_receiver"]["blocks_received"] == 0
-        assert prefill["sender"]["blocks_sent"] > 0
+        sent, received = _kv_bytes_settled("ship-prefill-0", "ship-decode-0")
+        assert sent == received > 0
         for w in (decode, prefill, _info("ship-router")):           # read from the shipped copy
             assert w["model"] != tiny_qwen3 and Path(w["model"], "config.json").exists()
         before = _kill_and_wait_dead("ship-decode-0")
@@ -368,7 +384,7 @@ def test_2p2d_matches_offline_and_survives_a_decode_kill(ray_cluster, tiny_qwen3
         assert table["strategy"] == "SPREAD" and len(table["bundles"]) == 4
         assert _tokens(info.router_address) == offline_reference
         for n in prefills:   # both prefill workers took part
-            assert _info(n)["sender"]["blocks_sent"] > 0, n
+            assert _info(n)["metrics"]["generation_tokens"] > 0, n
         # The busier decode worker dies between requests: the router routes around it at once ...
         busy, other = sorted(decodes, key=lambda n: -_info(n)["metrics"]["generation_tokens"])
         before = _kill_and_wait_dead(busy)

@@ -6,13 +6,16 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.client import AsyncClient, Client
-from services.kv_transfer import GrpcKVSender, KVBlock
+from engine.block_manager import transfer_block_hashes
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.client import AsyncClient, Client, build_request
+from services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError
 from tests.conftest import hf_greedy, random_prompts
-from tests.serving import metric, scrape, start_cluster, worker_status, workers
+from tests.serving import (aio_channel, assert_blocks_at_baseline, channel, metric, scrape, start_cluster,
+                           worker_status, workers)
 
 PROMPTS = random_prompts(8, 5, 60, seed=31)
 MAX_NEW = 12
@@ -38,17 +41,6 @@ async def _generate_all(address: str, prompts: list[list[int]], **kwargs):
         return await asyncio.gather(*(client.generate(p, **kwargs) for p in prompts))
 
 
-def _assert_blocks_at_baseline(cluster, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        statuses = [worker_status(a) for a in workers(cluster)]
-        if all(s.num_free_blocks == s.num_total_blocks for s in statuses):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError([(s.worker_id, s.num_free_blocks, s.num_total_blocks) for s in statuses])
-        time.sleep(0.05)
-
-
 def test_concurrent_greedy_matches_offline_1p1d(cluster_1p1d, offline_reference) -> None:
     outs = asyncio.run(_generate_all(cluster_1p1d.router_address, PROMPTS, max_tokens=MAX_NEW, temperature=0.0,
                                      ignore_eos=True))
@@ -57,7 +49,7 @@ def test_concurrent_greedy_matches_offline_1p1d(cluster_1p1d, offline_reference)
         assert o.finish_reason == "length"
         assert o.usage["prompt_tokens"] == len(p) and o.usage["completion_tokens"] == MAX_NEW
         assert 0 < o.timings["ttft_ms"] <= o.timings["e2e_ms"]
-    _assert_blocks_at_baseline(cluster_1p1d)
+    assert_blocks_at_baseline(cluster_1p1d)
 
 
 def test_concurrent_greedy_matches_offline_2p2d(tiny_qwen3: str, offline_reference) -> None:
@@ -70,7 +62,7 @@ def test_concurrent_greedy_matches_offline_2p2d(tiny_qwen3: str, offline_referen
         for proc in cluster.processes:
             if proc.name != "router":
                 assert metric(scrape(proc.metrics_address), "pdserve:generation_tokens_total") > 0, proc.name
-        _assert_blocks_at_baseline(cluster)
+        assert_blocks_at_baseline(cluster)
     finally:
         cluster.stop()
 
@@ -81,7 +73,7 @@ def test_colocated_gives_same_tokens(tiny_qwen3: str, offline_reference) -> None
         outs = asyncio.run(_generate_all(cluster.router_address, PROMPTS, max_tokens=MAX_NEW, temperature=0.0,
                                          ignore_eos=True))
         assert [o.token_ids for o in outs] == offline_reference
-        _assert_blocks_at_baseline(cluster)
+        assert_blocks_at_baseline(cluster)
     finally:
         cluster.stop()
 
@@ -117,8 +109,7 @@ def test_invalid_requests_are_rejected_and_service_stays_up(cluster_1p1d, kwargs
 def test_cancel_mid_stream_frees_blocks(cluster_1p1d) -> None:
     async def run() -> None:
         async with AsyncClient(cluster_1p1d.router_address, timeout=60) as client:
-            stream = client.stub.Generate(__import__("services.client", fromlist=["build_request"]).build_request(
-                PROMPTS[0], max_tokens=1000, temperature=0.0, ignore_eos=True))
+            stream = client.stub.Generate(build_request(PROMPTS[0], max_tokens=1000, temperature=0.0, ignore_eos=True))
             got = 0
             async for msg in stream:
                 got += len(msg.token_ids)
@@ -127,7 +118,7 @@ def test_cancel_mid_stream_frees_blocks(cluster_1p1d) -> None:
                     break
             assert got >= 3
     asyncio.run(run())
-    _assert_blocks_at_baseline(cluster_1p1d)
+    assert_blocks_at_baseline(cluster_1p1d)
 
 
 def test_router_abort_ends_stream_with_abort(cluster_1p1d) -> None:
@@ -141,18 +132,20 @@ def test_router_abort_ends_stream_with_abort(cluster_1p1d) -> None:
                 last = msg
             return last.finish_reason if last.finished else None
     assert asyncio.run(run()) == "abort"
-    _assert_blocks_at_baseline(cluster_1p1d)
+    assert_blocks_at_baseline(cluster_1p1d)
 
 
 def test_shared_prefix_sends_fewer_kv_bytes(cluster_1p1d) -> None:
     prefix = random_prompts(1, 160, 160, seed=41)[0]
-    prefill = next(p for p in cluster_1p1d.processes if p.name.startswith("prefill"))
-    before = metric(scrape(prefill.metrics_address), "pdserve:kv_transfer_bytes_total")
+    # The decode worker counts KV bytes as blocks land, before it can admit the request: exact
+    # by the time the request's tokens arrive.
+    decode = next(p for p in cluster_1p1d.processes if p.name.startswith("decode"))
+    before = metric(scrape(decode.metrics_address), "pdserve:kv_transfer_bytes_total")
     with Client(cluster_1p1d.router_address, timeout=30) as client:
         first = client.generate(prefix + [7, 8, 9], max_tokens=4, temperature=0.0, ignore_eos=True)
-        mid = metric(scrape(prefill.metrics_address), "pdserve:kv_transfer_bytes_total")
+        mid = metric(scrape(decode.metrics_address), "pdserve:kv_transfer_bytes_total")
         second = client.generate(prefix + [10, 11], max_tokens=4, temperature=0.0, ignore_eos=True)
-    after = metric(scrape(prefill.metrics_address), "pdserve:kv_transfer_bytes_total")
+    after = metric(scrape(decode.metrics_address), "pdserve:kv_transfer_bytes_total")
     first_bytes, second_bytes = mid - before, after - mid
     block_bytes = 2 * 2 * 8 * 2 * 32 * 4   # layers, K+V, block, kv heads, head_dim, float32
     assert first_bytes == 21 * block_bytes        # 163 tokens in blocks of 8
@@ -164,29 +157,29 @@ def test_shared_prefix_sends_fewer_kv_bytes(cluster_1p1d) -> None:
 def test_corrupted_block_is_refused(cluster_1p1d) -> None:
     decode_addr = workers(cluster_1p1d, "decode")[0]
     prompt = random_prompts(1, 20, 20, seed=51)[0]
-    status = worker_status(decode_addr)
+    status = worker_status(cluster_1p1d, decode_addr)
     shape = (status.num_layers, 2, status.block_size, status.num_kv_heads, status.head_dim)
 
     async def run() -> None:
-        async with grpc.aio.insecure_channel(decode_addr) as ch:
-            stub = worker_pb2_grpc.WorkerStub(ch)
-            res = await stub.Reserve(worker_pb2.ReserveRequest(request_id="corrupt", prompt_token_ids=prompt, max_tokens=4))
+        async with aio_channel(cluster_1p1d, decode_addr) as ch:
+            stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+            res = await stub.Reserve(worker_pb2.ReserveRequest(request_id="corrupt", prompt_token_ids=prompt,
+                                                               params=common_pb2.SamplingParams(max_tokens=4)))
             assert list(res.needed_block_indices) == [0, 1, 2]
-            import torch
-            from engine.block_manager import transfer_block_hashes
             hashes = transfer_block_hashes(prompt, status.block_size)
-            sender = GrpcKVSender()
-            wrong_hash = KVBlock.from_tensor(torch.zeros(shape), request_id="corrupt", block_index=0,
-                                             block_hash=hashes[0] ^ 1, num_tokens=8, layer_start=0, layer_end=shape[0])
-            result = await sender.send_blocks(decode_addr, [wrong_hash])
-            assert result.rejected == [0]
+            sender = GrpcKVSender(lambda a: aio_channel(cluster_1p1d, a))
+            stream = sender.open(decode_addr, "corrupt", res.transfer_token)
+            await stream.send([KVBlock("corrupt", 0, hashes[0] ^ 1, 8, torch.zeros(shape))])
+            with pytest.raises(KVTransferError) as refused:
+                await stream.finish(timeout=10)
+            assert refused.value.code == "DATA_LOSS" and "chain hash" in str(refused.value)
             await sender.close()
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in stub.Decode(worker_pb2.DecodeRequest(request_id="corrupt", first_token_id=5)):
                     pass
             assert err.value.code() == grpc.StatusCode.DATA_LOSS
     asyncio.run(run())
-    _assert_blocks_at_baseline(cluster_1p1d)
+    assert_blocks_at_baseline(cluster_1p1d)
     with Client(cluster_1p1d.router_address, timeout=30) as client:   # still serving
         assert len(client.generate(prompt, max_tokens=3, temperature=0.0, ignore_eos=True).token_ids) == 3
 
@@ -196,16 +189,20 @@ def test_client_deadline_aborts_everywhere(cluster_1p1d) -> None:
         with pytest.raises(grpc.RpcError) as err:
             client.generate(PROMPTS[2], max_tokens=1900, temperature=0.0, ignore_eos=True)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    _assert_blocks_at_baseline(cluster_1p1d)
+    assert_blocks_at_baseline(cluster_1p1d)
 
 
-def test_reservation_without_prefill_expires(cluster_1p1d) -> None:
-    decode_addr = workers(cluster_1p1d, "decode")[0]
-    with grpc.insecure_channel(decode_addr) as ch:
-        res = worker_pb2_grpc.WorkerStub(ch).Reserve(worker_pb2.ReserveRequest(
-            request_id="orphan", prompt_token_ids=PROMPTS[3], max_tokens=4, deadline_ms=200), timeout=10)
-    assert res.num_blocks > 0
-    status = worker_status(decode_addr)
-    assert status.num_free_blocks == status.num_total_blocks - res.num_blocks
-    time.sleep(0.3)
-    _assert_blocks_at_baseline(cluster_1p1d, timeout=2.0)
+def test_reservation_without_prefill_expires(tiny_qwen3: str) -> None:
+    cluster = start_cluster(tiny_qwen3, worker_args=["--kv-lease-idle-s", "0.3"])
+    try:
+        decode_addr = workers(cluster, "decode")[0]
+        with channel(cluster, decode_addr) as ch:
+            res = worker_pb2_grpc.DecodeWorkerStub(ch).Reserve(worker_pb2.ReserveRequest(
+                request_id="orphan", prompt_token_ids=PROMPTS[3], params=common_pb2.SamplingParams(max_tokens=4)),
+                timeout=10)
+        assert res.num_blocks > 0 and res.lease_ms == 300
+        status = worker_status(cluster, decode_addr)
+        assert status.num_free_blocks == status.num_total_blocks - res.num_blocks
+        assert_blocks_at_baseline(cluster, timeout=3.0)
+    finally:
+        cluster.stop()

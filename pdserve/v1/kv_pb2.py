@@ -24,19 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pdserve/v1/kv.proto\x12\npdserve.v1\"\xdc\x01\n\rKVBlockHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_index\x18\x02 \x01(\r\x12\x12\n\nblock_hash\x18\x03 \x01(\x04\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0blayer_start\x18\x05 \x01(\r\x12\x11\n\tlayer_end\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\r\n\x05shape\x18\x08 \x03(\r\x12\x0e\n\x06nbytes\x18\t \x01(\x04\x12\x10\n\x08\x63hecksum\x18\n \x01(\r\x12\x12\n\nnum_frames\x18\x0b \x01(\r\"R\n\x07KVFrame\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVBlockHeaderH\x00\x12\x11\n\x07payload\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x66rame\"i\n\x07PushAck\x12\x17\n\x0f\x62locks_received\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x1e\n\x16rejected_block_indices\x18\x03 \x03(\r\x12\r\n\x05\x65rror\x18\x04 \x01(\t2F\n\nKVTransfer\x12\x38\n\nPushBlocks\x12\x13.pdserve.v1.KVFrame\x1a\x13.pdserve.v1.PushAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pdserve/v1/kv.proto\x12\npdserve.v1\":\n\x0cKVStreamOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\"\xc8\x01\n\rKVBlockHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_index\x18\x02 \x01(\r\x12\x12\n\nblock_hash\x18\x03 \x01(\x04\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0blayer_start\x18\x05 \x01(\r\x12\x11\n\tlayer_end\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\r\n\x05shape\x18\x08 \x03(\r\x12\x0e\n\x06nbytes\x18\t \x01(\x04\x12\x10\n\x08\x63hecksum\x18\n \x01(\r\"n\n\x07KVFrame\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.KVStreamOpen\x12*\n\x07headers\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.KVBlockHeader\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"]\n\x07PushAck\x12\x17\n\x0f\x62locks_received\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t2F\n\nKVTransfer\x12\x38\n\nPushBlocks\x12\x13.pdserve.v1.KVFrame\x1a\x13.pdserve.v1.PushAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kv_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVBLOCKHEADER']._serialized_start=36
-  _globals['_KVBLOCKHEADER']._serialized_end=256
-  _globals['_KVFRAME']._serialized_start=258
-  _globals['_KVFRAME']._serialized_end=340
-  _globals['_PUSHACK']._serialized_start=342
-  _globals['_PUSHACK']._serialized_end=447
-  _globals['_KVTRANSFER']._serialized_start=449
-  _globals['_KVTRANSFER']._serialized_end=519
+  _globals['_KVSTREAMOPEN']._serialized_start=35
+  _globals['_KVSTREAMOPEN']._serialized_end=93
+  _globals['_KVBLOCKHEADER']._serialized_start=96
+  _globals['_KVBLOCKHEADER']._serialized_end=296
+  _globals['_KVFRAME']._serialized_start=298
+  _globals['_KVFRAME']._serialized_end=408
+  _globals['_PUSHACK']._serialized_start=410
+  _globals['_PUSHACK']._serialized_end=503
+  _globals['_KVTRANSFER']._serialized_start=505
+  _globals['_KVTRANSFER']._serialized_end=575
 # @@protoc_insertion_point(module_scope)

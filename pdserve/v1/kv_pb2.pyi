@@ -6,8 +6,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class KVStreamOpen(_message.Message):
+    __slots__ = ("request_id", "transfer_token")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_token: bytes
+    def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[bytes] = ...) -> None: ...
+
 class KVBlockHeader(_message.Message):
-    __slots__ = ("request_id", "block_index", "block_hash", "num_tokens", "layer_start", "layer_end", "dtype", "shape", "nbytes", "checksum", "num_frames")
+    __slots__ = ("request_id", "block_index", "block_hash", "num_tokens", "layer_start", "layer_end", "dtype", "shape", "nbytes", "checksum")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -18,7 +26,6 @@ class KVBlockHeader(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
-    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_index: int
     block_hash: int
@@ -29,25 +36,26 @@ class KVBlockHeader(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     nbytes: int
     checksum: int
-    num_frames: int
-    def __init__(self, request_id: _Optional[str] = ..., block_index: _Optional[int] = ..., block_hash: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ..., num_frames: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., block_index: _Optional[int] = ..., block_hash: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class KVFrame(_message.Message):
-    __slots__ = ("header", "payload")
-    HEADER_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("open", "headers", "payload")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
-    header: KVBlockHeader
+    open: KVStreamOpen
+    headers: _containers.RepeatedCompositeFieldContainer[KVBlockHeader]
     payload: bytes
-    def __init__(self, header: _Optional[_Union[KVBlockHeader, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, open: _Optional[_Union[KVStreamOpen, _Mapping]] = ..., headers: _Optional[_Iterable[_Union[KVBlockHeader, _Mapping]]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class PushAck(_message.Message):
-    __slots__ = ("blocks_received", "bytes_received", "rejected_block_indices", "error")
+    __slots__ = ("blocks_received", "bytes_received", "error_code", "error")
     BLOCKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
-    REJECTED_BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     blocks_received: int
     bytes_received: int
-    rejected_block_indices: _containers.RepeatedScalarFieldContainer[int]
+    error_code: str
     error: str
-    def __init__(self, blocks_received: _Optional[int] = ..., bytes_received: _Optional[int] = ..., rejected_block_indices: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, blocks_received: _Optional[int] = ..., bytes_received: _Optional[int] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...

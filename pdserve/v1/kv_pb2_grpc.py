@@ -47,8 +47,7 @@ class KVTransferServicer:
     """
 
     def PushBlocks(self, request_iterator, context):
-        """Push the KV blocks of one request; the ack lists accepted/rejected blocks.
-        """
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -27,7 +27,10 @@ if _version_not_supported:
 
 
 class RouterStub:
-    """Client-facing service: text or token-id prompts in, token stream out.
+    """Client-facing service: text or token-id prompts in, token stream out. With an API key
+    configured every call needs metadata `authorization: Bearer <key>` (else UNAUTHENTICATED).
+    RESOURCE_EXHAUSTED (the admission queue is full, or no capacity in time) carries trailing
+    metadata `retry-after-ms`: when to try again.
     """
 
     def __init__(self, channel):
@@ -54,7 +57,10 @@ class RouterStub:
 
 
 class RouterServicer:
-    """Client-facing service: text or token-id prompts in, token stream out.
+    """Client-facing service: text or token-id prompts in, token stream out. With an API key
+    configured every call needs metadata `authorization: Bearer <key>` (else UNAUTHENTICATED).
+    RESOURCE_EXHAUSTED (the admission queue is full, or no capacity in time) carries trailing
+    metadata `retry-after-ms`: when to try again.
     """
 
     def Generate(self, request, context):
@@ -106,7 +112,10 @@ def add_RouterServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Router:
-    """Client-facing service: text or token-id prompts in, token stream out.
+    """Client-facing service: text or token-id prompts in, token stream out. With an API key
+    configured every call needs metadata `authorization: Bearer <key>` (else UNAUTHENTICATED).
+    RESOURCE_EXHAUSTED (the admission queue is full, or no capacity in time) carries trailing
+    metadata `retry-after-ms`: when to try again.
     """
 
     @staticmethod

@@ -24,7 +24,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("role", "worker_id", "model_name", "kv_address", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "num_queued_prompt_tokens", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_dtype", "max_model_len")
+    __slots__ = ("role", "worker_id", "model_name", "kv_address", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "num_queued_prompt_tokens", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_dtype", "max_model_len", "draining")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class WorkerStatus(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     worker_id: str
     model_name: str
@@ -57,89 +58,110 @@ class WorkerStatus(_message.Message):
     head_dim: int
     kv_dtype: str
     max_model_len: int
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., kv_address: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_queued_prompt_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., kv_address: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_queued_prompt_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class KVTarget(_message.Message):
+    __slots__ = ("address", "transfer_token", "needed_block_indices")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NEEDED_BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    transfer_token: bytes
+    needed_block_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, address: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., needed_block_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "decode_address", "skip_block_indices", "deadline_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params", "target")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    SKIP_BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
-    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
-    decode_address: str
-    skip_block_indices: _containers.RepeatedScalarFieldContainer[int]
-    deadline_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., skip_block_indices: _Optional[_Iterable[int]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+    target: KVTarget
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
-class BlocksShipped(_message.Message):
-    __slots__ = ("block_indices", "bytes")
-    BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
-    BYTES_FIELD_NUMBER: _ClassVar[int]
-    block_indices: _containers.RepeatedScalarFieldContainer[int]
-    bytes: int
-    def __init__(self, block_indices: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ...) -> None: ...
-
-class PrefillDone(_message.Message):
-    __slots__ = ("first_token_id", "num_cached_tokens", "queue_ms", "prefill_ms", "kv_transfer_ms", "kv_bytes_sent", "finish_reason")
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+class FirstToken(_message.Message):
+    __slots__ = ("token_id", "finish_reason", "num_cached_tokens", "queue_ms", "prefill_ms")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
-    KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
-    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
-    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    first_token_id: int
+    token_id: int
+    finish_reason: str
     num_cached_tokens: int
     queue_ms: float
     prefill_ms: float
-    kv_transfer_ms: float
-    kv_bytes_sent: int
-    finish_reason: str
-    def __init__(self, first_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_bytes_sent: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+
+class KVDelivered(_message.Message):
+    __slots__ = ("blocks", "bytes", "exposed_ms")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPOSED_MS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    bytes: int
+    exposed_ms: float
+    def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., exposed_ms: _Optional[float] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("computed_tokens",)
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    computed_tokens: int
+    def __init__(self, computed_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
-    __slots__ = ("blocks_shipped", "done")
-    BLOCKS_SHIPPED_FIELD_NUMBER: _ClassVar[int]
-    DONE_FIELD_NUMBER: _ClassVar[int]
-    blocks_shipped: BlocksShipped
-    done: PrefillDone
-    def __init__(self, blocks_shipped: _Optional[_Union[BlocksShipped, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
+    __slots__ = ("first_token", "kv_delivered", "progress")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    first_token: FirstToken
+    kv_delivered: KVDelivered
+    progress: Progress
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., kv_delivered: _Optional[_Union[KVDelivered, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "max_tokens", "deadline_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params", "lease_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    max_tokens: int
-    deadline_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _common_pb2.SamplingParams
+    lease_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("needed_block_indices", "held_block_hashes", "num_blocks")
+    __slots__ = ("needed_block_indices", "held_block_hashes", "num_blocks", "transfer_token", "lease_ms")
     NEEDED_BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
     HELD_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     needed_block_indices: _containers.RepeatedScalarFieldContainer[int]
     held_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     num_blocks: int
-    def __init__(self, needed_block_indices: _Optional[_Iterable[int]] = ..., held_block_hashes: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    transfer_token: bytes
+    lease_ms: int
+    def __init__(self, needed_block_indices: _Optional[_Iterable[int]] = ..., held_block_hashes: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., transfer_token: _Optional[bytes] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "params")
+    __slots__ = ("request_id", "first_token_id", "kv_wait_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    KV_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
-    params: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    kv_wait_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv_wait_ms: _Optional[int] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "finished", "kv_wait_ms", "first_decode_step_ms")
@@ -156,21 +178,21 @@ class DecodeEvent(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., finished: _Optional[bool] = ..., kv_wait_ms: _Optional[float] = ..., first_decode_step_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateLocalRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "deadline_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
-    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
-    deadline_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GenerateLocalEvent(_message.Message):
-    __slots__ = ("prefill_done", "decode")
-    PREFILL_DONE_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("first_token", "decode")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
-    prefill_done: PrefillDone
+    first_token: FirstToken
     decode: DecodeEvent
-    def __init__(self, prefill_done: _Optional[_Union[PrefillDone, _Mapping]] = ..., decode: _Optional[_Union[DecodeEvent, _Mapping]] = ...) -> None: ...
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., decode: _Optional[_Union[DecodeEvent, _Mapping]] = ...) -> None: ...

@@ -27,7 +27,7 @@ if _version_not_supported:
 
 
 class WorkerStub:
-    """Internal worker service (see flow above).
+    """Every role: load and KV-cache geometry, and abort.
     """
 
     def __init__(self, channel):
@@ -41,25 +41,10 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
-        self.Prefill = channel.unary_stream(
-                '/pdserve.v1.Worker/Prefill',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillEvent.FromString,
-                _registered_method=True)
-        self.Reserve = channel.unary_unary(
-                '/pdserve.v1.Worker/Reserve',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
-                _registered_method=True)
-        self.Decode = channel.unary_stream(
-                '/pdserve.v1.Worker/Decode',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeEvent.FromString,
-                _registered_method=True)
-        self.GenerateLocal = channel.unary_stream(
-                '/pdserve.v1.Worker/GenerateLocal',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.GenerateLocalRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.GenerateLocalEvent.FromString,
+        self.WatchStatus = channel.unary_stream(
+                '/pdserve.v1.Worker/WatchStatus',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Worker/Abort',
@@ -69,48 +54,25 @@ class WorkerStub:
 
 
 class WorkerServicer:
-    """Internal worker service (see flow above).
+    """Every role: load and KV-cache geometry, and abort.
     """
 
     def GetStatus(self, request, context):
-        """All roles: load and KV-cache geometry, polled by the router.
-        """
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Prefill(self, request, context):
-        """Prefill role. Streams progress, ends with exactly one PrefillDone.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Reserve(self, request, context):
-        """Decode role. RESOURCE_EXHAUSTED when there is no capacity.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Decode(self, request, context):
-        """Decode role. Admits the sequence once all reserved blocks have arrived
-        and streams generated tokens; the last event has finished=true.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GenerateLocal(self, request, context):
-        """Colocated ("both") role: prefill and decode in one process, no KV
-        transfer. Streams one PrefillDone, then DecodeEvents.
+    def WatchStatus(self, request, context):
+        """The status now, then again whenever it changes (and at least every heartbeat): the
+        router's view of load and health, with no polling.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """All roles: abort a request (frees its reservation / running sequence).
+        """Frees the request wherever it is on this worker (queued, computing, reserved, pinned).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -124,25 +86,10 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.StatusRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerStatus.SerializeToString,
             ),
-            'Prefill': grpc.unary_stream_rpc_method_handler(
-                    servicer.Prefill,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillEvent.SerializeToString,
-            ),
-            'Reserve': grpc.unary_unary_rpc_method_handler(
-                    servicer.Reserve,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.ReserveResponse.SerializeToString,
-            ),
-            'Decode': grpc.unary_stream_rpc_method_handler(
-                    servicer.Decode,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeEvent.SerializeToString,
-            ),
-            'GenerateLocal': grpc.unary_stream_rpc_method_handler(
-                    servicer.GenerateLocal,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.GenerateLocalRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.GenerateLocalEvent.SerializeToString,
+            'WatchStatus': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchStatus,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.StatusRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerStatus.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -158,7 +105,7 @@ def add_WorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Worker:
-    """Internal worker service (see flow above).
+    """Every role: load and KV-cache geometry, and abort.
     """
 
     @staticmethod
@@ -189,7 +136,7 @@ class Worker:
             _registered_method=True)
 
     @staticmethod
-    def Prefill(request,
+    def WatchStatus(request,
             target,
             options=(),
             channel_credentials=None,
@@ -202,90 +149,9 @@ class Worker:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pdserve.v1.Worker/Prefill',
-            pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.PrefillEvent.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Reserve(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.Worker/Reserve',
-            pdserve_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Decode(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/pdserve.v1.Worker/Decode',
-            pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.DecodeEvent.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GenerateLocal(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/pdserve.v1.Worker/GenerateLocal',
-            pdserve_dot_v1_dot_worker__pb2.GenerateLocalRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.GenerateLocalEvent.FromString,
+            '/pdserve.v1.Worker/WatchStatus',
+            pdserve_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -313,6 +179,279 @@ class Worker:
             '/pdserve.v1.Worker/Abort',
             pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
             pdserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class PrefillWorkerStub:
+    """Prefill role.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Prefill = channel.unary_stream(
+                '/pdserve.v1.PrefillWorker/Prefill',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillEvent.FromString,
+                _registered_method=True)
+
+
+class PrefillWorkerServicer:
+    """Prefill role.
+    """
+
+    def Prefill(self, request, context):
+        """Streams Progress while queued or computing, exactly one FirstToken, then one KVDelivered
+        once the decode worker acknowledged every block.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PrefillWorkerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Prefill': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillEvent.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.PrefillWorker', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.PrefillWorker', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PrefillWorker:
+    """Prefill role.
+    """
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/Prefill',
+            pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.PrefillEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class DecodeWorkerStub:
+    """Decode role.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Reserve = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/Reserve',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
+                _registered_method=True)
+        self.Decode = channel.unary_stream(
+                '/pdserve.v1.DecodeWorker/Decode',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeEvent.FromString,
+                _registered_method=True)
+
+
+class DecodeWorkerServicer:
+    """Decode role.
+    """
+
+    def Reserve(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Decode(self, request, context):
+        """Waits (up to kv_wait_ms) for the reserved KV, admits the sequence with first_token_id
+        and streams the tokens after it; the last event has finished=true.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_DecodeWorkerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.ReserveResponse.SerializeToString,
+            ),
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeEvent.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.DecodeWorker', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.DecodeWorker', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class DecodeWorker:
+    """Decode role.
+    """
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/Reserve',
+            pdserve_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/Decode',
+            pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.DecodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ColocatedWorkerStub:
+    """Colocated ("both") role: prefill and decode in one engine, no KV transfer.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Generate = channel.unary_stream(
+                '/pdserve.v1.ColocatedWorker/Generate',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.GenerateLocalRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.GenerateLocalEvent.FromString,
+                _registered_method=True)
+
+
+class ColocatedWorkerServicer:
+    """Colocated ("both") role: prefill and decode in one engine, no KV transfer.
+    """
+
+    def Generate(self, request, context):
+        """Streams one FirstToken, then DecodeEvents.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ColocatedWorkerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.GenerateLocalRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.GenerateLocalEvent.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.ColocatedWorker', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.ColocatedWorker', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ColocatedWorker:
+    """Colocated ("both") role: prefill and decode in one engine, no KV transfer.
+    """
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.ColocatedWorker/Generate',
+            pdserve_dot_v1_dot_worker__pb2.GenerateLocalRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.GenerateLocalEvent.FromString,
             options,
             channel_credentials,
             insecure,

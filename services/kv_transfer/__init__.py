@@ -1,66 +1,33 @@
-"""KV-cache block transport between prefill and decode workers.
-
-``base`` holds the transport-neutral pieces (block/header types, checksum and
-header verification, ``KVSink``/``KVSender`` interfaces); ``grpc_transport``
-implements them over ``pdserve.v1.KVTransfer``.
-"""
+"""KV-cache block transport between prefill and decode workers: byte pipes under the engine's
+KV connector (engine/kv_connector.py), over gRPC streams (grpc_transport) or Ray's object
+store (ray_transport)."""
 
 from services.kv_transfer.base import (
-    DEFAULT_MAX_BLOCK_BYTES,
+    DEFAULT_FRAME_BYTES,
     SUPPORTED_DTYPES,
-    BlockHeader,
-    BlockReceiver,
     KVBlock,
-    KVIntegrityError,
     KVSender,
     KVSink,
+    KVStream,
     KVTransferError,
-    KVTransportError,
-    ReceiverStats,
-    SenderStats,
     SendResult,
-    block_checksum,
-    check_header,
-    decode_tensor,
-    dtype_from_name,
+    block_meta,
     dtype_name,
-    encode_block,
-    verify_payload,
 )
-from services.kv_transfer.grpc_transport import (
-    DEFAULT_MAX_FRAME_BYTES,
-    GrpcKVSender,
-    KVTransferServicer,
-    add_kv_transfer_servicer,
-    kv_grpc_options,
-    register_kv_servicer,
-)
+from services.kv_transfer.grpc_transport import GrpcKVSender, KVTransferServicer, register_kv_servicer
 
 __all__ = [
-    "DEFAULT_MAX_BLOCK_BYTES",
-    "DEFAULT_MAX_FRAME_BYTES",
+    "DEFAULT_FRAME_BYTES",
     "SUPPORTED_DTYPES",
-    "BlockHeader",
-    "BlockReceiver",
     "GrpcKVSender",
     "KVBlock",
-    "KVIntegrityError",
     "KVSender",
     "KVSink",
+    "KVStream",
     "KVTransferError",
     "KVTransferServicer",
-    "KVTransportError",
-    "ReceiverStats",
     "SendResult",
-    "SenderStats",
-    "add_kv_transfer_servicer",
-    "block_checksum",
-    "check_header",
-    "decode_tensor",
-    "dtype_from_name",
+    "block_meta",
     "dtype_name",
-    "encode_block",
-    "kv_grpc_options",
     "register_kv_servicer",
-    "verify_payload",
 ]

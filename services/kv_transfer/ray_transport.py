@@ -1,58 +1,37 @@
-"""KV block transport through Ray's object store.
+"""KV block transport through Ray's object store: the same stream semantics as gRPC.
 
-Sender (prefill side, ``RayKVSender``): each block is encoded with the
-transport-neutral ``encode_block`` (header + CRC-32); the blocks' raw bytes are
-put into the object store as flat ``numpy.uint8`` arrays (one object per chunk of
-about 32 MiB holding one array per block: Ray stores numpy buffers out of band, as
-raw bytes; nothing of ours is pickled), and the decode actor's ``push_blocks``
-method is called with the serialized ``pdserve.v1.KVBlockHeader`` messages and the
-object references. The call returns a serialized ``pdserve.v1.PushAck``, the same
-acknowledgement the gRPC transport uses. Chunks are pipelined: one call per chunk,
-the next chunk checksummed and put while the receiver handles the previous one.
+Sender (prefill side, ``RayKVSender``): for each ``send`` the blocks are encoded (header with
+CRC-32), their raw bytes put into the object store as flat ``numpy.uint8`` arrays (one object
+per chunk of about 32 MiB: a ``ray.put`` costs a round trip to the store; Ray keeps numpy
+buffers out of band, as raw bytes), and the decode actor's ``push_blocks`` is called with the
+serialized ``KVStreamOpen`` (request id + transfer token), the serialized ``KVBlockHeader``s
+and the object references. Heartbeats and a cancel are calls of their own. ``finish`` awaits
+every call's ``PushAck``.
 
-Receiver (decode side, ``RayKVReceiver``): parses the headers, fetches the arrays
-(zero-copy from shared memory on the same node; pulled by Ray from the sender's
-node otherwise), checks that they are flat uint8 arrays, one per header, and hands
-each block to ``BlockReceiver.deliver``: header checks, length + CRC-32, then the
-``KVSink`` (the decode worker's ``DecodeHandler``: chain hash, layout, write into
-the paged pool). Fail closed: any error rejects the block, the decode sink then
-aborts the whole request, and the prefill side fails it.
+Receiver (decode side, ``RayKVReceiver``): checks the token and every header with the decode
+engine's KV connector *before* fetching any object, fetches the arrays (zero-copy from shared
+memory on the same node), then hands each block to the connector, which verifies and stores
+it, or fails the whole request. A refusal comes back as ``PushAck.error_code``.
 
-Targets are ``ray://<namespace>/<actor-name>`` (or ``ray://<actor-name>`` for
-the caller's namespace): the decode worker advertises this in
-``WorkerStatus.kv_address`` and the router passes it on as the prefill
-request's ``decode_address``.
+Targets are ``ray://<namespace>/<actor-name>`` (or ``ray://<actor-name>``): the decode worker
+advertises this in ``WorkerStatus.kv_address``.
 """
-
 from __future__ import annotations
 
 import asyncio
 import math
 import time
-import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from engine.kv_connector import HandoffError
 from pdserve.v1 import kv_pb2
-from services.kv_transfer.base import (
-    DEFAULT_MAX_BLOCK_BYTES,
-    BlockReceiver,
-    KVBlock,
-    KVIntegrityError,
-    KVSender,
-    KVSink,
-    KVTransportError,
-    ReceiverStats,
-    SendResult,
-    encode_block,
-)
-from services.kv_transfer.grpc_transport import MAX_ERROR_CHARS, header_from_proto, header_to_proto
+from services.kv_transfer.base import KVBlock, KVSender, KVSink, KVStream, KVTransferError, SendResult, block_meta
 
 SCHEME = "ray://"
-PUSH_METHOD = "push_blocks"   # the receiving actor's method: (headers: list[bytes], refs: list[ObjectRef]) -> bytes
 DEFAULT_FETCH_TIMEOUT_S = 60.0
-DEFAULT_CHUNK_BYTES = 32 << 20  # one object and one push_blocks call per ~32 MiB of blocks
+DEFAULT_CHUNK_BYTES = 32 << 20
 
 
 def ray_kv_address(name: str, namespace: str | None = None) -> str:
@@ -64,8 +43,7 @@ def parse_ray_target(target: str) -> tuple[str | None, str]:
     """``ray://ns/name`` -> ("ns", "name"); ``ray://name`` -> (None, "name")."""
     if not target.startswith(SCHEME):
         raise ValueError(f"not a Ray KV address: {target!r} (expected {SCHEME}[namespace/]actor-name)")
-    rest = target[len(SCHEME):]
-    namespace, _, name = rest.rpartition("/")
+    namespace, _, name = target[len(SCHEME):].rpartition("/")
     if not name:
         raise ValueError(f"no actor name in {target!r}")
     return (namespace or None), name
@@ -75,17 +53,12 @@ def is_ray_target(target: str) -> bool:
     return target.startswith(SCHEME)
 
 
-def _payload_arrays(payloads: Sequence[memoryview]) -> list[np.ndarray]:
-    """Flat uint8 arrays over the block bytes (no copy here; ray.put copies them into the store)."""
-    return [np.frombuffer(p, dtype=np.uint8) for p in payloads]
-
-
 def _chunks(blocks: Sequence[KVBlock], chunk_bytes: int) -> list[list[KVBlock]]:
     """Consecutive groups of about chunk_bytes (at least one block each)."""
     out: list[list[KVBlock]] = [[]]
     size = 0
     for block in blocks:
-        nbytes = math.prod(block.shape) * block.dtype.itemsize
+        nbytes = math.prod(block.data.shape) * block.data.element_size()
         if out[-1] and size + nbytes > chunk_bytes:
             out.append([])
             size = 0
@@ -94,30 +67,69 @@ def _chunks(blocks: Sequence[KVBlock], chunk_bytes: int) -> list[list[KVBlock]]:
     return out
 
 
+async def _await(ref: Any) -> Any:
+    return await ref
+
+
+class RayKVStream(KVStream):
+    def __init__(self, actor: Any, target: str, request_id: str, token: bytes, chunk_bytes: int,
+                 put: Callable[[Any], Any]) -> None:
+        self._actor = actor
+        self._put = put
+        self._target = target
+        self._open = kv_pb2.KVStreamOpen(request_id=request_id, transfer_token=token).SerializeToString()
+        self._chunk_bytes = chunk_bytes
+        self._calls: list[Any] = []
+        self._blocks = 0
+        self._start = time.perf_counter()
+
+    async def send(self, blocks: Sequence[KVBlock]) -> None:
+        loop = asyncio.get_running_loop()
+        for chunk in _chunks(blocks, self._chunk_bytes):
+            encoded = [b.encode() for b in chunk]
+            arrays = [np.frombuffer(payload, dtype=np.uint8) for _, payload in encoded]
+            ref = await loop.run_in_executor(None, self._put, arrays)   # copies into the store off the loop
+            headers = [h.SerializeToString() for h, _ in encoded]
+            self._calls.append(self._actor.push_blocks.remote(self._open, headers, [ref]))
+            self._blocks += len(chunk)
+
+    async def heartbeat(self) -> None:
+        self._actor.kv_heartbeat.remote(self._open)
+
+    async def finish(self, timeout: float | None = None) -> SendResult:
+        from ray.exceptions import RayError
+
+        try:
+            raw = await asyncio.wait_for(asyncio.gather(*(_await(c) for c in self._calls)), timeout)
+        except RayError as exc:
+            raise KVTransferError("UNAVAILABLE", f"push_blocks to {self._target}: {type(exc).__name__}: {exc}") from exc
+        except asyncio.TimeoutError as exc:
+            await self.cancel()
+            raise KVTransferError("DEADLINE_EXCEEDED", f"KV not acknowledged within {timeout}s") from exc
+        acks = [kv_pb2.PushAck.FromString(a) for a in raw]
+        refused = next((a for a in acks if a.error_code), None)
+        if refused is not None:
+            raise KVTransferError(refused.error_code, refused.error)
+        blocks = sum(a.blocks_received for a in acks)
+        if blocks != self._blocks:
+            raise KVTransferError("DATA_LOSS", f"receiver acknowledged {blocks} of {self._blocks} blocks")
+        return SendResult(blocks, sum(a.bytes_received for a in acks), time.perf_counter() - self._start)
+
+    async def cancel(self) -> None:
+        self._actor.kv_cancel.remote(self._open)
+
+
 class RayKVSender(KVSender):
-    """Puts blocks into the object store and hands their references to the decode actor.
-
-    Wire protocol: ``push_blocks(headers, refs)`` where ``headers`` are serialized
-    ``KVBlockHeader`` messages and each ref is ONE object holding a list of flat uint8
-    arrays; the arrays of all refs, in order, are the payloads of ``headers``, one each.
-    One object per chunk (a ``ray.put`` costs a round trip to the store, so blocks are
-    not put one by one), and one call per chunk of about ``chunk_bytes``: the next chunk
-    is checksummed and put while the decode side verifies and copies the previous one.
-
-    Must run in a process connected to Ray (an actor, or a driver after ``ray.init``).
-    ``target`` is a ``ray://`` address; anything else goes through ``fallback``
-    (e.g. a ``GrpcKVSender``) when one is given, so a prefill worker can serve
-    decode workers of either transport.
-    """
+    """Sends to ``ray://`` targets through the object store; anything else through ``fallback``
+    (e.g. a GrpcKVSender), so a prefill worker can serve decode workers of either transport.
+    Must run in a process connected to Ray."""
 
     def __init__(self, *, default_namespace: str | None = None, fallback: KVSender | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, put_in_thread_bytes: int = 1 << 20) -> None:
-        super().__init__()
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, put: Callable[[Any], Any] | None = None) -> None:
         self.default_namespace = default_namespace
         self.fallback = fallback
         self.chunk_bytes = chunk_bytes
-        # Chunks at least this large are copied into the store off the event loop.
-        self.put_in_thread_bytes = put_in_thread_bytes
+        self.put = put          # None: ray.put
         self._actors: dict[str, Any] = {}
 
     def _actor(self, target: str) -> Any:
@@ -129,71 +141,19 @@ class RayKVSender(KVSender):
             try:
                 handle = ray.get_actor(name, namespace=namespace or self.default_namespace)
             except ValueError as exc:
-                raise KVTransportError(f"no KV receiver actor at {target}: {exc}") from exc
+                raise KVTransferError("UNAVAILABLE", f"no KV receiver actor at {target}: {exc}") from exc
             self._actors[target] = handle
         return handle
 
-    async def _put(self, payloads: list[memoryview]) -> Any:
-        import ray
-
-        if sum(p.nbytes for p in payloads) >= self.put_in_thread_bytes:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(None, lambda: ray.put(_payload_arrays(payloads)))
-        return ray.put(_payload_arrays(payloads))
-
-    async def send_blocks(
-        self, target: str, blocks: Sequence[KVBlock], *, timeout: float | None = None
-    ) -> SendResult:
+    def open(self, target: str, request_id: str, transfer_token: bytes) -> KVStream:
         if not is_ray_target(target):
             if self.fallback is None:
-                raise KVTransportError(f"RayKVSender cannot reach {target!r} (no fallback transport)")
-            return await self.fallback.send_blocks(target, blocks, timeout=timeout)
-        self.check_blocks(blocks)
-        stats = self.stats
-        stats.send_calls += 1
-        if not blocks:
-            return SendResult(blocks=0, bytes=0, seconds=0.0)
-        from ray.exceptions import RayError
-
-        start = time.perf_counter()
-        calls, nbytes = [], 0
-        try:
-            push = getattr(self._actor(target), PUSH_METHOD)
-            for chunk in _chunks(blocks, self.chunk_bytes):
-                encoded = [encode_block(b) for b in chunk]
-                headers = [header_to_proto(h, 1 if h.nbytes else 0).SerializeToString() for h, _ in encoded]
-                ref = await self._put([p for _, p in encoded])
-                calls.append(push.remote(headers, [ref]))
-                del ref   # the call holds it; the store frees it once the receiver is done
-                nbytes += sum(h.nbytes for h, _ in encoded)
-            waiting = asyncio.gather(*(_await_ref(c) for c in calls))
-            acks = [kv_pb2.PushAck.FromString(a) for a in await (
-                asyncio.wait_for(waiting, timeout) if timeout else waiting)]
-        except (RayError, asyncio.TimeoutError) as exc:
-            stats.failures += 1
-            self._actors.pop(target, None)
-            raise KVTransportError(f"push_blocks to {target} failed: {type(exc).__name__}: {exc}") from exc
-        except BaseException:
-            stats.failures += 1
-            raise
-        finally:
-            stats.seconds += time.perf_counter() - start
-        stats.blocks_sent += len(blocks)
-        stats.bytes_sent += nbytes
-        accepted = sum(a.blocks_received for a in acks)
-        rejected = [i for a in acks for i in a.rejected_block_indices]
-        error = "; ".join(a.error for a in acks if a.error)
-        if accepted + len(rejected) != len(blocks):   # fail closed on an inconsistent ack
-            error = error or f"receiver accounted for {accepted + len(rejected)} of {len(blocks)} blocks"
-            rejected = [b.block_index for b in blocks]
-        stats.blocks_rejected += len(rejected)
-        return SendResult(
-            blocks=accepted,
-            bytes=sum(a.bytes_received for a in acks),
-            seconds=time.perf_counter() - start,
-            rejected=rejected,
-            error=error[:MAX_ERROR_CHARS],
-        )
+                raise KVTransferError("UNAVAILABLE", f"RayKVSender cannot reach {target!r} (no fallback transport)")
+            return self.fallback.open(target, request_id, transfer_token)
+        if self.put is None:
+            import ray
+            self.put = ray.put
+        return RayKVStream(self._actor(target), target, request_id, transfer_token, self.chunk_bytes, self.put)
 
     async def close(self) -> None:
         self._actors.clear()
@@ -201,86 +161,81 @@ class RayKVSender(KVSender):
             await self.fallback.close()
 
 
-async def _await_ref(ref: Any) -> Any:
-    return await ref
-
-
 class RayKVReceiver:
-    """Decode side of the object-store transport: resolve, verify, deliver (fail closed).
+    """Decode side: call these from the receiving actor's methods of the same names."""
 
-    Call ``push_blocks`` from the receiving actor's method of the same name.
-    """
-
-    def __init__(self, sink: KVSink, *, max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
-                 fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S) -> None:
-        self.receiver = BlockReceiver(sink, max_block_bytes=max_block_bytes)
+    def __init__(self, sink: KVSink, *, fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S) -> None:
+        self.sink = sink
         self.fetch_timeout_s = fetch_timeout_s
-        # Arrays from the object store are read-only views of shared memory; the sink only
-        # reads them (the decode pool copies each block in), so torch's warning is noise.
-        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        self.blocks_received = 0
+        self.bytes_received = 0
 
-    @property
-    def stats(self) -> ReceiverStats:
-        return self.receiver.stats
-
-    async def push_blocks(self, headers: Sequence[bytes], refs: Sequence[Any]) -> bytes:
-        """Receive blocks of one request; returns a serialized ``PushAck``."""
-        rx = self.receiver
-        rx.stats.streams += 1
-        start = time.perf_counter()
-        accepted, accepted_bytes, rejected, errors = 0, 0, [], []
+    @staticmethod
+    def _opened(open_bytes: bytes) -> tuple[str, bytes]:
         try:
-            # Headers first: nothing is delivered from a call whose headers do not parse.
-            parsed = []
+            msg = kv_pb2.KVStreamOpen.FromString(bytes(open_bytes))
+        except Exception as exc:  # noqa: BLE001 - malformed: the caller's error
+            raise HandoffError("INVALID_ARGUMENT", f"malformed KVStreamOpen: {exc}") from None
+        return msg.request_id, msg.transfer_token
+
+    async def push_blocks(self, open_bytes: bytes, headers: Sequence[bytes], refs: Sequence[Any]) -> bytes:
+        """Receive blocks of one request; returns a serialized PushAck."""
+        rid = ""
+        try:
+            rid, token = self._opened(open_bytes)
+            self.sink.authorize(rid, token)
+            metas = []
             for raw in headers:
                 try:
-                    parsed.append(header_from_proto(kv_pb2.KVBlockHeader.FromString(bytes(raw))))
-                except Exception as exc:  # noqa: BLE001 - malformed header: protocol error
-                    rx.stats.failures += 1
-                    return _ack(0, 0, [], [f"stream: bad header: {exc}"])
-            try:
-                payloads = await self._fetch(refs)
-            except Exception as exc:  # noqa: BLE001 - lost object, bad type: every block refused
-                for h in parsed:
-                    rejected.append(h.block_index)
-                    errors.append(rx.reject(h.block_index, f"object store: {type(exc).__name__}: {exc}"))
-                return _ack(0, 0, rejected, errors)
-            if len(payloads) != len(parsed):
-                rx.stats.failures += 1
-                return _ack(0, 0, [], [f"stream: {len(parsed)} headers for {len(payloads)} payloads"])
-            request_id = parsed[0].request_id if parsed else ""
-            for header, payload in zip(parsed, payloads):
-                if header.request_id != request_id:
-                    rejected.append(header.block_index)
-                    errors.append(rx.reject(header.block_index, KVIntegrityError(
-                        f"request_id {header.request_id!r} != call's {request_id!r}")))
-                    continue
-                reason = await rx.deliver(header, payload)   # header, length, CRC-32, then the sink
-                if reason is None:
-                    accepted += 1
-                    accepted_bytes += header.nbytes
-                else:
-                    rejected.append(header.block_index)
-                    errors.append(reason)
-            return _ack(accepted, accepted_bytes, rejected, errors)
-        finally:
-            rx.stats.seconds += time.perf_counter() - start
+                    header = kv_pb2.KVBlockHeader.FromString(bytes(raw))
+                except Exception as exc:  # noqa: BLE001
+                    raise HandoffError("INVALID_ARGUMENT", f"malformed KVBlockHeader: {exc}") from None
+                if header.request_id != rid:
+                    raise HandoffError("INVALID_ARGUMENT", f"block for {header.request_id!r} on the stream of {rid!r}")
+                meta = block_meta(header)
+                self.sink.check(meta, token)   # before anything is fetched
+                metas.append(meta)
+            payloads = await self._fetch(refs)
+            if len(payloads) != len(metas):
+                raise HandoffError("INVALID_ARGUMENT", f"{len(metas)} headers for {len(payloads)} payloads")
+            nbytes = 0
+            for meta, payload in zip(metas, payloads):
+                self.sink.accept(meta, token, payload)
+                nbytes += meta.nbytes
+            self.blocks_received += len(metas)
+            self.bytes_received += nbytes
+            return kv_pb2.PushAck(blocks_received=len(metas), bytes_received=nbytes).SerializeToString()
+        except HandoffError as exc:
+            if rid and exc.code != "UNAUTHENTICATED":
+                self.sink.fail(rid, exc.code, str(exc))
+            return kv_pb2.PushAck(error_code=exc.code, error=str(exc)).SerializeToString()
+
+    def heartbeat(self, open_bytes: bytes) -> None:
+        try:
+            rid, token = self._opened(open_bytes)
+            self.sink.heartbeat(rid, token)
+        except HandoffError:
+            pass
+
+    def cancel(self, open_bytes: bytes) -> None:
+        try:
+            rid, token = self._opened(open_bytes)
+            self.sink.authorize(rid, token)
+        except HandoffError:
+            return
+        self.sink.fail(rid, "ABORTED", f"the KV of {rid!r} was cancelled by its sender")
 
     async def _fetch(self, refs: Sequence[Any]) -> list[memoryview]:
-        values = await asyncio.wait_for(asyncio.gather(*(_await_ref(r) for r in refs)), self.fetch_timeout_s)
+        try:
+            values = await asyncio.wait_for(asyncio.gather(*(_await(r) for r in refs)), self.fetch_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - lost object, timeout: the KV is gone
+            raise HandoffError("DATA_LOSS", f"object store: {type(exc).__name__}: {exc}") from None
         out = []
         for value in values:
             if not isinstance(value, list):
-                raise KVIntegrityError(f"object is {type(value).__name__}, expected a list of uint8 arrays")
+                raise HandoffError("INVALID_ARGUMENT", f"object is {type(value).__name__}, expected a list of arrays")
             for arr in value:
                 if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.ndim != 1:
-                    raise KVIntegrityError(f"payload is {type(arr).__name__}, expected a flat uint8 array")
+                    raise HandoffError("INVALID_ARGUMENT", f"payload is {type(arr).__name__}, expected flat uint8")
                 out.append(memoryview(arr))
         return out
-
-
-def _ack(accepted: int, nbytes: int, rejected: list[int], errors: list[str]) -> bytes:
-    return kv_pb2.PushAck(
-        blocks_received=accepted, bytes_received=nbytes, rejected_block_indices=rejected,
-        error="; ".join(errors)[:MAX_ERROR_CHARS],
-    ).SerializeToString()

@@ -82,6 +82,8 @@ class WorkerActor:
         from engine import EngineConfig
         from services.kv_transfer import GrpcKVSender
         from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender, ray_kv_address
+        from services.security import Credentials
+        from services.server import options as channel_options
         from services.worker import WorkerOptions, serve_worker
 
         spec = json.loads(spec_json)
@@ -89,46 +91,55 @@ class WorkerActor:
         self.name, self.role, namespace = spec["name"], spec["role"], spec["namespace"]
         self.model = model_dir(spec)
         config = EngineConfig.from_kwargs(self.model, role=self.role, **spec.get("engine", {}))
+        credentials = Credentials.load()   # the cluster token from the runtime env
         ray_kv = spec["kv_transport"] == "ray"
-        sender = (RayKVSender(default_namespace=namespace, fallback=GrpcKVSender())
-                  if self.role == "prefill" and ray_kv else None)
+        sender = None
+        if self.role == "prefill" and ray_kv:
+            sender = RayKVSender(default_namespace=namespace,
+                                 fallback=GrpcKVSender(lambda a: credentials.channel(a, channel_options())))
         kv_address = ray_kv_address(self.name, namespace) if self.role == "decode" and ray_kv else ""
         host = bind_host(spec["host"])
-        options = WorkerOptions(host=host, port=0, worker_id=self.name, kv_address=kv_address, kv_sender=sender)
+        options = WorkerOptions(host=host, port=0, worker_id=self.name, kv_address=kv_address, kv_sender=sender,
+                                credentials=credentials)
         loop = asyncio.get_running_loop()
         started: asyncio.Future = loop.create_future()
         self._stop = asyncio.Event()
-        self._task = asyncio.create_task(serve_worker(
-            config, options, stop=self._stop, on_start=lambda servicer, port: started.set_result((servicer, port))))
-        servicer, port = await _until_started(started, self._task)
+        self._task = asyncio.create_task(serve_worker(config, options, stop=self._stop, on_start=started.set_result))
+        self.running = await _until_started(started, self._task)
         self._task.add_done_callback(_crash_if_unexpected(self._stop, self.name))
-        self.servicer = servicer
-        self._address = join_host_port(host, port)
+        self._address = join_host_port(host, self.running.server.port)
         self.kv_address = kv_address or self._address
-        self.receiver = RayKVReceiver(servicer.decode_handler) if servicer.decode_handler is not None else None
+        self.receiver = RayKVReceiver(self.running.aengine.engine.kv) if self.role == "decode" else None
 
     async def address(self) -> str:
         return self._address
 
     async def info(self) -> dict[str, Any]:
-        sender = self.servicer.sender
+        receiver = self.receiver
         return {"name": self.name, "role": self.role, "address": self._address, "kv_address": self.kv_address,
                 "kv_transport": self.spec["kv_transport"], "model": self.model, **_node_info(),
-                "sender": sender.stats.as_dict() if sender is not None else None,
-                "ray_receiver": self.receiver.stats.as_dict() if self.receiver is not None else None,
+                "ray_receiver": ({"blocks_received": receiver.blocks_received, "bytes_received": receiver.bytes_received}
+                                 if receiver is not None else None),
                 "metrics": self._metrics()}
 
     def _metrics(self) -> dict[str, float]:
-        metrics = self.servicer.metrics
-        if metrics is None:
-            return {}
+        metrics = self.running.metrics
         return {name: metrics.registry.get_sample_value(f"pdserve:{name}_total", metrics.labels) or 0.0
                 for name in ("generation_tokens", "prompt_tokens", "kv_transfer_bytes")}
 
-    async def push_blocks(self, headers: list[bytes], refs: list[Any]) -> bytes:
+    def _receiver(self):
         if self.receiver is None:
             raise RuntimeError(f"{self.name} is a {self.role} worker: it receives no KV blocks")
-        return await self.receiver.push_blocks(headers, refs)
+        return self.receiver
+
+    async def push_blocks(self, open_bytes: bytes, headers: list[bytes], refs: list[Any]) -> bytes:
+        return await self._receiver().push_blocks(open_bytes, headers, refs)
+
+    async def kv_heartbeat(self, open_bytes: bytes) -> None:
+        self._receiver().heartbeat(open_bytes)
+
+    async def kv_cancel(self, open_bytes: bytes) -> None:
+        self._receiver().cancel(open_bytes)
 
     async def stop(self) -> None:
         self._stop.set()
@@ -181,7 +192,9 @@ class RouterActor:
     """The router: the client-facing pdserve.v1.Router gRPC API, unchanged."""
 
     async def __init__(self, spec_json: str) -> None:
-        from services.router import RouterOptions, serve_router
+        from services.generation import GenerationOptions
+        from services.router import RouterConfig, RouterOptions, serve_router
+        from services.security import Credentials
 
         spec = json.loads(spec_json)
         self.spec = spec
@@ -192,13 +205,14 @@ class RouterActor:
         prefill = [await self.resolver.address_of(n, timeout) for n in spec["prefill"]]
         decode = [await self.resolver.address_of(n, timeout) for n in spec["decode"]]
         options = RouterOptions(model=self.model, prefill=prefill, decode=decode,
-                                worker_wait_s=spec["worker_wait_s"])
+                                generation=GenerationOptions(worker_wait_s=spec["worker_wait_s"]),
+                                config=RouterConfig(ready_timeout_s=timeout))
         self.host = bind_host(spec["host"])
         loop = asyncio.get_running_loop()
         started: asyncio.Future = loop.create_future()
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(serve_router(
-            options, self.host, spec["port"], ready_timeout_s=timeout, stop=self._stop,
+            options, self.host, spec["port"], credentials=Credentials.load(), stop=self._stop,
             resolver=self.resolver.resolve, on_start=started.set_result))
         port = await _until_started(started, self._task)
         self._task.add_done_callback(_crash_if_unexpected(self._stop, self.name))

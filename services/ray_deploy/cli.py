@@ -57,8 +57,10 @@ def add_ray_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], Non
 
 
 def _engine_settings(args: argparse.Namespace) -> dict:
-    from services.cli import _engine_kwargs
-    return _engine_kwargs(args)
+    from engine.config import EngineConfig
+    from services.cli import ENGINE_FIXED
+    from services.config_cli import given
+    return given(args, EngineConfig, ENGINE_FIXED)
 
 
 def cmd_ray_up(args: argparse.Namespace) -> int:

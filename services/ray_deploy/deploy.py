@@ -25,11 +25,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from services.security import CLUSTER_TOKEN_ENV, new_token
 
 HEAD_RESOURCE = "node:__internal_head__"
 PIN = 0.001   # a sliver of the head node's marker resource pins an actor/bundle there
@@ -194,6 +197,8 @@ def _deploy(spec: RayDeployment) -> DeploymentInfo:
         order += [(role, names[role][i]) for role in ("prefill", "decode") if i < len(names[role])]
     base = {"namespace": spec.namespace, "kv_transport": spec.kv_transport, "host": spec.worker_host,
             "model": spec.model, "ship_model": spec.ship_model, "engine": engine}
+    # The internal plane's secret reaches the actors through their environment, never their arguments.
+    secret_env = {"env_vars": {CLUSTER_TOKEN_ENV: os.environ.get(CLUSTER_TOKEN_ENV) or new_token()}}
     if pin:
         _check_head_fits(spec, bundle, len(order))
     try:
@@ -209,7 +214,7 @@ def _deploy(spec: RayDeployment) -> DeploymentInfo:
         for index, (role, actor_name) in enumerate(order):
             workers.append(WorkerActor.options(
                 name=actor_name, namespace=spec.namespace, lifetime="detached", max_restarts=spec.max_restarts,
-                num_cpus=spec.worker_cpus, num_gpus=gpus,
+                num_cpus=spec.worker_cpus, num_gpus=gpus, runtime_env=secret_env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=index),
             ).remote(json.dumps({**base, "name": actor_name, "role": role})))
@@ -218,7 +223,7 @@ def _deploy(spec: RayDeployment) -> DeploymentInfo:
                        "worker_wait_s": spec.worker_wait_s, "ready_timeout_s": spec.ready_timeout_s}
         router = RouterActor.options(
             name=names["router"][0], namespace=spec.namespace, lifetime="detached", max_restarts=spec.max_restarts,
-            num_cpus=spec.router_cpus,
+            num_cpus=spec.router_cpus, runtime_env=secret_env,
             resources={HEAD_RESOURCE: PIN} if spec.router_on_head or spec.loopback_workers else None,
         ).remote(json.dumps(router_spec))
         # Workers first: a worker that cannot start fails here with its own error.

@@ -1,0 +1,385 @@
+"""The KV hand-off's single owner: every request's transfer state lives here, and only here.
+
+Producer side (prefill role). A prompt's blocks are exported chunk by chunk: after each step
+``export`` names the blocks completed since the last export (the step copies their bytes out
+before the next step can touch the pool). When the prompt's last chunk is computed the
+sequence is *pinned*: its blocks stay allocated until the transport reports them delivered
+(``release``) or the request is aborted, and a pin older than the lease cap is freed.
+
+Consumer side (decode role). One :class:`ReceiveHandle` per request::
+
+    reserve ─▶ RESERVED ─(first block)─▶ RECEIVING ─(all blocks)─▶ READY ─(admit)─▶ running
+                  │                           │                       │
+                  └────── fail / lease lapse ─┴───────────────────────┘─▶ FAILED / EXPIRED
+
+A reservation holds blocks for the whole sequence (the blocks this pool already holds
+computed are shared, not shipped). Its lease lapses after ``idle_s`` without progress (a
+received block, or a heartbeat from the prefill side) and can never outlive ``max_s``. Any
+refused block fails the request at once. Every path that ends a handle frees its blocks here,
+through the engine, and remembers why (bounded), so a later ``admit`` gets a clear error.
+
+A block is checked exactly once, by ``accept``: the caller's transfer token, the block's
+index, its chain hash (recomputed from the reserved tokens), its layout against this pool,
+its CRC-32. Received blocks get prefix-cache keys only when the whole request is verified.
+
+Thread safety: the public methods take the engine's (re-entrant) lock, which the engine
+thread holds only between forward passes, so transports call in from any thread and never
+wait for a step to end.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import hmac
+import secrets
+import time
+import warnings
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from engine.block_manager import transfer_block_hashes
+from engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+MAX_REMEMBERED_FAILURES = 1024
+
+
+def _locked(method: Callable) -> Callable:
+    """Run the method under the owning engine's (re-entrant) lock."""
+    @functools.wraps(method)
+    def wrapper(self: "KVConnector", *args, **kwargs):
+        with self.engine.lock:
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
+class HandoffState(str, enum.Enum):
+    RESERVED = "reserved"
+    RECEIVING = "receiving"
+    READY = "ready"
+    FAILED = "failed"
+    EXPIRED = "expired"
+
+
+class HandoffError(Exception):
+    """A hand-off step was refused. ``code`` names the gRPC status the services answer with:
+    NOT_FOUND, UNAUTHENTICATED, INVALID_ARGUMENT, DATA_LOSS, ABORTED, DEADLINE_EXCEEDED,
+    FAILED_PRECONDITION or RESOURCE_EXHAUSTED."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class LeasePolicy:
+    idle_s: float = 10.0     # a reservation lapses after this long without progress
+    max_s: float = 300.0     # and never outlives this, whatever the progress (pins too)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.idle_s <= self.max_s:
+            raise ValueError(f"kv_lease_idle_s ({self.idle_s}) must be > 0 and <= kv_lease_max_s ({self.max_s})")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    """What a transport says about one block before its bytes arrive."""
+
+    request_id: str
+    block_index: int
+    block_hash: int
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: int
+    layer_start: int = 0
+    layer_end: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    request_id: str
+    needed_block_indices: list[int]     # blocks the prefill side must ship
+    held_block_hashes: list[int]        # chain hashes of the leading blocks this pool already holds
+    num_blocks: int
+    transfer_token: bytes               # capability the blocks must be pushed with
+    lease_s: float
+
+
+@dataclass(eq=False)
+class ReceiveHandle:
+    seq: Sequence
+    hashes: list[int]               # transfer hash of every block, the partial last one included
+    needed: set[int]
+    token: bytes
+    deadline: float                 # lease cap (monotonic)
+    expires_at: float               # idle lapse (monotonic)
+    state: HandoffState = HandoffState.RESERVED
+    received_bytes: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+
+@dataclass(eq=False)
+class SendHandle:
+    """Prefill role: blocks exported so far, and the pin once the prompt is computed."""
+
+    seq: Sequence
+    exported: int = 0               # leading blocks already reported ready
+    pinned_until: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    code: str
+    message: str
+
+
+class KVConnector:
+    """Owned by an LLMEngine; see the module docstring."""
+
+    def __init__(self, engine: "LLMEngine", lease: LeasePolicy | None = None) -> None:
+        self.engine = engine
+        self.lease = lease or LeasePolicy()
+        self.block_size = engine.config.block_size
+        self.receiving: dict[str, ReceiveHandle] = {}
+        self.sending: dict[str, SendHandle] = {}
+        self.failures: OrderedDict[str, Failure] = OrderedDict()
+        # Called (under the engine lock) when a handle becomes READY, FAILED or EXPIRED, and for
+        # every block stored (its bytes): the worker's metrics and waiters hang here.
+        self.on_change: Callable[[str, HandoffState], None] | None = None
+        self.on_block: Callable[[int], None] | None = None
+
+    # ---- shared ----------------------------------------------------------------------
+    @_locked
+    def forget(self, request_id: str) -> Sequence | None:
+        """Drop whatever hand-off state the request has (the engine frees its blocks)."""
+        handle = self.receiving.pop(request_id, None)
+        if handle is not None:
+            return handle.seq
+        send = self.sending.pop(request_id, None)
+        if send is not None and send.pinned_until is not None:
+            return send.seq
+        return None
+
+    @_locked
+    def expire(self, now: float | None = None) -> list[str]:
+        """Free every reservation whose lease lapsed and every pin older than the lease cap."""
+        now = time.monotonic() if now is None else now
+        lapsed = [h for h in self.receiving.values() if now >= min(h.expires_at, h.deadline)]
+        for h in lapsed:
+            why = "lease cap" if now >= h.deadline else f"no KV progress for {self.lease.idle_s:g}s"
+            self._end(h, HandoffState.EXPIRED, "DEADLINE_EXCEEDED", f"reservation of {h.request_id!r} expired ({why})")
+        stale = [s for s in self.sending.values() if s.pinned_until is not None and now >= s.pinned_until]
+        for s in stale:
+            self.engine._release_blocks(self.sending.pop(s.seq.request_id).seq)
+        return [h.request_id for h in lapsed] + [s.seq.request_id for s in stale]
+
+    def failure(self, request_id: str) -> Failure | None:
+        return self.failures.get(request_id)
+
+    def _remember(self, request_id: str, failure: Failure) -> None:
+        self.failures[request_id] = failure
+        self.failures.move_to_end(request_id)
+        while len(self.failures) > MAX_REMEMBERED_FAILURES:
+            self.failures.popitem(last=False)
+
+    def _end(self, handle: ReceiveHandle, state: HandoffState, code: str, message: str) -> None:
+        handle.state = state
+        self.receiving.pop(handle.request_id, None)
+        self.engine._drop(handle.seq, "abort")
+        self._remember(handle.request_id, Failure(code, message))
+        self._notify(handle.request_id, state)
+
+    def _notify(self, request_id: str, state: HandoffState) -> None:
+        if self.on_change is not None:
+            self.on_change(request_id, state)
+
+    # ---- producer (prefill role) --------------------------------------------------------
+    def track(self, seq: Sequence) -> None:
+        self.sending[seq.request_id] = SendHandle(seq)
+
+    def export(self, seq: Sequence, final: bool) -> list[int]:
+        """Block indices completed since the last export (a final export includes the partial tail)."""
+        handle = self.sending[seq.request_id]
+        bs = self.block_size
+        done = -(-seq.num_computed_tokens // bs) if final else seq.num_computed_tokens // bs
+        ready = list(range(handle.exported, done))
+        handle.exported = max(handle.exported, done)
+        return ready
+
+    def pin(self, seq: Sequence) -> None:
+        """The prompt is computed: keep its blocks until release() (or the lease cap)."""
+        self.sending[seq.request_id].pinned_until = time.monotonic() + self.lease.max_s
+
+    def is_pinned(self, request_id: str) -> bool:
+        handle = self.sending.get(request_id)
+        return handle is not None and handle.pinned_until is not None
+
+    @_locked
+    def release(self, request_id: str) -> bool:
+        """The pinned blocks were delivered (or will not be): they fall back to the prefix cache."""
+        handle = self.sending.get(request_id)
+        if handle is None or handle.pinned_until is None:
+            return False
+        del self.sending[request_id]
+        self.engine._release_blocks(handle.seq)
+        return True
+
+    @_locked
+    def read_blocks(self, request_id: str, block_indices: list[int]) -> torch.Tensor:
+        table = self.sending[request_id].seq.block_table
+        return self.engine.runner.read_blocks([table[i] for i in block_indices])
+
+    # ---- consumer (decode role) ---------------------------------------------------------
+    @_locked
+    def reserve(self, seq: Sequence, lease_s: float | None = None, reserve_blocks: int = 0) -> Reservation:
+        """Allocate blocks for the whole sequence; raises NoFreeBlocks."""
+        bm = self.engine.block_manager
+        cached = bm.allocate(seq, max_cached_tokens=seq.num_tokens, receiving=True, reserve_blocks=reserve_blocks)
+        seq.status = SequenceStatus.RECEIVING
+        seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
+        seq.first_scheduled_time = time.monotonic()
+        bs = self.block_size
+        hashes = transfer_block_hashes(seq.token_ids, bs)
+        first_needed = cached // bs
+        idle = min(lease_s, self.lease.idle_s) if lease_s else self.lease.idle_s
+        now = time.monotonic()
+        handle = ReceiveHandle(seq, hashes, set(range(first_needed, len(seq.block_table))), secrets.token_bytes(16),
+                               deadline=now + self.lease.max_s, expires_at=now + idle)
+        self.receiving[seq.request_id] = handle
+        self.failures.pop(seq.request_id, None)
+        if not handle.needed:
+            self._ready(handle)
+        return Reservation(seq.request_id, sorted(handle.needed), hashes[:first_needed], len(hashes),
+                           handle.token, idle)
+
+    def _handle(self, request_id: str, token: bytes) -> ReceiveHandle:
+        handle = self.receiving.get(request_id)
+        if handle is None:
+            failure = self.failures.get(request_id)
+            if failure is not None:
+                raise HandoffError(failure.code, failure.message)
+            raise HandoffError("NOT_FOUND", f"no reservation for request {request_id!r}")
+        if not hmac.compare_digest(handle.token, token):
+            raise HandoffError("UNAUTHENTICATED", f"wrong transfer token for request {request_id!r}")
+        return handle
+
+    @_locked
+    def authorize(self, request_id: str, token: bytes) -> None:
+        """A transport stream opens: the caller must hold the reservation's token."""
+        self._handle(request_id, token)
+
+    @_locked
+    def heartbeat(self, request_id: str, token: bytes) -> float:
+        """The prefill side is still working on the request: extend the lease. Returns the new lapse (s)."""
+        handle = self._handle(request_id, token)
+        now = time.monotonic()
+        handle.expires_at = max(handle.expires_at, min(now + self.lease.idle_s, handle.deadline))
+        return handle.expires_at - now
+
+    @_locked
+    def check(self, meta: BlockMeta, token: bytes) -> ReceiveHandle:
+        """Everything about a block that can be checked before its bytes are allocated.
+        A refusal fails the whole request (fail closed)."""
+        handle = self._handle(meta.request_id, token)
+        if handle.state not in (HandoffState.RESERVED, HandoffState.RECEIVING):
+            raise HandoffError("FAILED_PRECONDITION", f"request {meta.request_id!r} is {handle.state.value}")
+        runner = self.engine.runner
+        try:
+            if meta.block_index not in handle.needed:
+                raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r} was not requested "
+                                                f"or already received")
+            if handle.hashes[meta.block_index] != meta.block_hash:
+                raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r}: chain hash mismatch")
+            layout = (runner.kv_dtype_name, tuple(runner.block_shape), runner.kv_bytes_per_block)
+            got = (meta.dtype, tuple(meta.shape), meta.nbytes)
+            n_layers = runner.block_shape[0]
+            if got != layout or (meta.layer_start, meta.layer_end) not in ((0, 0), (0, n_layers)):
+                raise HandoffError("DATA_LOSS", f"block layout {meta.dtype}{list(meta.shape)} ({meta.nbytes} bytes, "
+                                                f"layers [{meta.layer_start}, {meta.layer_end})) != "
+                                                f"{layout[0]}{list(layout[1])} ({layout[2]} bytes)")
+        except HandoffError as exc:
+            self._end(handle, HandoffState.FAILED, exc.code, str(exc))
+            raise
+        return handle
+
+    @_locked
+    def accept(self, meta: BlockMeta, token: bytes, payload: memoryview | bytes | bytearray) -> HandoffState:
+        """Verify one block's bytes and write them into its reserved block. Returns the state after."""
+        handle = self.check(meta, token)
+        view = memoryview(payload).cast("B")
+        try:
+            if view.nbytes != meta.nbytes:
+                raise HandoffError("DATA_LOSS", f"block {meta.block_index}: {view.nbytes} bytes, header says {meta.nbytes}")
+            crc = zlib.crc32(view) & 0xFFFFFFFF
+            if crc != meta.checksum:
+                raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r}: checksum mismatch "
+                                                f"(header {meta.checksum:#010x}, payload {crc:#010x})")
+        except HandoffError as exc:
+            self._end(handle, HandoffState.FAILED, exc.code, str(exc))
+            raise
+        runner = self.engine.runner
+        with warnings.catch_warnings():   # a transport's read-only buffer: the pool copies from it
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(view, dtype=runner.dtype).view(runner.block_shape)
+        runner.write_block(handle.seq.block_table[meta.block_index], data)
+        handle.needed.discard(meta.block_index)
+        handle.received_bytes += meta.nbytes
+        if self.on_block is not None:
+            self.on_block(meta.nbytes)
+        handle.state = HandoffState.RECEIVING
+        now = time.monotonic()
+        handle.expires_at = max(handle.expires_at, min(now + self.lease.idle_s, handle.deadline))
+        if not handle.needed:
+            self._ready(handle)
+        return handle.state
+
+    @_locked
+    def fail(self, request_id: str, code: str, message: str) -> bool:
+        """The transport saw the request's KV fail (e.g. a stream broke): free it, remember why."""
+        handle = self.receiving.get(request_id)
+        if handle is None:
+            return False
+        self._end(handle, HandoffState.FAILED, code, message)
+        return True
+
+    def _ready(self, handle: ReceiveHandle) -> None:
+        handle.state = HandoffState.READY
+        self._notify(handle.request_id, HandoffState.READY)
+
+    @_locked
+    def state(self, request_id: str) -> HandoffState | None:
+        handle = self.receiving.get(request_id)
+        if handle is not None:
+            return handle.state
+        failure = self.failures.get(request_id)
+        return None if failure is None else (HandoffState.EXPIRED if failure.code == "DEADLINE_EXCEEDED"
+                                             else HandoffState.FAILED)
+
+    @_locked
+    def take_ready(self, request_id: str) -> Sequence:
+        """Hand a READY request's sequence to the engine for admission."""
+        handle = self.receiving.get(request_id)
+        if handle is None or handle.state is not HandoffState.READY:
+            if handle is None:
+                failure = self.failures.get(request_id)
+                if failure is not None:
+                    raise HandoffError(failure.code, failure.message)
+                raise HandoffError("NOT_FOUND", f"no reservation for request {request_id!r}")
+            raise HandoffError("FAILED_PRECONDITION",
+                               f"request {request_id!r} still misses blocks {sorted(handle.needed)[:8]}")
+        del self.receiving[request_id]
+        return handle.seq
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return sum(len(h.seq.block_table) for h in self.receiving.values())

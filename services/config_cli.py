@@ -1,0 +1,101 @@
+"""Command-line flags generated from config dataclasses: one source of truth per setting.
+
+Each field of a config dataclass becomes ``--field-name`` with the field's type, its
+``metadata["help"]`` and its default shown. Flags default to "not given", so a config built
+from them keeps the dataclass's own defaults, and ``config_to_argv`` writes back only what
+differs from them: that is how `pdserve up` forwards settings to its children and how Ray
+actors receive theirs (one serialised form: argv).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, Iterable
+
+_MISSING = dataclasses.MISSING
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not _MISSING:
+        return f.default
+    if f.default_factory is not _MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return _MISSING
+
+
+def _base_type(tp: Any) -> tuple[Any, bool]:
+    """(the type without None, whether None is allowed)."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return (args[0] if len(args) == 1 else str), True
+    return tp, False
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def config_fields(cls: type, exclude: Iterable[str] = ()) -> list[tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(cls)
+    skip = set(exclude)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls)
+            if f.name not in skip and f.init and f.metadata.get("cli", True)]
+
+
+def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
+                    exclude: Iterable[str] = ()) -> None:
+    """One flag per field of cls (except exclude)."""
+    for f, tp in config_fields(cls, exclude):
+        base, optional = _base_type(tp)
+        default = _default(f)
+        text = f.metadata.get("help", "")
+        shown = "none" if default is None else default
+        if default is not _MISSING:
+            text = f"{text} (default: {shown})" if text else f"(default: {shown})"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": text}
+        if "choices" in f.metadata:
+            kwargs["choices"] = list(f.metadata["choices"])
+        if base is bool:
+            parser.add_argument(flag(f.name), *f.metadata.get("aliases", ()), action=argparse.BooleanOptionalAction,
+                                **kwargs)
+            continue
+        if base in (int, float, str):
+            kwargs["type"] = _none_or(base) if optional else base
+            if "choices" not in kwargs:
+                kwargs["metavar"] = f.metadata.get("metavar", base.__name__.upper())
+        parser.add_argument(flag(f.name), *f.metadata.get("aliases", ()), **kwargs)
+
+
+def _none_or(base: type):
+    def parse(text: str):
+        return None if text.lower() == "none" else base(text)
+    parse.__name__ = base.__name__
+    return parse
+
+
+def given(args: argparse.Namespace, cls: type, exclude: Iterable[str] = ()) -> dict[str, Any]:
+    """The fields of cls that were given on the command line."""
+    return {f.name: getattr(args, f.name) for f, _ in config_fields(cls, exclude)
+            if getattr(args, f.name, None) is not None}
+
+
+def config_from_args(cls: type, args: argparse.Namespace, exclude: Iterable[str] = (), **fixed: Any) -> Any:
+    """cls(**given flags, **fixed); the dataclass validates and names a bad field."""
+    return cls(**{**given(args, cls, exclude), **fixed})
+
+
+def config_to_argv(obj: Any, exclude: Iterable[str] = ()) -> list[str]:
+    """The flags that rebuild obj's non-default fields (the inverse of config_from_args)."""
+    argv: list[str] = []
+    for f, tp in config_fields(type(obj), exclude):
+        value = getattr(obj, f.name)
+        if value == _default(f):
+            continue
+        base, _ = _base_type(tp)
+        if base is bool:
+            argv.append(flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        else:
+            argv += [flag(f.name), "none" if value is None else str(value)]
+    return argv

@@ -1,0 +1,334 @@
+"""The router's generation core, independent of the client protocol (gRPC, HTTP).
+
+Disaggregated: reserve decode blocks (waiting in the admission queue while every decode
+worker is full) → prefill on a prefill worker, which ships the KV chunk by chunk and streams
+the sampled token at once → that token goes to the client (TTFT) while the last blocks are
+still in flight, and the decode worker is asked to continue from it → tokens stream back.
+Colocated: one worker does both.
+
+Faults: every worker stream runs under a progress watchdog (``stall_timeout_s`` without an
+event) and the channels under gRPC keepalive. When a worker dies, stalls or loses the KV, the
+request *migrates*: the prompt plus every token already sent is prefilled again elsewhere
+(prefix-cache hits make it cheap) and decoding continues, so the client sees one unbroken
+stream with no token missing or repeated; greedy and seeded requests produce exactly the
+tokens of a run without the fault. After ``migration_limit`` moves the request fails with
+the last cause.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+
+from engine import SamplingParams
+from pdserve.v1 import common_pb2, worker_pb2
+from services.admission import AdmissionQueue
+from services.convert import params_to_proto
+from services.errors import RouterError, WorkerFailure
+from services.metrics import RouterMetrics
+from services.worker_pool import NoWorker, WorkerHandle, WorkerPool
+
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 10.0           # unary internal calls (Reserve, Abort)
+# Worker answers that are the request's own fault (never retried elsewhere).
+REQUEST_ERRORS = {"INVALID_ARGUMENT", "OUT_OF_RANGE", "UNAUTHENTICATED", "PERMISSION_DENIED", "UNIMPLEMENTED"}
+
+
+@dataclass(slots=True)
+class GenerationOptions:
+    migration_limit: int = field(default=3, metadata={
+        "help": "times one request may move to another worker after a fault before it fails"})
+    stall_timeout_s: float = field(default=10.0, metadata={
+        "help": "a worker stream silent this long is treated as failed (and the request migrates)"})
+    queue_timeout_s: float = field(default=60.0, metadata={
+        "help": "how long a request may wait for decode capacity"})
+    max_queued_requests: int = field(default=256, metadata={
+        "help": "requests waiting for decode capacity; more are refused at once with a retry hint"})
+    kv_lease_ms: int = field(default=0, metadata={
+        "help": "idle KV lease asked for each reservation (0: the decode worker's default)"})
+    worker_wait_s: float = field(default=5.0, metadata={
+        "help": "with no healthy worker of a role, wait this long for one (a restart) before failing"})
+
+    def __post_init__(self) -> None:
+        for name in ("migration_limit", "max_queued_requests", "kv_lease_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("stall_timeout_s", "queue_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class Timing:
+    start: float
+    first_token: float | None = None
+    last_token: float | None = None
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    kv_transfer_ms: float = 0.0
+    first_decode_step_ms: float = 0.0
+    cached_tokens: int = 0
+    migrations: int = 0
+
+
+@dataclass(slots=True)
+class Chunk:
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass(eq=False)
+class Generation:
+    """One request as the router follows it."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    timing: Timing
+    generated: list[int] = field(default_factory=list)
+    workers: set[WorkerHandle] = field(default_factory=set)   # where it may hold state now
+    failed: set[str] = field(default_factory=set)              # workers it left after a fault
+    aborted: bool = False
+
+
+class Generator:
+    def __init__(self, pool: WorkerPool, options: GenerationOptions, metrics: RouterMetrics) -> None:
+        self.pool = pool
+        self.options = options
+        self.metrics = metrics
+        self.admission = AdmissionQueue(options.max_queued_requests)
+        self.active: dict[str, Generation] = {}
+
+    # ---- public ---------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams
+                       ) -> AsyncIterator[tuple[Chunk, Generation]]:
+        """Chunks of new tokens; the last has a finish_reason. Raises RouterError."""
+        if request_id in self.active:
+            raise RouterError("INVALID_ARGUMENT", f"request_id {request_id!r} is already in flight")
+        gen = Generation(request_id, prompt, params, Timing(time.perf_counter()))
+        self.active[request_id] = gen
+        try:
+            while True:
+                try:
+                    async for chunk in self._attempt(gen):
+                        if chunk.token_ids:
+                            gen.generated.extend(chunk.token_ids)
+                        if chunk.finish_reason is not None:
+                            gen.workers.clear()   # the workers freed it themselves
+                        yield chunk, gen
+                        if chunk.finish_reason is not None:
+                            return
+                    yield Chunk([], "abort"), gen   # only an abort ends an attempt without a finish
+                    return
+                except WorkerFailure as fault:
+                    await self._release(gen)
+                    if gen.aborted:
+                        yield Chunk([], "abort"), gen
+                        return
+                    gen.failed.add(fault.address)
+                    if gen.timing.migrations >= self.options.migration_limit:
+                        raise RouterError(fault.code, f"request failed after {gen.timing.migrations} migration(s): "
+                                                      f"{fault}") from None
+                    gen.timing.migrations += 1
+                    self.metrics.migrations.inc()
+                    log.warning("request %s migrates (%d/%d) after %s", request_id, gen.timing.migrations,
+                                self.options.migration_limit, fault)
+        finally:
+            self.active.pop(request_id, None)
+            if gen.workers:
+                await asyncio.shield(self._release(gen))
+
+    async def abort(self, request_id: str) -> bool:
+        gen = self.active.get(request_id)
+        if gen is None:
+            return False
+        gen.aborted = True
+        await self._release(gen)
+        return True
+
+    # ---- one attempt ----------------------------------------------------------------------
+    def _attempt(self, gen: Generation) -> AsyncIterator[Chunk]:
+        return self._colocated(gen) if self.pool.colocated else self._disaggregated(gen)
+
+    async def _disaggregated(self, gen: Generation) -> AsyncIterator[Chunk]:
+        decode, reservation = await self._reserve(gen)
+        with self.pool.placed(decode):
+            prefill = await self._pick(lambda: self.pool.pick_prefill(gen.failed))
+            gen.workers.add(prefill)
+            with self.pool.placed(prefill, len(gen.prompt) + len(gen.generated)):
+                call = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
+                    request_id=gen.request_id, prompt_token_ids=gen.prompt, output_token_ids=gen.generated,
+                    params=params_to_proto(gen.params),
+                    target=worker_pb2.KVTarget(address=decode.kv_address, transfer_token=reservation.transfer_token,
+                                               needed_block_indices=reservation.needed_block_indices)))
+                first_token: asyncio.Future[worker_pb2.FirstToken] = asyncio.get_running_loop().create_future()
+                follow = asyncio.create_task(self._follow_prefill(call, prefill, decode, gen, first_token))
+                try:
+                    first = await first_token
+                    t = gen.timing
+                    if not gen.generated:
+                        t.queue_ms, t.prefill_ms, t.cached_tokens = first.queue_ms, first.prefill_ms, first.num_cached_tokens
+                    if first.HasField("finish_reason"):   # the first token ends it: no decode needed
+                        await self._release(gen)
+                        yield Chunk([first.token_id], first.finish_reason)
+                        return
+                    yield Chunk([first.token_id])
+                    decode_call = decode.decode.Decode(worker_pb2.DecodeRequest(
+                        request_id=gen.request_id, first_token_id=first.token_id,
+                        kv_wait_ms=int(self.options.stall_timeout_s * 1e3)))
+                    first_event = True
+                    async for event in self._events(decode_call, decode, gen):
+                        if first_event and not t.first_decode_step_ms:
+                            t.first_decode_step_ms = event.first_decode_step_ms
+                        first_event = False
+                        yield Chunk(list(event.token_ids), event.finish_reason if event.finished else None)
+                        if event.finished:
+                            return
+                    if not gen.aborted:
+                        raise WorkerFailure(decode.address, "UNAVAILABLE", "decode stream ended early")
+                except BaseException:
+                    follow.cancel()   # on success it ends by itself, with the prefill stream
+                    if not first_token.done():
+                        first_token.cancel()
+                    raise
+
+    async def _follow_prefill(self, call, prefill: WorkerHandle, decode: WorkerHandle, gen: Generation,
+                              first_token: asyncio.Future) -> None:
+        """The whole prefill stream: the sampled token resolves first_token, KVDelivered gives the
+        exposed transfer time. A fault before the token fails first_token; a fault after it (the
+        KV never arrives) frees the reservation at once, so the decode call fails and the request
+        migrates instead of waiting for the lease to lapse."""
+        try:
+            async for event in self._events(call, prefill, gen):
+                if event.HasField("first_token") and not first_token.done():
+                    first_token.set_result(event.first_token)
+                elif event.HasField("kv_delivered") and not gen.timing.kv_transfer_ms:
+                    gen.timing.kv_transfer_ms = event.kv_delivered.exposed_ms
+            if not first_token.done():
+                raise WorkerFailure(prefill.address, "UNAVAILABLE", "prefill ended without a token")
+        except (WorkerFailure, RouterError) as exc:
+            if not first_token.done():
+                first_token.set_exception(exc)
+            elif not gen.aborted:
+                log.info("prefill of %s failed after its token (%s): freeing the reservation", gen.request_id, exc)
+                if isinstance(exc, WorkerFailure):
+                    gen.failed.add(exc.address)
+                await self._abort_on(decode, gen.request_id)
+
+    async def _colocated(self, gen: Generation) -> AsyncIterator[Chunk]:
+        if sum(w.status.num_waiting for w in self.pool.healthy("both") if w.status) > self.options.max_queued_requests:
+            raise self.admission.full_error()
+        worker = (await self._pick(lambda: self.pool.decode_candidates(gen.failed)))[0]
+        gen.workers.add(worker)
+        with self.pool.placed(worker, len(gen.prompt)):
+            call = worker.colocated.Generate(worker_pb2.GenerateLocalRequest(
+                request_id=gen.request_id, prompt_token_ids=gen.prompt, output_token_ids=gen.generated,
+                params=params_to_proto(gen.params)))
+            async for event in self._events(call, worker, gen):
+                if event.HasField("first_token"):
+                    first = event.first_token
+                    if not gen.generated:
+                        t = gen.timing
+                        t.queue_ms, t.prefill_ms, t.cached_tokens = first.queue_ms, first.prefill_ms, first.num_cached_tokens
+                    yield Chunk([first.token_id], first.finish_reason if first.HasField("finish_reason") else None)
+                    if first.HasField("finish_reason"):
+                        return
+                else:
+                    ev = event.decode
+                    yield Chunk(list(ev.token_ids), ev.finish_reason if ev.finished else None)
+                    if ev.finished:
+                        return
+            if not gen.aborted:
+                raise WorkerFailure(worker.address, "UNAVAILABLE", "worker stream ended early")
+
+    # ---- pieces ---------------------------------------------------------------------------
+    async def _reserve(self, gen: Generation) -> tuple[WorkerHandle, worker_pb2.ReserveResponse]:
+        """Decode blocks for the whole sequence, waiting in the admission queue while every
+        decode worker is full."""
+        request = worker_pb2.ReserveRequest(request_id=gen.request_id, prompt_token_ids=gen.prompt,
+                                            output_token_ids=gen.generated, params=params_to_proto(gen.params),
+                                            lease_ms=self.options.kv_lease_ms)
+        n_tokens = len(gen.prompt) + len(gen.generated)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.queue_timeout_s
+        t0 = time.perf_counter()
+        async with self.admission.turn(self.options.queue_timeout_s):
+            while True:
+                candidates = await self._pick(lambda: self.pool.decode_candidates(gen.failed))
+                for worker in candidates:
+                    bs = worker.status.block_size if worker.status and worker.status.block_size else 1
+                    if worker.status is not None and worker.free_blocks < -(-n_tokens // bs):
+                        continue   # cannot fit: do not ask
+                    try:
+                        response = await worker.decode.Reserve(request, timeout=RPC_TIMEOUT_S)
+                    except grpc.aio.AioRpcError as exc:
+                        code = exc.code().name
+                        if code in REQUEST_ERRORS:
+                            raise RouterError(code, exc.details() or code) from None
+                        if code != "RESOURCE_EXHAUSTED":
+                            self.pool.mark_down(worker)
+                        continue
+                    gen.workers.add(worker)
+                    if not gen.generated:
+                        self.metrics.request_queue_time_seconds.observe(time.perf_counter() - t0)
+                    return worker, response
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise RouterError("RESOURCE_EXHAUSTED", f"no decode capacity for {n_tokens} tokens within "
+                                      f"{self.options.queue_timeout_s:g}s",
+                                      retry_after_s=self.admission.retry_after_s())
+                await self.pool.wait_changed(remaining)
+
+    async def _pick(self, pick):
+        """pick() from the pool; with no healthy worker, wait up to worker_wait_s for one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.worker_wait_s
+        while True:
+            try:
+                return pick()
+            except NoWorker as exc:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise RouterError("UNAVAILABLE", str(exc)) from None
+                await self.pool.wait_changed(remaining)
+
+    async def _events(self, call, worker: WorkerHandle, gen: Generation):
+        """A worker stream under the progress watchdog. Faults become WorkerFailure; an abort
+        requested through the router ends the stream quietly."""
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(call.read(), self.options.stall_timeout_s)
+                except asyncio.TimeoutError:
+                    raise WorkerFailure(worker.address, "DEADLINE_EXCEEDED",
+                                        f"no progress for {self.options.stall_timeout_s:g}s") from None
+                if event is grpc.aio.EOF:
+                    return
+                yield event
+        except grpc.aio.AioRpcError as exc:
+            if gen.aborted:
+                return
+            code = exc.code().name
+            if code in REQUEST_ERRORS:
+                raise RouterError(code, f"worker: {exc.details()}") from None
+            if code == "UNAVAILABLE":
+                self.pool.mark_down(worker)
+            raise WorkerFailure(worker.address, code, exc.details() or code) from None
+        finally:
+            call.cancel()
+
+    async def _release(self, gen: Generation) -> None:
+        """Free the request on every worker that may hold it (reservations, pins, sequences)."""
+        workers, gen.workers = gen.workers, set()
+        await asyncio.gather(*(self._abort_on(w, gen.request_id) for w in workers))
+
+    async def _abort_on(self, worker: WorkerHandle, request_id: str) -> None:
+        try:
+            await worker.info.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=RPC_TIMEOUT_S / 2)
+        except grpc.aio.AioRpcError as exc:
+            log.info("abort of %s on %s: %s", request_id, worker.address, exc.code().name)

@@ -1,0 +1,266 @@
+"""The KV transports as byte pipes under the decode engine's KV connector: the same cases over
+gRPC (a real in-process server on loopback) and over the Ray object-store transport (its sender
+and receiver joined by a stand-in for the actor call; the real Ray path runs in test_ray_serving)."""
+from __future__ import annotations
+
+import asyncio
+import tracemalloc
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.block_manager import transfer_block_hashes
+from engine.kv_connector import HandoffState
+from pdserve.v1 import kv_pb2
+from services.kv_transfer import GrpcKVSender, KVBlock, KVSender, KVTransferError, KVTransferServicer
+from services.kv_transfer.grpc_transport import encode_open, register_kv_servicer
+from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender
+from services.server import options as channel_options
+from tests.conftest import assert_no_leak, random_prompts
+
+TRANSPORTS = ("grpc", "ray")
+PROMPT = random_prompts(1, 60, 60, seed=77)[0]          # 8 blocks of 8 (the last one partial)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=tiny_qwen3, role="decode", dtype="float32", block_size=8, num_kv_blocks=64))
+
+
+class _FakeActorMethod:
+    """actor.method.remote(...) for the Ray transport: runs the receiver's method in this loop."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args):
+        result = self.fn(*args)
+        return asyncio.ensure_future(result) if asyncio.iscoroutine(result) else _done(result)
+
+
+def _done(value):
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_result(value)
+    return fut
+
+
+class _FakeActor:
+    def __init__(self, receiver: RayKVReceiver) -> None:
+        self.push_blocks = _FakeActorMethod(receiver.push_blocks)
+        self.kv_heartbeat = _FakeActorMethod(receiver.heartbeat)
+        self.kv_cancel = _FakeActorMethod(receiver.cancel)
+
+
+@asynccontextmanager
+async def transport(kind: str, engine: LLMEngine, chunk_bytes: int) -> AsyncIterator[tuple[KVSender, str]]:
+    """(sender, target) whose blocks land in engine's KV connector."""
+    if kind == "grpc":
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        register_kv_servicer(KVTransferServicer(engine.kv), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        sender = GrpcKVSender(lambda a: grpc.aio.insecure_channel(a, options=channel_options()), frame_bytes=chunk_bytes)
+        try:
+            yield sender, f"127.0.0.1:{port}"
+        finally:
+            await sender.close()
+            await server.stop(None)
+    else:
+        actor = _FakeActor(RayKVReceiver(engine.kv))
+        sender = RayKVSender(chunk_bytes=chunk_bytes, put=lambda arrays: _Ready(arrays))
+        sender._actors["ray://decode"] = actor
+        yield sender, "ray://decode"
+
+
+class _Ready:
+    """An already-resolved object reference (what ray.put returns, awaited by the receiver)."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def __await__(self):
+        yield from ()
+        return self.value
+
+
+def _blocks(rid: str, indices: list[int], engine: LLMEngine, seed: int = 0) -> list[KVBlock]:
+    hashes = transfer_block_hashes(PROMPT, 8)
+    g = torch.Generator().manual_seed(seed)
+    return [KVBlock(rid, i, hashes[i], 8, torch.randn(engine.runner.block_shape, generator=g)) for i in indices]
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+@pytest.mark.parametrize("chunk_bytes", [4096, 4 << 20], ids=["blocks-span-frames", "blocks-share-frames"])
+def test_blocks_land_bit_exact_and_the_request_becomes_ready(engine: LLMEngine, kind: str, chunk_bytes: int) -> None:
+    rid = f"exact-{kind}-{chunk_bytes}"
+    res = engine.reserve(rid, PROMPT, GREEDY)
+    assert res.needed_block_indices == list(range(8))
+    blocks = _blocks(rid, res.needed_block_indices, engine)
+
+    async def run():
+        async with transport(kind, engine, chunk_bytes) as (sender, target):
+            stream = sender.open(target, rid, res.transfer_token)
+            await stream.send(blocks[:5])          # the first chunk's blocks
+            await stream.heartbeat()               # the next chunk computes
+            await stream.send(blocks[5:])
+            return await stream.finish(timeout=10)
+
+    result = _run(run())
+    assert (result.blocks, result.bytes) == (8, 8 * engine.runner.kv_bytes_per_block)
+    assert engine.kv.state(rid) is HandoffState.READY
+    table = engine.kv.receiving[rid].seq.block_table
+    stored = engine.runner.read_blocks(table)
+    for j, block in enumerate(blocks):
+        assert torch.equal(stored[j], block.data)
+    engine.abort(rid)
+    assert_no_leak(engine)
+
+
+def _refused(kind: str, engine: LLMEngine, rid: str, token: bytes, blocks: list[KVBlock]) -> KVTransferError:
+    async def run():
+        async with transport(kind, engine, 4 << 20) as (sender, target):
+            stream = sender.open(target, rid, token)
+            await stream.send(blocks)
+            with pytest.raises(KVTransferError) as err:
+                await stream.finish(timeout=10)
+            return err.value
+    return _run(run())
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+@pytest.mark.parametrize("fault, code", [
+    ("checksum", "DATA_LOSS"), ("hash", "DATA_LOSS"), ("layout", "DATA_LOSS"), ("index", "DATA_LOSS"),
+])
+def test_a_bad_block_fails_the_whole_request_and_frees_it(engine: LLMEngine, kind: str, fault: str, code: str,
+                                                          monkeypatch) -> None:
+    rid = f"bad-{kind}-{fault}"
+    res = engine.reserve(rid, PROMPT, GREEDY)
+    blocks = _blocks(rid, [0, 1, 2], engine)
+    if fault == "checksum":
+        original = KVBlock.encode
+
+        def flipped(self):
+            header, payload = original(self)
+            corrupted = bytearray(payload)
+            corrupted[5] ^= 0xFF
+            return header, memoryview(corrupted)
+        monkeypatch.setattr(KVBlock, "encode", flipped)
+    elif fault == "hash":
+        blocks[1].block_hash ^= 1
+    elif fault == "layout":
+        blocks[1].data = blocks[1].data[:, :, :4].contiguous()   # half a block
+    elif fault == "index":
+        blocks[1].block_index = 40
+    err = _refused(kind, engine, rid, res.transfer_token, blocks)
+    assert err.code == code, err
+    assert engine.kv.state(rid) is HandoffState.FAILED
+    assert engine.kv.failure(rid).code == code
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_a_wrong_token_is_refused_and_leaves_the_reservation_alone(engine: LLMEngine, kind: str) -> None:
+    rid = f"token-{kind}"
+    res = engine.reserve(rid, PROMPT, GREEDY)
+    err = _refused(kind, engine, rid, b"not-the-token-00", _blocks(rid, [0], engine))
+    assert err.code == "UNAUTHENTICATED"
+    assert engine.kv.state(rid) is HandoffState.RESERVED   # a stranger cannot fail it
+    engine.abort(rid)
+    err = _refused(kind, engine, "never-reserved", res.transfer_token, _blocks("never-reserved", [0], engine))
+    assert err.code in ("NOT_FOUND", "ABORTED")
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_cancel_frees_the_reservation(engine: LLMEngine, kind: str) -> None:
+    rid = f"cancel-{kind}"
+    res = engine.reserve(rid, PROMPT, GREEDY)
+
+    async def run():
+        async with transport(kind, engine, 4 << 20) as (sender, target):
+            stream = sender.open(target, rid, res.transfer_token)
+            await stream.send(_blocks(rid, [0, 1], engine))
+            await asyncio.sleep(0.2)
+            await stream.cancel()
+            for _ in range(100):
+                if engine.kv.state(rid) is not HandoffState.RECEIVING:
+                    return
+                await asyncio.sleep(0.02)
+    _run(run())
+    assert engine.kv.state(rid) is HandoffState.FAILED
+    # gRPC sees a cancelled stream end early (DATA_LOSS); Ray gets an explicit cancel (ABORTED)
+    assert engine.kv.failure(rid).code == ("ABORTED" if kind == "ray" else "DATA_LOSS")
+    assert_no_leak(engine)
+
+
+def test_a_huge_declared_block_allocates_nothing(engine: LLMEngine) -> None:
+    """A 60-byte header declaring a 256 MiB block is refused before any buffer exists."""
+    rid = "huge"
+    res = engine.reserve(rid, PROMPT, GREEDY)
+    header = kv_pb2.KVBlockHeader(request_id=rid, block_index=0, block_hash=transfer_block_hashes(PROMPT, 8)[0],
+                                  dtype="float32", shape=[64 << 20], nbytes=256 << 20, checksum=0)
+    frame = b"".join([encode_open(rid, res.transfer_token),
+                      kv_pb2.KVFrame(headers=[header]).SerializeToString()])
+
+    async def run():
+        server = grpc.aio.server()
+        register_kv_servicer(KVTransferServicer(engine.kv), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                call = ch.stream_unary("/pdserve.v1.KVTransfer/PushBlocks", request_serializer=lambda b: b,
+                                       response_deserializer=kv_pb2.PushAck.FromString)()
+                tracemalloc.start()
+                await call.write(frame)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                peak = tracemalloc.get_traced_memory()[1]
+                tracemalloc.stop()
+                return err.value, peak
+        finally:
+            await server.stop(None)
+    err, peak = _run(run())
+    assert err.code() == grpc.StatusCode.DATA_LOSS and "layout" in err.details()
+    assert peak < 16 << 20, peak
+    assert engine.kv.state(rid) is HandoffState.FAILED
+    assert_no_leak(engine)
+
+
+def test_ray_sender_sends_other_targets_through_its_fallback(engine: LLMEngine) -> None:
+    async def run():
+        async with transport("grpc", engine, 4 << 20) as (grpc_sender, target):
+            sender = RayKVSender(fallback=grpc_sender, put=lambda a: _Ready(a))
+            rid = "fallback"
+            res = engine.reserve(rid, PROMPT, GREEDY)
+            stream = sender.open(target, rid, res.transfer_token)
+            await stream.send(_blocks(rid, list(range(8)), engine))
+            return rid, await stream.finish(timeout=10)
+    rid, result = _run(run())
+    assert result.blocks == 8 and engine.kv.state(rid) is HandoffState.READY
+    engine.abort(rid)
+    assert_no_leak(engine)
+
+
+def test_ray_receiver_refuses_objects_of_the_wrong_kind(engine: LLMEngine) -> None:
+    rid = "kinds"
+    res = engine.reserve(rid, PROMPT, GREEDY)
+    block = _blocks(rid, [0], engine)[0]
+    header, _ = block.encode()
+    opened = kv_pb2.KVStreamOpen(request_id=rid, transfer_token=res.transfer_token).SerializeToString()
+    receiver = RayKVReceiver(engine.kv)
+    ack = kv_pb2.PushAck.FromString(_run(receiver.push_blocks(
+        opened, [header.SerializeToString()], [_Ready([np.zeros(4, dtype=np.float32)])])))
+    assert ack.error_code == "INVALID_ARGUMENT" and "uint8" in ack.error
+    assert engine.kv.state(rid) is HandoffState.FAILED
+    assert_no_leak(engine)
