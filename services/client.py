@@ -63,8 +63,12 @@ class Client:
     """Blocking client: Client("127.0.0.1:50051").generate("Hello", max_tokens=16).
     api_key: the router's API key (default: $PDSERVE_API_KEY, if set)."""
 
-    def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None) -> None:
-        self.channel = grpc.insecure_channel(address, options=channel_options())
+    def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None,
+                 root_certificates: bytes | None = None) -> None:
+        """root_certificates: the CA (PEM) of a router serving TLS; None: plaintext."""
+        self.channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates),
+                                            options=channel_options())
+                        if root_certificates else grpc.insecure_channel(address, options=channel_options()))
         self.metadata = _api_key_metadata(api_key)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
         self.timeout = timeout
@@ -97,10 +101,14 @@ class Client:
 class AsyncClient:
     """asyncio client for load tests: same calls, awaited."""
 
-    def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None) -> None:
+    def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None,
+                 root_certificates: bytes | None = None) -> None:
         metadata = _api_key_metadata(api_key)
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(),
-                                                 interceptors=metadata_interceptors(metadata) if metadata else None)
+        interceptors = metadata_interceptors(metadata) if metadata else None
+        self.channel = (grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates),
+                                                options=channel_options(), interceptors=interceptors)
+                        if root_certificates else
+                        grpc.aio.insecure_channel(address, options=channel_options(), interceptors=interceptors))
         self.stub = router_pb2_grpc.RouterStub(self.channel)
         self.timeout = timeout
 

@@ -158,6 +158,9 @@ class Cluster:
             mport = free_port(self.spec.host)
             args = [*args, "--metrics-port", str(mport)]
             metrics = f"{self.spec.host}:{mport}"
+        tls = self.spec.credentials.tls
+        if tls is not None:   # file paths, not secrets: they travel as flags
+            args = [*args, "--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca)]
         cmd = [sys.executable, "-m", "services.cli", *args, "--host", self.spec.host, "--port", str(port)]
         proc = Process(name, cmd, f"{self.spec.host}:{port}", env, metrics_address=metrics)
         self.processes.append(proc)
