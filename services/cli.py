@@ -151,6 +151,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     except Stopped:
         print("pdserve: stopped during start-up", flush=True)
         return 0
+    except (OSError, RuntimeError, TimeoutError) as exc:   # port in use, a child that could not start
+        print(f"pdserve: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     print(f"pdserve is up: router at {cluster.router_address}\n{cluster.describe()}", flush=True)
     print(f"try: pdserve generate --router {cluster.router_address} \"Once upon a time\"", flush=True)
     return cluster.wait()

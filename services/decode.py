@@ -9,7 +9,7 @@ import grpc
 
 from engine import NoCapacity
 from engine.kv_connector import HandoffError, HandoffState
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.async_engine import AsyncEngine
 from services.convert import params_from_proto
 from services.worker_state import WorkerState
@@ -39,6 +39,12 @@ class DecodeHandler(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.ReserveResponse(needed_block_indices=res.needed_block_indices,
                                           held_block_hashes=res.held_block_hashes, num_blocks=res.num_blocks,
                                           transfer_token=res.transfer_token, lease_ms=int(res.lease_s * 1e3))
+
+    async def FailTransfer(self, request: worker_pb2.FailTransferRequest, context: grpc.aio.ServicerContext
+                           ) -> common_pb2.AbortResponse:
+        found = self.aengine.engine.kv.fail(request.request_id, "UNAVAILABLE",
+                                             f"the prefill worker could not deliver the KV: {request.reason[:512]}")
+        return common_pb2.AbortResponse(found=found)
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[worker_pb2.DecodeEvent]:

@@ -95,6 +95,12 @@ class Generation:
     failed: set[str] = field(default_factory=set)              # workers it left after a fault
     aborted: bool = False
 
+    @property
+    def worker_request_id(self) -> str:
+        """The id the workers know this attempt by: a late abort of an earlier attempt can never
+        hit the current one, even on the same worker."""
+        return self.request_id if not self.timing.migrations else f"{self.request_id}@{self.timing.migrations}"
+
 
 class Generator:
     def __init__(self, pool: WorkerPool, options: GenerationOptions, metrics: RouterMetrics) -> None:
@@ -103,6 +109,7 @@ class Generator:
         self.metrics = metrics
         self.admission = AdmissionQueue(options.max_queued_requests)
         self.active: dict[str, Generation] = {}
+        self._background: set[asyncio.Task] = set()   # prefill followers and aborts in flight
 
     # ---- public ---------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams
@@ -141,7 +148,7 @@ class Generator:
         finally:
             self.active.pop(request_id, None)
             if gen.workers:
-                await asyncio.shield(self._release(gen))
+                await self._release(gen)
 
     async def abort(self, request_id: str) -> bool:
         gen = self.active.get(request_id)
@@ -162,12 +169,12 @@ class Generator:
             gen.workers.add(prefill)
             with self.pool.placed(prefill, len(gen.prompt) + len(gen.generated)):
                 call = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
-                    request_id=gen.request_id, prompt_token_ids=gen.prompt, output_token_ids=gen.generated,
+                    request_id=gen.worker_request_id, prompt_token_ids=gen.prompt, output_token_ids=gen.generated,
                     params=params_to_proto(gen.params),
                     target=worker_pb2.KVTarget(address=decode.kv_address, transfer_token=reservation.transfer_token,
                                                needed_block_indices=reservation.needed_block_indices)))
                 first_token: asyncio.Future[worker_pb2.FirstToken] = asyncio.get_running_loop().create_future()
-                follow = asyncio.create_task(self._follow_prefill(call, prefill, decode, gen, first_token))
+                follow = self._spawn(self._follow_prefill(call, prefill, decode, gen, first_token))
                 try:
                     first = await first_token
                     t = gen.timing
@@ -179,30 +186,33 @@ class Generator:
                         return
                     yield Chunk([first.token_id])
                     decode_call = decode.decode.Decode(worker_pb2.DecodeRequest(
-                        request_id=gen.request_id, first_token_id=first.token_id,
+                        request_id=gen.worker_request_id, first_token_id=first.token_id,
                         kv_wait_ms=int(self.options.stall_timeout_s * 1e3)))
                     first_event = True
                     async for event in self._events(decode_call, decode, gen):
                         if first_event and not t.first_decode_step_ms:
                             t.first_decode_step_ms = event.first_decode_step_ms
                         first_event = False
-                        yield Chunk(list(event.token_ids), event.finish_reason if event.finished else None)
+                        yield self._chunk(event, decode, gen)
                         if event.finished:
                             return
                     if not gen.aborted:
                         raise WorkerFailure(decode.address, "UNAVAILABLE", "decode stream ended early")
-                except BaseException:
-                    follow.cancel()   # on success it ends by itself, with the prefill stream
+                except Exception:   # a fault: stop following this prefill
+                    follow.cancel()
+                    raise
+                finally:
+                    # On success, or when the caller stops reading (GeneratorExit, cancellation), the
+                    # follower runs on until the prefill stream ends: KVDelivered still comes, and the
+                    # prefill worker is not cancelled mid-acknowledgement.
                     if not first_token.done():
                         first_token.cancel()
-                    raise
 
     async def _follow_prefill(self, call, prefill: WorkerHandle, decode: WorkerHandle, gen: Generation,
                               first_token: asyncio.Future) -> None:
         """The whole prefill stream: the sampled token resolves first_token, KVDelivered gives the
-        exposed transfer time. A fault before the token fails first_token; a fault after it (the
-        KV never arrives) frees the reservation at once, so the decode call fails and the request
-        migrates instead of waiting for the lease to lapse."""
+        exposed transfer time. A fault before the token fails first_token; one after it (the KV
+        may be incomplete) is reported to the decode worker."""
         try:
             async for event in self._events(call, prefill, gen):
                 if event.HasField("first_token") and not first_token.done():
@@ -214,11 +224,16 @@ class Generator:
         except (WorkerFailure, RouterError) as exc:
             if not first_token.done():
                 first_token.set_exception(exc)
-            elif not gen.aborted:
-                log.info("prefill of %s failed after its token (%s): freeing the reservation", gen.request_id, exc)
-                if isinstance(exc, WorkerFailure):
-                    gen.failed.add(exc.address)
-                await self._abort_on(decode, gen.request_id)
+                return
+            # The KV may not all have arrived: if the decode worker still waits for blocks, it fails
+            # the reservation now (the decode call then fails and the request migrates); a request
+            # it already admitted is left alone.
+            log.info("prefill of %s ended after its token: %s", gen.request_id, exc)
+            try:
+                await decode.decode.FailTransfer(worker_pb2.FailTransferRequest(
+                    request_id=gen.worker_request_id, reason=str(exc)), timeout=RPC_TIMEOUT_S / 2)
+            except grpc.aio.AioRpcError as rpc:
+                log.info("FailTransfer of %s on %s: %s", gen.request_id, decode.address, rpc.code().name)
 
     async def _colocated(self, gen: Generation) -> AsyncIterator[Chunk]:
         if sum(w.status.num_waiting for w in self.pool.healthy("both") if w.status) > self.options.max_queued_requests:
@@ -227,7 +242,7 @@ class Generator:
         gen.workers.add(worker)
         with self.pool.placed(worker, len(gen.prompt)):
             call = worker.colocated.Generate(worker_pb2.GenerateLocalRequest(
-                request_id=gen.request_id, prompt_token_ids=gen.prompt, output_token_ids=gen.generated,
+                request_id=gen.worker_request_id, prompt_token_ids=gen.prompt, output_token_ids=gen.generated,
                 params=params_to_proto(gen.params)))
             async for event in self._events(call, worker, gen):
                 if event.HasField("first_token"):
@@ -239,18 +254,24 @@ class Generator:
                     if first.HasField("finish_reason"):
                         return
                 else:
-                    ev = event.decode
-                    yield Chunk(list(ev.token_ids), ev.finish_reason if ev.finished else None)
-                    if ev.finished:
+                    yield self._chunk(event.decode, worker, gen)
+                    if event.decode.finished:
                         return
             if not gen.aborted:
                 raise WorkerFailure(worker.address, "UNAVAILABLE", "worker stream ended early")
 
     # ---- pieces ---------------------------------------------------------------------------
+    @staticmethod
+    def _chunk(event: worker_pb2.DecodeEvent, worker: WorkerHandle, gen: Generation) -> Chunk:
+        """A decode event as a chunk. A worker ending the request with "abort" that nobody asked
+        for (its engine failed, or it was told by a stale abort) is a fault: the request moves."""
+        if event.finished and event.finish_reason == "abort" and not gen.aborted:
+            raise WorkerFailure(worker.address, "ABORTED", "the worker aborted the request")
+        return Chunk(list(event.token_ids), event.finish_reason if event.finished else None)
     async def _reserve(self, gen: Generation) -> tuple[WorkerHandle, worker_pb2.ReserveResponse]:
         """Decode blocks for the whole sequence, waiting in the admission queue while every
         decode worker is full."""
-        request = worker_pb2.ReserveRequest(request_id=gen.request_id, prompt_token_ids=gen.prompt,
+        request = worker_pb2.ReserveRequest(request_id=gen.worker_request_id, prompt_token_ids=gen.prompt,
                                             output_token_ids=gen.generated, params=params_to_proto(gen.params),
                                             lease_ms=self.options.kv_lease_ms)
         n_tokens = len(gen.prompt) + len(gen.generated)
@@ -323,9 +344,20 @@ class Generator:
             call.cancel()
 
     async def _release(self, gen: Generation) -> None:
-        """Free the request on every worker that may hold it (reservations, pins, sequences)."""
+        """Free the request on every worker that may hold it (reservations, pins, sequences). The
+        aborts run in the background: a frozen worker must not hold up a migration (it frees the
+        request itself anyway, when its streams break or its lease lapses)."""
         workers, gen.workers = gen.workers, set()
-        await asyncio.gather(*(self._abort_on(w, gen.request_id) for w in workers))
+        for worker in workers:
+            self._spawn(self._abort_on(worker, gen.worker_request_id))
+
+    def _spawn(self, coro) -> asyncio.Task:
+        """A task that outlives its creator: held here until done (the loop keeps only weak
+        references, and a collected task would cancel its call mid-way)."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     async def _abort_on(self, worker: WorkerHandle, request_id: str) -> None:
         try:

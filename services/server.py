@@ -114,6 +114,8 @@ def check_port_free(host: str, port: int) -> None:
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        # As gRPC binds: connections in TIME_WAIT (a restarted router's) do not count, a listener does.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:

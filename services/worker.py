@@ -86,7 +86,7 @@ class WorkerInfoServicer(worker_pb2_grpc.WorkerServicer):
             num_reserved=stats["num_reserved"], num_queued_prompt_tokens=stats["num_queued_prompt_tokens"],
             block_size=self.aengine.config.block_size, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim, kv_dtype=engine.runner.kv_dtype_name, max_model_len=engine.max_model_len,
-            draining=self.state.draining)
+            draining=self.state.draining, num_sending=stats["num_pinned"])
 
     async def GetStatus(self, request, context):
         return self.status()

@@ -28,26 +28,22 @@ def _delta(after: dict[str, float], before: dict[str, float], name: str) -> floa
     return metric(after, name) - metric(before, name)
 
 
-COUNTERS = ("pdserve:request_success_total", "pdserve:prompt_tokens_total", "pdserve:generation_tokens_total",
-            "pdserve:kv_transfer_bytes_total")
-
-
-def _settled(cluster, expect_success: float, before: dict, timeout: float = 10.0) -> dict[str, dict[str, float]]:
-    """Scrape every process once the router has counted every request as finished and no counter
-    moves any more (a prefill worker counts its KV bytes when the last acknowledgement arrives,
-    which may be after the request's last token)."""
+def _settled(cluster, expect_success: float, before: dict, timeout: float = 20.0) -> dict[str, dict[str, float]]:
+    """Scrape every process once the router has counted every request as finished and every KV
+    byte a decode worker received is acknowledged to its sender (a prefill worker counts its bytes
+    when the acknowledgement arrives, which may come after the request's last token)."""
     deadline = time.monotonic() + timeout
-    last = None
     while True:
         after = {name: scrape(addr) for name, addr in _by_name(cluster).items()}
-        counters = {(n, c): metric(after[n], c) for n in after for c in COUNTERS}
+        kv = "pdserve:kv_transfer_bytes_total"
+        sent = sum(_delta(after[n], before[n], kv) for n in after if n.startswith("prefill"))
+        received = sum(_delta(after[n], before[n], kv) for n in after if n.startswith("decode"))
         if (_delta(after["router"], before["router"], "pdserve:request_success_total") >= expect_success
-                and counters == last):
+                and sent == received):
             return after
         if time.monotonic() > deadline:
-            raise AssertionError("counters did not settle")
-        last = counters
-        time.sleep(0.1)
+            raise AssertionError(f"counters did not settle: KV sent {sent}, received {received}")
+        time.sleep(0.05)
 
 
 def _labelled(samples: dict[str, float], name: str, role: str, worker: str) -> float:

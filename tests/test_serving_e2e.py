@@ -206,3 +206,33 @@ def test_reservation_without_prefill_expires(tiny_qwen3: str) -> None:
         assert_blocks_at_baseline(cluster, timeout=3.0)
     finally:
         cluster.stop()
+
+
+def test_the_first_token_arrives_before_the_kv_is_acknowledged(tiny_qwen3: str) -> None:
+    """The prefill worker's sampled token reaches the client at once, while its KV blocks are still
+    on their way: here the decode worker is frozen after its reservation, so no block can be
+    acknowledged, and the token arrives anyway. Once it resumes, the request completes exactly."""
+    import os
+    import signal
+
+    from tests.faults.harness import observe, wait_for
+
+    c = start_cluster(tiny_qwen3, engine_args=["--block-size", "8", "--num-kv-blocks", "512", "--dtype", "float32",
+                                               "--max-num-batched-tokens", "8"])
+    try:
+        decode = next(p for p in c.processes if p.name.startswith("decode"))
+        prompt = random_prompts(1, 1500, 1500, seed=81)[0]
+        obs = observe(c.router_address, prompt, 6)
+        wait_for(lambda: worker_status(c, decode.address).num_reserved == 1, 30, "the reservation")
+        os.kill(decode.popen.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: bool(obs.tokens), 30, "the first token, with the decode worker frozen")
+            assert not obs.done.is_set()
+        finally:
+            os.kill(decode.popen.pid, signal.SIGCONT)
+        assert obs.done.wait(60) and obs.code is None
+        assert obs.tokens == hf_greedy(tiny_qwen3, [prompt], 6)[0]
+        assert obs.migrations == 0
+        assert_blocks_at_baseline(c)
+    finally:
+        c.stop()

@@ -24,7 +24,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("role", "worker_id", "model_name", "kv_address", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "num_queued_prompt_tokens", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_dtype", "max_model_len", "draining")
+    __slots__ = ("role", "worker_id", "model_name", "kv_address", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "num_queued_prompt_tokens", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_dtype", "max_model_len", "draining", "num_sending")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class WorkerStatus(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SENDING_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     worker_id: str
     model_name: str
@@ -59,7 +60,8 @@ class WorkerStatus(_message.Message):
     kv_dtype: str
     max_model_len: int
     draining: bool
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., kv_address: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_queued_prompt_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    num_sending: int
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., kv_address: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_queued_prompt_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_sending: _Optional[int] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("address", "transfer_token", "needed_block_indices")
@@ -162,6 +164,14 @@ class DecodeRequest(_message.Message):
     first_token_id: int
     kv_wait_ms: int
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv_wait_ms: _Optional[int] = ...) -> None: ...
+
+class FailTransferRequest(_message.Message):
+    __slots__ = ("request_id", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "finished", "kv_wait_ms", "first_decode_step_ms")

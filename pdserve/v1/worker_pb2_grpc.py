@@ -287,6 +287,11 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeEvent.FromString,
                 _registered_method=True)
+        self.FailTransfer = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/FailTransfer',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.FailTransferRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -307,6 +312,14 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FailTransfer(self, request, context):
+        """The prefill side could not deliver the KV: fail the reservation now if it is still
+        waiting for blocks (a request already admitted is left alone). found=false otherwise.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -319,6 +332,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeEvent.SerializeToString,
+            ),
+            'FailTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.FailTransfer,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.FailTransferRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -376,6 +394,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Decode',
             pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.DecodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FailTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/FailTransfer',
+            pdserve_dot_v1_dot_worker__pb2.FailTransferRequest.SerializeToString,
+            pdserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -224,7 +224,9 @@ class GrpcKVSender(KVSender):
         return entry[1]
 
     def open(self, target: str, request_id: str, transfer_token: bytes) -> KVStream:
-        return GrpcKVStream(self._method(target)(), request_id, transfer_token, self.frame_bytes)
+        # wait_for_ready: a connection that is (re)establishing, say after this process was frozen,
+        # is waited for instead of failing the stream; finish() bounds the whole transfer.
+        return GrpcKVStream(self._method(target)(wait_for_ready=True), request_id, transfer_token, self.frame_bytes)
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}

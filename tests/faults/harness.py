@@ -1,0 +1,183 @@
+"""Fault injection over real processes: a supervised cluster, requests observed token by token,
+signals to workers, and the figures docs/reliability.md reports (written to the JSON file named
+by $PDSERVE_FAULT_REPORT when it is set)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import grpc
+
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.client import Client
+from services.launcher import Cluster
+from tests.conftest import random_prompts
+from tests.serving import channel, start_cluster, worker_status, workers
+
+REPORT_ENV = "PDSERVE_FAULT_REPORT"
+STALL_S = 3.0
+FAULT_ENGINE = ["--block-size", "8", "--num-kv-blocks", "1024", "--dtype", "float32", "--max-num-batched-tokens", "8"]
+FAULT_ROUTER = ["--stall-timeout-s", str(STALL_S), "--worker-wait-s", "20", "--migration-limit", "3"]
+FAULT_WORKER = ["--kv-lease-idle-s", "3"]
+
+
+@dataclass
+class Observed:
+    """One request as its client saw it."""
+
+    tokens: list[int] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)    # monotonic time of each token
+    code: str | None = None                                 # gRPC status name when it failed
+    details: str = ""
+    finish_reason: str | None = None
+    migrations: int = 0
+    started: float = 0.0
+    ended: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def recovery_after(self, t: float) -> float:
+        """The longest wait for a token from t on: how long the fault kept this request silent."""
+        times = [t, *(a for a in self.arrivals if a > t)]
+        return max((b - a for a, b in zip(times, times[1:])), default=float("nan"))
+
+
+def observe(address: str, prompt: list[int], max_tokens: int, timeout: float = 120.0) -> Observed:
+    """Start a greedy request in a thread and record every token's arrival."""
+    obs = Observed()
+
+    def run() -> None:
+        obs.started = time.monotonic()
+        try:
+            with Client(address, timeout=timeout) as client:
+                for msg in client.generate_stream(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+                    now = time.monotonic()
+                    obs.tokens.extend(msg.token_ids)
+                    obs.arrivals.extend([now] * len(msg.token_ids))
+                    if msg.finished:
+                        obs.finish_reason = msg.finish_reason
+                        obs.migrations = msg.timings.migrations
+        except grpc.RpcError as exc:
+            obs.code, obs.details = exc.code().name, exc.details() or ""
+        finally:
+            obs.ended = time.monotonic()
+            obs.done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return obs
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.005) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+class FaultCluster:
+    """A cluster whose dead children are restarted (as `pdserve up` does) by a supervisor thread."""
+
+    def __init__(self, model: str, prefill: int = 2, decode: int = 2, engine_args: list[str] | None = None,
+                 router_args: list[str] | None = None, worker_args: list[str] | None = None) -> None:
+        self.cluster: Cluster = start_cluster(model, prefill_workers=prefill, decode_workers=decode,
+                                              engine_args=engine_args or FAULT_ENGINE,
+                                              router_args=router_args or FAULT_ROUTER,
+                                              worker_args=worker_args or FAULT_WORKER)
+        self._busy = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._supervise, daemon=True)
+        self._thread.start()
+
+    def _supervise(self) -> None:
+        while not self._stop.is_set():
+            self.cluster.supervise_once()
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for p in self.cluster.processes:   # nothing stays frozen
+            if p.alive:
+                os.kill(p.popen.pid, signal.SIGCONT)
+        self.cluster.stop()
+
+    @property
+    def router(self) -> str:
+        return self.cluster.router_address
+
+    def process(self, name: str):
+        return next(p for p in self.cluster.processes if p.name == name)
+
+    def names(self, role: str) -> list[str]:
+        return [p.name for p in self.cluster.processes if p.name.startswith(role)]
+
+    def status(self, name: str) -> worker_pb2.WorkerStatus:
+        return worker_status(self.cluster, self.process(name).address)
+
+    def holding(self, role: str, field_name: str) -> str | None:
+        """The worker of role whose status field is > 0 (None if none)."""
+        for name in self.names(role):
+            try:
+                if getattr(self.status(name), field_name) > 0:
+                    return name
+            except grpc.RpcError:
+                continue
+        return None
+
+    def signal(self, name: str, sig: int) -> None:
+        os.kill(self.process(name).popen.pid, sig)
+
+    def busy_prefill(self, name: str, tokens: int) -> threading.Thread:
+        """Occupy a prefill worker with a long prompt sent straight to it (no KV target), as a member.
+        The prompt is fresh every time: a prefix-cache hit would make it instant."""
+        address = self.process(name).address
+        self._busy += 1
+        request_id = f"busy-{self._busy}"
+        prompt = random_prompts(1, tokens, tokens, seed=10_000 + self._busy)[0]
+
+        def run() -> None:
+            with channel(self.cluster, address) as ch:
+                try:
+                    for _ in worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(worker_pb2.PrefillRequest(
+                            request_id=request_id, prompt_token_ids=prompt,
+                            params=common_pb2.SamplingParams(max_tokens=1)), timeout=60):
+                        pass
+                except grpc.RpcError:
+                    pass
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    def all_healthy(self) -> bool:
+        try:
+            return all(worker_status(self.cluster, a).num_total_blocks > 0 for a in workers(self.cluster))
+        except grpc.RpcError:
+            return False
+
+    def at_baseline(self) -> bool:
+        try:
+            statuses = [worker_status(self.cluster, a) for a in workers(self.cluster)]
+        except grpc.RpcError:
+            return False
+        return all(s.num_free_blocks == s.num_total_blocks and s.num_reserved == 0 for s in statuses)
+
+
+def record(case: str, **figures) -> None:
+    """Append one case's figures to the report file, when one is asked for."""
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return
+    report = Path(path)
+    rows = json.loads(report.read_text()) if report.exists() else []
+    rows.append({"case": case, **figures})
+    report.write_text(json.dumps(rows, indent=1))
+
+
+__all__ = ["FaultCluster", "Observed", "STALL_S", "asdict", "observe", "record", "wait_for"]

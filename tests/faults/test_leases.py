@@ -1,0 +1,78 @@
+"""A decode worker's reservation lives on progress, not a fixed clock: a prefill that keeps making
+progress (or whose lease is long enough) completes however long it takes; one that stalls past
+its lease fails with a status that names the lease. Migration is off here, so the failure shows."""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.conftest import random_prompts
+from tests.faults.harness import FaultCluster, observe, wait_for
+
+pytestmark = pytest.mark.faults
+
+PROMPT_LEN = 1900
+SLOW_PREFILL = ["--block-size", "8", "--num-kv-blocks", "1024", "--dtype", "float32", "--max-num-batched-tokens", "4"]
+NO_MIGRATION = ["--stall-timeout-s", "60", "--migration-limit", "0"]
+
+
+def _cluster(model: str, lease_idle_s: float) -> FaultCluster:
+    return FaultCluster(model, prefill=1, decode=1, engine_args=SLOW_PREFILL, router_args=NO_MIGRATION,
+                        worker_args=["--kv-lease-idle-s", str(lease_idle_s), "--kv-lease-max-s", "120"])
+
+
+def _expected(model: str, prompt: list[int], n: int) -> list[int]:
+    llm = LLM(model, dtype="float32", block_size=8, num_kv_blocks=1024)
+    return llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0].token_ids
+
+
+def _stall_prefill(fc: FaultCluster, prompt: list[int], stall_s: float):
+    obs = observe(fc.router, prompt, 8)
+    found: list[str | None] = []
+    wait_for(lambda: bool(found.append(fc.holding("prefill", "num_running")) or found[-1]), 30, "prefill computing")
+    assert not obs.tokens
+    fc.signal(found[-1], signal.SIGSTOP)
+    time.sleep(stall_s)
+    fc.signal(found[-1], signal.SIGCONT)
+    assert obs.done.wait(120)
+    return obs
+
+
+def test_progress_keeps_a_reservation_alive_well_past_its_idle_lease(tiny_qwen3: str) -> None:
+    fc = _cluster(tiny_qwen3, lease_idle_s=0.5)
+    try:
+        prompt = random_prompts(1, PROMPT_LEN, PROMPT_LEN, seed=601)[0]
+        obs = observe(fc.router, prompt, 8)
+        assert obs.done.wait(120)
+        assert obs.code is None, obs.details
+        assert obs.arrivals[0] - obs.started > 0.5 * 2   # the prefill alone outlived the idle lease twice over
+        assert obs.tokens == _expected(tiny_qwen3, prompt, 8)
+        wait_for(fc.at_baseline, 10, "free blocks at baseline")
+    finally:
+        fc.close()
+
+
+def test_a_prefill_frozen_longer_than_the_old_30_s_clock_completes_when_its_lease_allows(tiny_qwen3: str) -> None:
+    fc = _cluster(tiny_qwen3, lease_idle_s=45)
+    try:
+        prompt = random_prompts(1, PROMPT_LEN, PROMPT_LEN, seed=602)[0]
+        obs = _stall_prefill(fc, prompt, 31.0)
+        assert obs.code is None, obs.details
+        assert obs.tokens == _expected(tiny_qwen3, prompt, 8)
+        wait_for(fc.at_baseline, 10, "free blocks at baseline")
+    finally:
+        fc.close()
+
+
+def test_a_prefill_frozen_past_its_lease_fails_with_a_status_naming_the_lease(tiny_qwen3: str) -> None:
+    fc = _cluster(tiny_qwen3, lease_idle_s=2)
+    try:
+        obs = _stall_prefill(fc, random_prompts(1, PROMPT_LEN, PROMPT_LEN, seed=603)[0], 4.0)
+        assert obs.code == "DEADLINE_EXCEEDED", (obs.code, obs.details)
+        assert "expired" in obs.details and "no KV progress for 2s" in obs.details
+        wait_for(fc.at_baseline, 10, "free blocks at baseline on both workers")
+    finally:
+        fc.close()
