@@ -4,7 +4,7 @@ Decode attention streams the KV cache and decode GEMMs stream the weights: both 
 memory bandwidth, and with 4 KiB pages TLB misses cost a good part of it (measured on one core:
 10.7 GB/s with 4 KiB pages, 14-15.5 GB/s on 2 MiB pages). On Linux with THP in ``always`` or
 ``madvise`` mode, buffers allocated here are anonymous mappings marked ``MADV_HUGEPAGE``
-before their first touch (the kernel zero-fills them, lazily, in 2 MiB pages), and buffers
+before their first touch (then touched once, so they are faulted in as 2 MiB pages), and buffers
 filled elsewhere can be collapsed in place (``MADV_COLLAPSE``, Linux >= 6.1). Anywhere else
 (THP ``never``, other kernels, other systems) the same calls quietly fall back to ordinary
 zeroed tensors and no-ops.
@@ -60,7 +60,9 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor, on huge pages where the system has them."""
+    """A zeroed CPU tensor, on huge pages where the system has them. Its memory is touched
+    (faulted in) here, as torch.zeros does, so first use later pays no page faults: in a VM a
+    first touch of fresh memory can cost far more than the zeroing itself."""
     nbytes = dtype.itemsize
     for n in shape:
         nbytes *= n
@@ -76,7 +78,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         mm.madvise(mmap.MADV_HUGEPAGE, start, (len(mm) - start) // mmap.PAGESIZE * mmap.PAGESIZE)
     except (OSError, ValueError):
         pass                                           # still a valid zeroed mapping
-    return raw[start:start + nbytes].view(dtype).view(shape)
+    out = raw[start:start + nbytes]
+    out.zero_()                                        # fault every page in now, 2 MiB at a time
+    return out.view(dtype).view(shape)
 
 
 def consolidate(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
