@@ -58,7 +58,7 @@ class ModelRunner:
         self.set_backend(self.backend)
         cpu_features.log_once("engine backend: %s (compute %s, KV cache %s)", self.backend.name,
                               str(self.compute_dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch."))
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, native=self.backend.name == "native-cpu")
         self._gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -103,9 +103,11 @@ class ModelRunner:
         return choice.dtype
 
     def set_backend(self, backend: TorchBackend) -> None:
-        """Use this backend's ops (and its attention metadata) from the next step on."""
+        """Use this backend's ops (and its attention metadata, and sampler path) from the next step on."""
         self.backend = backend
         self.model.set_backend(backend)
+        if hasattr(self, "sampler"):
+            self.sampler.native = backend.name == "native-cpu"
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -145,10 +145,10 @@ static inline __m512 reduce16(const __m512* a) {
 // [L][G] (token-major), so 16 / G tokens' scores for the G query heads of a KV head come out of
 // one reduce16 and one store.
 #ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
+#define PF_HINT _MM_HINT_T1
 #endif
 #ifndef PD
-#define PD 1   // blocks of prefetch distance
+#define PD 3   // blocks of prefetch distance (into L2: PF_HINT)
 #endif
 template <typename Q, typename T, int D, int G>
 static void decode_attn_avx512(const Q* q, int64_t q_stride, const T* kc, const T* vc, const int64_t* tables,
@@ -160,6 +160,18 @@ static void decode_attn_avx512(const Q* q, int64_t q_stride, const T* kc, const 
     std::vector<float> scores;
     std::vector<__m512> qv(H * V), o(H * V);
     alignas(64) float qbuf[D];
+    // Every block this call reads, in reading order (per row: its K blocks, then its V blocks), so
+    // prefetching runs PD blocks ahead across the K/V and row boundaries too.
+    std::vector<const char*> stream;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t nb = (lens[r] + bs - 1) / bs;
+        for (int64_t j = 0; j < nb; j++) stream.push_back(reinterpret_cast<const char*>(kc + tables[r * max_blocks + j] * bs * tok_stride));
+        for (int64_t j = 0; j < nb; j++) stream.push_back(reinterpret_cast<const char*>(vc + tables[r * max_blocks + j] * bs * tok_stride));
+    }
+    const int64_t nstream = int64_t(stream.size());
+    int64_t gi = 0;   // index in stream of the block being read
+    for (int64_t j = 0; j < PD && j < nstream; j++)
+        for (int64_t off = 0; off < block_bytes; off += 64) _mm_prefetch(stream[j] + off, PF_HINT);
     for (int64_t r = r0; r < r1; r++) {
         const int64_t L = lens[r];
         const int64_t nblocks = (L + bs - 1) / bs;
@@ -173,14 +185,12 @@ static void decode_attn_avx512(const Q* q, int64_t q_stride, const T* kc, const 
                 for (int i = 0; i < 16; i++) qbuf[16 * c + i] = load(qh[value_index((T*)nullptr, c, i)]) * scale;
             for (int c = 0; c < V; c++) qv[hq * V + c] = _mm512_load_ps(qbuf + 16 * c);
         }
-        for (int64_t j = 1; j < PD && j < nblocks; j++)
-            for (int64_t off = 0; off < block_bytes; off += 64)
-                _mm_prefetch(reinterpret_cast<const char*>(kc + table[j] * bs * tok_stride) + off, PF_HINT);
         // Pass 1: scores. A block's tail chunk may read slots past the last valid token (inside
         // the block, so they exist); those scores are never used.
         for (int64_t j = 0; j < nblocks; j++) {
             const T* kb = kc + table[j] * bs * tok_stride;
-            const char* nxt = j + PD < nblocks ? reinterpret_cast<const char*>(kc + table[j + PD] * bs * tok_stride) : nullptr;
+            const char* nxt = gi + PD < nstream ? stream[gi + PD] : nullptr;
+            gi++;
             int64_t pf = 0;   // bytes of the next block prefetched so far, spread over this block's work
             const int64_t pf_step = (block_bytes + HKV * ((bs + TC - 1) / TC) - 1) / (HKV * ((bs + TC - 1) / TC));
             const int64_t t0 = j * bs, n = L - t0 < bs ? L - t0 : bs;
@@ -202,9 +212,6 @@ static void decode_attn_avx512(const Q* q, int64_t q_stride, const T* kc, const 
                 }
             }
         }
-        for (int64_t j = 0; j < PD && j < nblocks; j++)
-            for (int64_t off = 0; off < block_bytes; off += 64)
-                _mm_prefetch(reinterpret_cast<const char*>(vc + table[j] * bs * tok_stride) + off, PF_HINT);
         // Softmax over each query head: values g, g + G, ... of its KV head (lane i holds head i % G).
         alignas(64) float inv[H];
         for (int64_t h = 0; h < HKV; h++) {
@@ -226,7 +233,8 @@ static void decode_attn_avx512(const Q* q, int64_t q_stride, const T* kc, const 
         for (auto& x : o) x = _mm512_setzero_ps();
         for (int64_t j = 0; j < nblocks; j++) {
             const T* vb = vc + table[j] * bs * tok_stride;
-            const char* nxt = j + PD < nblocks ? reinterpret_cast<const char*>(vc + table[j + PD] * bs * tok_stride) : nullptr;
+            const char* nxt = gi + PD < nstream ? stream[gi + PD] : nullptr;
+            gi++;
             const int64_t t0 = j * bs, n = L - t0 < bs ? L - t0 : bs;
             for (int64_t h = 0; h < HKV; h++) {
                 if (nxt) {   // a quarter (1 / HKV) of the next block per KV head

@@ -26,7 +26,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = ["decode_attention.cpp", "elementwise.cpp", "linear_bf16w.cpp", "amx_linear.cpp"]
+SOURCES = ["decode_attention.cpp", "elementwise.cpp", "linear_bf16w.cpp", "amx_linear.cpp", "sampler.cpp"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-ffp-contract=off",
          "-shared", "-fPIC", "-std=c++17"]
 
@@ -48,6 +48,8 @@ _SIGNATURES: dict[str, list] = {
     "pd_linear_bf16w": [_P, _I64, _I64, _P, _I64, _P, _I64, _I64],
     "pd_has_avx512": [],
     "pd_amx_init": [],
+    # logits, row stride, rows, vocab, temps (float32), u (float64), out (int64), dtype
+    "pd_sample": [_P, _I64, _I64, _I64, _P, _P, _P, _I32],
     # x, M, K, packed, N, bias, y, group0, group1
     "pd_amx_linear": [_P, _I64, _I64, _P, _I64, _P, _P, _I64, _I64],
 }
@@ -220,6 +222,21 @@ def linear_bf16w(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         for fut in [_executor().submit(lib.pd_linear_bf16w, *args, a, b) for a, b in zip(bounds, bounds[1:])]:
             fut.result()
     return y
+
+
+# ---- sampling ---------------------------------------------------------------------------------
+
+def sample(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row: argmax where temps is 0, else the inverse-CDF draw of softmax(logits / temp) at
+    u (see engine/layers/sampler.py). logits [B, V] float32 or bf16 (last dim contiguous);
+    temps float32 [B]; u float64 [B]. Returns int64 [B]."""
+    rows, vocab = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(rows, dtype=torch.int64)
+    load().pd_sample(logits.data_ptr(), logits.stride(0), rows, vocab, temps.data_ptr(), u.data_ptr(),
+                     out.data_ptr(), _code(logits))
+    return out
 
 
 # ---- AMX bf16 linear -------------------------------------------------------------------------
