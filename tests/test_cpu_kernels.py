@@ -205,3 +205,28 @@ def test_native_sampler_matches_torch_sampler(dtype: torch.dtype) -> None:
     # seeded rows do not depend on the batch around them
     alone = Sampler(0, native=True)(logits[5:6], params[5:6], index[5:6])
     assert alone == got[5:6]
+
+
+@needs_kernels
+@pytest.mark.parametrize("start,n", [(0, 1), (0, 37), (0, 130), (21, 50), (64, 64), (100, 3)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_prefill_attention_matches_sdpa(start: int, n: int, d: int) -> None:
+    if not cpu_kernels.prefill_attention_supported(torch.bfloat16, torch.empty(0, dtype=torch.bfloat16), d):
+        pytest.skip("no AMX on this CPU")
+    g = torch.Generator().manual_seed(8)
+    blocks, bs, hkv, h = 24, 16, 2, 4
+    ctx = start + n
+    k_cache = torch.randn(blocks, bs, hkv, d, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(blocks, bs, hkv, d, generator=g).to(torch.bfloat16)
+    table = torch.randperm(blocks, generator=g)[:-(-ctx // bs)]
+    qkv = torch.randn(n, (h + 2 * hkv) * d, generator=g).to(torch.bfloat16)
+    q = qkv[:, :h * d].view(n, h, d)
+    out = torch.empty(n, h, d, dtype=torch.bfloat16)
+    cpu_kernels.prefill_attention(q, k_cache, v_cache, table, start, d ** -0.5, out)
+    keys = k_cache[table].reshape(-1, hkv, d)[:ctx].float()
+    values = v_cache[table].reshape(-1, hkv, d)[:ctx].float()
+    allowed = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
+    want = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                          values.transpose(0, 1)[None], attn_mask=allowed, scale=d ** -0.5,
+                                          enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)

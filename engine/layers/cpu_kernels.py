@@ -26,7 +26,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = ["decode_attention.cpp", "elementwise.cpp", "linear_bf16w.cpp", "amx_linear.cpp", "sampler.cpp"]
+SOURCES = ["decode_attention.cpp", "prefill_attention.cpp", "elementwise.cpp", "linear_bf16w.cpp", "amx_linear.cpp",
+           "sampler.cpp"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-ffp-contract=off",
          "-shared", "-fPIC", "-std=c++17"]
 
@@ -36,6 +37,8 @@ _SIGNATURES: dict[str, list] = {
     # q, q_stride, k_cache, v_cache, tables, lens, out, H, HKV, D, block_size, max_blocks, scale, r0, r1,
     # q_dtype, cache_dtype
     "pd_decode_attention": [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64, _I32, _I32],
+    # q, q_stride, k_cache, v_cache, table, start, n, out, H, HKV, D, block_size, scale, h0, h1
+    "pd_prefill_attention": [_P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32, _I64, _I64],
     # x, x_stride, w, out, out_stride, r0, r1, dim, eps, dtype
     "pd_rms_norm": [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _F32, _I32],
     # x, x_stride, residual, w, out, r0, r1, dim, eps, dtype
@@ -187,6 +190,36 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
           (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
            out.data_ptr(), h, hkv, d, bs, tables.shape[1], scale), (_code(q), _code(k_cache)), weights)
     return out
+
+
+def prefill_attention_supported(q_dtype: torch.dtype, cache: torch.Tensor, head_dim: int) -> bool:
+    return (q_dtype == torch.bfloat16 and cache.dtype == torch.bfloat16 and head_dim in (64, 128)
+            and cache.numel() < 2**32 and amx_available())   # int32 dword offsets into one layer's cache
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                      start: int, scale: float, out: torch.Tensor) -> None:
+    """Causal attention of one sequence's queries at positions [start, start + n) over its cache
+    (the new K/V already stored): q [n, H, D] bf16 (rows may be strided), block_table int64 (the
+    sequence's blocks), out [n, H, D] bf16 contiguous, written in place. AMX only: callers check
+    prefill_attention_supported() first."""
+    n, h, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    table = block_table.contiguous()
+    lib = load()
+    args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), start, n,
+            out.data_ptr(), h, hkv, d, bs, scale)
+    groups, g = hkv, h // hkv
+    threads = min(torch.get_num_threads(), groups)
+    if threads <= 1:
+        rc = lib.pd_prefill_attention(*args, 0, h)
+    else:
+        bounds = [groups * i // threads * g for i in range(threads + 1)]
+        futures = [_executor().submit(lib.pd_prefill_attention, *args, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
+        rc = lib.pd_prefill_attention(*args, bounds[0], bounds[1])
+        rc = max([rc] + [fut.result() for fut in futures])
+    if rc:
+        raise RuntimeError("AMX prefill attention kernel refused its inputs")
 
 
 # ---- bf16-weight linear -----------------------------------------------------------------------
