@@ -230,3 +230,28 @@ def test_prefill_attention_matches_sdpa(start: int, n: int, d: int) -> None:
                                           values.transpose(0, 1)[None], attn_mask=allowed, scale=d ** -0.5,
                                           enable_gqa=True)[0].transpose(0, 1)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@needs_kernels
+def test_fused_decode_step_equals_layer_by_layer(tiny_qwen3: str) -> None:
+    """The one-call decode step runs the same kernels in the same order as the per-op native
+    path: identical logits, bit for bit."""
+    from engine.layers import backend as backend_mod
+    prompts = random_prompts(3, 5, 30, seed=13)
+    logits, used = [], []
+    for fused in (True, False):
+        llm = LLM(tiny_qwen3, dtype="bfloat16", compute_dtype="bfloat16", block_size=8, num_kv_blocks=64,
+                  num_threads=1)
+        runner = llm.engine.runner
+        if runner.backend.name != "native-cpu" or not cpu_kernels.amx_available():
+            pytest.skip("no native AMX kernels on this machine")
+        if not fused:
+            runner.backend.decode_model = lambda *args: None
+        captured = []
+        real = runner.model.compute_logits
+        runner.model.compute_logits = lambda h: captured.append(real(h).float()) or captured[-1]
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        logits.append(torch.cat(captured))
+        used.append(any(f is not None for f in getattr(runner.backend, "_fused", {}).values()))
+    assert used == [True, False]
+    assert torch.equal(logits[0], logits[1])

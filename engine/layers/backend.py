@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+FUSED_DECODE_MAX_ROWS = 64   # the AMX linear's row limit (engine/layers/linear.py AMX_KERNEL_MAX_ROWS)
+
 
 class TorchBackend:
     name = "torch"
@@ -61,6 +63,11 @@ class TorchBackend:
         """q: [T, H, D]; k, v: [T, Hkv, D] (already in the cache). Returns [T, H, D]."""
         return attn.attend(q, k, v, meta)
 
+    def decode_model(self, model, input_ids: torch.Tensor, positions: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor | None:
+        """The whole decode step's final hidden states in one fused call, or None: run layer by layer."""
+        return None
+
     def prepare_decode(self, runner, decode_seqs: list, lens: list[int], meta: AttentionMetadata) -> None:
         """Decode-row attention metadata (rows sorted by context length)."""
         bs, dev = runner.block_size, runner.device
@@ -93,10 +100,85 @@ class TorchBackend:
         meta.decode_mask = (torch.arange(max_blocks * bs, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
 
 
+class FusedDecode:
+    """A bf16 model's decode path as one native call (cpu_kernels.decode_forward): every weight,
+    norm and cache pointer gathered once; scratch reused across steps. Only for models whose
+    linears all run the AMX kernel; build() returns None otherwise."""
+
+    PTRS = ("in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gu_w", "gu_b", "down_w", "down_b",
+            "q_norm", "k_norm", "k_cache", "v_cache")
+
+    def __init__(self, model, layers: torch.Tensor) -> None:
+        cfg = model.config
+        self.model = model
+        self.layers = layers
+        self.num_layers, self.hidden, self.inter = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        self.nq, self.nkv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.rotary = model.model.layers[0].self_attn.rotary
+        self.norm = model.model.norm
+        self.scratch = torch.empty(0, dtype=torch.bfloat16)
+
+    @classmethod
+    def build(cls, model) -> "FusedDecode | None":
+        ptrs: list[int] = []
+        for layer in model.model.layers:
+            sa, mlp = layer.self_attn, layer.mlp
+            linears = (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(lin.packed_amx is None for lin in linears) or sa.attn.k_cache.dtype != torch.bfloat16:
+                return None
+            if (sa.rotary.cos.dtype != torch.bfloat16 or layer.input_layernorm.weight.dtype != torch.bfloat16
+                    or model.model.embed_tokens.weight.dtype != torch.bfloat16):
+                return None
+
+            def addr(t):
+                return t.data_ptr() if t is not None else 0
+            ptrs += [addr(layer.input_layernorm.weight), addr(layer.post_attention_layernorm.weight),
+                     addr(sa.qkv_proj.packed_amx), addr(sa.qkv_proj.bias), addr(sa.o_proj.packed_amx),
+                     addr(sa.o_proj.bias), addr(mlp.gate_up_proj.packed_amx), addr(mlp.gate_up_proj.bias),
+                     addr(mlp.down_proj.packed_amx), addr(mlp.down_proj.bias),
+                     addr(sa.q_norm.weight if sa.q_norm is not None else None),
+                     addr(sa.k_norm.weight if sa.k_norm is not None else None),
+                     addr(sa.attn.k_cache), addr(sa.attn.v_cache)]
+        return cls(model, torch.tensor(ptrs, dtype=torch.int64))
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        m = x.shape[0]
+        width = self.hidden * 3 + (self.nq + 2 * self.nkv) * self.head_dim + self.nq * self.head_dim + 3 * self.inter
+        if self.scratch.numel() < m * width:
+            self.scratch = torch.empty(max(m, 16) * width, dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        attn = self.model.model.layers[0].self_attn
+        qn = attn.q_norm
+        cpu_kernels.decode_forward(
+            m, self.num_layers, self.hidden, self.nq, self.nkv, self.head_dim, self.inter, self.layers, self.eps,
+            qn.eps if qn is not None else 0.0, self.rotary.cos, self.rotary.sin, positions, meta.slot_mapping,
+            meta.decode_block_tables, meta.decode_context_lens, attn.attn.k_cache.shape[1], attn.attn.scale, x,
+            self.norm.weight, out, self.scratch)
+        return out
+
+
 class NativeCpuBackend(TorchBackend):
     """The fused CPU kernels (float32 or bf16 activations; the KV cache float32 or bf16)."""
 
     name = "native-cpu"
+
+    def __init__(self) -> None:
+        self._fused: dict[int, FusedDecode | None] = {}
+
+    def decode_model(self, model, input_ids: torch.Tensor, positions: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor | None:
+        # Decode-only steps of a bf16 AMX model on one thread (the fused call has no thread split).
+        if (meta.prefills or not meta.decode_native or torch.get_num_threads() != 1
+                or input_ids.shape[0] > FUSED_DECODE_MAX_ROWS):
+            return None
+        key = id(model)
+        if key not in self._fused:
+            self._fused[key] = FusedDecode.build(model)
+        fused = self._fused[key]
+        if fused is None:
+            return None
+        return fused(model.model.embed_tokens(input_ids), positions, meta)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() != 2 or x.stride(-1) != 1 or x.dtype != weight.dtype:

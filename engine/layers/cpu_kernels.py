@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = ["decode_attention.cpp", "prefill_attention.cpp", "elementwise.cpp", "linear_bf16w.cpp", "amx_linear.cpp",
-           "sampler.cpp"]
+           "sampler.cpp", "decode_forward.cpp"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-ffp-contract=off",
          "-shared", "-fPIC", "-std=c++17"]
 
@@ -51,6 +51,10 @@ _SIGNATURES: dict[str, list] = {
     "pd_linear_bf16w": [_P, _I64, _I64, _P, _I64, _P, _I64, _I64],
     "pd_has_avx512": [],
     "pd_amx_init": [],
+    # M, layers, hidden, nq, nkv, D, inter, layer pointers, eps, qk_eps, cos, sin, positions, slots, tables,
+    # lens, max_blocks, block_size, scale, residual, final_norm, out, scratch
+    "pd_decode_forward": [_I64, _I64, _I64, _I64, _I64, _I64, _I64, _P, _F32, _F32, _P, _P, _P, _P, _P, _P, _I64,
+                          _I64, _F32, _P, _P, _P, _P],
     # logits, row stride, rows, vocab, temps (float32), u (float64), out (int64), dtype
     "pd_sample": [_P, _I64, _I64, _I64, _P, _P, _P, _I32],
     # x, M, K, packed, N, bias, y, group0, group1
@@ -270,6 +274,24 @@ def sample(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.
     load().pd_sample(logits.data_ptr(), logits.stride(0), rows, vocab, temps.data_ptr(), u.data_ptr(),
                      out.data_ptr(), _code(logits))
     return out
+
+
+# ---- fused decode step -------------------------------------------------------------------------
+
+def decode_forward(m: int, num_layers: int, hidden: int, nq: int, nkv: int, head_dim: int, inter: int,
+                   layers: torch.Tensor, eps: float, qk_eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                   block_size: int, scale: float, residual: torch.Tensor, final_norm: torch.Tensor, out: torch.Tensor,
+                   scratch: torch.Tensor) -> None:
+    """All layers of a decode step (see engine/csrc/decode_forward.cpp); residual [m, hidden] holds
+    the embeddings on entry and the residual stream on return; out gets the final norm."""
+    tables = tables.contiguous()
+    rc = load().pd_decode_forward(
+        m, num_layers, hidden, nq, nkv, head_dim, inter, layers.data_ptr(), eps, qk_eps, cos.data_ptr(),
+        sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1],
+        block_size, scale, residual.data_ptr(), final_norm.data_ptr(), out.data_ptr(), scratch.data_ptr())
+    if rc:
+        raise RuntimeError("fused decode kernel failed")
 
 
 # ---- AMX bf16 linear -------------------------------------------------------------------------
