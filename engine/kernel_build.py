@@ -52,6 +52,28 @@ def build_key(sources: list[Path], compiler: str, flags: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
+def _compile(compiler: str, flags: list[str], sources: list[Path], tmp: Path, so: Path) -> str | None:
+    """Compile the sources in parallel (one process per CPU), then link; the error text or None."""
+    compile_flags = [f for f in flags if f != "-shared"]
+    objects = [tmp / f"{i}.o" for i in range(len(sources))]
+    pending = list(zip(sources, objects))
+    running: list[subprocess.Popen] = []
+    error = None
+    while pending or running:
+        while pending and len(running) < max(1, os.cpu_count() or 1):
+            src, obj = pending.pop(0)
+            running.append(subprocess.Popen([compiler, *compile_flags, "-c", str(src), "-o", str(obj)],
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        proc = running.pop(0)
+        _, err = proc.communicate()
+        if proc.returncode != 0 and error is None:
+            error = err
+    if error is not None:
+        return error
+    proc = subprocess.run([compiler, *flags, *map(str, objects), "-o", str(so)], capture_output=True, text=True)
+    return proc.stderr if proc.returncode != 0 else None
+
+
 def build_library(name: str, sources: list[Path], flags: list[str], what: str = "CPU kernels") -> Path | None:
     """The built library's path (compiled now if this machine has none yet); None if there is
     no compiler or the build fails (logged)."""
@@ -74,10 +96,9 @@ def build_library(name: str, sources: list[Path], flags: list[str], what: str = 
             t0 = time.perf_counter()
             with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
                 so = Path(tmp) / "lib.so"
-                proc = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(so)],
-                                      capture_output=True, text=True)
-                if proc.returncode != 0:
-                    log.warning("building the %s failed; torch paths run instead:\n%s", what, proc.stderr[-3000:])
+                error = _compile(compiler, flags, sources, Path(tmp), so)
+                if error is not None:
+                    log.warning("building the %s failed; torch paths run instead:\n%s", what, error[-3000:])
                     return None
                 os.replace(so, target)
             log.info("built %s in %.1f s", what, time.perf_counter() - t0)

@@ -26,7 +26,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = ["decode_attention.cpp", "prefill_attention.cpp", "elementwise.cpp", "linear_bf16w.cpp", "amx_linear.cpp",
+SOURCES = ["decode_attention.cpp", "decode_attention_bf16.cpp", "decode_attention_f32.cpp", "prefill_attention.cpp", "elementwise.cpp", "linear_bf16w.cpp", "amx_linear.cpp",
            "sampler.cpp", "decode_forward.cpp"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-ffp-contract=off",
          "-shared", "-fPIC", "-std=c++17"]
