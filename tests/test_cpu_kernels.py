@@ -255,3 +255,42 @@ def test_fused_decode_step_equals_layer_by_layer(tiny_qwen3: str) -> None:
         used.append(any(f is not None for f in getattr(runner.backend, "_fused", {}).values()))
     assert used == [True, False]
     assert torch.equal(logits[0], logits[1])
+
+
+@needs_kernels
+def test_amx_int8_linear_matches_w8a16_torch_path() -> None:
+    from engine.layers.linear import Linear
+    if not cpu_kernels.amx_available():
+        pytest.skip("no AMX on this CPU")
+    g = torch.Generator().manual_seed(9)
+    lin = Linear(96, 128, bias=True).to(torch.bfloat16)
+    lin.weight.data = torch.randn(128, 96, generator=g).to(torch.bfloat16)
+    lin.bias.data = torch.randn(128, generator=g).to(torch.bfloat16)
+    lin.quantize_w8a16()
+    assert lin.pack_for_cpu(amx=True) and lin.packed_amx.dtype == torch.int8
+    for rows in (1, 9, 33):
+        x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+        torch.testing.assert_close(lin(x).float(), lin._forward_w8a16(x).float(), rtol=1e-2, atol=2e-2)
+
+
+@needs_kernels
+def test_w8a16_native_matches_torch_backend_in_bf16(tiny_qwen3: str) -> None:
+    prompts = random_prompts(3, 5, 30, seed=14)
+    logits = []
+    for native in (True, False):
+        llm = LLM(tiny_qwen3, dtype="bfloat16", compute_dtype="bfloat16", quantization="w8a16", block_size=8,
+                  num_kv_blocks=64, num_threads=1)
+        runner = llm.engine.runner
+        if native and runner.backend.name != "native-cpu":
+            pytest.skip("no native kernels on this machine")
+        if not native:
+            runner.set_backend(TorchBackend())
+            for m in runner.model.modules():
+                if hasattr(m, "packed_amx"):
+                    m.packed_amx = None
+        captured = []
+        real = runner.model.compute_logits
+        runner.model.compute_logits = lambda h: captured.append(real(h).float()) or captured[-1]
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        logits.append(torch.cat(captured))
+    assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[1].abs().max()

@@ -43,15 +43,27 @@ inline void prefetch_range(const char* p, int64_t n) {
     for (int64_t off = 0; off < n; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
-// cbuf [rows][ldc] float32 -> y rows [0, m) columns [n0, n0 + cols), + bias.
-inline void write_rows(const float* cbuf, int64_t ldc, int64_t m, int64_t cols, const bf16* bias, int64_t n0,
-                       bf16* y, int64_t N) {
+// cbuf [rows][ldc] float32 -> y rows [0, m) columns [n0, n0 + cols): bf16(acc) (x scale, rounded,
+// for int8 weights: torch's F.linear(x, w8.to(bf16)) * scale) (+ bias, rounded).
+inline void write_rows(const float* cbuf, int64_t ldc, int64_t m, int64_t cols, const bf16* scale, const bf16* bias,
+                       int64_t n0, bf16* y, int64_t N) {
     for (int64_t r = 0; r < m; r++) {
         for (int64_t c = 0; c < cols; c += 16) {
             __m512 v = _mm512_loadu_ps(cbuf + r * ldc + c);
+            if (scale) v = round_as16<bf16>(_mm512_mul_ps(round_as16<bf16>(v), load16(scale + n0 + c)));
             if (bias) v = _mm512_add_ps(v, load16(bias + n0 + c));
             store16(y + r * N + n0 + c, v);
         }
+    }
+}
+
+// One group's int8 tiles (ks * 4 tiles of 16 x 32) -> bf16 tiles (int8 values are exact in bf16).
+inline void widen_group(const int8_t* src, int64_t ks, bf16* dst) {
+    for (int64_t i = 0; i < ks * 4 * 512; i += 32) {
+        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(src + i)));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w, 1)));
+        _mm512_store_si512(dst + i, _mm512_inserti64x4(_mm512_castsi256_si512(cvt_bf16(lo)), cvt_bf16(hi), 1));
     }
 }
 
@@ -59,15 +71,27 @@ inline void write_rows(const float* cbuf, int64_t ldc, int64_t m, int64_t cols, 
 // 16-row block multiplies one A tile by the group's four B tiles per K slice; the group's
 // weights come from cache after the first block. Meanwhile the next group's weights are
 // prefetched into L2, spread evenly over all of this group's K slices and row blocks.
-void gemm(const bf16* x, int64_t m, int64_t K, const bf16* w, int64_t N, const bf16* bias, bf16* y,
-          int64_t g0, int64_t g1) {
+template <typename W>
+void gemm(const bf16* x, int64_t m, int64_t K, const W* w_packed, int64_t N, const bf16* scale, const bf16* bias,
+          bf16* y, int64_t g0, int64_t g1) {
     alignas(64) float cbuf[16 * 64];
     const int64_t ks = K / 32, lda = K * 2;
-    const int64_t group_bytes = ks * 4096, mblocks = (m + 15) / 16;
-    const int64_t chunk = (4096 / mblocks + 63) / 64 * 64;   // next-group bytes to prefetch per K slice
+    constexpr bool kInt8 = sizeof(W) == 1;
+    thread_local std::vector<bf16> wide;   // int8 weights: the current group's tiles as bf16
+    if (kInt8 && int64_t(wide.size()) < ks * 2048 + 32) wide.resize(ks * 2048 + 32);
+    bf16* wide_p = kInt8 ? wide.data() + (-reinterpret_cast<intptr_t>(wide.data()) / 2 & 31) : nullptr;
+    const int64_t group_bytes = ks * 2048 * int64_t(sizeof(W)), mblocks = (m + 15) / 16;
+    const int64_t chunk = (2048 * int64_t(sizeof(W)) / mblocks + 63) / 64 * 64;   // next-group bytes per K slice
     for (int64_t g = g0; g < g1; g++) {
-        const bf16* wg = w + g * ks * 2048;
-        const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(wg) + group_bytes : nullptr;
+        const W* wsrc = w_packed + g * ks * 2048;
+        const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(wsrc) + group_bytes : nullptr;
+        const bf16* wg;
+        if constexpr (kInt8) {
+            widen_group(reinterpret_cast<const int8_t*>(wsrc), ks, wide_p);
+            wg = wide_p;
+        } else {
+            wg = reinterpret_cast<const bf16*>(wsrc);
+        }
         for (int64_t r0 = 0; r0 < m; r0 += 16) {
             const bf16* xa = x + r0 * K;
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -91,7 +115,7 @@ void gemm(const bf16* x, int64_t m, int64_t K, const bf16* w, int64_t N, const b
             _tile_stored(1, cbuf + 16, 256);
             _tile_stored(2, cbuf + 32, 256);
             _tile_stored(3, cbuf + 48, 256);
-            write_rows(cbuf, 64, m - r0 < 16 ? m - r0 : 16, 64, bias, g * 64, y + r0 * N, N);
+            write_rows(cbuf, 64, m - r0 < 16 ? m - r0 : 16, 64, scale, bias, g * 64, y + r0 * N, N);
         }
     }
 }
@@ -111,10 +135,11 @@ int pd_amx_init() {
 #endif
 }
 
-// x [M, K] bf16 contiguous; packed as above ([N / 64] groups); y [M, N] bf16; bias [N] bf16 or
-// null. Computes column groups [g0, g1). Requires K % 32 == 0, N % 64 == 0.
-int pd_amx_linear(const void* x, int64_t M, int64_t K, const void* packed, int64_t N, const void* bias, void* y,
-                  int64_t g0, int64_t g1) {
+// x [M, K] bf16 contiguous; packed as above ([N / 64] groups) in bf16, or in int8 when scale (bf16
+// [N], per output column) is given; y [M, N] bf16; bias [N] bf16 or null. Computes column groups
+// [g0, g1). Requires K % 32 == 0, N % 64 == 0.
+int pd_amx_linear_q(const void* x, int64_t M, int64_t K, const void* packed, int64_t N, const void* scale,
+                    const void* bias, void* y, int64_t g0, int64_t g1) {
 #ifdef PD_AMX
     static const bool granted = pd_amx_init() == 1;   // once per process
     if (!granted || K % 32 || N % 64) return 1;
@@ -127,13 +152,22 @@ int pd_amx_linear(const void* x, int64_t M, int64_t K, const void* packed, int64
         xa = pad.data();
     }
     configure_tiles();
-    gemm(xa, M, K, static_cast<const bf16*>(packed), N, static_cast<const bf16*>(bias), static_cast<bf16*>(y),
-         g0, g1);
+    if (scale)
+        gemm<int8_t>(xa, M, K, static_cast<const int8_t*>(packed), N, static_cast<const bf16*>(scale),
+                     static_cast<const bf16*>(bias), static_cast<bf16*>(y), g0, g1);
+    else
+        gemm<bf16>(xa, M, K, static_cast<const bf16*>(packed), N, nullptr, static_cast<const bf16*>(bias),
+                   static_cast<bf16*>(y), g0, g1);
     _tile_release();
     return 0;
 #else
     return 1;
 #endif
+}
+
+int pd_amx_linear(const void* x, int64_t M, int64_t K, const void* packed, int64_t N, const void* bias, void* y,
+                  int64_t g0, int64_t g1) {
+    return pd_amx_linear_q(x, M, K, packed, N, nullptr, bias, y, g0, g1);
 }
 
 }  // extern "C"

@@ -12,6 +12,7 @@ namespace {
 // Per-layer pointers, in this order (see engine/layers/backend.py, FusedDecode).
 enum LayerPtr {
     IN_NORM, POST_NORM, QKV_W, QKV_B, O_W, O_B, GU_W, GU_B, DOWN_W, DOWN_B, Q_NORM, K_NORM, K_CACHE, V_CACHE,
+    QKV_S, O_S, GU_S, DOWN_S,   // per-column scales of int8 (w8a16) weights; null: bf16 weights
     NUM_PTRS
 };
 }  // namespace
@@ -33,16 +34,16 @@ extern "C" int pd_decode_forward(int64_t M, int64_t n_layers, int64_t hidden, in
         const void* const* p = reinterpret_cast<const void* const*>(layers + l * NUM_PTRS);
         if (l == 0) rc |= pd_rms_norm(residual, hidden, p[IN_NORM], h, hidden, 0, M, hidden, eps, BF16);
         else rc |= pd_add_rms_norm(y, hidden, residual, p[IN_NORM], h, 0, M, hidden, eps, BF16);
-        rc |= pd_amx_linear(h, M, hidden, p[QKV_W], qkv_w, p[QKV_B], qkv, 0, qkv_w / 64);
+        rc |= pd_amx_linear_q(h, M, hidden, p[QKV_W], qkv_w, p[QKV_S], p[QKV_B], qkv, 0, qkv_w / 64);
         rc |= pd_qkv_rope_store(qkv, 0, M, nq, nkv, D, positions, cos, sin, p[Q_NORM], p[K_NORM], qk_eps,
                                 const_cast<void*>(p[K_CACHE]), const_cast<void*>(p[V_CACHE]), slots, BF16, BF16);
         rc |= pd_decode_attention(qkv, qkv_w, p[K_CACHE], p[V_CACHE], tables, lens, attn, nq, nkv, D, bs, max_blocks,
                                   scale, 0, M, BF16, BF16);
-        rc |= pd_amx_linear(attn, M, nq * D, p[O_W], hidden, p[O_B], y, 0, hidden / 64);
+        rc |= pd_amx_linear_q(attn, M, nq * D, p[O_W], hidden, p[O_S], p[O_B], y, 0, hidden / 64);
         rc |= pd_add_rms_norm(y, hidden, residual, p[POST_NORM], h, 0, M, hidden, eps, BF16);
-        rc |= pd_amx_linear(h, M, hidden, p[GU_W], 2 * inter, p[GU_B], gu, 0, 2 * inter / 64);
+        rc |= pd_amx_linear_q(h, M, hidden, p[GU_W], 2 * inter, p[GU_S], p[GU_B], gu, 0, 2 * inter / 64);
         rc |= pd_silu_mul(gu, act, 0, M, inter, BF16);
-        rc |= pd_amx_linear(act, M, inter, p[DOWN_W], hidden, p[DOWN_B], y, 0, hidden / 64);
+        rc |= pd_amx_linear_q(act, M, inter, p[DOWN_W], hidden, p[DOWN_S], p[DOWN_B], y, 0, hidden / 64);
         if (rc) return rc;
     }
     return pd_add_rms_norm(y, hidden, residual, final_norm, out, 0, M, hidden, eps, BF16);

@@ -15,6 +15,6 @@ int pd_qkv_rope_store(void* qkv, int64_t r0, int64_t r1, int64_t nq, int64_t nkv
 int pd_decode_attention(const void* q, int64_t q_stride, const void* kc, const void* vc, const int64_t* tables,
                         const int32_t* lens, void* out, int64_t H, int64_t HKV, int64_t D, int64_t bs,
                         int64_t max_blocks, float scale, int64_t r0, int64_t r1, int q_dtype, int cache_dtype);
-int pd_amx_linear(const void* x, int64_t M, int64_t K, const void* packed, int64_t N, const void* bias, void* y,
-                  int64_t g0, int64_t g1);
+int pd_amx_linear_q(const void* x, int64_t M, int64_t K, const void* packed, int64_t N, const void* scale,
+                    const void* bias, void* y, int64_t g0, int64_t g1);
 }

@@ -106,7 +106,7 @@ class FusedDecode:
     linears all run the AMX kernel; build() returns None otherwise."""
 
     PTRS = ("in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gu_w", "gu_b", "down_w", "down_b",
-            "q_norm", "k_norm", "k_cache", "v_cache")
+            "q_norm", "k_norm", "k_cache", "v_cache", "qkv_s", "o_s", "gu_s", "down_s")
 
     def __init__(self, model, layers: torch.Tensor) -> None:
         cfg = model.config
@@ -139,7 +139,7 @@ class FusedDecode:
                      addr(mlp.down_proj.packed_amx), addr(mlp.down_proj.bias),
                      addr(sa.q_norm.weight if sa.q_norm is not None else None),
                      addr(sa.k_norm.weight if sa.k_norm is not None else None),
-                     addr(sa.attn.k_cache), addr(sa.attn.v_cache)]
+                     addr(sa.attn.k_cache), addr(sa.attn.v_cache)] + [addr(lin.amx_scale) for lin in linears]
         return cls(model, torch.tensor(ptrs, dtype=torch.int64))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -57,8 +57,8 @@ _SIGNATURES: dict[str, list] = {
                           _I64, _F32, _P, _P, _P, _P],
     # logits, row stride, rows, vocab, temps (float32), u (float64), out (int64), dtype
     "pd_sample": [_P, _I64, _I64, _I64, _P, _P, _P, _I32],
-    # x, M, K, packed, N, bias, y, group0, group1
-    "pd_amx_linear": [_P, _I64, _I64, _P, _I64, _P, _P, _I64, _I64],
+    # x, M, K, packed, N, scale (int8 weights) or null, bias, y, group0, group1
+    "pd_amx_linear_q": [_P, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I64],
 }
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -314,29 +314,35 @@ def amx_packable(weight: torch.Tensor) -> bool:
 
 
 def pack_amx_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] -> bf16 [N / 64, K / 32, 4, 16, 32]: per 64 columns and 32-wide K slice, four
-    VNNI B tiles, tile[r][2c + p] = W[64 q + 16 j + c][32 kc + 2 r + p]."""
+    """weight [N, K] -> [N / 64, K / 32, 4, 16, 32] (bf16; int8 weights stay int8): per 64 columns and
+    32-wide K slice, four VNNI B tiles, tile[r][2c + p] = W[64 q + 16 j + c][32 kc + 2 r + p]."""
     n, k = weight.shape
-    w = weight.detach().to(torch.bfloat16).reshape(n // 64, 4, 16, k // 32, 16, 2)   # q, j, c, kc, r, p
+    w = weight.detach()
+    if w.dtype != torch.int8:
+        w = w.to(torch.bfloat16)
+    w = w.reshape(n // 64, 4, 16, k // 32, 16, 2)                                      # q, j, c, kc, r, p
     return w.permute(0, 3, 1, 4, 2, 5).contiguous()                                   # q, kc, j, r, c, p
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] bf16 @ W^T (+ bias) for W packed by pack_amx_weight; bf16 out, float32 accumulation."""
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16 @ W^T (+ bias) for W packed by pack_amx_weight; bf16 out, float32 accumulation.
+    int8 W (w8a16) takes its bf16 per-output-column scale: bf16(bf16(x @ W^T) * scale) (+ bias)."""
     x = x.contiguous()
     m, k = x.shape
     groups = packed.shape[0]
     n = groups * 64
     y = torch.empty(m, n, dtype=torch.bfloat16)
     lib = load()
-    args = (x.data_ptr(), m, k, packed.data_ptr(), n, bias.data_ptr() if bias is not None else None, y.data_ptr())
+    args = (x.data_ptr(), m, k, packed.data_ptr(), n, scale.data_ptr() if scale is not None else None,
+            bias.data_ptr() if bias is not None else None, y.data_ptr())
     threads = min(torch.get_num_threads(), groups)
     if threads <= 1:
-        rc = lib.pd_amx_linear(*args, 0, groups)
+        rc = lib.pd_amx_linear_q(*args, 0, groups)
     else:
         bounds = [groups * i // threads for i in range(threads + 1)]
-        futures = [_executor().submit(lib.pd_amx_linear, *args, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
-        rc = lib.pd_amx_linear(*args, bounds[0], bounds[1])
+        futures = [_executor().submit(lib.pd_amx_linear_q, *args, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
+        rc = lib.pd_amx_linear_q(*args, bounds[0], bounds[1])
         rc = max([rc] + [fut.result() for fut in futures])
     if rc:
         raise RuntimeError("AMX linear kernel refused its inputs (no AMX permission or unsupported shape)")

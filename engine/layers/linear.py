@@ -32,6 +32,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None    # oneDNN-blocked copy of weight after pack_for_cpu()
         self.packed_bf16: torch.Tensor | None = None   # cpu_kernels bf16 layout, after pack_for_cpu(bf16_weights=True)
         self.packed_amx: torch.Tensor | None = None    # cpu_kernels AMX tile layout, after pack_for_cpu(amx=True)
+        self.amx_scale: torch.Tensor | None = None     # w8a16: the scale packed_amx (int8) is multiplied by
 
     def _shard_slice(self, shard_id: int | None) -> slice:
         if shard_id is None:
@@ -70,6 +71,8 @@ class Linear(nn.Module):
         Otherwise: a oneDNN-prepacked copy of the weight, whose GEMMs run well above the plain
         layout's for the small row counts of decode steps (~1.2-1.7x at 16-64 rows in float32).
         Either is checked against F.linear before use."""
+        if self.qweight is not None and amx:
+            return self._pack_amx_int8()
         if self.qweight is not None or self.weight is None or self.weight.device.type != "cpu":
             return False
         if bf16_weights and self._pack_bf16():
@@ -102,6 +105,21 @@ class Linear(nn.Module):
         self.packed_amx = packed
         return True
 
+    def _pack_amx_int8(self) -> bool:
+        """w8a16 on AMX: int8 tiles widened to bf16 inside the kernel, half the weight bytes streamed."""
+        q, scale = self.qweight, self.scale
+        if (q.device.type != "cpu" or scale.dtype != torch.bfloat16 or not cpu_kernels.amx_packable(q)
+                or not cpu_kernels.amx_available()):
+            return False
+        packed = cpu_kernels.pack_amx_weight(q)
+        x = torch.randn(5, self.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        got = cpu_kernels.amx_linear(x, packed, self.bias, scale)
+        want = self._forward_w8a16(x)
+        if not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2):
+            return False
+        self.packed_amx, self.amx_scale = packed, scale
+        return True
+
     def _pack_bf16(self) -> bool:
         w = self.weight.data
         if w.dtype != torch.float32 or not cpu_kernels.bf16_linear_available():
@@ -120,7 +138,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.packed_amx is not None and x.dim() == 2 and x.shape[0] <= AMX_KERNEL_MAX_ROWS
                 and x.dtype == torch.bfloat16):
-            return cpu_kernels.amx_linear(x, self.packed_amx, self.bias)
+            return cpu_kernels.amx_linear(x, self.packed_amx, self.bias, self.amx_scale)
         if (self.packed_bf16 is not None and x.dim() == 2 and x.shape[0] <= BF16_KERNEL_MAX_ROWS
                 and x.dtype == torch.float32):
             y = cpu_kernels.linear_bf16w(x, self.packed_bf16)
@@ -129,5 +147,8 @@ class Linear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.qweight is None:
             return F.linear(x, self.weight, self.bias)
+        return self._forward_w8a16(x)
+
+    def _forward_w8a16(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.qweight.to(x.dtype)) * self.scale
         return y if self.bias is None else y + self.bias
