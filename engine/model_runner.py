@@ -153,7 +153,10 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)
         results: list[int | None] = [None] * len(batch.seqs)
         if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            if len(sample_rows) == hidden.shape[0]:   # every row samples (decode steps): rows are in order
+                logits = self.model.compute_logits(hidden)
+            else:
+                logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
             seqs = [batch.seqs[i] for i in sample_seqs]
             tokens = self.sampler(logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs])
             for i, tok in zip(sample_seqs, tokens):

@@ -20,10 +20,9 @@ from engine.sampling_params import SamplingParams
 _MIX = 0x9E3779B97F4A7C15
 
 
-def _row_generator(seed: int, index: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed((seed * _MIX + index) % (2**63))
-    return g
+def _row_seed(seed: int, index: int) -> int:
+    return (seed * _MIX + index) % (2**63)
+
 
 
 class Sampler:
@@ -31,6 +30,8 @@ class Sampler:
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
         self.native = native
+        self._row_gen = torch.Generator()
+        self._one = torch.empty(1, dtype=torch.float64)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]) -> list[int]:
         """logits: [B, V]; output_index[i]: how many tokens row i has generated so far."""
@@ -62,12 +63,17 @@ class Sampler:
         return tokens.tolist()
 
     def _draw(self, params: list[SamplingParams], output_index: list[int]) -> torch.Tensor:
-        """U ~ Uniform[0, 1) per row (float64): the row's own generator when it has a seed."""
-        u = torch.empty(len(params), dtype=torch.float64)
+        """U ~ Uniform[0, 1) per row (float64): the row's own generator when it has a seed (one
+        generator object reseeded per row: the same stream as a fresh one, without the construction)."""
+        one, values = self._one, []
         for i, p in enumerate(params):
-            gen = self.generator if p.seed is None else _row_generator(p.seed, output_index[i])
-            u[i:i + 1].uniform_(generator=gen)
-        return u
+            if p.seed is None:
+                one.uniform_(generator=self.generator)
+            else:
+                self._row_gen.manual_seed(_row_seed(p.seed, output_index[i]))
+                one.uniform_(generator=self._row_gen)
+            values.append(one.item())
+        return torch.tensor(values, dtype=torch.float64)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
         vocab = logits.shape[-1]
