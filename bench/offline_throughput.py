@@ -172,8 +172,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both (default 1)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="default: the checkpoint's (bfloat16)")
     p.add_argument("--compute-dtype", choices=DTYPES, default=None,
-                   help="pdserve only: activation/matmul dtype (engine default 'auto': float32 on CPU for "
-                        "bf16 weights, which keep their bf16 values; the KV cache stays in --dtype)")
+                   help="pdserve only: activation/matmul dtype (engine default 'auto': chosen from the CPU by "
+                        "engine.cpu_features, e.g. bf16 with AMX, float32 without fast bf16 GEMMs; the KV cache "
+                        "stays in --dtype)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="pdserve max_num_seqs (default: engine default)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="pdserve max_num_batched_tokens (default: engine default)")

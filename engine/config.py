@@ -15,8 +15,9 @@ QUANTIZATIONS = (None, "w8a16")
 class EngineConfig:
     model: str
     dtype: str = "auto"                      # "auto": the checkpoint's torch_dtype (weights as loaded, KV cache)
-    compute_dtype: str = "auto"              # activations and matmuls; "auto": float32 on CPU for bf16/fp16
-                                             # weights (CPU fp32 GEMMs run ~2x bf16's), else dtype
+    compute_dtype: str = "auto"              # activations and matmuls; "auto": on CPU, engine.cpu_features
+                                             # decides from the CPU (bf16 checkpoints: bf16 with AMX or fast
+                                             # bf16 GEMMs, else float32); elsewhere the checkpoint's dtype
     device: str = "auto"                     # "auto": cuda when available, else cpu
     max_num_batched_tokens: int = 2048       # token budget of one step (chunked prefill)
     max_num_seqs: int = 64

@@ -7,9 +7,15 @@ count. Every entry point's C signature is declared once, in ``_SIGNATURES``. If 
 compiler, the build fails, or ``PDSERVE_CPU_KERNELS=0``, ``load()`` returns None and the engine
 keeps its torch paths (``engine.layers.backend`` decides once, at model load).
 
-Kernels: decode attention straight from the paged cache; the fused elementwise ops of a
-decoder layer (RMSNorm, residual add + RMSNorm, SiLU-and-mul, q/k norm + rotary + KV-cache
-store); a float32-activation x bf16-weight linear for decode rows.
+Kernels (sources in engine/csrc):
+  decode_attention*.cpp  decode attention straight from the paged cache (float32 or bf16 q / cache)
+  prefill_attention.cpp  causal prefill attention from the paged bf16 cache on AMX tiles
+  elementwise.cpp        RMSNorm, residual add + RMSNorm, SiLU-and-mul, q/k norm + rotary + KV store
+  amx_linear.cpp         bf16 (or w8a16 int8) weights x bf16 rows on AMX tiles: decode-step GEMMs
+  linear_bf16w.cpp       float32 rows x bf16 weights (float32 compute over a bf16 checkpoint)
+  sampler.cpp            greedy / temperature sampling by the inverse CDF
+  decode_forward.cpp     a whole decode step (all layers) in one call, from the kernels above
+All accumulate in float32 and round where the torch reference path rounds.
 """
 from __future__ import annotations
 
