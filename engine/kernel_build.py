@@ -31,7 +31,11 @@ def pdserve_home() -> Path:
 
 
 def find_compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    """$CXX if it names a runnable compiler, else g++, c++ or clang++ from PATH; None if none."""
+    env = os.environ.get("CXX")
+    if env:
+        return shutil.which(env)
+    return shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
 def _compiler_version(compiler: str) -> str:
