@@ -102,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     engine = _engine(args, max(batches))
     r = engine.runner
-    result = {"compute_dtype": str(r.compute_dtype), "backend": r.backend.name,
+    backend = getattr(getattr(r, "backend", None), "name", "torch")   # older trees have no backend object
+    result = {"compute_dtype": str(r.compute_dtype), "backend": backend,
               "prefill_tok_s": measure_prefill(engine, args), "decode_step_ms": {}}
-    print(f"backend {r.backend.name}, compute {r.compute_dtype}; prefill {args.prefill_seqs} x {args.prefill_len}: "
+    print(f"backend {backend}, compute {r.compute_dtype}; prefill {args.prefill_seqs} x {args.prefill_len}: "
           f"{result['prefill_tok_s']:.0f} tok/s", flush=True)
     for b in batches:
         ms = measure_decode(engine, b, args, profile=args.profile and b == batches[-1])
