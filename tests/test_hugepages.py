@@ -8,8 +8,8 @@ from engine import hugepages
 
 
 def test_zeros_on_huge_pages_when_available() -> None:
-    t = hugepages.zeros((3, 1 << 20), torch.bfloat16)          # 6 MiB: above MIN_BYTES
-    assert t.shape == (3, 1 << 20) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    t = hugepages.zeros((3, 2 << 20), torch.bfloat16)          # 12 MiB: above MIN_BYTES
+    assert t.shape == (3, 2 << 20) and t.dtype == torch.bfloat16 and t.is_contiguous()
     assert not t.any()
     t[1, 5] = 2.0
     assert t.sum().item() == 2.0
