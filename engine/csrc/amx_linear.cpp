@@ -57,7 +57,7 @@ inline void write_rows(const float* cbuf, int64_t ldc, int64_t m, int64_t cols, 
     }
 }
 
-// One group's int8 tiles (ks * 4 tiles of 16 x 32) -> bf16 tiles (int8 values are exact in bf16).
+// ks K slices of int8 tiles (ks * 4 tiles of 16 x 32) -> bf16 tiles (int8 values are exact in bf16).
 inline void widen_group(const int8_t* src, int64_t ks, bf16* dst) {
     for (int64_t i = 0; i < ks * 4 * 512; i += 32) {
         const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(src + i)));
@@ -85,18 +85,15 @@ void gemm(const bf16* x, int64_t m, int64_t K, const W* w_packed, int64_t N, con
     for (int64_t g = g0; g < g1; g++) {
         const W* wsrc = w_packed + g * ks * 2048;
         const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(wsrc) + group_bytes : nullptr;
-        const bf16* wg;
-        if constexpr (kInt8) {
-            widen_group(reinterpret_cast<const int8_t*>(wsrc), ks, wide_p);
-            wg = wide_p;
-        } else {
-            wg = reinterpret_cast<const bf16*>(wsrc);
-        }
+        const bf16* wg = kInt8 ? wide_p : reinterpret_cast<const bf16*>(wsrc);
         for (int64_t r0 = 0; r0 < m; r0 += 16) {
             const bf16* xa = x + r0 * K;
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int64_t kc = 0; kc < ks; kc++) {
                 const bf16* b = wg + kc * 2048;
+                if constexpr (kInt8) {   // widen this K slice's tiles on the first row block, as they stream in
+                    if (r0 == 0) widen_group(reinterpret_cast<const int8_t*>(wsrc) + kc * 2048, 1, wide_p + kc * 2048);
+                }
                 if (next) {
                     const int64_t off = ((r0 / 16) * ks + kc) * chunk;
                     if (off < group_bytes) prefetch_range(next + off, off + chunk <= group_bytes ? chunk : group_bytes - off);
