@@ -4,7 +4,8 @@
 Prefill: ``--prefill-seqs`` prompts of ``--prefill-len`` tokens in one step each (the default
 4 x 512 = one 2048-token step), median over ``--reps`` steps. Decode: for each batch size in
 ``--batches``, that many sequences with ``--ctx`` tokens of context decode ``--steps`` steps;
-the median step time (scheduling, input preparation, forward and sampling: ``engine.step()``).
+the median step time (scheduling, input preparation, forward and sampling: ``engine.step()``),
+wall and CPU time of this process (the steadier figure on a shared machine).
 ``--profile`` prints torch.profiler's top ops of a few decode steps at the largest batch.
 Temperature 0.6 with a per-request seed, as in the offline benchmark. Example::
 
@@ -44,22 +45,24 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(2, 8192) for _ in range(length)] for _ in range(n)]
 
 
-def measure_prefill(engine, args: argparse.Namespace) -> float:
+def measure_prefill(engine, args: argparse.Namespace) -> tuple[float, float]:
     from engine import SamplingParams
 
-    times = []
+    times, cpu = [], []
     for rep in range(args.reps + 1):
         for i, p in enumerate(_prompts(args.prefill_seqs, args.prefill_len, 100 + rep)):
             engine.add_request(f"p{rep}-{i}", p, SamplingParams(temperature=0.6, max_tokens=1, seed=i, ignore_eos=True))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         engine.step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         while engine.has_unfinished_requests():
             engine.step()
-    return args.prefill_seqs * args.prefill_len / statistics.median(times[1:])
+    tokens = args.prefill_seqs * args.prefill_len
+    return tokens / statistics.median(times[1:]), tokens / statistics.median(cpu[1:])
 
 
-def measure_decode(engine, batch: int, args: argparse.Namespace, profile: bool = False) -> float:
+def measure_decode(engine, batch: int, args: argparse.Namespace, profile: bool = False) -> tuple[float, float]:
     from engine import SamplingParams
 
     for i, p in enumerate(_prompts(batch, args.ctx, 7 + batch)):
@@ -67,11 +70,12 @@ def measure_decode(engine, batch: int, args: argparse.Namespace, profile: bool =
                                                                ignore_eos=True))
     while any(s.is_prefilling or s.num_computed_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    times = []
+    times, cpu = [], []
     for _ in range(args.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         engine.step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     if profile:
         import torch
         with torch.profiler.profile() as prof:
@@ -80,7 +84,7 @@ def measure_decode(engine, batch: int, args: argparse.Namespace, profile: bool =
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     while engine.has_unfinished_requests():
         engine.step()
-    return statistics.median(times) * 1e3
+    return statistics.median(times) * 1e3, statistics.median(cpu) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,14 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     engine = _engine(args, max(batches))
     r = engine.runner
     backend = getattr(getattr(r, "backend", None), "name", "torch")   # older trees have no backend object
-    result = {"compute_dtype": str(r.compute_dtype), "backend": backend,
-              "prefill_tok_s": measure_prefill(engine, args), "decode_step_ms": {}}
+    wall, cpu = measure_prefill(engine, args)
+    result = {"compute_dtype": str(r.compute_dtype), "backend": backend, "prefill_tok_s": wall,
+              "prefill_tok_per_cpu_s": cpu, "decode_step_ms": {}, "decode_step_cpu_ms": {}}
     print(f"backend {backend}, compute {r.compute_dtype}; prefill {args.prefill_seqs} x {args.prefill_len}: "
-          f"{result['prefill_tok_s']:.0f} tok/s", flush=True)
+          f"{wall:.0f} tok/s ({cpu:.0f} per CPU-second)", flush=True)
     for b in batches:
-        ms = measure_decode(engine, b, args, profile=args.profile and b == batches[-1])
-        result["decode_step_ms"][b] = ms
-        print(f"decode batch {b:>3}, ctx {args.ctx}: {ms:6.2f} ms/step", flush=True)
+        ms, cpu_ms = measure_decode(engine, b, args, profile=args.profile and b == batches[-1])
+        result["decode_step_ms"][b], result["decode_step_cpu_ms"][b] = ms, cpu_ms
+        print(f"decode batch {b:>3}, ctx {args.ctx}: {ms:6.2f} ms/step ({cpu_ms:6.2f} ms CPU)", flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=2) + "\n")
     return 0
