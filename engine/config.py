@@ -20,8 +20,9 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
 class EngineConfig:
     model: str = field(metadata={"help": "Hugging Face checkpoint directory (Qwen3 or Llama families)"})
     dtype: str = _f("auto", "weights and KV cache dtype; auto: the checkpoint's torch_dtype", choices=DTYPES)
-    compute_dtype: str = _f("auto", "activations and matmuls; auto: float32 on CPU for bf16/fp16 weights "
-                                    "(CPU float32 GEMMs), else dtype", choices=DTYPES)
+    compute_dtype: str = _f("auto", "activations and matmuls; auto: on CPU chosen from the CPU for bf16 "
+                                    "checkpoints (bf16 with AMX or fast bf16 GEMMs, else float32), "
+                                    "elsewhere the checkpoint's dtype", choices=DTYPES)
     device: str = _f("auto", "cpu, cuda, cuda:N; auto: cuda when available")
     max_num_batched_tokens: int = _f(2048, "token budget of one step (chunked prefill)")
     max_num_seqs: int = _f(64, "sequences in one step")

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import torch
 
+from engine import cpu_features, hugepages
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.layers import cpu_kernels
-from engine.layers.attention import AttentionMetadata, DecodeGroup, PrefillSegment
+from engine.layers.attention import AttentionMetadata, PrefillSegment
+from engine.layers.backend import TorchBackend, select_backend
 from engine.layers.linear import Linear
 from engine.layers.sampler import Sampler
 from engine.loader import load_weights
@@ -42,15 +43,22 @@ class ModelRunner:
         self.model = self._load_model()
         self.num_kv_blocks = self._num_kv_blocks()
         # One spare block past the pool: CUDA graph padding rows write there, never into real KV.
-        self.kv_cache = torch.zeros(
-            model_config.num_layers, 2, self.num_kv_blocks + 1, self.block_size,
-            model_config.num_kv_heads, model_config.head_dim, dtype=self.dtype, device=self.device)
+        shape = (model_config.num_layers, 2, self.num_kv_blocks + 1, self.block_size,
+                 model_config.num_kv_heads, model_config.head_dim)
+        if self.device.type == "cpu":
+            self.kv_cache = hugepages.zeros(shape, self.dtype)
+            cpu_features.log_once("transparent huge pages: %s (KV pool and weights %s)", hugepages.thp_mode(),
+                                  "on 2 MiB pages" if hugepages.enabled() else "on ordinary pages")
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        # CPU decode attention straight from the cache blocks when the native kernel builds here.
-        self.native_decode = (self.device.type == "cpu"
-                              and cpu_kernels.supports(self.kv_cache[0, 0], model_config.head_dim))
-        self.sampler = Sampler(config.seed)
+        self.backend: TorchBackend = select_backend(self.device, self.kv_cache[0, 0], model_config.head_dim,
+                                                    self.compute_dtype)
+        self.set_backend(self.backend)
+        cpu_features.log_once("engine backend: %s (compute %s, KV cache %s)", self.backend.name,
+                              str(self.compute_dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch."))
+        self.sampler = Sampler(config.seed, native=self.backend.name == "native-cpu")
         self._gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -74,17 +82,32 @@ class ModelRunner:
             # float32 math on weights that hold bf16 values (a bf16 checkpoint, whatever dtype says):
             # the bf16-weight kernel for decode rows; Linear checks the values are exactly bf16.
             bf16_weights = self.compute_dtype == torch.float32 and self.model_config.torch_dtype == "bfloat16"
-            for module in model.modules():
-                if isinstance(module, Linear):
-                    module.pack_for_cpu(bf16_weights=bf16_weights)
+            amx = self.compute_dtype == torch.bfloat16 and cpu_features.detect().amx_bf16
+            linears = [m for m in model.modules() if isinstance(m, Linear)]
+            for module in linears:
+                module.pack_for_cpu(bf16_weights=bf16_weights, amx=amx)
+            # Decode GEMMs stream these packed weights every step: one huge-page arena for all.
+            packed = [m for m in linears if m.packed_amx is not None]
+            for module, moved in zip(packed, hugepages.consolidate([m.packed_amx for m in packed])):
+                module.packed_amx = moved
         return model.eval()
 
     def _compute_dtype(self) -> torch.dtype:
         if self.config.compute_dtype != "auto":
             return TORCH_DTYPES[self.config.compute_dtype]
-        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
-            return torch.float32
-        return self.dtype
+        choice = cpu_features.choose_compute_dtype(
+            self.dtype, self.device.type, cpu_features.detect(),
+            bf16_gemm_supported=cpu_features.bf16_gemm_supported(),
+            bf16_speedup=cpu_features.measured_bf16_speedup)
+        cpu_features.log_once("compute dtype %s (auto): %s", str(choice.dtype).removeprefix("torch."), choice.reason)
+        return choice.dtype
+
+    def set_backend(self, backend: TorchBackend) -> None:
+        """Use this backend's ops (and its attention metadata, and sampler path) from the next step on."""
+        self.backend = backend
+        self.model.set_backend(backend)
+        if hasattr(self, "sampler"):
+            self.sampler.native = backend.name == "native-cpu"
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -135,7 +158,10 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)
         results: list[int | None] = [None] * len(batch.seqs)
         if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            if len(sample_rows) == hidden.shape[0]:   # every row samples (decode steps): rows are in order
+                logits = self.model.compute_logits(hidden)
+            else:
+                logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
             seqs = [batch.seqs[i] for i in sample_seqs]
             tokens = self.sampler(logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs])
             for i, tok in zip(sample_seqs, tokens):
@@ -179,46 +205,11 @@ class ModelRunner:
         return input_ids, positions, meta, sample_rows, sample_seqs
 
     def _prepare_decodes(self, decode_seqs: list, meta: AttentionMetadata) -> None:
-        bs, dev = self.block_size, self.device
-        nd = len(decode_seqs)
+        meta.num_decode = len(decode_seqs)
         lens = [s.num_computed_tokens + 1 for s in decode_seqs]   # context after this step's token
-        meta.num_decode = nd
-        if self.native_decode:
-            width = -(-lens[-1] // bs)   # rows are sorted by length
-            meta.decode_native = True
-            meta.decode_block_tables = torch.tensor(
-                [s.block_table[:width] + [0] * (width - min(width, len(s.block_table))) for s in decode_seqs],
-                dtype=torch.int64)
-            meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32)
-            return
-        if dev.type == "cpu":
-            # Up to 4 groups of >= 8 rows (rows are sorted by length): each gathers and attends over
-            # its own longest context only, instead of every row padding to the batch's longest.
-            n_groups = max(1, min(4, nd // 8))
-            bounds = [nd * g // n_groups for g in range(n_groups + 1)]
-            rows = 0
-            for a, b in zip(bounds, bounds[1:]):
-                width = -(-lens[b - 1] // bs)
-                flat: list[int] = []
-                for s in decode_seqs[a:b]:
-                    table = s.block_table[:width]
-                    flat.extend(table)
-                    if len(table) < width:
-                        flat.extend([0] * (width - len(table)))
-                past_end = torch.arange(width * bs)[None, :] >= torch.tensor(lens[a:b])[:, None]
-                mask = torch.zeros(past_end.shape, dtype=self.dtype).masked_fill_(past_end, float("-inf"))
-                meta.decode_groups.append(DecodeGroup(a, b, torch.tensor(flat, dtype=torch.int64), mask[:, None, None, :]))
-                rows = max(rows, len(flat))
-            meta.decode_kv_buffers = self._decode_buffers(rows)
-            return
-        max_blocks = max(len(s.block_table) for s in decode_seqs)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decode_seqs]
-        ctx = torch.tensor(lens, dtype=torch.int32, device=dev)
-        meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)
-        meta.decode_context_lens = ctx
-        meta.decode_mask = (torch.arange(max_blocks * bs, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
+        self.backend.prepare_decode(self, decode_seqs, lens, meta)
 
-    def _decode_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch for the per-layer decode KV gather, reused across layers and steps (fresh large
         allocations on CPU cost page faults every time)."""
         bufs = self._gather_bufs

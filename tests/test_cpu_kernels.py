@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.layers import cpu_kernels
+from engine.layers.backend import TorchBackend
 from tests.conftest import hf_greedy, random_prompts
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler: torch paths only")
@@ -58,8 +59,238 @@ def test_decode_paths_match_hf(tiny_model: str, native: bool) -> None:
     prompts = random_prompts(8, 3, 60, seed=91)
     llm = LLM(tiny_model, dtype="float32", block_size=8, num_kv_blocks=256)
     runner = llm.engine.runner
-    if native and not runner.native_decode:
+    if native and runner.backend.name != "native-cpu":
         pytest.skip("no native kernel on this machine")
-    runner.native_decode = native
+    if not native:
+        runner.set_backend(TorchBackend())
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in outs] == hf_greedy(tiny_model, prompts, 16)
+
+
+# ---- fused elementwise kernels against the torch backend ------------------------------------
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    # float32: summation order only; bf16: at most one bf16 rounding step apart.
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_add_rms_norm_match_torch(dtype: torch.dtype) -> None:
+    from engine.layers.backend import NativeCpuBackend
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 200, generator=g).to(dtype)            # 200: a masked tail past 12 full vectors
+    res = torch.randn(7, 200, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(200, generator=g)).to(dtype)
+    torch_be, native = TorchBackend(), NativeCpuBackend()
+    _close(native.rms_norm(x, w, 1e-6), torch_be.rms_norm(x, w, 1e-6), dtype)
+    out_t, res_t = torch_be.add_rms_norm(x, res.clone(), w, 1e-6)
+    out_n, res_n = native.add_rms_norm(x, res.clone(), w, 1e-6)
+    assert torch.equal(res_n, res_t)                           # the residual add rounds identically
+    _close(out_n, out_t, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
+    from engine.layers.backend import NativeCpuBackend
+    g = torch.Generator().manual_seed(3)
+    gate_up = (4 * torch.randn(5, 2 * 136, generator=g)).to(dtype)
+    _close(NativeCpuBackend().silu_mul(gate_up, 136), TorchBackend().silu_mul(gate_up, 136), dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qkv_rope_store_matches_torch(dtype: torch.dtype, cache_dtype: torch.dtype, qk_norm: bool) -> None:
+    from types import SimpleNamespace
+
+    from engine.layers.attention import Attention, AttentionMetadata
+    from engine.layers.backend import NativeCpuBackend
+    from engine.layers.norm import RMSNorm
+    from engine.layers.rotary import RotaryEmbedding
+    g = torch.Generator().manual_seed(4)
+    nq, nkv, d, rows, blocks, bs = 4, 2, 64, 6, 8, 4
+    rot = RotaryEmbedding(d, 128, 10000.0).to(dtype)
+    norms = [RMSNorm(d, 1e-6).to(dtype) for _ in range(2)]
+    for n in norms:
+        n.weight.data = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+    qkv = torch.randn(rows, (nq + 2 * nkv) * d, generator=g).to(dtype)
+    positions = torch.tensor([0, 5, 17, 3, 100, 127])
+    slots = torch.tensor([3, 9, 10, 0, 31, 17])
+    results = []
+    for backend in (TorchBackend(), NativeCpuBackend()):
+        attn = Attention(nq, nkv, d)
+        attn.k_cache = torch.zeros(blocks, bs, nkv, d, dtype=cache_dtype)
+        attn.v_cache = torch.zeros(blocks, bs, nkv, d, dtype=cache_dtype)
+        layer = SimpleNamespace(num_heads=nq, num_kv_heads=nkv, head_dim=d, q_size=nq * d, kv_size=nkv * d,
+                                q_norm=norms[0] if qk_norm else None, k_norm=norms[1] if qk_norm else None,
+                                rotary=rot, attn=attn)
+        q, k, v = backend.qkv_rope_store(layer, qkv.clone(), positions, AttentionMetadata(slot_mapping=slots))
+        results.append((q, k, v, attn.k_cache, attn.v_cache))
+    for got, want in zip(results[1], results[0]):
+        _close(got, want, dtype)
+
+
+@needs_kernels
+def test_decode_attention_bf16_q_and_strided_rows() -> None:
+    g = torch.Generator().manual_seed(5)
+    blocks, bs, hkv, h, d = 30, 16, 4, 8, 64
+    k_cache = torch.randn(blocks, bs, hkv, d, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(blocks, bs, hkv, d, generator=g).to(torch.bfloat16)
+    lens = torch.tensor([3, 40, 33], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:3] for _ in range(3)])
+    qkv = torch.randn(3, (h + 2 * hkv) * d, generator=g).to(torch.bfloat16)
+    q = qkv[:, :h * d].view(3, h, d)                           # rows (h + 2 hkv) * d apart
+    got = cpu_kernels.decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5)
+    assert got.dtype == torch.bfloat16
+    want = _reference_decode(q.float(), k_cache, v_cache, tables, lens, d ** -0.5)
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
+@needs_kernels
+def test_amx_linear_matches_f_linear() -> None:
+    if not cpu_kernels.amx_available():
+        pytest.skip("no AMX on this CPU")
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(192, 96, generator=g).to(torch.bfloat16)
+    bias = torch.randn(192, generator=g).to(torch.bfloat16)
+    packed = cpu_kernels.pack_amx_weight(w)
+    for rows in (1, 7, 16, 17, 40, 64):
+        x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+        want = (x.float() @ w.float().T + bias.float())
+        torch.testing.assert_close(cpu_kernels.amx_linear(x, packed, bias).float(), want, rtol=1e-2, atol=2e-2)
+
+
+@needs_kernels
+def test_native_backend_matches_torch_backend_in_bf16(tiny_qwen3: str) -> None:
+    """bf16 compute: the native and torch backends agree within bf16 tolerance on the logits of a
+    mixed batch (prefill + decode rows)."""
+    prompts = random_prompts(4, 5, 40, seed=12)
+    logits = []
+    for native in (True, False):
+        llm = LLM(tiny_qwen3, dtype="bfloat16", compute_dtype="bfloat16", block_size=8, num_kv_blocks=64)
+        runner = llm.engine.runner
+        if native and runner.backend.name != "native-cpu":
+            pytest.skip("no native kernels on this machine")
+        if not native:
+            runner.set_backend(TorchBackend())
+        captured = []
+        real = runner.model.compute_logits
+        runner.model.compute_logits = lambda h: captured.append(real(h).float()) or captured[-1]
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        logits.append(torch.cat(captured))
+    assert logits[0].shape == logits[1].shape
+    scale = logits[1].abs().max()
+    assert (logits[0] - logits[1]).abs().max() <= 0.05 * scale
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_sampler_matches_torch_sampler(dtype: torch.dtype) -> None:
+    from engine.layers.sampler import Sampler
+    g = torch.Generator().manual_seed(7)
+    logits = (3 * torch.randn(12, 1000, generator=g)).to(dtype)
+    params = [SamplingParams(temperature=[0.0, 0.6, 1.3][i % 3], seed=50 + i,
+                             top_k=40 if i == 4 else 0, top_p=0.9 if i == 7 else 1.0) for i in range(12)]
+    index = list(range(12))
+    want = Sampler(0, native=False)(logits, params, index)
+    got = Sampler(0, native=True)(logits, params, index)
+    assert got == want
+    # seeded rows do not depend on the batch around them
+    alone = Sampler(0, native=True)(logits[5:6], params[5:6], index[5:6])
+    assert alone == got[5:6]
+
+
+@needs_kernels
+@pytest.mark.parametrize("start,n", [(0, 1), (0, 37), (0, 130), (21, 50), (64, 64), (100, 3)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_prefill_attention_matches_sdpa(start: int, n: int, d: int) -> None:
+    if not cpu_kernels.prefill_attention_supported(torch.bfloat16, torch.empty(0, dtype=torch.bfloat16), d):
+        pytest.skip("no AMX on this CPU")
+    g = torch.Generator().manual_seed(8)
+    blocks, bs, hkv, h = 24, 16, 2, 4
+    ctx = start + n
+    k_cache = torch.randn(blocks, bs, hkv, d, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(blocks, bs, hkv, d, generator=g).to(torch.bfloat16)
+    table = torch.randperm(blocks, generator=g)[:-(-ctx // bs)]
+    qkv = torch.randn(n, (h + 2 * hkv) * d, generator=g).to(torch.bfloat16)
+    q = qkv[:, :h * d].view(n, h, d)
+    out = torch.empty(n, h, d, dtype=torch.bfloat16)
+    cpu_kernels.prefill_attention(q, k_cache, v_cache, table, start, d ** -0.5, out)
+    keys = k_cache[table].reshape(-1, hkv, d)[:ctx].float()
+    values = v_cache[table].reshape(-1, hkv, d)[:ctx].float()
+    allowed = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
+    want = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                          values.transpose(0, 1)[None], attn_mask=allowed, scale=d ** -0.5,
+                                          enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@needs_kernels
+def test_fused_decode_step_equals_layer_by_layer(tiny_qwen3: str) -> None:
+    """The one-call decode step runs the same kernels in the same order as the per-op native
+    path: identical logits, bit for bit."""
+    from engine.layers import backend as backend_mod
+    prompts = random_prompts(3, 5, 30, seed=13)
+    logits, used = [], []
+    for fused in (True, False):
+        llm = LLM(tiny_qwen3, dtype="bfloat16", compute_dtype="bfloat16", block_size=8, num_kv_blocks=64,
+                  num_threads=1)
+        runner = llm.engine.runner
+        if runner.backend.name != "native-cpu" or not cpu_kernels.amx_available():
+            pytest.skip("no native AMX kernels on this machine")
+        if not fused:
+            runner.backend.decode_model = lambda *args: None
+        captured = []
+        real = runner.model.compute_logits
+        runner.model.compute_logits = lambda h: captured.append(real(h).float()) or captured[-1]
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        logits.append(torch.cat(captured))
+        used.append(any(f is not None for f in getattr(runner.backend, "_fused", {}).values()))
+    assert used == [True, False]
+    assert torch.equal(logits[0], logits[1])
+
+
+@needs_kernels
+def test_amx_int8_linear_matches_w8a16_torch_path() -> None:
+    from engine.layers.linear import Linear
+    if not cpu_kernels.amx_available():
+        pytest.skip("no AMX on this CPU")
+    g = torch.Generator().manual_seed(9)
+    lin = Linear(96, 128, bias=True).to(torch.bfloat16)
+    lin.weight.data = torch.randn(128, 96, generator=g).to(torch.bfloat16)
+    lin.bias.data = torch.randn(128, generator=g).to(torch.bfloat16)
+    lin.quantize_w8a16()
+    assert lin.pack_for_cpu(amx=True) and lin.packed_amx.dtype == torch.int8
+    for rows in (1, 9, 33):
+        x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+        torch.testing.assert_close(lin(x).float(), lin._forward_w8a16(x).float(), rtol=1e-2, atol=2e-2)
+
+
+@needs_kernels
+def test_w8a16_native_matches_torch_backend_in_bf16(tiny_qwen3: str) -> None:
+    prompts = random_prompts(3, 5, 30, seed=14)
+    logits = []
+    for native in (True, False):
+        llm = LLM(tiny_qwen3, dtype="bfloat16", compute_dtype="bfloat16", quantization="w8a16", block_size=8,
+                  num_kv_blocks=64, num_threads=1)
+        runner = llm.engine.runner
+        if native and runner.backend.name != "native-cpu":
+            pytest.skip("no native kernels on this machine")
+        if not native:
+            runner.set_backend(TorchBackend())
+            for m in runner.model.modules():
+                if hasattr(m, "packed_amx"):
+                    m.packed_amx = None
+        captured = []
+        real = runner.model.compute_logits
+        runner.model.compute_logits = lambda h: captured.append(real(h).float()) or captured[-1]
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        logits.append(torch.cat(captured))
+    assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[1].abs().max()

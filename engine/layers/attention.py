@@ -4,12 +4,12 @@ The cache of one layer is [num_blocks, block_size, num_kv_heads, head_dim] for K
 A step's tokens are laid out decodes first (one token each), then prefill segments. New K/V
 are written to their slots first, then every query attends to its sequence's cached context.
 
-Backends: flash-attn on CUDA when it is installed; torch scaled_dot_product_attention
-everywhere else. On CPU, decode rows use the native kernel of engine/layers/cpu_kernels.py
-(reads the cache blocks in place) when it builds, else SDPA over gathered blocks in length
-groups. All read the same cache layout. Attention runs in the compute dtype for prefill (over
-K/V rounded to the cache dtype) and in the cache dtype for the SDPA decode path; the native
-kernel computes in float32.
+Implementations: flash-attn on CUDA when it is installed; torch scaled_dot_product_attention
+everywhere else (decode rows on CPU over gathered blocks in length groups). The native CPU
+backend (engine/layers/backend.py) calls the kernels of engine/layers/cpu_kernels.py instead,
+which read the cache blocks in place. All read the same cache layout. Attention runs in the
+compute dtype for prefill (over K/V rounded to the cache dtype) and in the cache dtype for the
+SDPA decode path; the native kernels compute in float32.
 """
 from __future__ import annotations
 
@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from engine.layers import cpu_kernels
 
 try:  # optional CUDA kernels; absent on CPU machines
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # type: ignore
@@ -60,7 +58,7 @@ class AttentionMetadata:
     # into (the same for every layer and group of a step); None: allocate per gather.
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     decode_kv_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-    # CPU: decode attention by the native kernel (engine/layers/cpu_kernels.py) straight from the
+    # CPU: decode attention by the native backend (engine/layers/backend.py) straight from the
     # cache blocks, with decode_block_tables / decode_context_lens; no gather, no mask.
     decode_native: bool = False
     prefills: list[PrefillSegment] = field(default_factory=list)
@@ -81,18 +79,22 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H, D]."""
-        self._store(k, v, meta.slot_mapping)
+        """q: [T, H, D]; k, v: [T, Hkv, D]. Stores k, v in the cache; returns [T, H, D]."""
+        self.store(k, v, meta.slot_mapping)
+        return self.attend(q, k, v, meta)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q over the cache, where k, v of this step are already stored."""
         if HAS_FLASH_ATTN and q.is_cuda and self.k_cache.shape[1] % 256 == 0:
             return self._flash(q, meta)   # flash-attn's paged kernels need block_size % 256 == 0
         out = torch.empty_like(q)
         if meta.num_decode:
             out[:meta.num_decode] = self._decode_sdpa(q[:meta.num_decode], meta)
         for seg in meta.prefills:
-            out[seg.token_start:seg.token_end] = self._prefill_sdpa(q, k, v, seg)
+            out[seg.token_start:seg.token_end] = self.prefill_sdpa(q, k, v, seg)
         return out
 
-    def _store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         hkv, d = self.num_kv_heads, self.head_dim
         dtype = self.k_cache.dtype
         self.k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(dtype))
@@ -106,9 +108,6 @@ class Attention(nn.Module):
         return torch.index_select(flat, 0, ids, out=out[:ids.numel()])
 
     def _decode_sdpa(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.decode_native:
-            return cpu_kernels.decode_attention(q, self.k_cache, self.v_cache, meta.decode_block_tables,
-                                                meta.decode_context_lens, self.scale)
         kbuf, vbuf = meta.decode_kv_buffers or (None, None)
         if not meta.decode_groups:
             return self._decode_rows(q, meta.decode_block_tables.reshape(-1), meta.decode_mask, kbuf, vbuf)
@@ -129,7 +128,7 @@ class Attention(nn.Module):
                                              scale=self.scale, enable_gqa=hkv != self.num_heads)
         return out.squeeze(2)
 
-    def _prefill_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment) -> torch.Tensor:
+    def prefill_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment) -> torch.Tensor:
         """Runs in q's (compute) dtype over K/V as the cache holds them (rounded to its dtype), so
         a prefix-cache hit and a recompute see the same keys."""
         hkv, d = self.num_kv_heads, self.head_dim

@@ -1,31 +1,28 @@
-"""Native CPU kernels: decode attention over the paged KV cache, and a bf16-weight linear.
+"""Native CPU kernels (``engine/csrc/*.cpp``) and their Python entry points.
 
-Decode attention (``decode_attention``): the pure-torch path gathers every sequence's blocks into
-a dense tensor on every layer of every step, then runs SDPA over it; both passes are slow for
-one query token per row. This kernel reads K/V straight from the cache blocks (bf16 or
-float32), once, with the query heads of a GQA group sharing each load, no padding to the
-batch's longest context, and the next block prefetched. Math in float32.
+The C++ has no torch headers: it is built once per machine by ``engine.kernel_build`` (a few
+seconds; cached under ``$PDSERVE_HOME/kernels``, locked against concurrent builders) and called
+through ctypes, which releases the GIL, so row ranges are split over torch's intra-op thread
+count. Every entry point's C signature is declared once, in ``_SIGNATURES``. If there is no
+compiler, the build fails, or ``PDSERVE_CPU_KERNELS=0``, ``load()`` returns None and the engine
+keeps its torch paths (``engine.layers.backend`` decides once, at model load).
 
-Linear (``linear_bf16w``): float32 activations times bf16 weights, in float32. For the few rows
-of a decode step a GEMM is bound by reading its weights; this reads half the bytes of float32
-weights, and beats oneDNN's float32 GEMM up to ~128 rows (AVX-512 only).
-
-Both are plain C++ with no torch headers, built on first use with the system compiler into
-``$PDSERVE_HOME/kernels`` (default ``~/.cache/pdserve/kernels``; a few seconds, once per source
-and CPU) and called through ctypes, which releases the GIL, so work is split across torch's
-intra-op thread count. If there is no compiler, the build fails, or ``PDSERVE_CPU_KERNELS=0``,
-``load()`` returns None and the callers keep their torch paths.
+Kernels (sources in engine/csrc):
+  decode_attention*.cpp  decode attention straight from the paged cache (float32 or bf16 q / cache)
+  prefill_attention.cpp  causal prefill attention from the paged bf16 cache on AMX tiles
+  elementwise.cpp        RMSNorm, residual add + RMSNorm, SiLU-and-mul, q/k norm + rotary + KV store
+  amx_linear.cpp         bf16 (or w8a16 int8) weights x bf16 rows on AMX tiles: decode-step GEMMs
+  linear_bf16w.cpp       float32 rows x bf16 weights (float32 compute over a bf16 checkpoint)
+  sampler.cpp            greedy / temperature sampling by the inverse CDF
+  decode_forward.cpp     a whole decode step (all layers) in one call, from the kernels above
+All accumulate in float32 and round where the torch reference path rounds.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,404 +31,44 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = r"""
-#include <cstdint>
-#include <cstring>
-#include <cmath>
-#include <vector>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = ["decode_attention.cpp", "decode_attention_bf16.cpp", "decode_attention_f32.cpp", "prefill_attention.cpp", "elementwise.cpp", "linear_bf16w.cpp", "amx_linear.cpp",
+           "sampler.cpp", "decode_forward.cpp"]
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-ffp-contract=off",
+         "-shared", "-fPIC", "-std=c++17"]
 
-static inline float load(float x) { return x; }
-static inline float load(uint16_t x) {   // bfloat16 bits -> float32
-    uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f;
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# name -> argument types (every function returns int: 0 on success)
+_SIGNATURES: dict[str, list] = {
+    # q, q_stride, k_cache, v_cache, tables, lens, out, H, HKV, D, block_size, max_blocks, scale, r0, r1,
+    # q_dtype, cache_dtype
+    "pd_decode_attention": [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64, _I32, _I32],
+    # q, q_stride, k_cache, v_cache, table, start, n, out, H, HKV, D, block_size, scale, h0, h1
+    "pd_prefill_attention": [_P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32, _I64, _I64],
+    # x, x_stride, w, out, out_stride, r0, r1, dim, eps, dtype
+    "pd_rms_norm": [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _F32, _I32],
+    # x, x_stride, residual, w, out, r0, r1, dim, eps, dtype
+    "pd_add_rms_norm": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _F32, _I32],
+    # gate_up, out, r0, r1, inter, dtype
+    "pd_silu_mul": [_P, _P, _I64, _I64, _I64, _I32],
+    # qkv, r0, r1, nq, nkv, D, positions, cos, sin, q_w, k_w, eps, k_cache, v_cache, slots, dtype, cache_dtype
+    "pd_qkv_rope_store": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _F32, _P, _P, _P, _I32, _I32],
+    # x, M, K, packed, N, y, n_tile0, n_tile1
+    "pd_linear_bf16w": [_P, _I64, _I64, _P, _I64, _P, _I64, _I64],
+    "pd_has_avx512": [],
+    "pd_amx_init": [],
+    # M, layers, hidden, nq, nkv, D, inter, layer pointers, eps, qk_eps, cos, sin, positions, slots, tables,
+    # lens, max_blocks, block_size, scale, residual, final_norm, out, scratch
+    "pd_decode_forward": [_I64, _I64, _I64, _I64, _I64, _I64, _I64, _P, _F32, _F32, _P, _P, _P, _P, _P, _P, _I64,
+                          _I64, _F32, _P, _P, _P, _P],
+    # logits, row stride, rows, vocab, temps (float32), u (float64), out (int64), dtype
+    "pd_sample": [_P, _I64, _I64, _I64, _P, _P, _P, _I32],
+    # x, M, K, packed, N, scale (int8 weights) or null, bias, y, group0, group1
+    "pd_amx_linear_q": [_P, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I64],
 }
 
-// In place: s[0:n] = softmax(s[0:n]).
-static void softmax(float* s, int64_t n) {
-    float m = s[0];
-    for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
-    float sum = 0.f;
-    int64_t t = 0;
-#ifdef __AVX512F__
-    // exp(x) = 2^k * p(f), x*log2(e) = k + f, f in [-0.5, 0.5]; relative error ~2e-7.
-    const __m512 vm = _mm512_set1_ps(m), log2e = _mm512_set1_ps(1.4426950408889634f);
-    const __m512 c1 = _mm512_set1_ps(0.6931471805599453f), c2 = _mm512_set1_ps(0.2402265069591007f),
-                 c3 = _mm512_set1_ps(0.05550410866482158f), c4 = _mm512_set1_ps(0.009618129107628477f),
-                 c5 = _mm512_set1_ps(0.0013333558146428443f), c6 = _mm512_set1_ps(0.00015403530393381606f),
-                 one = _mm512_set1_ps(1.f), lo = _mm512_set1_ps(-126.f);
-    __m512 vsum = _mm512_setzero_ps();
-    for (; t + 16 <= n; t += 16) {
-        __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm), log2e);
-        x = _mm512_max_ps(x, lo);
-        __m512 k = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512 f = _mm512_sub_ps(x, k);
-        __m512 p = _mm512_fmadd_ps(c6, f, c5);
-        p = _mm512_fmadd_ps(p, f, c4); p = _mm512_fmadd_ps(p, f, c3); p = _mm512_fmadd_ps(p, f, c2);
-        p = _mm512_fmadd_ps(p, f, c1); p = _mm512_fmadd_ps(p, f, one);
-        __m512 e = _mm512_scalef_ps(p, k);
-        _mm512_storeu_ps(s + t, e);
-        vsum = _mm512_add_ps(vsum, e);
-    }
-    sum = _mm512_reduce_add_ps(vsum);
-#endif
-    for (; t < n; t++) { s[t] = std::exp(s[t] - m); sum += s[t]; }
-    const float inv = 1.f / sum;
-    for (t = 0; t < n; t++) s[t] *= inv;
-}
-
-#ifdef __AVX512F__
-// s[t] = exp(s[t] - mx[t % 16]) for t < n (n need not be a multiple of 16; mx has period dividing 16);
-// sm[i] = sum of the results in lane i (i.e. over t = i mod 16).
-static void exp_inplace(float* s, int64_t n, const float* mx, float* sm) {
-    const __m512 vm = _mm512_loadu_ps(mx), log2e = _mm512_set1_ps(1.4426950408889634f);
-    const __m512 c1 = _mm512_set1_ps(0.6931471805599453f), c2 = _mm512_set1_ps(0.2402265069591007f),
-                 c3 = _mm512_set1_ps(0.05550410866482158f), c4 = _mm512_set1_ps(0.009618129107628477f),
-                 c5 = _mm512_set1_ps(0.0013333558146428443f), c6 = _mm512_set1_ps(0.00015403530393381606f),
-                 one = _mm512_set1_ps(1.f), lo = _mm512_set1_ps(-126.f);
-    __m512 vsum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 m = t + 16 <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
-        __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), vm), log2e);
-        x = _mm512_max_ps(x, lo);
-        const __m512 k = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 f = _mm512_sub_ps(x, k);
-        __m512 p = _mm512_fmadd_ps(c6, f, c5);
-        p = _mm512_fmadd_ps(p, f, c4); p = _mm512_fmadd_ps(p, f, c3); p = _mm512_fmadd_ps(p, f, c2);
-        p = _mm512_fmadd_ps(p, f, c1); p = _mm512_fmadd_ps(p, f, one);
-        const __m512 e = _mm512_scalef_ps(p, k);
-        _mm512_mask_storeu_ps(s + t, m, e);
-        vsum = _mm512_mask_add_ps(vsum, m, vsum, e);
-    }
-    _mm512_storeu_ps(sm, vsum);
-}
-#endif
-
-// out[r, h*G+g, :] = softmax(q[r, h*G+g] . K[r, h]^T * scale) @ V[r, h] for rows r in [r0, r1).
-// q, out: [B, H, D] float32; caches: [num_blocks, bs, HKV, D]; tables: [B, max_blocks]; lens: [B].
-template <typename T>
-static void decode_attn_generic(const float* q, const T* kc, const T* vc, const int64_t* tables,
-                                const int32_t* lens, float* out, int64_t H, int64_t HKV, int64_t D, int64_t bs,
-                                int64_t max_blocks, float scale, int64_t r0, int64_t r1) {
-    const int64_t G = H / HKV;
-    std::vector<float> scores, acc(G * D);
-    for (int64_t r = r0; r < r1; r++) {
-        const int64_t L = lens[r];
-        const int64_t* table = tables + r * max_blocks;
-        scores.resize(G * L);
-        for (int64_t h = 0; h < HKV; h++) {
-            const float* qh = q + (r * H + h * G) * D;
-            for (int64_t t = 0; t < L; t++) {
-                const T* k = kc + ((table[t / bs] * bs + t % bs) * HKV + h) * D;
-                for (int64_t g = 0; g < G; g++) {
-                    float s = 0.f;
-                    for (int64_t d = 0; d < D; d++) s += qh[g * D + d] * load(k[d]);
-                    scores[g * L + t] = s * scale;
-                }
-            }
-            for (int64_t g = 0; g < G; g++) softmax(scores.data() + g * L, L);
-            std::fill(acc.begin(), acc.end(), 0.f);
-            for (int64_t t = 0; t < L; t++) {
-                const T* v = vc + ((table[t / bs] * bs + t % bs) * HKV + h) * D;
-                for (int64_t g = 0; g < G; g++)
-                    for (int64_t d = 0; d < D; d++) acc[g * D + d] += scores[g * L + t] * load(v[d]);
-            }
-            std::memcpy(out + (r * H + h * G) * D, acc.data(), sizeof(float) * G * D);
-        }
-    }
-}
-
-#ifdef __AVX512F__
-// A head's D values of one token as D/16 float32 vectors. bf16: each 32-value load splits into its
-// even-index values (low halves, shifted up) and odd-index ones (high halves, masked), with no
-// shuffles; q and the output use the same order, and dot products do not care about the order.
-static inline void load_row(const float* p, __m512* out, int D) {
-    for (int c = 0; c < D / 16; c++) out[c] = _mm512_loadu_ps(p + 16 * c);
-}
-static inline void load_row(const uint16_t* p, __m512* out, int D) {
-    const __m512i hi = _mm512_set1_epi32(int(0xFFFF0000u));
-    for (int c = 0; c < D / 32; c++) {
-        const __m512i x = _mm512_loadu_si512(p + 32 * c);
-        out[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-        out[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
-    }
-}
-// Value index of lane i of vector c in load_row's order.
-static inline int value_index(float*, int c, int i) { return 16 * c + i; }
-static inline int value_index(uint16_t*, int c, int i) { return 32 * (c / 2) + 2 * i + (c % 2); }
-
-// r[i] = sum of a[i]'s lanes, for 16 vectors.
-static inline __m512 reduce16(const __m512* a) {
-    __m512 b[8], c[4];
-    for (int i = 0; i < 8; i++)
-        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u01, u23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// Both passes walk the row's blocks in order and, inside a block, every KV head (a block is
-// [bs, HKV, D] contiguous), prefetching the next block meanwhile. Scores are kept per KV head as
-// [L][G] (token-major), so 16 / G tokens' scores for the G query heads of a KV head come out of
-// one reduce16 and one store.
-#ifndef PD
-#define PD 1   // blocks of prefetch distance
-#endif
-template <typename T, int D, int G>
-static void decode_attn_avx512(const float* q, const T* kc, const T* vc, const int64_t* tables,
-                               const int32_t* lens, float* out, int64_t HKV, int64_t bs,
-                               int64_t max_blocks, float scale, int64_t r0, int64_t r1) {
-    constexpr int V = D / 16, TC = 16 / G;
-    const int64_t H = HKV * G, tok_stride = HKV * D;
-    const int64_t block_bytes = bs * tok_stride * int64_t(sizeof(T));
-    std::vector<float> scores;
-    std::vector<__m512> qv(H * V), o(H * V);
-    alignas(64) float qbuf[D];
-    for (int64_t r = r0; r < r1; r++) {
-        const int64_t L = lens[r];
-        const int64_t nblocks = (L + bs - 1) / bs;
-        const int64_t* table = tables + r * max_blocks;
-        const int64_t stride = (L + TC) * G;   // per KV head, with room for a tail chunk
-        scores.resize(HKV * stride);
-        float* sc = scores.data();
-        for (int64_t hq = 0; hq < H; hq++) {
-            const float* qh = q + (r * H + hq) * D;
-            for (int c = 0; c < V; c++)
-                for (int i = 0; i < 16; i++) qbuf[16 * c + i] = qh[value_index((T*)nullptr, c, i)] * scale;
-            for (int c = 0; c < V; c++) qv[hq * V + c] = _mm512_load_ps(qbuf + 16 * c);
-        }
-        for (int64_t j = 1; j < PD && j < nblocks; j++)
-            for (int64_t off = 0; off < block_bytes; off += 64)
-                _mm_prefetch(reinterpret_cast<const char*>(kc + table[j] * bs * tok_stride) + off, _MM_HINT_T0);
-        // Pass 1: scores. A block's tail chunk may read slots past the last valid token (inside
-        // the block, so they exist); those scores are never used.
-        for (int64_t j = 0; j < nblocks; j++) {
-            const T* kb = kc + table[j] * bs * tok_stride;
-            const char* nxt = j + PD < nblocks ? reinterpret_cast<const char*>(kc + table[j + PD] * bs * tok_stride) : nullptr;
-            int64_t pf = 0;   // bytes of the next block prefetched so far, spread over this block's work
-            const int64_t pf_step = (block_bytes + HKV * ((bs + TC - 1) / TC) - 1) / (HKV * ((bs + TC - 1) / TC));
-            const int64_t t0 = j * bs, n = L - t0 < bs ? L - t0 : bs;
-            for (int64_t h = 0; h < HKV; h++) {
-                const __m512* qh = qv.data() + h * G * V;
-                for (int64_t i = 0; i < n; i += TC) {
-                    if (nxt) for (const int64_t end = pf + pf_step; pf < end && pf < block_bytes; pf += 64) _mm_prefetch(nxt + pf, _MM_HINT_T0);
-                    __m512 acc[16];
-                    for (int tt = 0; tt < TC; tt++) {
-                        __m512 kv[V];
-                        load_row(kb + (i + tt < bs ? i + tt : bs - 1) * tok_stride + h * D, kv, D);
-                        for (int g = 0; g < G; g++) {
-                            __m512 a = _mm512_mul_ps(qh[g * V], kv[0]);
-                            for (int c = 1; c < V; c++) a = _mm512_fmadd_ps(qh[g * V + c], kv[c], a);
-                            acc[tt * G + g] = a;
-                        }
-                    }
-                    _mm512_storeu_ps(sc + h * stride + (t0 + i) * G, reduce16(acc));
-                }
-            }
-        }
-        for (int64_t j = 0; j < PD && j < nblocks; j++)
-            for (int64_t off = 0; off < block_bytes; off += 64)
-                _mm_prefetch(reinterpret_cast<const char*>(vc + table[j] * bs * tok_stride) + off, _MM_HINT_T0);
-        // Softmax over each query head: values g, g + G, ... of its KV head (lane i holds head i % G).
-        alignas(64) float inv[H];
-        for (int64_t h = 0; h < HKV; h++) {
-            float* sh = sc + h * stride;
-            const int64_t n = L * G, nv = n / 16 * 16;
-            __m512 vmax = _mm512_set1_ps(-INFINITY);
-            for (int64_t t = 0; t < nv; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sh + t));
-            alignas(64) float mx[16], sm[16];
-            _mm512_store_ps(mx, vmax);
-            for (int64_t t = nv; t < n; t++) mx[t % G] = sh[t] > mx[t % G] ? sh[t] : mx[t % G];
-            for (int i = 0; i < G; i++)
-                for (int k = i + G; k < 16; k += G) mx[i] = mx[k] > mx[i] ? mx[k] : mx[i];
-            for (int i = G; i < 16; i++) mx[i] = mx[i % G];
-            exp_inplace(sh, n, mx, sm);
-            for (int i = G; i < 16; i++) sm[i % G] += sm[i];
-            for (int g = 0; g < G; g++) inv[h * G + g] = 1.f / sm[g];
-        }
-        // Pass 2: out = P @ V, P unnormalized (scaled once at the end).
-        for (auto& x : o) x = _mm512_setzero_ps();
-        for (int64_t j = 0; j < nblocks; j++) {
-            const T* vb = vc + table[j] * bs * tok_stride;
-            const char* nxt = j + PD < nblocks ? reinterpret_cast<const char*>(vc + table[j + PD] * bs * tok_stride) : nullptr;
-            const int64_t t0 = j * bs, n = L - t0 < bs ? L - t0 : bs;
-            for (int64_t h = 0; h < HKV; h++) {
-                if (nxt) {   // a quarter (1 / HKV) of the next block per KV head
-                    const int64_t lo = block_bytes * h / HKV, hi = block_bytes * (h + 1) / HKV;
-                    for (int64_t off = lo / 64 * 64; off < hi; off += 64) _mm_prefetch(nxt + off, _MM_HINT_T0);
-                }
-                __m512 acc[G][V];
-                for (int g = 0; g < G; g++)
-                    for (int c = 0; c < V; c++) acc[g][c] = o[(h * G + g) * V + c];
-                const float* p = sc + h * stride + t0 * G;
-                for (int64_t i = 0; i < n; i++) {
-                    __m512 vv[V];
-                    load_row(vb + i * tok_stride + h * D, vv, D);
-                    for (int g = 0; g < G; g++) {
-                        const __m512 pg = _mm512_set1_ps(p[i * G + g]);
-                        for (int c = 0; c < V; c++) acc[g][c] = _mm512_fmadd_ps(pg, vv[c], acc[g][c]);
-                    }
-                }
-                for (int g = 0; g < G; g++)
-                    for (int c = 0; c < V; c++) o[(h * G + g) * V + c] = acc[g][c];
-            }
-        }
-        for (int64_t hq = 0; hq < H; hq++) {
-            alignas(64) float tmp[D];
-            for (int c = 0; c < V; c++) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(o[hq * V + c], _mm512_set1_ps(inv[hq])));
-            float* oh = out + (r * H + hq) * D;
-            for (int c = 0; c < V; c++)
-                for (int i = 0; i < 16; i++) oh[value_index((T*)nullptr, c, i)] = tmp[16 * c + i];
-        }
-    }
-}
-
-template <typename T, int D>
-static bool try_avx512_g(int64_t G, const float* q, const T* kc, const T* vc, const int64_t* tables,
-                         const int32_t* lens, float* out, int64_t HKV, int64_t bs, int64_t max_blocks,
-                         float scale, int64_t r0, int64_t r1) {
-    switch (G) {
-        case 1: decode_attn_avx512<T, D, 1>(q, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
-        case 2: decode_attn_avx512<T, D, 2>(q, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
-        case 4: decode_attn_avx512<T, D, 4>(q, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
-        case 8: decode_attn_avx512<T, D, 8>(q, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
-        default: return false;
-    }
-}
-#endif
-
-template <typename T>
-static void dispatch(const float* q, const T* kc, const T* vc, const int64_t* tables, const int32_t* lens,
-                     float* out, int64_t H, int64_t HKV, int64_t D, int64_t bs, int64_t max_blocks, float scale,
-                     int64_t r0, int64_t r1) {
-#ifdef __AVX512F__
-    const int64_t G = H / HKV;
-    if (D == 64 && try_avx512_g<T, 64>(G, q, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1)) return;
-    if (D == 128 && try_avx512_g<T, 128>(G, q, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1)) return;
-#endif
-    decode_attn_generic<T>(q, kc, vc, tables, lens, out, H, HKV, D, bs, max_blocks, scale, r0, r1);
-}
-
-extern "C" int pd_decode_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* tables,
-                                   const int32_t* lens, float* out, int64_t H, int64_t HKV, int64_t D, int64_t bs,
-                                   int64_t max_blocks, float scale, int64_t r0, int64_t r1) {
-    dispatch<uint16_t>(q, kc, vc, tables, lens, out, H, HKV, D, bs, max_blocks, scale, r0, r1);
-    return 0;
-}
-
-extern "C" int pd_decode_attn_f32(const float* q, const float* kc, const float* vc, const int64_t* tables,
-                                  const int32_t* lens, float* out, int64_t H, int64_t HKV, int64_t D, int64_t bs,
-                                  int64_t max_blocks, float scale, int64_t r0, int64_t r1) {
-    dispatch<float>(q, kc, vc, tables, lens, out, H, HKV, D, bs, max_blocks, scale, r0, r1);
-    return 0;
-}
-
-extern "C" int pd_supports_head_dim(int64_t D) { return D > 0; }
-
-// ---- y = x @ W^T with bf16 weights, float32 math (small row counts: decode steps) ----------
-// W is packed as [N / 32][K][32] bf16: column tile t holds columns 32t..32t+31, and within a
-// k row, position 2i is column i and 2i + 1 is column 16 + i, so one 64-byte load splits into
-// the two 16-column halves with a shift and a mask. Half the bytes of float32 weights, which is
-// what bounds these GEMMs when the rows are few.
-#ifdef __AVX512F__
-static inline void widen_bf16x32(const uint16_t* p, __m512& w0, __m512& w1) {
-    const __m512i w = _mm512_loadu_si512(p);
-    w0 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-    w1 = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int(0xFFFF0000u))));
-}
-
-// y[0:MT, 0:32] = x[0:MT, :] @ tile; the tile is bf16 [K][32] as packed, or float32 [K][32] plain.
-template <int MT, bool BF16>
-static inline void gemm_tile(const float* x, int64_t ldx, const void* p, int64_t K, float* y, int64_t ldy) {
-    __m512 acc[MT][2];
-    for (int m = 0; m < MT; m++) { acc[m][0] = _mm512_setzero_ps(); acc[m][1] = _mm512_setzero_ps(); }
-    for (int64_t k = 0; k < K; k++) {
-        __m512 w0, w1;
-        if (BF16) {
-            widen_bf16x32(static_cast<const uint16_t*>(p) + k * 32, w0, w1);
-        } else {
-            const float* f = static_cast<const float*>(p) + k * 32;
-            w0 = _mm512_loadu_ps(f);
-            w1 = _mm512_loadu_ps(f + 16);
-        }
-        for (int m = 0; m < MT; m++) {
-            const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
-            acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
-            acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
-        }
-    }
-    for (int m = 0; m < MT; m++) {
-        _mm512_storeu_ps(y + m * ldy, acc[m][0]);
-        _mm512_storeu_ps(y + m * ldy + 16, acc[m][1]);
-    }
-}
-
-template <bool BF16>
-static void gemm_rows(int mt, const float* x, int64_t ldx, const void* p, int64_t K, float* y, int64_t ldy) {
-    switch (mt) {
-#define PD_TILE(n) case n: gemm_tile<n, BF16>(x, ldx, p, K, y, ldy); break;
-        PD_TILE(1) PD_TILE(2) PD_TILE(3) PD_TILE(4) PD_TILE(5) PD_TILE(6)
-        PD_TILE(7) PD_TILE(8) PD_TILE(9) PD_TILE(10) PD_TILE(11) PD_TILE(12)
-#undef PD_TILE
-        default: break;
-    }
-}
-#endif
-
-// Column tiles [nt0, nt1) of y[M, N] = x[M, K] @ W^T (x, y row-major, contiguous).
-extern "C" int pd_linear_bf16w(const float* x, int64_t M, int64_t K, const uint16_t* p, int64_t N, float* y,
-                               int64_t nt0, int64_t nt1) {
-#ifdef __AVX512F__
-    const int64_t chunk = 192;   // rows whose x stays in L2 while every column tile passes over it
-    std::vector<float> buf;
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-        const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
-        const int64_t ntiles = (mc + 11) / 12;
-        if (ntiles > 1) buf.resize(K * 32);
-        for (int64_t nt = nt0; nt < nt1; nt++) {
-            const uint16_t* pt = p + nt * K * 32;
-            if (ntiles > 1) {   // several row tiles reuse this column tile: widen it once
-                float* b = buf.data();
-                for (int64_t k = 0; k < K; k++) {
-                    __m512 w0, w1;
-                    widen_bf16x32(pt + k * 32, w0, w1);
-                    _mm512_storeu_ps(b + k * 32, w0);
-                    _mm512_storeu_ps(b + k * 32 + 16, w1);
-                }
-            }
-            for (int64_t m = m0, t = 0; t < ntiles; t++) {
-                const int64_t rows = (m0 + mc - m) / (ntiles - t);   // balanced row tiles of <= 12
-                if (ntiles > 1) gemm_rows<false>(int(rows), x + m * K, K, buf.data(), K, y + m * N + nt * 32, N);
-                else gemm_rows<true>(int(rows), x + m * K, K, pt, K, y + m * N + nt * 32, N);
-                m += rows;
-            }
-        }
-    }
-    return 0;
-#else
-    return 1;
-#endif
-}
-
-extern "C" int pd_has_avx512() {
-#ifdef __AVX512F__
-    return 1;
-#else
-    return 0;
-#endif
-}
-"""
-
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c++17"]
-_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float] + [ctypes.c_int64] * 2
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+PARALLEL_MIN_ROWS = 64   # fewer rows run on the calling thread: splitting costs more than it saves
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -439,46 +76,16 @@ _tried = False
 _pool: ThreadPoolExecutor | None = None
 
 
-def _cache_dir() -> Path:
-    env = os.environ.get("PDSERVE_HOME")
-    return (Path(env).expanduser() if env else Path.home() / ".cache" / "pdserve") / "kernels"
-
-
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
-
-
 def _build() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if compiler is None:
-        log.info("no C++ compiler found: the CPU kernels are off, torch paths run instead")
+    from engine.kernel_build import build_library
+
+    path = build_library("pd_cpu_kernels", [CSRC / s for s in SOURCES], FLAGS)
+    if path is None:
         return None
-    key = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"pd_cpu_kernels-{key}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src, so = Path(tmp) / "k.cpp", Path(tmp) / "k.so"
-            src.write_text(_SOURCE)
-            proc = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(so)], capture_output=True, text=True)
-            if proc.returncode != 0:
-                log.warning("building the CPU kernels failed; torch paths run instead:\n%s", proc.stderr[-2000:])
-                return None
-            os.replace(so, target)   # atomic: concurrent builders each write a complete file
-    lib = ctypes.CDLL(str(target))
-    for name in ("pd_decode_attn_bf16", "pd_decode_attn_f32"):
+    lib = ctypes.CDLL(str(path))
+    for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-    lib.pd_supports_head_dim.argtypes, lib.pd_supports_head_dim.restype = [ctypes.c_int64], ctypes.c_int
-    lib.pd_linear_bf16w.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-    lib.pd_linear_bf16w.restype = ctypes.c_int
-    lib.pd_has_avx512.argtypes, lib.pd_has_avx512.restype = [], ctypes.c_int
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return lib
 
 
@@ -499,36 +106,133 @@ def load() -> ctypes.CDLL | None:
     return _lib
 
 
+def available() -> bool:
+    return load() is not None
+
+
+def _code(t: torch.Tensor) -> int:
+    return DTYPE_CODES[t.dtype]
+
+
+def _rows(fn, rows: int, before: tuple, after: tuple, weights: list[int] | None = None) -> None:
+    """fn(*before, r0, r1, *after) over [0, rows), split over torch's threads when worth it."""
+    threads = min(torch.get_num_threads(), rows)
+    if threads <= 1 or (weights is None and rows < PARALLEL_MIN_ROWS):
+        fn(*before, 0, rows, *after)
+        return
+    bounds = _split(weights, threads) if weights is not None else [
+        (rows * i // threads, rows * (i + 1) // threads) for i in range(threads)]
+    futures = [_executor().submit(fn, *before, a, b, *after) for a, b in bounds[1:]]
+    fn(*before, bounds[0][0], bounds[0][1], *after)
+    for fut in futures:
+        fut.result()
+
+
+# ---- elementwise ------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [rows, dim] (rows may be strided, last dim contiguous) in the weight's dtype."""
+    rows, dim = x.shape
+    out = torch.empty(rows, dim, dtype=x.dtype)
+    _rows(load().pd_rms_norm, rows, (x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), dim),
+          (dim, eps, _code(x)))
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place, rounded to its dtype); returns rms_norm(residual)."""
+    rows, dim = residual.shape
+    out = torch.empty_like(residual)
+    _rows(load().pd_add_rms_norm, rows, (x.data_ptr(), x.stride(0), residual.data_ptr(), weight.data_ptr(),
+                                         out.data_ptr()), (dim, eps, _code(x)))
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [rows, 2 * inter] contiguous -> silu(gate) * up, [rows, inter]."""
+    rows, width = gate_up.shape
+    inter = width // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    _rows(load().pd_silu_mul, rows, (gate_up.data_ptr(), out.data_ptr()), (inter, _code(gate_up)))
+    return out
+
+
+def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                   num_heads: int, num_kv_heads: int, head_dim: int,
+                   k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, slots: torch.Tensor | None) -> None:
+    """In place on qkv [rows, (H + 2 Hkv) * D] (contiguous): optional per-head RMSNorm of the q and
+    k heads, rotary at positions (cos/sin: [max_pos, D] in qkv's dtype), then k and v stored to the
+    caches' slots (when given). positions, slots: int64, contiguous."""
+    rows = qkv.shape[0]
+    null = None
+    store = k_cache is not None
+    _rows(load().pd_qkv_rope_store, rows, (qkv.data_ptr(),),
+          (num_heads, num_kv_heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+           q_weight.data_ptr() if q_weight is not None else null,
+           k_weight.data_ptr() if k_weight is not None else null, eps,
+           k_cache.data_ptr() if store else null, v_cache.data_ptr() if store else null,
+           slots.data_ptr() if store else null, _code(qkv), _code(k_cache) if store else 0))
+
+
+# ---- decode attention -------------------------------------------------------------------------
+
 def supports(cache: torch.Tensor, head_dim: int) -> bool:
-    lib = load()
-    return (lib is not None and cache.device.type == "cpu" and cache.dtype in (torch.bfloat16, torch.float32)
-            and cache.is_contiguous() and bool(lib.pd_supports_head_dim(head_dim)))
+    return (load() is not None and cache.device.type == "cpu" and cache.dtype in DTYPE_CODES
+            and cache.is_contiguous() and head_dim > 0)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [B, H, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks] int64;
-    context_lens: [B] int32. Returns [B, H, D] in q's dtype. Caller checks supports() first."""
-    lib = load()
+    """q: [B, H, D] float32 or bf16 (rows may be strided); caches: [num_blocks, block_size, Hkv, D];
+    block_tables: [B, max_blocks] int64; context_lens: [B] int32. Returns [B, H, D] in q's dtype.
+    Caller checks supports() first."""
     b, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
-    qf = q.to(torch.float32).contiguous()
-    out = torch.empty_like(qf)
+    if q.dtype not in DTYPE_CODES or q.stride(2) != 1 or q.stride(1) != d:
+        q = q.float().contiguous()
+    out = torch.empty(b, h, d, dtype=q.dtype)
     tables = block_tables.contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
-    fn = lib.pd_decode_attn_bf16 if k_cache.dtype == torch.bfloat16 else lib.pd_decode_attn_f32
-    args = (qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-            out.data_ptr(), h, hkv, d, bs, tables.shape[1], scale)
-    threads = min(torch.get_num_threads(), b)
+    lens = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
+    lens = lens.contiguous()
+    weights = lens.tolist() if torch.get_num_threads() > 1 and b > 1 else None
+    _rows(load().pd_decode_attention, b,
+          (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+           out.data_ptr(), h, hkv, d, bs, tables.shape[1], scale), (_code(q), _code(k_cache)), weights)
+    return out
+
+
+def prefill_attention_supported(q_dtype: torch.dtype, cache: torch.Tensor, head_dim: int) -> bool:
+    return (q_dtype == torch.bfloat16 and cache.dtype == torch.bfloat16 and head_dim in (64, 128)
+            and cache.numel() < 2**32 and amx_available())   # int32 dword offsets into one layer's cache
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                      start: int, scale: float, out: torch.Tensor) -> None:
+    """Causal attention of one sequence's queries at positions [start, start + n) over its cache
+    (the new K/V already stored): q [n, H, D] bf16 (rows may be strided), block_table int64 (the
+    sequence's blocks), out [n, H, D] bf16 contiguous, written in place. AMX only: callers check
+    prefill_attention_supported() first."""
+    n, h, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    table = block_table.contiguous()
+    lib = load()
+    args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), start, n,
+            out.data_ptr(), h, hkv, d, bs, scale)
+    groups, g = hkv, h // hkv
+    threads = min(torch.get_num_threads(), groups)
     if threads <= 1:
-        fn(*args, 0, b)
+        rc = lib.pd_prefill_attention(*args, 0, h)
     else:
-        for fut in [_executor().submit(fn, *args, r0, r1) for r0, r1 in _split(lens.tolist(), threads)]:
-            fut.result()
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+        bounds = [groups * i // threads * g for i in range(threads + 1)]
+        futures = [_executor().submit(lib.pd_prefill_attention, *args, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
+        rc = lib.pd_prefill_attention(*args, bounds[0], bounds[1])
+        rc = max([rc] + [fut.result() for fut in futures])
+    if rc:
+        raise RuntimeError("AMX prefill attention kernel refused its inputs")
 
 
-# ---- bf16-weight linear ---------------------------------------------------------------------
+# ---- bf16-weight linear -----------------------------------------------------------------------
 
 def bf16_linear_available() -> bool:
     lib = load()
@@ -552,8 +256,8 @@ def linear_bf16w(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     tiles = packed.shape[0]
     y = torch.empty(m, tiles * 32, dtype=torch.float32)
-    args = (x.data_ptr(), m, k, packed.data_ptr(), tiles * 32, y.data_ptr())
     threads = min(torch.get_num_threads(), tiles)
+    args = (x.data_ptr(), m, k, packed.data_ptr(), tiles * 32, y.data_ptr())
     if threads <= 1:
         lib.pd_linear_bf16w(*args, 0, tiles)
     else:
@@ -562,6 +266,96 @@ def linear_bf16w(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
             fut.result()
     return y
 
+
+# ---- sampling ---------------------------------------------------------------------------------
+
+def sample(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row: argmax where temps is 0, else the inverse-CDF draw of softmax(logits / temp) at
+    u (see engine/layers/sampler.py). logits [B, V] float32 or bf16 (last dim contiguous);
+    temps float32 [B]; u float64 [B]. Returns int64 [B]."""
+    rows, vocab = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(rows, dtype=torch.int64)
+    load().pd_sample(logits.data_ptr(), logits.stride(0), rows, vocab, temps.data_ptr(), u.data_ptr(),
+                     out.data_ptr(), _code(logits))
+    return out
+
+
+# ---- fused decode step -------------------------------------------------------------------------
+
+def decode_forward(m: int, num_layers: int, hidden: int, nq: int, nkv: int, head_dim: int, inter: int,
+                   layers: torch.Tensor, eps: float, qk_eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                   block_size: int, scale: float, residual: torch.Tensor, final_norm: torch.Tensor, out: torch.Tensor,
+                   scratch: torch.Tensor) -> None:
+    """All layers of a decode step (see engine/csrc/decode_forward.cpp); residual [m, hidden] holds
+    the embeddings on entry and the residual stream on return; out gets the final norm."""
+    tables = tables.contiguous()
+    rc = load().pd_decode_forward(
+        m, num_layers, hidden, nq, nkv, head_dim, inter, layers.data_ptr(), eps, qk_eps, cos.data_ptr(),
+        sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1],
+        block_size, scale, residual.data_ptr(), final_norm.data_ptr(), out.data_ptr(), scratch.data_ptr())
+    if rc:
+        raise RuntimeError("fused decode kernel failed")
+
+
+# ---- AMX bf16 linear -------------------------------------------------------------------------
+
+_amx: bool | None = None
+
+
+def amx_available() -> bool:
+    """AMX bf16 tiles compiled in and granted by the OS (asked once per process)."""
+    global _amx
+    if _amx is None:
+        lib = load()
+        _amx = lib is not None and bool(lib.pd_amx_init())
+    return _amx
+
+
+def amx_packable(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return n % 64 == 0 and k % 32 == 0
+
+
+def pack_amx_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> [N / 64, K / 32, 4, 16, 32] (bf16; int8 weights stay int8): per 64 columns and
+    32-wide K slice, four VNNI B tiles, tile[r][2c + p] = W[64 q + 16 j + c][32 kc + 2 r + p]."""
+    n, k = weight.shape
+    w = weight.detach()
+    if w.dtype != torch.int8:
+        w = w.to(torch.bfloat16)
+    w = w.reshape(n // 64, 4, 16, k // 32, 16, 2)                                      # q, j, c, kc, r, p
+    return w.permute(0, 3, 1, 4, 2, 5).contiguous()                                   # q, kc, j, r, c, p
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16 @ W^T (+ bias) for W packed by pack_amx_weight; bf16 out, float32 accumulation.
+    int8 W (w8a16) takes its bf16 per-output-column scale: bf16(bf16(x @ W^T) * scale) (+ bias)."""
+    x = x.contiguous()
+    m, k = x.shape
+    groups = packed.shape[0]
+    n = groups * 64
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    lib = load()
+    args = (x.data_ptr(), m, k, packed.data_ptr(), n, scale.data_ptr() if scale is not None else None,
+            bias.data_ptr() if bias is not None else None, y.data_ptr())
+    threads = min(torch.get_num_threads(), groups)
+    if threads <= 1:
+        rc = lib.pd_amx_linear_q(*args, 0, groups)
+    else:
+        bounds = [groups * i // threads for i in range(threads + 1)]
+        futures = [_executor().submit(lib.pd_amx_linear_q, *args, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
+        rc = lib.pd_amx_linear_q(*args, bounds[0], bounds[1])
+        rc = max([rc] + [fut.result() for fut in futures])
+    if rc:
+        raise RuntimeError("AMX linear kernel refused its inputs (no AMX permission or unsupported shape)")
+    return y
+
+
+# ---- threads ----------------------------------------------------------------------------------
 
 def _forget_pool() -> None:   # a forked child has none of the parent's worker threads
     global _pool, _lock
@@ -581,7 +375,7 @@ def _executor() -> ThreadPoolExecutor:
 
 
 def _split(lens: list[int], parts: int) -> list[tuple[int, int]]:
-    """Contiguous row ranges of about equal total context."""
+    """Contiguous row ranges of about equal total weight."""
     total, bounds, acc, start = sum(lens), [], 0, 0
     for i, n in enumerate(lens):
         acc += n

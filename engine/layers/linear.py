@@ -10,6 +10,10 @@ from engine.layers import cpu_kernels
 # Row counts up to this use the bf16-weight kernel when it is set up (decode steps); more rows
 # (prefill) use the oneDNN float32 GEMM, which is faster once weights are reused across rows.
 BF16_KERNEL_MAX_ROWS = 128
+# bf16 compute on AMX: row counts up to this use the AMX kernel over weights packed on huge pages
+# (decode steps stream the weights; measured 1.2-1.4x oneDNN's prepacked GEMM at 1-64 rows);
+# more rows (prefill) use oneDNN's prepacked GEMM, which blocks better for large row counts.
+AMX_KERNEL_MAX_ROWS = 64
 
 
 class Linear(nn.Module):
@@ -27,6 +31,8 @@ class Linear(nn.Module):
         self.scale: torch.Tensor | None = None     # [out], one scale per output channel
         self.packed: torch.Tensor | None = None    # oneDNN-blocked copy of weight after pack_for_cpu()
         self.packed_bf16: torch.Tensor | None = None   # cpu_kernels bf16 layout, after pack_for_cpu(bf16_weights=True)
+        self.packed_amx: torch.Tensor | None = None    # cpu_kernels AMX tile layout, after pack_for_cpu(amx=True)
+        self.amx_scale: torch.Tensor | None = None     # w8a16: the scale packed_amx (int8) is multiplied by
 
     def _shard_slice(self, shard_id: int | None) -> slice:
         if shard_id is None:
@@ -51,8 +57,12 @@ class Linear(nn.Module):
         self.scale = scale.to(self.weight.dtype)
         self.weight = None  # type: ignore[assignment]
 
-    def pack_for_cpu(self, bf16_weights: bool = False) -> bool:
+    def pack_for_cpu(self, bf16_weights: bool = False, amx: bool = False) -> bool:
         """Set up a faster CPU forward; returns whether one is in use.
+
+        amx: bf16 weights and activations on a CPU with AMX. Forwards of up to AMX_KERNEL_MAX_ROWS
+        rows then use cpu_kernels.amx_linear over a tile-packed copy (packed_amx, which the model
+        runner may move onto huge pages); larger ones the oneDNN-prepacked weight below.
 
         bf16_weights: the float32 weight holds bf16 values (a bf16 checkpoint computed in float32).
         Forwards of up to BF16_KERNEL_MAX_ROWS rows (decode steps) then multiply by a bf16 copy in
@@ -61,10 +71,14 @@ class Linear(nn.Module):
         Otherwise: a oneDNN-prepacked copy of the weight, whose GEMMs run well above the plain
         layout's for the small row counts of decode steps (~1.2-1.7x at 16-64 rows in float32).
         Either is checked against F.linear before use."""
+        if self.qweight is not None and amx:
+            return self._pack_amx_int8()
         if self.qweight is not None or self.weight is None or self.weight.device.type != "cpu":
             return False
         if bf16_weights and self._pack_bf16():
             return True
+        if amx:
+            self._pack_amx()
         if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
             return False
         w = self.weight.data
@@ -78,6 +92,33 @@ class Linear(nn.Module):
         if ok:
             self.packed = packed
         return ok
+
+    def _pack_amx(self) -> bool:
+        w = self.weight.data
+        if w.dtype != torch.bfloat16 or not cpu_kernels.amx_packable(w) or not cpu_kernels.amx_available():
+            return False
+        packed = cpu_kernels.pack_amx_weight(w)
+        x = torch.randn(5, self.in_features, generator=torch.Generator().manual_seed(0)).to(w.dtype)
+        got = cpu_kernels.amx_linear(x, packed, self.bias).float()
+        if not torch.allclose(got, F.linear(x, w, self.bias).float(), rtol=1e-2, atol=1e-2):
+            return False
+        self.packed_amx = packed
+        return True
+
+    def _pack_amx_int8(self) -> bool:
+        """w8a16 on AMX: int8 tiles widened to bf16 inside the kernel, half the weight bytes streamed."""
+        q, scale = self.qweight, self.scale
+        if (q.device.type != "cpu" or scale.dtype != torch.bfloat16 or not cpu_kernels.amx_packable(q)
+                or not cpu_kernels.amx_available()):
+            return False
+        packed = cpu_kernels.pack_amx_weight(q)
+        x = torch.randn(5, self.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        got = cpu_kernels.amx_linear(x, packed, self.bias, scale)
+        want = self._forward_w8a16(x)
+        if not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2):
+            return False
+        self.packed_amx, self.amx_scale = packed, scale
+        return True
 
     def _pack_bf16(self) -> bool:
         w = self.weight.data
@@ -95,6 +136,9 @@ class Linear(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.packed_amx is not None and x.dim() == 2 and x.shape[0] <= AMX_KERNEL_MAX_ROWS
+                and x.dtype == torch.bfloat16):
+            return cpu_kernels.amx_linear(x, self.packed_amx, self.bias, self.amx_scale)
         if (self.packed_bf16 is not None and x.dim() == 2 and x.shape[0] <= BF16_KERNEL_MAX_ROWS
                 and x.dtype == torch.float32):
             y = cpu_kernels.linear_bf16w(x, self.packed_bf16)
@@ -103,5 +147,8 @@ class Linear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.qweight is None:
             return F.linear(x, self.weight, self.bias)
+        return self._forward_w8a16(x)
+
+    def _forward_w8a16(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.qweight.to(x.dtype)) * self.scale
         return y if self.bias is None else y + self.bias

@@ -1,18 +1,24 @@
-"""Llama-family decoder (Llama 2/3, Qwen3). Qwen3 differs only by RMS norms on q and k per head."""
+"""Llama-family decoder (Llama 2/3, Qwen3). Qwen3 differs only by RMS norms on q and k per head.
+
+Everything but the GEMMs goes through ``self.backend`` (engine/layers/backend.py): torch ops by
+default, the fused native CPU kernels where the model runner selects them. The residual stream
+is carried beside the layer output, so each residual add fuses with the RMS norm after it."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import Attention, AttentionMetadata
+from engine.layers.backend import TORCH, TorchBackend
 from engine.layers.linear import Linear
-from engine.layers.norm import RMSNorm, rms_norm
+from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
 
 
 class SelfAttention(nn.Module):
+    backend: TorchBackend = TORCH
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -26,20 +32,14 @@ class SelfAttention(nn.Module):
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        # q and k heads side by side ([T, nq + nkv, d]), so norm and rotary run once for both.
-        qk = qkv[:, :self.q_size + self.kv_size].view(-1, nq + nkv, d)
-        v = qkv[:, self.q_size + self.kv_size:].view(-1, nkv, d)
-        if self.q_norm is not None:
-            weight = torch.cat([self.q_norm.weight.expand(nq, d), self.k_norm.weight.expand(nkv, d)])
-            qk = rms_norm(qk, weight, self.q_norm.eps)
-        qk = self.rotary.rotate(positions, qk)
-        out = self.attn(qk[:, :nq], qk[:, nq:], v.contiguous(), meta)
+        q, k, v = self.backend.qkv_rope_store(self, self.qkv_proj(x), positions, meta)
+        out = self.backend.attention(self.attn, q, k, v, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
+    backend: TorchBackend = TORCH
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
@@ -47,11 +47,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x), self.inter))
 
 
 class DecoderLayer(nn.Module):
+    backend: TorchBackend = TORCH
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -59,12 +60,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, residual: the stream before it (None at layer 0).
+        Returns this layer's output and the stream before it."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, h = x, self.backend.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h, residual = self.backend.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, positions, meta)
+        norm = self.post_attention_layernorm
+        h, residual = self.backend.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
+    backend: TorchBackend = TORCH
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -74,10 +87,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, meta)
+        if residual is None:
+            return self.backend.rms_norm(x, self.norm.weight, self.norm.eps)
+        return self.backend.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -86,6 +101,8 @@ class LlamaForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+
+    backend: TorchBackend = TORCH
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -96,6 +113,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.num_decode and not meta.prefills:   # decode-only: the backend may run it as one call
+            hidden = self.backend.decode_model(self, input_ids, positions, meta)
+            if hidden is not None:
+                return hidden
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -103,3 +124,9 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def set_backend(self, backend: TorchBackend) -> None:
+        """Every module that runs ops through a backend uses this one from now on."""
+        for module in self.modules():
+            if hasattr(type(module), "backend"):
+                module.backend = backend

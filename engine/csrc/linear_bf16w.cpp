@@ -1,0 +1,99 @@
+// y = x @ W^T with bf16 weights and float32 activations, float32 math (decode rows of a float32
+// compute dtype over a bf16 checkpoint).
+#include <vector>
+#include "pd_common.h"
+
+using namespace pd;
+
+// ---- y = x @ W^T with bf16 weights, float32 math (small row counts: decode steps) ----------
+// W is packed as [N / 32][K][32] bf16: column tile t holds columns 32t..32t+31, and within a
+// k row, position 2i is column i and 2i + 1 is column 16 + i, so one 64-byte load splits into
+// the two 16-column halves with a shift and a mask. Half the bytes of float32 weights, which is
+// what bounds these GEMMs when the rows are few.
+#ifdef PD_AVX512
+static inline void widen_bf16x32(const uint16_t* p, __m512& w0, __m512& w1) {
+    const __m512i w = _mm512_loadu_si512(p);
+    w0 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    w1 = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+
+// y[0:MT, 0:32] = x[0:MT, :] @ tile; the tile is bf16 [K][32] as packed, or float32 [K][32] plain.
+template <int MT, bool BF16>
+static inline void gemm_tile(const float* x, int64_t ldx, const void* p, int64_t K, float* y, int64_t ldy) {
+    __m512 acc[MT][2];
+    for (int m = 0; m < MT; m++) { acc[m][0] = _mm512_setzero_ps(); acc[m][1] = _mm512_setzero_ps(); }
+    for (int64_t k = 0; k < K; k++) {
+        __m512 w0, w1;
+        if (BF16) {
+            widen_bf16x32(static_cast<const uint16_t*>(p) + k * 32, w0, w1);
+        } else {
+            const float* f = static_cast<const float*>(p) + k * 32;
+            w0 = _mm512_loadu_ps(f);
+            w1 = _mm512_loadu_ps(f + 16);
+        }
+        for (int m = 0; m < MT; m++) {
+            const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+            acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
+        }
+    }
+    for (int m = 0; m < MT; m++) {
+        _mm512_storeu_ps(y + m * ldy, acc[m][0]);
+        _mm512_storeu_ps(y + m * ldy + 16, acc[m][1]);
+    }
+}
+
+template <bool BF16>
+static void gemm_rows(int mt, const float* x, int64_t ldx, const void* p, int64_t K, float* y, int64_t ldy) {
+    switch (mt) {
+#define PD_TILE(n) case n: gemm_tile<n, BF16>(x, ldx, p, K, y, ldy); break;
+        PD_TILE(1) PD_TILE(2) PD_TILE(3) PD_TILE(4) PD_TILE(5) PD_TILE(6)
+        PD_TILE(7) PD_TILE(8) PD_TILE(9) PD_TILE(10) PD_TILE(11) PD_TILE(12)
+#undef PD_TILE
+        default: break;
+    }
+}
+#endif
+
+// Column tiles [nt0, nt1) of y[M, N] = x[M, K] @ W^T (x, y row-major, contiguous).
+extern "C" int pd_linear_bf16w(const float* x, int64_t M, int64_t K, const uint16_t* p, int64_t N, float* y,
+                               int64_t nt0, int64_t nt1) {
+#ifdef PD_AVX512
+    const int64_t chunk = 192;   // rows whose x stays in L2 while every column tile passes over it
+    std::vector<float> buf;
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
+        const int64_t ntiles = (mc + 11) / 12;
+        if (ntiles > 1) buf.resize(K * 32);
+        for (int64_t nt = nt0; nt < nt1; nt++) {
+            const uint16_t* pt = p + nt * K * 32;
+            if (ntiles > 1) {   // several row tiles reuse this column tile: widen it once
+                float* b = buf.data();
+                for (int64_t k = 0; k < K; k++) {
+                    __m512 w0, w1;
+                    widen_bf16x32(pt + k * 32, w0, w1);
+                    _mm512_storeu_ps(b + k * 32, w0);
+                    _mm512_storeu_ps(b + k * 32 + 16, w1);
+                }
+            }
+            for (int64_t m = m0, t = 0; t < ntiles; t++) {
+                const int64_t rows = (m0 + mc - m) / (ntiles - t);   // balanced row tiles of <= 12
+                if (ntiles > 1) gemm_rows<false>(int(rows), x + m * K, K, buf.data(), K, y + m * N + nt * 32, N);
+                else gemm_rows<true>(int(rows), x + m * K, K, pt, K, y + m * N + nt * 32, N);
+                m += rows;
+            }
+        }
+    }
+    return 0;
+#else
+    return 1;
+#endif
+}
+
+extern "C" int pd_has_avx512() {
+#ifdef PD_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}

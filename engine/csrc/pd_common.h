@@ -1,0 +1,108 @@
+// Shared helpers of pdserve's CPU kernels: bfloat16 conversion, AVX-512 loads/stores of
+// float32 and bfloat16 rows, and a fast exp. Every kernel has a scalar path, so the library
+// builds and runs on any x86-64 or ARM CPU; the AVX-512 paths are compiled in where the
+// build machine (-march=native) has AVX-512.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define PD_AVX512 1
+#include <immintrin.h>
+#endif
+
+namespace pd {
+
+using bf16 = uint16_t;   // bfloat16 bits
+
+// dtype codes shared with the Python side (engine/layers/cpu_kernels.py)
+enum DType : int { F32 = 0, BF16 = 1 };
+
+static inline float to_f32(float x) { return x; }
+static inline float to_f32(bf16 x) {
+    uint32_t u = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// float32 -> bfloat16, round to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN.
+static inline bf16 f32_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return bf16((u >> 16) | 0x40);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return bf16(u >> 16);
+}
+
+template <typename T> static inline T from_f32(float x);
+template <> inline float from_f32<float>(float x) { return x; }
+template <> inline bf16 from_f32<bf16>(float x) { return f32_to_bf16(x); }
+
+// x rounded to T and back: what a value computed in float32 becomes once stored as T.
+template <typename T> static inline float round_as(float x) { return to_f32(from_f32<T>(x)); }
+
+#ifdef PD_AVX512
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const bf16* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 load16(const bf16* p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// 16 float32 -> 16 bfloat16 (round to nearest even, NaN kept) in a 256-bit register.
+static inline __m256i cvt_bf16(__m512 v) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
+}
+
+static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline void store16(bf16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, cvt_bf16(v)); }
+static inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+static inline void store16(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, cvt_bf16(v)); }
+
+// v rounded to T and widened back to float32.
+template <typename T> static inline __m512 round_as16(__m512 v);
+template <> inline __m512 round_as16<float>(__m512 v) { return v; }
+template <> inline __m512 round_as16<bf16>(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(cvt_bf16(v)), 16));
+}
+
+static inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
+// exp(x): x*log2(e) = k + f, f in [-0.5, 0.5], 2^f by a degree-6 polynomial; relative error ~2e-7.
+// Inputs below ~-87 give 0 (as expf), above ~88 give inf.
+static inline __m512 exp16(__m512 x) {
+    const __m512 log2e = _mm512_set1_ps(1.4426950408889634f);
+    const __m512 c1 = _mm512_set1_ps(0.6931471805599453f), c2 = _mm512_set1_ps(0.2402265069591007f),
+                 c3 = _mm512_set1_ps(0.05550410866482158f), c4 = _mm512_set1_ps(0.009618129107628477f),
+                 c5 = _mm512_set1_ps(0.0013333558146428443f), c6 = _mm512_set1_ps(0.00015403530393381606f),
+                 one = _mm512_set1_ps(1.f);
+    __m512 t = _mm512_mul_ps(x, log2e);
+    t = _mm512_max_ps(t, _mm512_set1_ps(-150.f));
+    t = _mm512_min_ps(t, _mm512_set1_ps(150.f));
+    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, k);
+    __m512 p = _mm512_fmadd_ps(c6, f, c5);
+    p = _mm512_fmadd_ps(p, f, c4);
+    p = _mm512_fmadd_ps(p, f, c3);
+    p = _mm512_fmadd_ps(p, f, c2);
+    p = _mm512_fmadd_ps(p, f, c1);
+    p = _mm512_fmadd_ps(p, f, one);
+    return _mm512_scalef_ps(p, k);
+}
+#endif
+
+}  // namespace pd

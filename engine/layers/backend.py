@@ -1,0 +1,260 @@
+"""The ops a decoder layer runs besides its GEMMs, one implementation per backend.
+
+``TorchBackend`` is the reference: plain torch ops, on any device (CUDA included, where
+flash-attn serves attention when installed). ``NativeCpuBackend`` runs the same ops through the
+fused kernels of ``engine.layers.cpu_kernels`` with the same rounding points, so results match
+the torch path up to float32 summation order. ``select_backend`` picks one once, at model load;
+the modules only ever call ``self.backend.<op>``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers import cpu_kernels
+from engine.layers.attention import AttentionMetadata, DecodeGroup
+from engine.layers.norm import rms_norm
+
+if TYPE_CHECKING:
+    from engine.layers.attention import Attention
+    from engine.models.llama import SelfAttention
+
+log = logging.getLogger(__name__)
+
+FUSED_DECODE_MAX_ROWS = 64   # the AMX linear's row limit (engine/layers/linear.py AMX_KERNEL_MAX_ROWS)
+
+
+class TorchBackend:
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual + x (in place where possible), and its RMS norm."""
+        residual = residual.add_(x)
+        return rms_norm(residual, weight, eps), residual
+
+    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        gate, up = gate_up.split([inter, inter], dim=-1)
+        return F.silu(gate).mul_(up)
+
+    def qkv_rope_store(self, layer: "SelfAttention", qkv: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q/k norms and rotary on the fused qkv rows, K/V stored to the cache; returns q, k, v."""
+        nq, nkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        # q and k heads side by side ([T, nq + nkv, d]), so norm and rotary run once for both.
+        qk = qkv[:, :layer.q_size + layer.kv_size].view(-1, nq + nkv, d)
+        v = qkv[:, layer.q_size + layer.kv_size:].view(-1, nkv, d)
+        if layer.q_norm is not None:
+            weight = torch.cat([layer.q_norm.weight.expand(nq, d), layer.k_norm.weight.expand(nkv, d)])
+            qk = rms_norm(qk, weight, layer.q_norm.eps)
+        qk = layer.rotary.rotate(positions, qk)
+        q, k, v = qk[:, :nq], qk[:, nq:], v.contiguous()
+        layer.attn.store(k, v, meta.slot_mapping)
+        return q, k, v
+
+    def attention(self, attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D] (already in the cache). Returns [T, H, D]."""
+        return attn.attend(q, k, v, meta)
+
+    def decode_model(self, model, input_ids: torch.Tensor, positions: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor | None:
+        """The whole decode step's final hidden states in one fused call, or None: run layer by layer."""
+        return None
+
+    def prepare_decode(self, runner, decode_seqs: list, lens: list[int], meta: AttentionMetadata) -> None:
+        """Decode-row attention metadata (rows sorted by context length)."""
+        bs, dev = runner.block_size, runner.device
+        nd = len(decode_seqs)
+        if dev.type == "cpu":
+            # Up to 4 groups of >= 8 rows (rows are sorted by length): each gathers and attends over
+            # its own longest context only, instead of every row padding to the batch's longest.
+            n_groups = max(1, min(4, nd // 8))
+            bounds = [nd * g // n_groups for g in range(n_groups + 1)]
+            rows = 0
+            for a, b in zip(bounds, bounds[1:]):
+                width = -(-lens[b - 1] // bs)
+                flat: list[int] = []
+                for s in decode_seqs[a:b]:
+                    table = s.block_table[:width]
+                    flat.extend(table)
+                    if len(table) < width:
+                        flat.extend([0] * (width - len(table)))
+                past_end = torch.arange(width * bs)[None, :] >= torch.tensor(lens[a:b])[:, None]
+                mask = torch.zeros(past_end.shape, dtype=runner.dtype).masked_fill_(past_end, float("-inf"))
+                meta.decode_groups.append(DecodeGroup(a, b, torch.tensor(flat, dtype=torch.int64), mask[:, None, None, :]))
+                rows = max(rows, len(flat))
+            meta.decode_kv_buffers = runner.decode_buffers(rows)
+            return
+        max_blocks = max(len(s.block_table) for s in decode_seqs)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decode_seqs]
+        ctx = torch.tensor(lens, dtype=torch.int32, device=dev)
+        meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)
+        meta.decode_context_lens = ctx
+        meta.decode_mask = (torch.arange(max_blocks * bs, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
+
+
+class FusedDecode:
+    """A bf16 model's decode path as one native call (cpu_kernels.decode_forward): every weight,
+    norm and cache pointer gathered once; scratch reused across steps. Only for models whose
+    linears all run the AMX kernel; build() returns None otherwise."""
+
+    PTRS = ("in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gu_w", "gu_b", "down_w", "down_b",
+            "q_norm", "k_norm", "k_cache", "v_cache", "qkv_s", "o_s", "gu_s", "down_s")
+
+    def __init__(self, model, layers: torch.Tensor) -> None:
+        cfg = model.config
+        self.model = model
+        self.layers = layers
+        self.num_layers, self.hidden, self.inter = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        self.nq, self.nkv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.rotary = model.model.layers[0].self_attn.rotary
+        self.norm = model.model.norm
+        self.scratch = torch.empty(0, dtype=torch.bfloat16)
+
+    @classmethod
+    def build(cls, model) -> "FusedDecode | None":
+        ptrs: list[int] = []
+        for layer in model.model.layers:
+            sa, mlp = layer.self_attn, layer.mlp
+            linears = (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(lin.packed_amx is None for lin in linears) or sa.attn.k_cache.dtype != torch.bfloat16:
+                return None
+            if (sa.rotary.cos.dtype != torch.bfloat16 or layer.input_layernorm.weight.dtype != torch.bfloat16
+                    or model.model.embed_tokens.weight.dtype != torch.bfloat16):
+                return None
+
+            def addr(t):
+                return t.data_ptr() if t is not None else 0
+            ptrs += [addr(layer.input_layernorm.weight), addr(layer.post_attention_layernorm.weight),
+                     addr(sa.qkv_proj.packed_amx), addr(sa.qkv_proj.bias), addr(sa.o_proj.packed_amx),
+                     addr(sa.o_proj.bias), addr(mlp.gate_up_proj.packed_amx), addr(mlp.gate_up_proj.bias),
+                     addr(mlp.down_proj.packed_amx), addr(mlp.down_proj.bias),
+                     addr(sa.q_norm.weight if sa.q_norm is not None else None),
+                     addr(sa.k_norm.weight if sa.k_norm is not None else None),
+                     addr(sa.attn.k_cache), addr(sa.attn.v_cache)] + [addr(lin.amx_scale) for lin in linears]
+        return cls(model, torch.tensor(ptrs, dtype=torch.int64))
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        m = x.shape[0]
+        width = self.hidden * 3 + (self.nq + 2 * self.nkv) * self.head_dim + self.nq * self.head_dim + 3 * self.inter
+        if self.scratch.numel() < m * width:
+            self.scratch = torch.empty(max(m, 16) * width, dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        attn = self.model.model.layers[0].self_attn
+        qn = attn.q_norm
+        cpu_kernels.decode_forward(
+            m, self.num_layers, self.hidden, self.nq, self.nkv, self.head_dim, self.inter, self.layers, self.eps,
+            qn.eps if qn is not None else 0.0, self.rotary.cos, self.rotary.sin, positions, meta.slot_mapping,
+            meta.decode_block_tables, meta.decode_context_lens, attn.attn.k_cache.shape[1], attn.attn.scale, x,
+            self.norm.weight, out, self.scratch)
+        return out
+
+
+class NativeCpuBackend(TorchBackend):
+    """The fused CPU kernels (float32 or bf16 activations; the KV cache float32 or bf16)."""
+
+    name = "native-cpu"
+
+    def __init__(self) -> None:
+        self._fused: dict[int, FusedDecode | None] = {}
+
+    def decode_model(self, model, input_ids: torch.Tensor, positions: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor | None:
+        # Decode-only steps of a bf16 AMX model on one thread (the fused call has no thread split).
+        if (meta.prefills or not meta.decode_native or torch.get_num_threads() != 1
+                or input_ids.shape[0] > FUSED_DECODE_MAX_ROWS):
+            return None
+        key = id(model)
+        if key not in self._fused:
+            self._fused[key] = FusedDecode.build(model)
+        fused = self._fused[key]
+        if fused is None:
+            return None
+        return fused(model.model.embed_tokens(input_ids), positions, meta)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() != 2 or x.stride(-1) != 1 or x.dtype != weight.dtype:
+            return rms_norm(x, weight, eps)
+        return cpu_kernels.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.stride(-1) != 1 or not residual.is_contiguous() or x.dtype != residual.dtype:
+            return super().add_rms_norm(x, residual, weight, eps)
+        return cpu_kernels.add_rms_norm(x, residual, weight, eps), residual
+
+    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        if not gate_up.is_contiguous():
+            return super().silu_mul(gate_up, inter)
+        return cpu_kernels.silu_mul(gate_up)
+
+    def qkv_rope_store(self, layer: "SelfAttention", qkv: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rot = layer.rotary
+        if not qkv.is_contiguous() or rot.cos.dtype != qkv.dtype:
+            return super().qkv_rope_store(layer, qkv, positions, meta)
+        nq, nkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        attn = layer.attn
+        qn, kn = layer.q_norm, layer.k_norm
+        cpu_kernels.qkv_rope_store(
+            qkv, positions, rot.cos, rot.sin, qn.weight if qn is not None else None,
+            kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0, nq, nkv, d,
+            attn.k_cache, attn.v_cache, meta.slot_mapping)
+        q = qkv[:, :layer.q_size].view(-1, nq, d)
+        k = qkv[:, layer.q_size:layer.q_size + layer.kv_size].view(-1, nkv, d)
+        v = qkv[:, layer.q_size + layer.kv_size:].view(-1, nkv, d)
+        return q, k, v
+
+    def attention(self, attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        nd = meta.num_decode
+        if nd and not meta.prefills:
+            return cpu_kernels.decode_attention(q, attn.k_cache, attn.v_cache, meta.decode_block_tables,
+                                                meta.decode_context_lens, attn.scale)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        if nd:
+            out[:nd] = cpu_kernels.decode_attention(q[:nd], attn.k_cache, attn.v_cache, meta.decode_block_tables,
+                                                    meta.decode_context_lens, attn.scale)
+        amx = cpu_kernels.prefill_attention_supported(q.dtype, attn.k_cache, attn.head_dim)
+        for seg in meta.prefills:
+            if amx:   # straight from the cache blocks, cached prefix or not
+                n = seg.token_end - seg.token_start
+                cpu_kernels.prefill_attention(q[seg.token_start:seg.token_end], attn.k_cache, attn.v_cache,
+                                              seg.block_table, seg.context_len - n, attn.scale,
+                                              out[seg.token_start:seg.token_end])
+            else:
+                out[seg.token_start:seg.token_end] = attn.prefill_sdpa(q, k, v, seg)
+        return out
+
+    def prepare_decode(self, runner, decode_seqs: list, lens: list[int], meta: AttentionMetadata) -> None:
+        bs = runner.block_size
+        width = -(-lens[-1] // bs)   # rows are sorted by length
+        meta.decode_native = True
+        meta.decode_block_tables = torch.tensor(
+            [s.block_table[:width] + [0] * (width - min(width, len(s.block_table))) for s in decode_seqs],
+            dtype=torch.int64)
+        meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32)
+
+
+TORCH = TorchBackend()
+
+
+def select_backend(device: torch.device, kv_cache: torch.Tensor, head_dim: int,
+                   compute_dtype: torch.dtype) -> TorchBackend:
+    """The backend for this model: the native CPU kernels where they build and cover the model's
+    dtypes, else torch. Decided once, at model load."""
+    if device.type != "cpu":
+        return TORCH
+    if compute_dtype not in cpu_kernels.DTYPE_CODES:
+        return TORCH
+    if not cpu_kernels.supports(kv_cache, head_dim):
+        return TORCH
+    return NativeCpuBackend()
