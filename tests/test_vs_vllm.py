@@ -94,9 +94,13 @@ def test_kept_up_and_latency_growth():
     assert k["fraction_of_nominal"] == pytest.approx(480 / 512)
     assert k["workload_offered_tok_s"] == pytest.approx(12800 / 24.75)
     assert k["latency_growth"] == pytest.approx(1.0) and k["kept_up"]
-    growing = _result(output_throughput=300.0, latencies=[1.0 + 0.1 * i for i in range(100)])   # vLLM's key
+    # queueing: latency grows over the run (vLLM's per-request key is `latencies`)
+    growing = _result(output_throughput=480.0, latencies=[1.0 + 0.1 * i for i in range(100)])
     k = vs.kept_up(growing, 4, 128, arrivals, outs)
     assert k["latency_growth"] > 1.5 and not k["kept_up"]
+    # batching everything: latency flat but throughput far below the offered load
+    k = vs.kept_up(_result(output_throughput=250.0, e2els=[20.0] * 100), 4, 128, arrivals, outs)
+    assert k["latency_growth"] == pytest.approx(1.0) and not k["kept_up"]
     assert not vs.kept_up(_result(failed=1, e2els=[2.0] * 100), 4, 128, arrivals, outs)["kept_up"]
     assert vs.latency_growth([1.0, 2.0, 0.0], None) is None      # too few requests
     assert vs.latency_growth([1.0] * 5 + [3.0] * 5, [""] * 10) == pytest.approx(3.0)
