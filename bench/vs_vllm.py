@@ -706,6 +706,7 @@ class Record:
     git: dict[str, Any] = field(default_factory=git_info)
     commands: list[dict[str, Any]] = field(default_factory=list)
     leftovers: list[dict[str, Any]] = field(default_factory=list)
+    partial: dict[str, Any] = field(default_factory=dict)     # what finished before an interruption
 
     def start(self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None, log_name: str | None = None,
               load_before: float | None = None) -> ProcessGroup:
@@ -795,6 +796,7 @@ def run_offline(args: argparse.Namespace, rec: Record, model: str) -> dict[str, 
         pair["ratio"] = ratio(pair["pdserve"]["output_tok_s"], pair["vllm"]["output_tok_s"])
         pairs.append((pair["pdserve"]["output_tok_s"], pair["vllm"]["output_tok_s"]))
         runs.append(pair)
+        rec.partial["pairs"] = runs
     med = median_ratio(pairs)
     lines = ["| pair | pdserve tok/s | vLLM tok/s | pdserve / vLLM | load before (pd / vLLM) |",
              "|---|---:|---:|---:|---|"]
@@ -1086,6 +1088,7 @@ def run_online(args: argparse.Namespace, rec: Record, model: str) -> dict[str, A
                                  "max_schedule_deviation_s": lag,
                                  "problems": problems, "goals": [g.__dict__ for g in rate_goals],
                                  "results": {s: _brief(r) for s, r in results.items()}}
+        rec.partial["per_rate"] = per_rate
         sys.stdout.flush()
     if goals:
         passed = sum(g.passed for g in goals)
@@ -1208,6 +1211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = 1
     finally:
         signal.signal(signal.SIGTERM, old)
+        if args.mode not in outcome and rec.partial:
+            outcome[f"{args.mode}_partial"] = rec.partial
         summary = {**rec.summary(), "model": model, **outcome}
         summary["machine"]["loadavg_end"] = list(os.getloadavg())
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
