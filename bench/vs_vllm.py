@@ -829,11 +829,12 @@ def pdserve_offline_worker(argv: Sequence[str]) -> int:
     import torch
     torch.set_num_threads(a.threads)
     from engine import LLM, SamplingParams
-    from services.cli import _add_engine_args, _engine_kwargs   # the flags `pdserve up` forwards to its workers
+    from engine.config import EngineConfig
+    from services.config_cli import add_config_args, given   # the engine flags `pdserve up` forwards
     ep = argparse.ArgumentParser(prog="--pdserve-args")
-    _add_engine_args(ep)
+    add_config_args(ep, EngineConfig, exclude=("model", "role"))
     eargs = ep.parse_args(shlex.split(a.pdserve_args))
-    kwargs = {**_engine_kwargs(eargs), "num_threads": a.threads}
+    kwargs = {**given(eargs, EngineConfig, ("model", "role")), "num_threads": a.threads}
     if kwargs.get("device", "auto") == "auto":
         kwargs["device"] = "cpu"
     wl = read_workload(a.workload)
