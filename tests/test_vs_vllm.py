@@ -220,7 +220,7 @@ def test_pdserve_up_command_is_accepted_by_the_cli():
     from services.cli import build_parser
     cmd = vs.pdserve_up_command("py", "/m", 50, "1p1d", 1, ["--max-num-batched-tokens", "512"])
     args = build_parser().parse_args(cmd[3:])
-    assert (args.prefill_workers, args.decode_workers, args.threads, args.max_num_batched_tokens) == (1, 1, 1, 512)
+    assert (args.prefill_workers, args.decode_workers, args.threads_per_worker, args.max_num_batched_tokens) == (1, 1, 1, 512)
     cmd = vs.pdserve_up_command("py", "/m", 50, "colocated", 1)
     assert build_parser().parse_args(cmd[3:]).colocated_workers == 1
 
