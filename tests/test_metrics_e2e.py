@@ -50,8 +50,10 @@ def _settled(cluster, expect_success: float, before: dict, timeout: float = 10.0
         time.sleep(0.1)
 
 
-def _labelled(samples: dict[str, float], name: str, role: str, worker: str) -> float:
-    key = f'{name}{{role="{role}",worker="{worker}"}}'
+def _labelled(samples: dict[str, float], name: str, role: str, worker: str, model: str | None = None) -> float:
+    """The series of one process; model_name is the model as the deployment was given it (as vLLM's)."""
+    model = model if model is not None else _MODEL[0]
+    key = f'{name}{{model_name="{model}",role="{role}",worker="{worker}"}}'
     assert key in samples, (key, [k for k in samples if k.startswith(name)])
     return samples[key]
 
@@ -62,8 +64,12 @@ def _block_bytes(cluster, address: str) -> int:
     return s.num_layers * 2 * s.block_size * s.num_kv_heads * s.head_dim * itemsize
 
 
+_MODEL: list[str] = [""]
+
+
 @pytest.fixture(scope="module")
 def cluster_1p1d(tiny_qwen3: str):
+    _MODEL[0] = tiny_qwen3
     cluster = start_cluster(tiny_qwen3, prefill_workers=1, decode_workers=1)
     yield cluster
     cluster.stop()
@@ -141,6 +147,7 @@ def test_prefix_hit_moves_cache_counters_and_sends_fewer_bytes(cluster_1p1d) -> 
 
 
 def test_counters_colocated(tiny_qwen3: str) -> None:
+    _MODEL[0] = tiny_qwen3
     cluster = start_cluster(tiny_qwen3, colocated_workers=1)
     try:
         prompts = random_prompts(4, 9, 45, seed=903)

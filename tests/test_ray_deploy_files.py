@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from services.cli import build_parser
+from services.ray_deploy.cli import ray_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY_DIR = ROOT / "deploy" / "ray"
@@ -35,9 +36,10 @@ def test_documented_commands_parse() -> None:
     for argv in commands:
         args = parser.parse_args(argv)
         if args.command == "ray" and args.ray_command == "up":
-            assert args.kv_transport == "ray"
+            spec = ray_spec(args, "/models/m")
+            assert spec.kv_transport == "ray"
             # a worker host beyond loopback is always spelled out
-            assert args.worker_host in ("127.0.0.1", "node-ip"), argv
+            assert spec.worker_host in ("127.0.0.1", "node-ip"), argv
 
 
 def test_cluster_launcher_config_keeps_token_auth_and_loopback_dashboard() -> None:
