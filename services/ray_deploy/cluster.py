@@ -143,6 +143,7 @@ def start_local_cluster(*, num_cpus: float | None = None, num_gpus: int | None =
         token_path = env["RAY_AUTH_TOKEN_PATH"]
     port = port or free_port()
     cmd = [*_ray_cli(), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+           "--ray-client-server-port", str(free_port()),   # not the shared default 10001
            "--include-dashboard", "false", "--disable-usage-stats",
            "--object-store-memory", str(int(object_store_bytes))]
     if num_cpus is not None:

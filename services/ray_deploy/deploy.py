@@ -35,6 +35,7 @@ from typing import Any
 from services.security import CLUSTER_TOKEN_ENV, new_token
 
 HEAD_RESOURCE = "node:__internal_head__"
+DEFAULT_PLACEMENT_WAIT_S = 20.0   # placing a deployment that fits the cluster's nodes
 PIN = 0.001   # a sliver of the head node's marker resource pins an actor/bundle there
 KV_TRANSPORTS = ("ray", "grpc")
 STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
@@ -72,7 +73,8 @@ class RayDeployment:
     worker_cpus: float | None = _f(None, "CPUs per worker actor; none: 1, or an equal share that fits the head "
                                          "node when every actor runs there (e.g. 0.66 on a 2-CPU head)")
     worker_gpus: float | None = _f(None, "GPUs per worker actor; none: 1 if the cluster has GPUs, else 0")
-    router_cpus: float | None = _f(None, "CPUs of the router actor; none: as --worker-cpus")
+    router_cpus: float | None = _f(None, "CPUs of the router actor; none: 1, or the share of the head node "
+                                         "that fits (as --worker-cpus)")
     placement_strategy: str = _f("SPREAD", "strategy of the deployment's placement group", choices=STRATEGIES)
     router_on_head: bool = _f(True, "run the router on the head node (where clients find it)")
     max_restarts: int = _f(-1, "restarts per actor; -1: unlimited")
@@ -80,8 +82,9 @@ class RayDeployment:
                                  "shared path (small models: Ray's limit is 512 MiB zipped)")
     worker_wait_s: float = _f(60.0, "seconds the router holds a request while no worker of a role is healthy "
                                     "(a restart)", cli=False)   # the router's GenerationOptions.worker_wait_s
-    placement_timeout_s: float = _f(20.0, "seconds the cluster may take to place the deployment before it fails "
-                                          "naming the flags that fix it (raise it for autoscaling clusters)")
+    placement_timeout_s: float | None = _f(None, "seconds to wait for the cluster to place the deployment (an "
+                                                 "autoscaling cluster adding nodes); none: fail at once when the "
+                                                 "cluster as it is can never hold it, else wait 20 s")
     ready_timeout_s: float = _f(300.0, "seconds to wait for the deployment to serve; on failure it is removed",
                                 aliases=("--timeout",))
 
@@ -230,7 +233,7 @@ def resolve_cpus(spec: RayDeployment, head_cpus: float | None) -> tuple[float, f
     if worker is not None and router is not None:
         return worker, router
     if not spec.loopback_workers or head_cpus is None:
-        return worker or 1.0, router or (worker or 1.0)
+        return worker or 1.0, router or min(1.0, worker or 1.0)
     fixed = (spec.num_workers * worker if worker is not None else 0.0) + (router or 0.0)
     shares = (spec.num_workers if worker is None else 0) + (1 if router is None else 0)
     share = min(1.0, max(0.01, (head_cpus - fixed) / shares))
@@ -279,10 +282,12 @@ def _deploy(spec: RayDeployment) -> DeploymentInfo:
     bundles = ([dict(router_bundle)] if router_in_group else []) + [dict(bundle) for _ in order]
     first_worker = 1 if router_in_group else 0
     try:
+        if spec.placement_timeout_s is None:
+            _check_cluster_fits(spec, bundles, bundle, router_bundle, len(order))
         pg = ray.util.placement_group(bundles, strategy=spec.placement_strategy, name=_pg_name(spec.name),
                                       lifetime="detached")
         try:
-            ray.get(pg.ready(), timeout=spec.placement_timeout_s)
+            ray.get(pg.ready(), timeout=spec.placement_timeout_s or DEFAULT_PLACEMENT_WAIT_S)
         except ray.exceptions.GetTimeoutError:
             raise DeploymentError(_unplaceable(spec, bundle, router_bundle, len(order))) from None
         workers = []
@@ -327,10 +332,35 @@ def _fmt(resources: dict[str, float]) -> str:
                            and k not in ("memory", "object_store_memory")) + "}"
 
 
+def _check_cluster_fits(spec: RayDeployment, bundles: list[dict], bundle: dict, router_bundle: dict,
+                        n: int) -> None:
+    """Fail at once when the alive nodes, empty, could not hold every bundle (first fit, largest
+    first; STRICT_SPREAD: each on its own node): waiting would not help a cluster that does not grow."""
+    import ray
+
+    nodes = [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
+    spread = spec.placement_strategy == "STRICT_SPREAD"
+    used: set[int] = set()
+    for b in sorted(bundles, key=lambda b: -b.get("CPU", 0)):
+        for i, free in enumerate(nodes):
+            if (spread and i in used) or any(free.get(k, 0) + 1e-9 < v for k, v in b.items()):
+                continue
+            for k, v in b.items():
+                if not k.startswith("node:"):
+                    free[k] -= v
+            used.add(i)
+            break
+        else:
+            raise DeploymentError(
+                f"the cluster can never place the deployment: it needs {n} worker(s) of {_fmt(bundle)} and a "
+                f"router of {_fmt(router_bundle)}, but its nodes have {', '.join(_fmt(nd['Resources']) for nd in ray.nodes() if nd.get('Alive'))}; "
+                f"{FIXES} (an autoscaling cluster: give --placement-timeout-s to wait for new nodes)")
+
+
 def _unplaceable(spec: RayDeployment, bundle: dict, router_bundle: dict, n: int) -> str:
     import ray
 
-    return (f"the cluster could not place the deployment within {spec.placement_timeout_s:g}s "
+    return (f"the cluster could not place the deployment within {spec.placement_timeout_s or DEFAULT_PLACEMENT_WAIT_S:g}s "
             f"(--placement-timeout-s): it needs {n} worker(s) of {_fmt(bundle)} and a router of "
             f"{_fmt(router_bundle)}; the cluster has {_fmt(ray.cluster_resources())}, free "
             f"{_fmt(ray.available_resources())}; {FIXES}")
