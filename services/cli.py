@@ -209,7 +209,6 @@ def cmd_up(args: argparse.Namespace) -> int:
     from services.progress import Progress
 
     progress = Progress()
-    progress.say(f"version {_version()}; checking the model and the settings")
     engine = EngineConfig(model=_model_dir(args), **given(args, EngineConfig, (*ENGINE_FIXED, *UP_PER_PROCESS)))
     router_args = [*config_to_argv(config_from_args(GenerationOptions, args)),
                    *config_to_argv(config_from_args(RequestLimits, args)),
@@ -228,7 +227,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, cluster.request_stop)
     what = (f"{spec.prefill_workers} prefill + {spec.decode_workers} decode worker(s)" if not spec.colocated_workers
             else f"{spec.colocated_workers} colocated worker(s)")
-    progress.say(f"starting {what} and a router; model {spec.model}"
+    progress.say(f"starting {what} and a router (pdserve {_version()}, model {spec.model})"
                  + (f"; logs in {spec.log_dir}" if spec.log_dir else ""))
     try:
         cluster.start(progress=progress)
