@@ -169,6 +169,10 @@ def test_ray_up_against_a_ray_start_cluster(tmp_path: Path, auth: str) -> None:
         warning = f"pdserve: warning: the Ray cluster at {address} has no authentication"
         assert (warning in res.stderr) == (auth == "none"), res.stderr
         _generate(f"127.0.0.1:{router_port}", env)
+        if not token:   # idempotent, as the KubeRay submitter runs it: a SERVING deployment is kept
+            res = _pdserve(["ray", "up", "--address", address, "--if-exists", "keep", "--port", str(router_port)],
+                           env)
+            assert res.returncode == 0 and "deployment 'pdserve' is already up" in res.stderr, res.stderr[-2000:]
         res = _pdserve(["ray", "down", "--address", address], env, timeout=120)
         assert res.returncode == 0 and "removed:" in res.stdout, res.stderr[-2000:]
     finally:
