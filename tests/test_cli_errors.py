@@ -152,3 +152,10 @@ def test_global_flags_before_or_after_the_subcommand() -> None:
     for argv in (["--log-level", "debug", "ray", "up"], ["ray", "up", "--log-level", "debug"],
                  ["ray", "--log-level", "debug", "down"], ["up", "--log-level", "info"]):
         assert parser.parse_args(argv).log_level in ("DEBUG", "INFO"), argv
+
+
+def test_console_script_answers_version_without_loading_torch() -> None:
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "services.entry", "--version"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 0 and res.stdout.startswith("pdserve ")
+    assert " torch" not in res.stderr   # -X importtime lists every module imported
