@@ -157,7 +157,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         return 0
     from engine import LLM, SamplingParams
-    llm = LLM(_model_dir(args), **given(args, EngineConfig, ENGINE_FIXED))
+    from services.progress import Progress
+    model = _model_dir(args)
+    with Progress().step(f"loading {model}"):
+        llm = LLM(model, **given(args, EngineConfig, ENGINE_FIXED))
     params = SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
     out = llm.generate([args.prompt], params)[0]
     print(args.prompt + out.text)
@@ -184,6 +187,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     engine_kwargs = given(args, EngineConfig, ENGINE_FIXED)
     engine_kwargs.setdefault("num_threads", 1)
     config = EngineConfig(model=_model_dir(args), role=args.role, **engine_kwargs)
+    print(f"pdserve {args.role} worker {args.worker_id or ''}: loading {config.model}".replace(" :", ":"),
+          file=sys.stderr, flush=True)
     options = WorkerOptions(host=args.host, port=args.port, worker_id=args.worker_id, metrics_port=args.metrics_port,
                             credentials=_credentials(args), config=config_from_args(WorkerConfig, args))
     asyncio.run(serve_worker(config, options))

@@ -37,7 +37,7 @@ def test_up_generate_and_sigterm(tiny_qwen3: str, tmp_path: Path) -> None:
     home = tmp_path / "home"
     cmd = [sys.executable, "-m", "services.cli", "up", "--model", tiny_qwen3, "--port", str(port),
            "--prefill-workers", "1", "--decode-workers", "1", "--dtype", "float32",
-           "--metrics-port-base", str(metrics_base)]
+           "--metrics-port-base", str(metrics_base), "--log-level", "info"]
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                           env={**os.environ, "PDSERVE_HOME": str(home)})
     try:
@@ -57,6 +57,8 @@ def test_up_generate_and_sigterm(tiny_qwen3: str, tmp_path: Path) -> None:
         children = [int(p) for p in subprocess.run(["pgrep", "-P", str(up.pid)], capture_output=True,
                                                    text=True).stdout.split()]
         assert len(children) == 3   # router, prefill, decode
+        for pid in children:        # the global flag reached every child
+            assert b"PDSERVE_LOG_LEVEL=INFO\0" in Path(f"/proc/{pid}/environ").read_bytes()
     finally:
         up.send_signal(signal.SIGTERM)
         output, _ = up.communicate(timeout=30)
