@@ -236,10 +236,46 @@ async def send_request(client, req: SampleRequest, request_id: str, sampling: Sa
     return res
 
 
+class LoadProgress:
+    """Requests done so far: a tqdm bar on a terminal; elsewhere (logs, pipes) a plain line at every
+    10% and at the end, so that a file gets a few readable lines, not a stream of carriage returns."""
+
+    def __init__(self, total: int, desc: str, enabled: bool | None = None, stream=None) -> None:
+        self.total, self.desc, self.done, self.failed = total, desc, 0, 0
+        self.stream = stream or sys.stderr
+        tty = self.stream.isatty() if hasattr(self.stream, "isatty") else False
+        self.lines = enabled is not False and not tty      # plain lines instead of a bar
+        self.bar = None
+        self.t0 = time.perf_counter()
+        self._next_line = 0.1
+        if enabled is not False and tty:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=desc, unit="req", file=self.stream, dynamic_ncols=True)
+
+    def update(self, ok: bool) -> None:
+        self.done += 1
+        self.failed += 0 if ok else 1
+        if self.bar is not None:
+            self.bar.update(1)
+            if self.failed:
+                self.bar.set_postfix(failed=self.failed, refresh=False)
+        elif self.lines and (self.done >= self._next_line * self.total or self.done == self.total):
+            while self._next_line * self.total <= self.done:
+                self._next_line += 0.1
+            print(f"{self.desc}: {self.done}/{self.total} requests done ({self.failed} failed, "
+                  f"{time.perf_counter() - self.t0:.1f}s)", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 async def run_load(address: str, requests: Sequence[SampleRequest], *, rate: float, burstiness: float = 1.0,
                    max_concurrency: int | None = None, seed: int = 0, sampling: Sampling | None = None,
-                   timeout: float | None = 600.0, tag: str = "bench") -> tuple[list[RequestResult], float]:
-    """Send requests at the arrival schedule; returns (results in request order, duration s)."""
+                   timeout: float | None = 600.0, tag: str = "bench",
+                   progress: LoadProgress | None = None) -> tuple[list[RequestResult], float]:
+    """Send requests at the arrival schedule; returns (results in request order, duration s).
+    progress: told as each request ends."""
     from services.client import AsyncClient
 
     sampling = sampling or Sampling()
@@ -255,11 +291,19 @@ async def run_load(address: str, requests: Sequence[SampleRequest], *, rate: flo
                 await asyncio.sleep(delay)
             rid = f"{tag}-{run_id}-{i}"
             if sem is None:
-                return await send_request(client, requests[i], rid, sampling, start)
-            async with sem:
-                return await send_request(client, requests[i], rid, sampling, start)
+                res = await send_request(client, requests[i], rid, sampling, start)
+            else:
+                async with sem:
+                    res = await send_request(client, requests[i], rid, sampling, start)
+            if progress is not None:
+                progress.update(res.success)
+            return res
 
-        results = await asyncio.gather(*(one(i) for i in range(len(requests))))
+        try:
+            results = await asyncio.gather(*(one(i) for i in range(len(requests))))
+        finally:
+            if progress is not None:
+                progress.close()
         duration = time.perf_counter() - start
     return list(results), duration
 
@@ -544,6 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--result-filename", default=None)
     r.add_argument("--plot", action=argparse.BooleanOptionalAction, default=None,
                    help="write PNG plots (default: with --save-result)")
+    r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="requests done so far, on stderr: a bar on a terminal, a line per 10%% elsewhere "
+                        "(default: on)")
     return p
 
 
@@ -617,7 +664,8 @@ async def _bench(args: argparse.Namespace) -> int:
     if args.num_warmups:
         warm = workload(args.seed + WARMUP_SEED_OFFSET, args.num_warmups)
         wres, _ = await run_load(args.router, warm, rate=math.inf, max_concurrency=args.max_concurrency,
-                                 sampling=sampling, timeout=args.request_timeout, tag="warmup")
+                                 sampling=sampling, timeout=args.request_timeout, tag="warmup",
+                                 progress=LoadProgress(len(warm), "warmup", args.progress))
         bad = [r.error for r in wres if not r.success]
         print(f"warmup: {len(wres) - len(bad)}/{len(wres)} requests ok" + (f" (first error: {bad[0]})" if bad else ""),
               flush=True)
@@ -628,7 +676,9 @@ async def _bench(args: argparse.Namespace) -> int:
         requests = workload(seed, args.num_prompts)
         results, duration = await run_load(args.router, requests, rate=rate, burstiness=args.burstiness,
                                            max_concurrency=args.max_concurrency, seed=seed, sampling=sampling,
-                                           timeout=args.request_timeout)
+                                           timeout=args.request_timeout,
+                                           progress=LoadProgress(len(requests), f"rate {_rate_name(rate)}",
+                                                                 args.progress))
         metrics = calculate_metrics(results, duration, args.metric_percentiles, args.goodput)
         title = " Serving Benchmark Result " if len(rates) == 1 else f" Serving Benchmark Result @ {_rate_name(rate)} req/s "
         print_summary(metrics, max_concurrency=args.max_concurrency, percentile_metrics=args.percentile_metrics,

@@ -8,21 +8,68 @@ import asyncio
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from engine.config import EngineConfig
 from services.config_cli import add_config_args, config_from_args, config_to_argv, given
 from services.generation import GenerationOptions
 from services.launcher import Deployment, die_with_parent
 from services.router import RequestLimits, RouterConfig
+from services.usage import EXIT_USAGE, RuntimeFailure, UsageError, check_model_dir, configure_logging, parse_log_level
 from services.worker import WorkerConfig
 
 DEFAULT_PORT = 50051
 ENGINE_FIXED = ("model", "role")          # set by --model and the subcommand
 UP_PER_PROCESS = ("num_threads",)         # `up` sets these per worker (threads_per_worker)
+LOG_LEVEL_ENV = "PDSERVE_LOG_LEVEL"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default (unless the help already says it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "(default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            shown = "off"
+        elif action.default is None:
+            shown = "none"
+        else:
+            shown = "%(default)s"
+        return f"{text} (default: {shown})" if text else f"(default: {shown})"
+
+
+class CLIParser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line (what is wrong, where help is), exit code 2."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _log_level(text: str) -> str:
+    try:
+        return parse_log_level(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the tiny model, made on first use)")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="local Hugging Face checkpoint directory (default: a tiny random-weight Qwen3, made under "
+                        "$PDSERVE_HOME on first use)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -56,21 +103,27 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return read_secret(args.api_key_file, API_KEY_ENV, "API key")
 
 
-def _model_dir(args: argparse.Namespace) -> str:
+def _model_dir(args: argparse.Namespace, check: bool = True) -> str:
+    """--model, checked (one line saying what is wrong), or the default model, made on first use."""
     if args.model:
-        return args.model
-    from engine.model_maker import ensure_default_model
-    return str(ensure_default_model())
+        return check_model_dir(args.model) if check else args.model
+    from engine.model_maker import default_model_dir, ensure_default_model
+    if default_model_dir().is_dir():
+        return str(default_model_dir())
+    from services.progress import Progress
+    with Progress().step(f"making the default model in {default_model_dir()} (first run only)"):
+        return str(ensure_default_model())
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: none, i.e. 1.0)")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (default: none, all)")
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="per-request seed (default: none, the engine's --seed)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
 # ---- commands ---------------------------------------------------------------------
@@ -84,20 +137,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
                 "top_k": args.top_k, "seed": args.sampling_seed, "ignore_eos": args.ignore_eos}
     if args.router:
+        import grpc
+
         from services.client import Client
-        with Client(args.router, api_key=args.api_key) as client:
-            final = None
-            for msg in client.generate_stream(args.prompt, **{k: v for k, v in sampling.items() if v is not None}):
-                print(msg.text, end="", flush=True)
-                final = msg
-            print()
-            if final is not None and final.finished:
-                print(f"[finish_reason={final.finish_reason} prompt_tokens={final.usage.prompt_tokens} "
-                      f"completion_tokens={final.usage.completion_tokens} ttft_ms={final.timings.ttft_ms:.1f}]",
-                      file=sys.stderr)
+        final = None
+        try:
+            with Client(args.router, api_key=args.api_key) as client:
+                for msg in client.generate_stream(args.prompt, **{k: v for k, v in sampling.items() if v is not None}):
+                    print(msg.text, end="", flush=True)
+                    final = msg
+        except grpc.RpcError as exc:
+            if final is not None:
+                print()
+            raise RuntimeFailure(_router_error(args.router, exc)) from None
+        print()
+        if final is not None and final.finished:
+            print(f"[finish_reason={final.finish_reason} prompt_tokens={final.usage.prompt_tokens} "
+                  f"completion_tokens={final.usage.completion_tokens} ttft_ms={final.timings.ttft_ms:.1f}]",
+                  file=sys.stderr)
         return 0
     from engine import LLM, SamplingParams
-    llm = LLM(_model_dir(args), **given(args, EngineConfig, ENGINE_FIXED))
+    from services.progress import Progress
+    model = _model_dir(args)
+    with Progress().step(f"loading {model}"):
+        llm = LLM(model, **given(args, EngineConfig, ENGINE_FIXED))
     params = SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
     out = llm.generate([args.prompt], params)[0]
     print(args.prompt + out.text)
@@ -105,11 +168,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _router_error(address: str, exc) -> str:
+    """One line for a failed call to the router."""
+    code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+    if code == "UNAVAILABLE":
+        return (f"cannot reach the router at {address} (UNAVAILABLE): is it running? start one with `pdserve up`, "
+                f"or pass its address with --router HOST:PORT")
+    if code == "UNAUTHENTICATED":
+        return f"the router at {address} wants an API key: pass --api-key or set $PDSERVE_API_KEY"
+    if code == "DEADLINE_EXCEEDED":
+        return f"the router at {address} did not answer in time (DEADLINE_EXCEEDED)"
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return f"the router at {address} answered {code}: {details}"
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from services.worker import WorkerOptions, serve_worker
     engine_kwargs = given(args, EngineConfig, ENGINE_FIXED)
     engine_kwargs.setdefault("num_threads", 1)
     config = EngineConfig(model=_model_dir(args), role=args.role, **engine_kwargs)
+    print(f"pdserve {args.role} worker {args.worker_id or ''}: loading {config.model}".replace(" :", ":"),
+          file=sys.stderr, flush=True)
     options = WorkerOptions(host=args.host, port=args.port, worker_id=args.worker_id, metrics_port=args.metrics_port,
                             credentials=_credentials(args), config=config_from_args(WorkerConfig, args))
     asyncio.run(serve_worker(config, options))
@@ -131,29 +210,37 @@ def cmd_up(args: argparse.Namespace) -> int:
     import signal
 
     from services.launcher import Cluster, Stopped
+    from engine.model_maker import pdserve_home
+    from services.progress import Progress
+
+    progress = Progress()
     engine = EngineConfig(model=_model_dir(args), **given(args, EngineConfig, (*ENGINE_FIXED, *UP_PER_PROCESS)))
     router_args = [*config_to_argv(config_from_args(GenerationOptions, args)),
-                   *config_to_argv(config_from_args(RequestLimits, args))]
+                   *config_to_argv(config_from_args(RequestLimits, args)),
+                   *config_to_argv(config_from_args(RouterConfig, args, exclude=("drain_timeout_s",)))]
     api_key = _api_key(args)
     if api_key:
         os.environ["PDSERVE_API_KEY"] = api_key   # the router reads it from its environment, never argv
+    log_dir = args.log_dir or str(pdserve_home() / "logs" / f"up-{args.port or DEFAULT_PORT}")
     spec = config_from_args(Deployment, args, model=engine.model,
                             engine_args=config_to_argv(engine, exclude=ENGINE_FIXED),
                             worker_args=config_to_argv(config_from_args(WorkerConfig, args), exclude=("drain_timeout_s",)),
-                            router_args=router_args, credentials=_credentials(args))
+                            router_args=router_args, credentials=_credentials(args),
+                            log_dir=None if log_dir == "-" else log_dir)
     cluster = Cluster(spec)
     for sig in (signal.SIGINT, signal.SIGTERM):   # from the first moment: start-up is stoppable too
         signal.signal(sig, cluster.request_stop)
-    print(f"pdserve: starting {spec.prefill_workers}P+{spec.decode_workers}D" if not spec.colocated_workers
-          else f"pdserve: starting {spec.colocated_workers} colocated worker(s)", flush=True)
+    what = (f"{spec.prefill_workers} prefill + {spec.decode_workers} decode worker(s)" if not spec.colocated_workers
+            else f"{spec.colocated_workers} colocated worker(s)")
+    progress.say(f"starting {what} and a router (pdserve {_version()}, model {spec.model})"
+                 + (f"; logs in {spec.log_dir}" if spec.log_dir else ""))
     try:
-        cluster.start()
+        cluster.start(progress=progress)
     except Stopped:
         print("pdserve: stopped during start-up", flush=True)
         return 0
-    except (OSError, RuntimeError, TimeoutError) as exc:   # port in use, a child that could not start
-        print(f"pdserve: error: {exc}", file=sys.stderr, flush=True)
-        return 1
+    except (OSError, RuntimeError, TimeoutError) as exc:   # a busy port, a child that could not start
+        raise RuntimeFailure(str(exc)) from None
     print(f"pdserve is up: router at {cluster.router_address}\n{cluster.describe()}", flush=True)
     print(f"try: pdserve generate --router {cluster.router_address} \"Once upon a time\"", flush=True)
     return cluster.wait()
@@ -173,33 +260,60 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+BENCH_HELP = """usage: pdserve bench {offline,serve} [FLAGS]
+
+benchmarks:
+  serve     load test against a running router: TTFT, TPOT, ITL, throughput (like `vllm bench serve`)
+  offline   offline throughput of the engine against Hugging Face transformers
+
+`pdserve bench serve --help` and `pdserve bench offline --help` list each one's flags."""
+
+
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.kind is None:
+        if any(a in ("-h", "--help") for a in rest):
+            print(BENCH_HELP)
+            return 0
+        raise UsageError("choose a benchmark: `pdserve bench serve` or `pdserve bench offline` "
+                         "(see `pdserve bench --help`)")
     if args.kind == "offline":
         from bench.offline_throughput import main as bench_main
     else:
         from bench.serve import main as bench_main
-    return bench_main(rest) or 0
+    try:
+        return bench_main(rest) or 0
+    except SystemExit as exc:     # argparse's --help (0) and usage errors (2)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", default=argparse.SUPPRESS,
-                        help="DEBUG, INFO, WARNING (default), ERROR; also reaches `up`'s children")
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving",
-                                     parents=[common])
-    sub = parser.add_subparsers(dest="command", required=True)
+    common = CLIParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS, type=_log_level, metavar="LEVEL",
+                        help=f"DEBUG, INFO, WARNING, ERROR or CRITICAL, before or after the subcommand; reaches "
+                             f"the processes `up` and `ray up` start (default: ${LOG_LEVEL_ENV}, else WARNING)")
+    parser = CLIParser(prog="pdserve", parents=[common],
+                       description="Disaggregated prefill/decode LLM serving: `pdserve up` serves the tiny default "
+                                   "model on 127.0.0.1:50051; `pdserve COMMAND --help` explains each command.",
+                       epilog=f"environment: PDSERVE_HOME (models, logs, local Ray state; default ~/.cache/pdserve), "
+                              f"{LOG_LEVEL_ENV}, PDSERVE_CLUSTER_TOKEN (internal-plane secret), PDSERVE_API_KEY "
+                              f"(the router's API key)")
+    parser.add_argument("--version", action="version", version=f"pdserve {_version()}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("make-model", help="write a deterministic random-weight HF checkpoint", parents=[common])
-    p.add_argument("dir")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
-    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("dir", help="directory to write the checkpoint to")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small"], help="model size")
+    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"], help="architecture")
+    p.add_argument("--seed", type=int, default=0, help="weights seed")
     p.set_defaults(func=cmd_make_model)
 
     p = sub.add_parser("generate", help="generate offline, or through a running router with --router", parents=[common])
-    p.add_argument("prompt")
-    p.add_argument("--router", default=None, help="router address HOST:PORT")
-    p.add_argument("--api-key", default=None, help="the router's API key (default: $PDSERVE_API_KEY)")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--router", default=None, metavar="HOST:PORT",
+                   help="a running router's address (default: none, generate offline in this process)")
+    p.add_argument("--api-key", default=None,
+                   help="the router's API key (default: $PDSERVE_API_KEY; argv is visible to other local users)")
     _add_engine_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
@@ -209,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p.add_argument_group("deployment"), Deployment, exclude=("model",))
     add_config_args(p.add_argument_group("engine"), EngineConfig, exclude=(*ENGINE_FIXED, *UP_PER_PROCESS))
     add_config_args(p.add_argument_group("workers"), WorkerConfig, exclude=("drain_timeout_s",))
-    add_config_args(p.add_argument_group("router"), GenerationOptions)
+    add_config_args(p.add_argument_group("router"), RouterConfig, exclude=("drain_timeout_s",))
+    add_config_args(p.add_argument_group("generation"), GenerationOptions)
     add_config_args(p.add_argument_group("request limits"), RequestLimits)
     _add_security_args(p, router=True)
     p.set_defaults(func=cmd_up)
@@ -219,24 +334,27 @@ def build_parser() -> argparse.ArgumentParser:
         _add_engine_args(p)
         add_config_args(p.add_argument_group("worker"), WorkerConfig)
         if role is None:
-            p.add_argument("--role", required=True, choices=["prefill", "decode", "both"])
+            p.add_argument("--role", required=True, choices=["prefill", "decode", "both"],
+                           help="prefill, decode, or both (colocated)")
         else:
             p.set_defaults(role=role)
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--port", type=int, default=0)
-        p.add_argument("--worker-id", default="")
-        p.add_argument("--metrics-port", type=int, default=None)
+        p.add_argument("--host", default="127.0.0.1", help="address to bind")
+        p.add_argument("--port", type=int, default=0, help="gRPC port; 0: a free one, printed")
+        p.add_argument("--worker-id", default="", help="name in metrics and status (default: ROLE-RANDOM)")
+        p.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none, no endpoint)")
         _add_security_args(p)
         p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("router", help="run the router", parents=[common])
     _add_model_arg(p)
-    p.add_argument("--prefill", default="", help="comma-separated prefill worker addresses")
-    p.add_argument("--decode", default="", help="comma-separated decode worker addresses")
-    p.add_argument("--colocated", default="", help="comma-separated colocated worker addresses")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--prefill", default="", metavar="ADDRS", help="comma-separated prefill worker addresses")
+    p.add_argument("--decode", default="", metavar="ADDRS", help="comma-separated decode worker addresses")
+    p.add_argument("--colocated", default="", metavar="ADDRS", help="comma-separated colocated worker addresses")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="the public gRPC port")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none, no endpoint)")
     add_config_args(p.add_argument_group("router"), RouterConfig)
     add_config_args(p.add_argument_group("generation"), GenerationOptions)
     add_config_args(p.add_argument_group("request limits"), RequestLimits)
@@ -244,38 +362,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("health", help="check a process's grpc.health.v1 status", parents=[common])
-    p.add_argument("address")
-    p.add_argument("--timeout", type=float, default=2.0)
+    p.add_argument("address", help="HOST:PORT of a router or worker")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
     _add_security_args(p)
     p.set_defaults(func=cmd_health)
 
-    p = sub.add_parser("bench", help="benchmarks: offline throughput, serving load test", add_help=False)
-    p.add_argument("kind", choices=["offline", "serve"])
+    p = sub.add_parser("bench", help="benchmarks: serving load test, offline throughput (`pdserve bench --help`)",
+                       add_help=False, parents=[common])
+    p.add_argument("kind", nargs="?", choices=["offline", "serve"], default=None, help="which benchmark")
     p.set_defaults(func=cmd_bench)
 
     from services.ray_deploy.cli import add_ray_parser   # `pdserve ray up|down|status` (imports Ray only when run)
-    add_ray_parser(sub, _add_engine_args)
+    add_ray_parser(sub, _add_engine_args, parents=[common])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 ok, 1 a runtime failure (unreachable router, failed start), 2 a usage error;
+    either failure is one `pdserve: error: ...` line on stderr (tracebacks with --log-level DEBUG)."""
     die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    level = getattr(args, "log_level", None) or os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    os.environ["PDSERVE_LOG_LEVEL"] = level   # `up`'s children inherit it
-    if args.command == "bench":
-        return cmd_bench(args, rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
+        level = getattr(args, "log_level", None) or parse_log_level(os.environ.get(LOG_LEVEL_ENV) or "WARNING")
+    except ValueError as exc:
+        print(f"pdserve: error: ${LOG_LEVEL_ENV} {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    configure_logging(level)
+    os.environ[LOG_LEVEL_ENV] = level   # the processes `up` starts inherit it
+    try:
+        if args.command == "bench":
+            return cmd_bench(args, rest)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return args.func(args)
-    except ValueError as exc:   # a bad setting: one line, not a traceback
+    except (UsageError, RuntimeFailure) as exc:
         logging.getLogger("pdserve").debug("error", exc_info=True)
         print(f"pdserve: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
+    except (ValueError, OSError) as exc:   # a bad setting, a busy port, an unreadable file: one line
+        logging.getLogger("pdserve").debug("error", exc_info=True)
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("pdserve: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -99,3 +99,31 @@ def config_to_argv(obj: Any, exclude: Iterable[str] = ()) -> list[str]:
         else:
             argv += [flag(f.name), "none" if value is None else str(value)]
     return argv
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise ValueError(message)
+
+
+def config_parser(*specs: tuple[type, Iterable[str]]) -> argparse.ArgumentParser:
+    """The generated flags of several config classes in one parser (a flag two classes share, like
+    --drain-timeout-s, appears once and feeds both). Errors raise ValueError instead of exiting."""
+    parser = _RaisingParser(add_help=False, allow_abbrev=False)
+    seen: set[str] = set()
+    for cls, exclude in specs:
+        names = {f.name for f, _ in config_fields(cls, exclude)}
+        add_config_args(parser, cls, exclude=(*exclude, *(names & seen)))
+        seen |= names
+    return parser
+
+
+def configs_from_argv(argv: list[str], *specs: tuple[type, Iterable[str]], **fixed: Any) -> list[Any]:
+    """Rebuild configs from argv made by config_to_argv, with the same generated flags the CLI has
+    (how Ray actors read their settings). fixed: fields set for every class that has them."""
+    args = config_parser(*specs).parse_args(argv)
+    out = []
+    for cls, exclude in specs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        out.append(config_from_args(cls, args, exclude, **{k: v for k, v in fixed.items() if k in names}))
+    return out

@@ -19,13 +19,16 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.security import Credentials, new_token
 from services.server import check_port_free
+
+if TYPE_CHECKING:
+    from services.progress import Progress
 
 PARENT_PID_ENV = "PDSERVE_PARENT_PID"
 PROBE_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -50,7 +53,12 @@ class Deployment:
     colocated_workers: int = _f(0, "colocated (prefill + decode) worker processes instead: the baseline")
     host: str = _f("127.0.0.1", "address every process binds")
     port: int = _f(50051, "the router's public gRPC port")
-    metrics: bool = _f(False, "give every process a Prometheus /metrics port")
+    metrics: bool = _f(False, "give every process a Prometheus /metrics endpoint (on free ports unless "
+                              "--metrics-port-base is given)")
+    metrics_port_base: int | None = _f(None, "fixed metrics ports: the router on N, the workers on N+1, N+2, ... "
+                                             "(prefill, then decode; implies --metrics); none: free ports")
+    log_dir: str | None = _f(None, "write each child's output to DIR/NAME.log instead of this terminal "
+                                   "(`pdserve up` default: $PDSERVE_HOME/logs/up-PORT)")
     threads_per_worker: int = _f(1, "torch threads of each worker process", aliases=("--threads",))
     restart: bool = _f(True, "restart a child that dies (with backoff) instead of stopping the deployment")
     drain_timeout_s: float = _f(30.0, "on SIGTERM, in-flight requests get this long to finish")
@@ -67,6 +75,27 @@ class Deployment:
             raise ValueError("a disaggregated deployment needs prefill_workers >= 1 and decode_workers >= 1")
         if self.threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
+        if self.metrics_port_base is not None:
+            if not 1 <= self.metrics_port_base <= 65535 - self.num_workers:
+                raise ValueError(f"metrics_port_base must leave room for {self.num_workers + 1} ports below 65536, "
+                                 f"got {self.metrics_port_base}")
+            self.metrics = True
+
+    @property
+    def num_workers(self) -> int:
+        return self.colocated_workers or self.prefill_workers + self.decode_workers
+
+    def roles(self) -> list[tuple[str, int]]:
+        """(role, count) in start order; metrics ports follow it."""
+        return ([("both", self.colocated_workers)] if self.colocated_workers
+                else [("prefill", self.prefill_workers), ("decode", self.decode_workers)])
+
+    def metrics_ports(self) -> dict[str, int]:
+        """name -> fixed metrics port (empty without metrics_port_base)."""
+        if self.metrics_port_base is None:
+            return {}
+        names = ["router"] + [f"{role}-{i}" for role, count in self.roles() for i in range(count)]
+        return {name: self.metrics_port_base + i for i, name in enumerate(names)}
 
 
 @dataclass(eq=False)
@@ -80,10 +109,29 @@ class Process:
     restarts: int = 0
     started_at: float = 0.0
     next_start: float = 0.0
+    log_path: str | None = None        # the child's stdout and stderr go here (None: inherited)
 
     def start(self) -> None:
-        self.popen = subprocess.Popen(self.cmd, env=self.env, start_new_session=True)
+        if self.log_path is None:
+            self.popen = subprocess.Popen(self.cmd, env=self.env, start_new_session=True)
+        else:
+            with open(self.log_path, "ab") as log:   # appended: restarts keep the earlier output
+                self.popen = subprocess.Popen(self.cmd, env=self.env, start_new_session=True, stdout=log,
+                                              stderr=subprocess.STDOUT)
         self.started_at = time.monotonic()
+
+    def log_tail(self, lines: int = 15) -> str:
+        """The last lines of the child's log ("" when it writes to the terminal)."""
+        if self.log_path is None:
+            return ""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 16384))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
 
     @property
     def alive(self) -> bool:
@@ -108,6 +156,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def probe_serving(stub: health_pb2_grpc.HealthStub) -> bool:
+    """One quick grpc.health.v1 check: SERVING or not (yet)."""
+    try:
+        return stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
 
 
 def wait_serving(address: str, popen: subprocess.Popen | None, timeout: float,
@@ -155,46 +211,92 @@ class Cluster:
         env.setdefault("OMP_NUM_THREADS", str(self.spec.threads_per_worker))
         metrics = None
         if self.spec.metrics:
-            mport = free_port(self.spec.host)
+            mport = self.spec.metrics_ports().get(name) or free_port(self.spec.host)
             args = [*args, "--metrics-port", str(mport)]
             metrics = f"{self.spec.host}:{mport}"
         tls = self.spec.credentials.tls
         if tls is not None:   # file paths, not secrets: they travel as flags
             args = [*args, "--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca)]
         cmd = [sys.executable, "-m", "services.cli", *args, "--host", self.spec.host, "--port", str(port)]
-        proc = Process(name, cmd, f"{self.spec.host}:{port}", env, metrics_address=metrics)
+        log_path = os.path.join(self.spec.log_dir, f"{name}.log") if self.spec.log_dir else None
+        proc = Process(name, cmd, f"{self.spec.host}:{port}", env, metrics_address=metrics, log_path=log_path)
         self.processes.append(proc)
         return proc
 
-    def start(self, timeout: float = 180.0) -> None:
-        """Start every process and wait until each is SERVING. Raises Stopped if a stop was
-        requested meanwhile, after stopping whatever had started."""
+    def _check_ports(self) -> None:
+        """Every fixed port is free before anything starts (OSError naming the one in use)."""
+        check_port_free(self.spec.host, self.spec.port)
+        for name, port in self.spec.metrics_ports().items():
+            try:
+                check_port_free(self.spec.host, port)
+            except OSError as exc:
+                raise OSError(exc.errno, f"metrics port of {name}: {exc.strerror}; choose another "
+                                         f"--metrics-port-base") from None
+
+    def start(self, timeout: float = 180.0, progress: "Progress | None" = None) -> None:
+        """Start every process and wait until each is SERVING (workers first, then the router).
+        Raises Stopped if a stop was requested meanwhile, after stopping whatever had started.
+        progress: say what is starting and which processes are up so far."""
         s = self.spec
-        check_port_free(s.host, s.port)
+        self._check_ports()
+        if s.log_dir:
+            os.makedirs(s.log_dir, exist_ok=True)
         worker_args = ["--model", s.model, "--num-threads", str(s.threads_per_worker),
                        "--drain-timeout-s", str(s.drain_timeout_s), *s.engine_args, *s.worker_args]
-        roles = ([("both", s.colocated_workers)] if s.colocated_workers
-                 else [("prefill", s.prefill_workers), ("decode", s.decode_workers)])
         try:
             groups: dict[str, list[str]] = {}
-            for role, count in roles:
+            for role, count in s.roles():
                 for i in range(count):
                     proc = self._process(f"{role}-{i}", ["worker", "--role", role, "--worker-id", f"{role}-{i}",
                                                          *worker_args], free_port(s.host))
                     proc.start()
                     groups.setdefault(role, []).append(proc.address)
-            for proc in self.processes:
-                wait_serving(proc.address, proc.popen, timeout, s.credentials, lambda: self._stop_requested)
+            workers = list(self.processes)
+            self._wait_all(workers, timeout, progress, f"starting {len(workers)} worker(s) (loading the model)")
             router_args = ["router", "--model", s.model, "--drain-timeout-s", str(s.drain_timeout_s), *s.router_args]
             for role, flag in (("prefill", "--prefill"), ("decode", "--decode"), ("both", "--colocated")):
                 if groups.get(role):
                     router_args += [flag, ",".join(groups[role])]
             router = self._process("router", router_args, s.port)
             router.start()
-            wait_serving(router.address, router.popen, timeout, s.credentials, lambda: self._stop_requested)
+            self._wait_all([router], timeout, progress, "starting the router")
         except BaseException:
             self.stop()
             raise
+
+    def _wait_all(self, procs: list[Process], timeout: float, progress: "Progress | None", what: str) -> None:
+        """Wait until every process in procs is SERVING, probing them round-robin."""
+        from contextlib import nullcontext
+
+        deadline = time.monotonic() + timeout
+        pending = {p.name: p for p in procs}
+        channels = {p.name: self.spec.credentials.sync_channel(p.address, PROBE_OPTIONS) for p in procs}
+        stubs = {name: health_pb2_grpc.HealthStub(ch) for name, ch in channels.items()}
+        step_cm = progress.step(what, done="up") if progress is not None else nullcontext()
+        try:
+            with step_cm as step:
+                while pending:
+                    if self._stop_requested:
+                        raise Stopped()
+                    for name, p in list(pending.items()):
+                        if p.popen is not None and p.popen.poll() is not None:
+                            tail = p.log_tail()
+                            raise RuntimeError(f"{name} exited with code {p.popen.returncode} during start-up"
+                                               + (f"; the end of {p.log_path}:\n{tail}" if tail else ""))
+                        if probe_serving(stubs[name]):
+                            del pending[name]
+                            if step is not None and len(procs) > 1:
+                                progress.say(f"{name} is up at {p.address} ({step.elapsed:.1f}s)")
+                    if step is not None and pending:
+                        step.update(f"waiting for {', '.join(pending)}")
+                    if pending and time.monotonic() > deadline:
+                        raise TimeoutError(f"{', '.join(pending)} not SERVING after {timeout:g}s"
+                                           + (f" (logs in {self.spec.log_dir})" if self.spec.log_dir else ""))
+                    if pending:
+                        time.sleep(0.1)
+        finally:
+            for ch in channels.values():
+                ch.close()
 
     def describe(self) -> str:
         lines = []

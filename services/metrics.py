@@ -1,22 +1,29 @@
-"""Prometheus metrics, named like vLLM's under a `pdserve:` prefix, labelled by role and worker."""
+"""Prometheus metrics, named like vLLM's under a `pdserve:` prefix, labelled by model_name (as
+vLLM labels its own), role and worker. Every process serves them at ``/metrics`` only (any other
+path: 404). Gauges of a worker are read when scraped, so they are exact whenever the engine's state
+changed, not only after an engine step (an aborted request leaves at once)."""
 from __future__ import annotations
 
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
 
 if TYPE_CHECKING:
     from engine import LLMEngine, RequestOutput
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-LABELS = ("role", "worker")
+LABELS = ("model_name", "role", "worker")
+METRICS_PATH = "/metrics"
 
 
 class _Metrics:
-    def __init__(self, role: str, worker_id: str) -> None:
+    def __init__(self, role: str, worker_id: str, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
-        self.labels = {"role": role, "worker": worker_id}
+        self.labels = {"model_name": model_name, "role": role, "worker": worker_id}
 
     def counter(self, name: str, doc: str) -> Counter:
         return Counter(f"pdserve:{name}", doc, LABELS, registry=self.registry).labels(**self.labels)
@@ -30,10 +37,11 @@ class _Metrics:
 
 
 class WorkerMetrics(_Metrics):
-    """Engine-side metrics, updated from the engine thread after every step."""
+    """Engine-side metrics: counters and histograms from the engine thread after every step,
+    gauges read from the engine when scraped (see ``attach``)."""
 
-    def __init__(self, role: str, worker_id: str) -> None:
-        super().__init__(role, worker_id)
+    def __init__(self, role: str, worker_id: str, model_name: str = "") -> None:
+        super().__init__(role, worker_id, model_name)
         self.num_requests_running = self.gauge("num_requests_running", "Sequences in the running batch")
         self.num_requests_waiting = self.gauge("num_requests_waiting", "Sequences waiting to be scheduled")
         self.kv_cache_usage_perc = self.gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
@@ -47,12 +55,22 @@ class WorkerMetrics(_Metrics):
         self.kv_transfer_failures = self.counter("kv_transfer_failures", "KV blocks refused or failed to send")
         self.request_queue_time_seconds = self.histogram("request_queue_time_seconds", "Arrival to first scheduled")
         self._last = {"queries": 0, "hits": 0, "preemptions": 0}
+        self._attached = False
+
+    def attach(self, engine: "LLMEngine") -> None:
+        """Read the gauges from engine whenever scraped: admission, cancel, abort and finish show
+        at once, also on an engine that takes no further step."""
+        bm, sched = engine.block_manager, engine.scheduler
+        self.num_requests_running.set_function(lambda: len(sched.running))
+        self.num_requests_waiting.set_function(lambda: len(sched.waiting))
+        self.kv_cache_usage_perc.set_function(bm.usage)
+        self._attached = True
 
     def on_step(self, engine: "LLMEngine", outputs: list["RequestOutput"]) -> None:
-        bm, sched = engine.block_manager, engine.scheduler
-        self.num_requests_running.set(len(sched.running))
-        self.num_requests_waiting.set(len(sched.waiting))
-        self.kv_cache_usage_perc.set(bm.usage())
+        bm = engine.block_manager
+        sched = engine.scheduler
+        if not self._attached:
+            self.attach(engine)
         for key, counter, value in (("queries", self.prefix_cache_queries, bm.prefix_cache_queries),
                                     ("hits", self.prefix_cache_hits, bm.prefix_cache_hits),
                                     ("preemptions", self.num_preemptions, sched.num_preemptions)):
@@ -83,8 +101,8 @@ class WorkerMetrics(_Metrics):
 class RouterMetrics(_Metrics):
     """Request-level latency metrics, as the client sees them."""
 
-    def __init__(self, worker_id: str = "router") -> None:
-        super().__init__("router", worker_id)
+    def __init__(self, worker_id: str = "router", model_name: str = "") -> None:
+        super().__init__("router", worker_id, model_name)
         self.num_requests_running = self.gauge("num_requests_running", "Requests in flight through the router")
         self.prompt_tokens = self.counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = self.counter("generation_tokens", "Tokens streamed to clients")
@@ -92,13 +110,57 @@ class RouterMetrics(_Metrics):
         self.request_failure = self.counter("request_failure", "Requests that ended in an error")
         self.time_to_first_token_seconds = self.histogram("time_to_first_token_seconds", "Time to first token")
         self.inter_token_latency_seconds = self.histogram("inter_token_latency_seconds", "Gap between streamed tokens")
+        self.time_per_output_token_seconds = self.histogram(
+            "time_per_output_token_seconds", "Per request: (e2e - TTFT) / (output tokens - 1), requests of 2+ tokens")
         self.e2e_request_latency_seconds = self.histogram("e2e_request_latency_seconds", "Request latency")
         self.request_queue_time_seconds = self.histogram("request_queue_time_seconds", "Time queued before prefill")
         self.kv_transfer_seconds = self.histogram("kv_transfer_seconds", "Exposed KV transfer time per request")
         self.migrations = self.counter("request_migrations", "Requests moved to another worker after a fault")
 
+    def observe_tpot(self, ttft_at: float | None, finished_at: float, output_tokens: int) -> None:
+        """A finished request's time per output token after the first (vLLM's TPOT)."""
+        if ttft_at is not None and output_tokens > 1:
+            self.time_per_output_token_seconds.observe((finished_at - ttft_at) / (output_tokens - 1))
+
+
+def _handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
+    class MetricsHandler(BaseHTTPRequestHandler):
+        """GET/HEAD /metrics (query strings ignored); 404 for every other path."""
+
+        def do_GET(self) -> None:
+            self._answer(body=True)
+
+        def do_HEAD(self) -> None:
+            self._answer(body=False)
+
+        def _answer(self, body: bool) -> None:
+            if self.path.split("?", 1)[0] != METRICS_PATH:
+                data = f"not found; metrics are at {METRICS_PATH}\n".encode()
+                self.send_response(404)
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
+            else:
+                encoder, content_type = choose_encoder(self.headers.get("Accept"))
+                data = encoder(registry)
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if body:
+                self.wfile.write(data)
+
+        def log_message(self, format: str, *args: object) -> None:   # no access log on stderr
+            pass
+
+    return MetricsHandler
+
+
+class MetricsServer(ThreadingHTTPServer):
+    daemon_threads = True
+
 
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> int:
-    """Serve /metrics over HTTP; returns the bound port."""
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    """Serve registry at http://host:port/metrics on a daemon thread; returns the bound port."""
+    server = MetricsServer((host, port), _handler(registry))
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server.server_port
+

@@ -195,6 +195,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.metrics.request_success.inc()
         self.metrics.prompt_tokens.inc(usage.prompt_tokens)
         self.metrics.e2e_request_latency_seconds.observe(now - gen.timing.start)
+        self.metrics.observe_tpot(gen.timing.first_token, now, usage.completion_tokens)
         self.metrics.kv_transfer_seconds.observe(gen.timing.kv_transfer_ms / 1e3)
 
 
@@ -226,7 +227,7 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
     pool.start()
     try:
         await pool.wait_ready(options.config.ready_timeout_s)
-        metrics = RouterMetrics()
+        metrics = RouterMetrics(model_name=options.model)
         servicer = RouterServicer(options, pool, metrics)
         interceptors = [api_key_interceptor(api_key)] if api_key else []
         server = await start_server([service_registration(router_pb2.DESCRIPTOR.services_by_name["Router"], servicer)],

@@ -123,8 +123,9 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
     from services.metrics import WorkerMetrics, start_metrics_server
 
     worker_id = options.worker_id or f"{config.role}-{uuid.uuid4().hex[:8]}"
-    metrics = WorkerMetrics(config.role, worker_id)
+    metrics = WorkerMetrics(config.role, worker_id, model_name=config.model)
     aengine = AsyncEngine(config, lease=options.config.lease, on_step=metrics.on_step)
+    metrics.attach(aengine.engine)   # gauges read at scrape time: exact after admission, cancel, finish
     aengine.start()
     state = WorkerState()
     info = WorkerInfoServicer(aengine, worker_id, state, options.kv_address)

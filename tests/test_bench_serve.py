@@ -244,6 +244,9 @@ def test_bench_serve_cli_against_cluster(cluster, tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Serving Benchmark Result" in proc.stdout and "P99 ITL (ms):" in proc.stdout
+    # progress on stderr, not a terminal: plain lines up to the last request, no carriage returns
+    assert f"rate 40: {NUM_PROMPTS}/{NUM_PROMPTS} requests done (0 failed" in proc.stderr, proc.stderr
+    assert "warmup: 1/1 requests done" in proc.stderr and "\r" not in proc.stderr
 
     res = json.loads((tmp_path / "run.json").read_text())
     assert res["completed"] == NUM_PROMPTS and res["failed"] == 0

@@ -46,8 +46,10 @@ def _settled(cluster, expect_success: float, before: dict, timeout: float = 20.0
         time.sleep(0.05)
 
 
-def _labelled(samples: dict[str, float], name: str, role: str, worker: str) -> float:
-    key = f'{name}{{role="{role}",worker="{worker}"}}'
+def _labelled(samples: dict[str, float], name: str, role: str, worker: str, model: str | None = None) -> float:
+    """The series of one process; model_name is the model as the deployment was given it (as vLLM's)."""
+    model = model if model is not None else _MODEL[0]
+    key = f'{name}{{model_name="{model}",role="{role}",worker="{worker}"}}'
     assert key in samples, (key, [k for k in samples if k.startswith(name)])
     return samples[key]
 
@@ -58,8 +60,12 @@ def _block_bytes(cluster, address: str) -> int:
     return s.num_layers * 2 * s.block_size * s.num_kv_heads * s.head_dim * itemsize
 
 
+_MODEL: list[str] = [""]
+
+
 @pytest.fixture(scope="module")
 def cluster_1p1d(tiny_qwen3: str):
+    _MODEL[0] = tiny_qwen3
     cluster = start_cluster(tiny_qwen3, prefill_workers=1, decode_workers=1)
     yield cluster
     cluster.stop()
@@ -137,6 +143,7 @@ def test_prefix_hit_moves_cache_counters_and_sends_fewer_bytes(cluster_1p1d) -> 
 
 
 def test_counters_colocated(tiny_qwen3: str) -> None:
+    _MODEL[0] = tiny_qwen3
     cluster = start_cluster(tiny_qwen3, colocated_workers=1)
     try:
         prompts = random_prompts(4, 9, 45, seed=903)
@@ -153,3 +160,59 @@ def test_counters_colocated(tiny_qwen3: str) -> None:
         assert _delta(after["router"], before["router"], "pdserve:generation_tokens_total") == n * MAX_TOKENS
     finally:
         cluster.stop()
+
+
+# ---- the endpoint, the labels, TPOT, and gauges that follow state changes ----------------------
+def test_only_metrics_path_answers_and_every_series_names_the_model(cluster_1p1d) -> None:
+    import urllib.error
+    import urllib.request
+
+    for proc in cluster_1p1d.processes:
+        for path in ("/", "/metric", "/metrics/x", "/favicon.ico"):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(f"http://{proc.metrics_address}{path}", timeout=10)
+            assert err.value.code == 404, (proc.name, path)
+        samples = scrape(proc.metrics_address)   # /metrics (and /metrics?x=1) answer
+        urllib.request.urlopen(f"http://{proc.metrics_address}/metrics?name[]=x", timeout=10).read()
+        series = [k for k in samples if k.startswith("pdserve:")]
+        assert series and all(f'model_name="{_MODEL[0]}"' in k for k in series), proc.name
+
+
+def test_router_tpot_histogram(cluster_1p1d) -> None:
+    prompts = random_prompts(3, 9, 20, seed=904)
+    before = scrape(cluster_1p1d.processes[-1].metrics_address)
+    asyncio.run(_generate_all(cluster_1p1d.router_address, prompts))
+    after = _settled(cluster_1p1d, len(prompts), {n: scrape(a) for n, a in _by_name(cluster_1p1d).items()}
+                     | {"router": before})["router"]
+    assert _delta(after, before, "pdserve:time_per_output_token_seconds_count") == len(prompts)
+    tpot_sum = _delta(after, before, "pdserve:time_per_output_token_seconds_sum")
+    itl_sum = _delta(after, before, "pdserve:inter_token_latency_seconds_sum")
+    # each request's TPOT is the mean of its ITL gaps: their sums over requests agree within rounding
+    assert tpot_sum == pytest.approx(itl_sum / (MAX_TOKENS - 1), rel=1e-6)
+
+
+def _wait_gauge(address: str, name: str, value: float, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while metric(scrape(address), name) != value:
+        assert time.monotonic() < deadline, f"{name} never became {value} at {address}"
+        time.sleep(0.05)
+
+
+def test_gauges_follow_admission_and_cancel_on_an_idle_engine(cluster_1p1d) -> None:
+    """A long request runs on the decode worker (running 1), then its client goes away: the
+    worker aborts it and takes no further step, yet the gauge reads 0 (not the last step's 1)."""
+    decode = _by_name(cluster_1p1d)["decode-0"]
+    prompt = random_prompts(1, 12, 12, seed=905)[0]
+
+    async def run() -> None:
+        async with AsyncClient(cluster_1p1d.router_address, timeout=120) as client:
+            stream = client.generate_stream(prompt, max_tokens=2000, temperature=0.0, ignore_eos=True)
+            await stream.__anext__()          # the first token: the request is on its way to decode
+            await asyncio.to_thread(_wait_gauge, decode, "pdserve:num_requests_running", 1.0)
+            assert metric(scrape(decode), "pdserve:kv_cache_usage_perc") > 0
+            await stream.aclose()             # the client cancels
+
+    asyncio.run(run())
+    _wait_gauge(decode, "pdserve:num_requests_running", 0.0)
+    _wait_gauge(decode, "pdserve:kv_cache_usage_perc", 0.0)
+    _wait_gauge(_by_name(cluster_1p1d)["router"], "pdserve:num_requests_running", 0.0)

@@ -381,7 +381,7 @@ def test_2p2d_matches_offline_and_survives_a_decode_kill(ray_cluster, tiny_qwen3
     prefills, decodes = [f"{name}-prefill-{i}" for i in range(2)], [f"{name}-decode-{i}" for i in range(2)]
     try:
         table = ray.util.placement_group_table(ray.util.get_placement_group(f"{name}-workers"))
-        assert table["strategy"] == "SPREAD" and len(table["bundles"]) == 4
+        assert table["strategy"] == "SPREAD" and len(table["bundles"]) == 5   # the router's and 4 workers'
         assert _tokens(info.router_address) == offline_reference
         for n in prefills:   # both prefill workers took part
             assert _info(n)["metrics"]["generation_tokens"] > 0, n

@@ -4,7 +4,9 @@ Each actor runs the existing grpc.aio server (``serve_worker`` / ``serve_router`
 as a task on the actor's own asyncio event loop, started from ``async __init__`` so
 that a restart by Ray (``max_restarts``) brings the server back by itself, on a new
 port. The actors take one argument, a JSON spec (plain data, nothing pickled of
-ours), and expose:
+ours) whose settings are argv lists (``engine_args``, ``worker_args``, ``router_args``)
+parsed by the CLI's generated flags: the same serialised form `pdserve up` hands its
+child processes. They expose:
 
 * ``address()``: the gRPC address the server listens on;
 * ``info()``: a JSON-able dict (role, address, KV address, model path, pid, node,
@@ -68,6 +70,35 @@ def _crash_if_unexpected(stop: asyncio.Event, name: str):
     return on_done
 
 
+def _setup_logging() -> None:
+    """The deployment's log level (PDSERVE_LOG_LEVEL, from the runtime env) for pdserve's loggers."""
+    level = os.environ.get("PDSERVE_LOG_LEVEL")
+    if level:
+        logging.getLogger("services").setLevel(level)
+        logging.getLogger("engine").setLevel(level)
+
+
+def worker_configs(spec: dict[str, Any], model: str):
+    """(EngineConfig, WorkerConfig) from the spec's argv, parsed by the CLI's generated flags."""
+    from engine import EngineConfig
+    from services.config_cli import configs_from_argv
+    from services.worker import WorkerConfig
+
+    engine, = configs_from_argv(spec.get("engine_args", []), (EngineConfig, ()), model=model, role=spec["role"])
+    worker, = configs_from_argv(spec.get("worker_args", []), (WorkerConfig, ()))
+    return engine, worker
+
+
+def router_configs(spec: dict[str, Any]):
+    """(GenerationOptions, RequestLimits, RouterConfig) from the spec's router argv."""
+    from services.config_cli import configs_from_argv
+    from services.generation import GenerationOptions
+    from services.router import RequestLimits, RouterConfig
+
+    return configs_from_argv(spec.get("router_args", []), (GenerationOptions, ()), (RequestLimits, ()),
+                             (RouterConfig, ()))
+
+
 def _node_info() -> dict[str, Any]:
     ctx = ray.get_runtime_context()
     return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
@@ -79,18 +110,18 @@ class WorkerActor:
     """A prefill or decode worker (grpc Worker service + KVTransfer, and push_blocks for Ray KV)."""
 
     async def __init__(self, spec_json: str) -> None:
-        from engine import EngineConfig
         from services.kv_transfer import GrpcKVSender
         from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender, ray_kv_address
         from services.security import Credentials
         from services.server import options as channel_options
         from services.worker import WorkerOptions, serve_worker
 
+        _setup_logging()
         spec = json.loads(spec_json)
         self.spec = spec
         self.name, self.role, namespace = spec["name"], spec["role"], spec["namespace"]
         self.model = model_dir(spec)
-        config = EngineConfig.from_kwargs(self.model, role=self.role, **spec.get("engine", {}))
+        config, worker_config = worker_configs(spec, self.model)
         credentials = Credentials.load()   # the cluster token from the runtime env
         ray_kv = spec["kv_transport"] == "ray"
         sender = None
@@ -100,7 +131,7 @@ class WorkerActor:
         kv_address = ray_kv_address(self.name, namespace) if self.role == "decode" and ray_kv else ""
         host = bind_host(spec["host"])
         options = WorkerOptions(host=host, port=0, worker_id=self.name, kv_address=kv_address, kv_sender=sender,
-                                credentials=credentials)
+                                credentials=credentials, config=worker_config)
         loop = asyncio.get_running_loop()
         started: asyncio.Future = loop.create_future()
         self._stop = asyncio.Event()
@@ -192,21 +223,21 @@ class RouterActor:
     """The router: the client-facing pdserve.v1.Router gRPC API, unchanged."""
 
     async def __init__(self, spec_json: str) -> None:
-        from services.generation import GenerationOptions
-        from services.router import RouterConfig, RouterOptions, serve_router
+        from services.router import RouterOptions, serve_router
         from services.security import Credentials
 
+        _setup_logging()
         spec = json.loads(spec_json)
         self.spec = spec
         self.name = spec["name"]
         self.model = model_dir(spec)
-        timeout = spec["ready_timeout_s"]
+        generation, limits, config = router_configs(spec)
+        timeout = config.ready_timeout_s
         self.resolver = ActorResolver(spec["namespace"])
         prefill = [await self.resolver.address_of(n, timeout) for n in spec["prefill"]]
         decode = [await self.resolver.address_of(n, timeout) for n in spec["decode"]]
-        options = RouterOptions(model=self.model, prefill=prefill, decode=decode,
-                                generation=GenerationOptions(worker_wait_s=spec["worker_wait_s"]),
-                                config=RouterConfig(ready_timeout_s=timeout))
+        options = RouterOptions(model=self.model, prefill=prefill, decode=decode, generation=generation,
+                                limits=limits, config=config)
         self.host = bind_host(spec["host"])
         loop = asyncio.get_running_loop()
         started: asyncio.Future = loop.create_future()

@@ -7,85 +7,148 @@ import sys
 from typing import Callable
 
 
-def add_ray_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    p = sub.add_parser("ray", help="deploy onto a Ray cluster (ray up | ray down | ray status)")
-    rsub = p.add_subparsers(dest="ray_command", required=True)
+RAY_UP_FIXED = ("model", "name", "namespace")   # --model, and the flags every ray command has
+
+
+def add_ray_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], None],
+                   parents: list[argparse.ArgumentParser] | tuple = ()) -> None:
+    from engine.config import EngineConfig
+    from services.config_cli import add_config_args
+    from services.generation import GenerationOptions
+    from services.ray_deploy.deploy import RayDeployment
+    from services.router import RequestLimits, RouterConfig
+    from services.worker import WorkerConfig
+
+    p = sub.add_parser("ray", help="deploy onto a Ray cluster (ray up | ray down | ray status)", parents=list(parents))
+    rsub = p.add_subparsers(dest="ray_command", required=True, metavar="COMMAND")
 
     def common(q: argparse.ArgumentParser) -> None:
         q.add_argument("--address", default="auto",
                        help="Ray cluster: auto (RAY_ADDRESS / this node's cluster), HOST:PORT, ray://HOST:PORT, or "
-                            "local (a loopback-only head on this machine, started if needed)")
+                            "local (a loopback-only head on this machine, started if needed, state in "
+                            "$PDSERVE_HOME/ray)")
         q.add_argument("--name", default="pdserve", help="deployment name (actor name prefix)")
         q.add_argument("--namespace", default="pdserve", help="Ray namespace of the actors")
 
-    up = rsub.add_parser("up", help="deploy router + prefill + decode actors; returns once the router is SERVING")
+    up = rsub.add_parser("up", help="deploy router + prefill + decode actors; returns once the router is SERVING",
+                         parents=list(parents))
     common(up)
     add_engine_args(up)
-    up.add_argument("--prefill-workers", type=int, default=1)
-    up.add_argument("--decode-workers", type=int, default=1)
-    up.add_argument("--host", default="127.0.0.1", help="router bind address (node-ip: the head node's cluster IP)")
-    up.add_argument("--port", type=int, default=50051, help="router port")
-    up.add_argument("--kv-transport", default="ray", choices=["ray", "grpc"],
-                    help="KV blocks through Ray's object store (default) or over gRPC KVTransfer")
-    up.add_argument("--worker-host", default="127.0.0.1",
-                    help="workers' gRPC bind address; loopback pins every actor to the head node, "
-                         "node-ip lets workers spread over nodes")
-    up.add_argument("--worker-cpus", type=float, default=1.0)
-    up.add_argument("--worker-gpus", type=float, default=None, help="default: 1 if the cluster has GPUs, else 0")
-    up.add_argument("--router-cpus", type=float, default=1.0)
-    up.add_argument("--placement-strategy", default="SPREAD", choices=["SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK"])
-    up.add_argument("--max-restarts", type=int, default=-1, help="per actor; -1: unlimited")
-    up.add_argument("--ship-model", action="store_true",
-                    help="upload --model through the runtime env (working_dir) instead of reading a shared path")
-    up.add_argument("--worker-wait", type=float, default=60.0,
-                    help="seconds the router holds a request while no worker of a role is healthy (restarts)")
-    up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the deployment to serve")
-    up.add_argument("--local-num-cpus", type=float, default=None, help="--address local: CPUs of the head")
-    up.add_argument("--local-num-gpus", type=int, default=None, help="--address local: GPUs of the head")
-    up.add_argument("--local-object-store-mb", type=int, default=512, help="--address local: object store size")
+    add_config_args(up.add_argument_group("deployment"), RayDeployment, exclude=RAY_UP_FIXED)
+    up.add_argument("--if-exists", default="fail", choices=["fail", "keep", "replace"],
+                    help="when the deployment exists: fail; keep it if its router is SERVING (else replace it); "
+                         "replace it. `keep` makes `ray up` idempotent (the KubeRay submitter runs it in a loop)")
+    add_config_args(up.add_argument_group("workers"), WorkerConfig)
+    add_config_args(up.add_argument_group("router"), RouterConfig, exclude=("drain_timeout_s", "ready_timeout_s"))
+    gen = up.add_argument_group("generation")
+    add_config_args(gen, GenerationOptions, exclude=("worker_wait_s",))
+    gen.add_argument("--worker-wait-s", "--worker-wait", dest="worker_wait_s", type=float, default=None,
+                     metavar="FLOAT", help="with no healthy worker of a role, wait this long for one (a restart) "
+                                           "before failing (default: 60 on Ray, where restarts take longer)")
+    add_config_args(up.add_argument_group("request limits"), RequestLimits)
+    local = up.add_argument_group("--address local")
+    local.add_argument("--local-num-cpus", type=float, default=None, metavar="N",
+                       help="logical CPUs of the local head (default: none, this machine's cores)")
+    local.add_argument("--local-num-gpus", type=int, default=None, metavar="N",
+                       help="GPUs of the local head (default: none, the ones Ray detects)")
+    local.add_argument("--local-object-store-mb", type=int, default=512, metavar="MB", help="object store size of the local head")
     up.add_argument("--json", action="store_true", help="print the deployment as JSON")
     up.set_defaults(func=cmd_ray_up)
 
-    down = rsub.add_parser("down", help="remove a deployment (and a local cluster that holds nothing else)")
+    down = rsub.add_parser("down", help="remove a deployment (and a local cluster that holds nothing else)",
+                           parents=list(parents))
     common(down)
     down.add_argument("--keep-local-cluster", action="store_true", help="--address local: leave the head running")
     down.set_defaults(func=cmd_ray_down)
 
-    status = rsub.add_parser("status", help="show a deployment")
+    status = rsub.add_parser("status", help="show a deployment", parents=list(parents))
     common(status)
     status.set_defaults(func=cmd_ray_status)
 
 
-def _engine_settings(args: argparse.Namespace) -> dict:
+def ray_spec(args: argparse.Namespace, model: str):
+    """The RayDeployment of `pdserve ray up`'s flags; the roles' settings as argv."""
     from engine.config import EngineConfig
     from services.cli import ENGINE_FIXED
-    from services.config_cli import given
-    return given(args, EngineConfig, ENGINE_FIXED)
+    from services.config_cli import config_from_args, config_to_argv, given
+    from services.generation import GenerationOptions
+    from services.ray_deploy.deploy import RayDeployment
+    from services.router import RequestLimits, RouterConfig
+    from services.worker import WorkerConfig
+
+    engine = EngineConfig(model=model, **given(args, EngineConfig, ENGINE_FIXED))
+    router_args = [*config_to_argv(config_from_args(GenerationOptions, args)),
+                   *config_to_argv(config_from_args(RequestLimits, args)),
+                   *config_to_argv(config_from_args(RouterConfig, args, exclude=("ready_timeout_s",)))]
+    fixed = {"model": model, "name": args.name, "namespace": args.namespace,
+             "engine_args": config_to_argv(engine, exclude=ENGINE_FIXED),
+             "worker_args": config_to_argv(config_from_args(WorkerConfig, args)), "router_args": router_args}
+    if args.worker_wait_s is not None:
+        fixed["worker_wait_s"] = args.worker_wait_s
+    return config_from_args(RayDeployment, args, exclude=RAY_UP_FIXED, **fixed)
+
+
+def _existing(spec, if_exists: str):
+    """What to do with a deployment of the same name: its DeploymentInfo to keep, or None to (re)deploy."""
+    import ray
+
+    from services.ray_deploy.deploy import DeploymentError, describe, list_actors, teardown
+
+    if not list_actors(spec.name, spec.namespace) or if_exists == "fail":
+        return None
+    if if_exists == "keep":
+        try:
+            router = ray.get_actor(f"{spec.name}-router", namespace=spec.namespace)
+            if ray.get(router.health.remote(), timeout=30) == "SERVING":
+                return describe(spec.name, spec.namespace)
+        except (ValueError, ray.exceptions.RayError, DeploymentError):
+            pass
+        print(f"pdserve: deployment {spec.name!r} exists but does not serve: replacing it", file=sys.stderr, flush=True)
+    teardown(spec.name, spec.namespace)
+    return None
 
 
 def cmd_ray_up(args: argparse.Namespace) -> int:
     from services.cli import _model_dir
-    from services.ray_deploy.cluster import connect
-    from services.ray_deploy.deploy import DeploymentError, RayDeployment, deploy, job_runtime_env
+    from services.ray_deploy.cluster import AuthError, connect, stop_local_cluster
+    from services.ray_deploy.deploy import DeploymentError, deploy, job_runtime_env
+    from services.usage import RuntimeFailure, check_model_dir, looks_like_hub_id
 
-    spec = RayDeployment(
-        model=_model_dir(args), prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-        name=args.name, namespace=args.namespace, host=args.host, port=args.port, worker_host=args.worker_host,
-        kv_transport=args.kv_transport, engine=_engine_settings(args), worker_cpus=args.worker_cpus,
-        worker_gpus=args.worker_gpus, router_cpus=args.router_cpus, placement_strategy=args.placement_strategy,
-        max_restarts=args.max_restarts, ship_model=args.ship_model, worker_wait_s=args.worker_wait,
-        ready_timeout_s=args.timeout)
+    if args.model and looks_like_hub_id(args.model):
+        check_model_dir(args.model)   # raises: a hub id is never a model directory
+    if args.model and (args.address == "local" or args.ship_model):
+        check_model_dir(args.model)   # it must be here; on a remote cluster it must be on the nodes
+    spec = ray_spec(args, _model_dir(args, check=False))
     spec.validate()
-    local = connect(args.address, args.namespace, runtime_env=job_runtime_env(spec),
-                    num_cpus=args.local_num_cpus, num_gpus=args.local_num_gpus,
-                    object_store_bytes=args.local_object_store_mb << 20)
-    if local is not None:
-        print(f"local Ray cluster at {local.address} (loopback only, token auth)", file=sys.stderr, flush=True)
+    started = []
     try:
-        info = deploy(spec)
-    except DeploymentError as exc:
-        print(f"pdserve ray up: {exc}", file=sys.stderr)
-        return 1
+        try:
+            local = connect(args.address, args.namespace, runtime_env=job_runtime_env(spec),
+                            on_local_start=started.append, num_cpus=args.local_num_cpus,
+                            num_gpus=args.local_num_gpus, object_store_bytes=args.local_object_store_mb << 20)
+        except AuthError as exc:
+            raise RuntimeFailure(str(exc)) from None
+        if local is not None:
+            print(f"pdserve: local Ray cluster at {local.address} ({'started' if started else 'running'}; "
+                  f"loopback only, token auth)", file=sys.stderr, flush=True)
+        try:
+            info = _existing(spec, args.if_exists)
+            if info is not None:
+                print(f"pdserve: deployment {spec.name!r} is already up", file=sys.stderr, flush=True)
+            else:
+                from services.progress import Progress
+                with Progress().step(f"deploying {spec.prefill_workers} prefill + {spec.decode_workers} decode "
+                                     f"worker(s) and a router on Ray", done="up"):
+                    info = deploy(spec)
+        except DeploymentError as exc:
+            raise RuntimeFailure(f"ray up: {exc}") from None
+    except BaseException:
+        for cluster in started:   # a failed `ray up` leaves no local head it started behind
+            _shutdown_ray()
+            stop_local_cluster(cluster)
+            print(f"pdserve: stopped the local Ray cluster it had started at {cluster.address}",
+                  file=sys.stderr, flush=True)
+        raise
     if args.json:
         print(json.dumps({"name": info.name, "namespace": info.namespace, "router_address": info.router_address,
                           "router_node_ip": info.router_node_ip, "workers": info.workers,
@@ -97,6 +160,12 @@ def cmd_ray_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shutdown_ray() -> None:
+    import ray
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 def cmd_ray_down(args: argparse.Namespace) -> int:
     from services.ray_deploy.cluster import connect, load_local_cluster, stop_local_cluster
     from services.ray_deploy.deploy import teardown
@@ -106,7 +175,7 @@ def cmd_ray_down(args: argparse.Namespace) -> int:
         if saved is None or not saved.alive():
             print("pdserve ray down: no local cluster is running", file=sys.stderr)
             return 0
-    local = connect(args.address, args.namespace)
+    local = _connect(args.address, args.namespace)
     import ray
 
     removed = teardown(args.name, args.namespace)
@@ -122,6 +191,15 @@ def cmd_ray_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _connect(address: str, namespace: str):
+    from services.ray_deploy.cluster import AuthError, connect
+    from services.usage import RuntimeFailure
+    try:
+        return connect(address, namespace)
+    except AuthError as exc:
+        raise RuntimeFailure(str(exc)) from None
+
+
 def cmd_ray_status(args: argparse.Namespace) -> int:
     from services.ray_deploy.cluster import connect, load_local_cluster
     from services.ray_deploy.deploy import describe
@@ -129,7 +207,7 @@ def cmd_ray_status(args: argparse.Namespace) -> int:
     if args.address == "local" and (load_local_cluster() is None or not load_local_cluster().alive()):
         print("no local cluster is running", file=sys.stderr)
         return 1
-    connect(args.address, args.namespace)
+    _connect(args.address, args.namespace)
     info = describe(args.name, args.namespace)
     if info is None:
         print(f"no deployment {args.name!r} in namespace {args.namespace!r}", file=sys.stderr)

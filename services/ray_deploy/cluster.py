@@ -1,32 +1,44 @@
 """Connecting to a Ray cluster, and a loopback-only local one for `pdserve ray up --address local`.
 
+Connecting asks the cluster's GCS first whether it wants a token (a call without one is
+refused UNAUTHENTICATED, or answered): a token cluster is joined in token mode with the token
+configured here (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``, or the
+local cluster's own), and a cluster without authentication is joined without one, with a
+warning. Whatever ``RAY_AUTH_MODE`` this process inherited does not decide it.
+
 A local cluster is a `ray start --head` whose processes live in their own process
 group (so it outlives the command and can be stopped by that group id alone), with:
 
-* token authentication on (``RAY_AUTH_MODE=token``; a token is generated with
-  ``ray get-auth-token --generate`` into ``~/.ray/auth_token`` when none is
-  configured through ``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH`` / that file);
+* token authentication on (``RAY_AUTH_MODE=token``; unless a token is configured through
+  ``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH``, a fresh one is written to
+  ``$PDSERVE_HOME/ray/auth_token``, mode 0600, and the head reads it from there);
 * every Ray server bound to 127.0.0.1: Ray resolves a loopback ``--node-ip-address``
   to the machine's outward IP unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` marks
   the node single-machine, which makes the node IP (and so the bind address of GCS,
   raylet, object manager and workers) 127.0.0.1;
 * no dashboard, and a bounded object store.
+
+Its state (address, process group, token path) is ``$PDSERVE_HOME/ray/local-cluster.json``.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 AUTH_ENV = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 SOURCE_ROOT = str(Path(__file__).resolve().parents[2])   # the directory holding services/, engine/, pdserve/
 
@@ -36,6 +48,7 @@ class LocalCluster:
     address: str        # GCS address, HOST:PORT
     pgid: int           # process group of every process of the head
     started: float
+    token_path: str | None = None   # the token file the head reads (None: RAY_AUTH_TOKEN of its env)
 
     def alive(self) -> bool:
         try:
@@ -50,9 +63,17 @@ class LocalCluster:
             return False
 
 
+def state_dir() -> Path:
+    from engine.model_maker import pdserve_home
+    return pdserve_home() / "ray"
+
+
 def state_file() -> Path:
-    base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
-    return base / f"pdserve-ray-{os.getuid()}" / "local-cluster.json"
+    return state_dir() / "local-cluster.json"
+
+
+def local_token_path() -> Path:
+    return state_dir() / "auth_token"
 
 
 def load_local_cluster() -> LocalCluster | None:
@@ -70,6 +91,16 @@ def _save_local_cluster(cluster: LocalCluster | None) -> None:
         return
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(cluster)))
+
+
+def _write_local_token() -> str:
+    """A fresh token for a local head, in a file only this user can read."""
+    path = local_token_path()
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return str(path)
 
 
 def has_auth_token() -> bool:
@@ -104,11 +135,15 @@ def start_local_cluster(*, num_cpus: float | None = None, num_gpus: int | None =
                         timeout_s: float = 120.0, save: bool = True) -> LocalCluster:
     """`ray start --head` on 127.0.0.1 in a new process group; returns once the GCS answers."""
     env = local_env()
-    if env["RAY_AUTH_MODE"] == "token" and not has_auth_token():
-        subprocess.run([*_ray_cli(), "get-auth-token", "--generate"], env=env, check=True,
-                       stdout=subprocess.DEVNULL)
+    env[AUTH_MODE_ENV] = "token"
+    token_path = None
+    if not any(env.get(v) for v in AUTH_ENV):   # the head's own token, under $PDSERVE_HOME
+        token_path = env["RAY_AUTH_TOKEN_PATH"] = _write_local_token()
+    elif env.get("RAY_AUTH_TOKEN_PATH") and not env.get("RAY_AUTH_TOKEN"):
+        token_path = env["RAY_AUTH_TOKEN_PATH"]
     port = port or free_port()
     cmd = [*_ray_cli(), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+           "--ray-client-server-port", str(free_port()),   # not the shared default 10001
            "--include-dashboard", "false", "--disable-usage-stats",
            "--object-store-memory", str(int(object_store_bytes))]
     if num_cpus is not None:
@@ -125,7 +160,7 @@ def start_local_cluster(*, num_cpus: float | None = None, num_gpus: int | None =
     if proc.returncode != 0:
         _kill_group(proc.pid)
         raise RuntimeError(f"`ray start --head` failed ({proc.returncode}):\n{out[-4000:]}")
-    cluster = LocalCluster(address=f"127.0.0.1:{port}", pgid=proc.pid, started=time.time())
+    cluster = LocalCluster(address=f"127.0.0.1:{port}", pgid=proc.pid, started=time.time(), token_path=token_path)
     deadline = time.monotonic() + timeout_s
     while not cluster.alive():
         if time.monotonic() > deadline:
@@ -186,14 +221,16 @@ def stop_local_cluster(cluster: LocalCluster | None = None) -> bool:
     return True
 
 
-def resolve_address(address: str, **local_kwargs) -> tuple[str, LocalCluster | None]:
-    """'local' -> a running pdserve local head (started if needed); anything else unchanged."""
+def resolve_address(address: str, **local_kwargs) -> tuple[str, LocalCluster | None, bool]:
+    """'local' -> a running pdserve local head (started if needed); anything else unchanged.
+    Returns (address, the local cluster or None, whether this call started it)."""
     if address != "local":
-        return address, None
+        return address, None, False
     cluster = load_local_cluster()
-    if cluster is None or not cluster.alive():
-        cluster = start_local_cluster(**local_kwargs)
-    return cluster.address, cluster
+    if cluster is not None and cluster.alive():
+        return cluster.address, cluster, False
+    cluster = start_local_cluster(**local_kwargs)
+    return cluster.address, cluster, True
 
 
 def use_loopback_node() -> None:
@@ -208,13 +245,87 @@ def use_loopback_node() -> None:
         ray_constants.ENABLE_RAY_CLUSTER = False
 
 
-def connect(address: str, namespace: str, runtime_env: dict | None = None, **local_kwargs) -> LocalCluster | None:
-    """ray.init against `address` (auto | HOST:PORT | ray://... | local) in `namespace`."""
-    address, local = resolve_address(address, **local_kwargs)
+def gcs_address(address: str) -> str | None:
+    """HOST:PORT of the GCS behind address (auto: RAY_ADDRESS or this node's cluster); None when it
+    cannot be told (ray:// goes through Ray Client)."""
+    if address.startswith("ray://"):
+        return None
+    if address == "auto":
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+            return canonicalize_bootstrap_address("auto")
+        except Exception:  # noqa: BLE001 - no cluster found: ray.init will say so
+            return None
+    return address
+
+
+def cluster_wants_token(gcs: str, timeout_s: float = 10.0) -> bool | None:
+    """Whether the GCS refuses a call without a token (True), answers it (False), or cannot be
+    asked (None: unreachable; ray.init then reports the error)."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    with grpc.insecure_channel(gcs) as ch:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(ch).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return True
+            return None
+    return False
+
+
+def _set_auth_mode(mode: str) -> None:
+    """RAY_AUTH_MODE for this process; Ray caches it, so a loaded Ray is told to read it again."""
+    os.environ[AUTH_MODE_ENV] = mode
+    if "ray" in sys.modules:
+        try:
+            from ray._raylet import AuthenticationTokenLoader, Config
+            Config.initialize("")
+            AuthenticationTokenLoader.instance().reset_cache()
+        except Exception:  # noqa: BLE001 - older/newer Ray: the environment alone then decides
+            log.debug("could not reset Ray's auth state", exc_info=True)
+
+
+class AuthError(RuntimeError):
+    """The cluster wants a token this process does not have."""
+
+
+def prepare_auth(address: str, local: LocalCluster | None) -> str | None:
+    """Set this process up to join the cluster at address as it is secured. Returns a warning to
+    show, if any (a cluster without authentication). Raises AuthError when a token is needed
+    and none is configured."""
+    if local is not None and local.token_path and not os.environ.get("RAY_AUTH_TOKEN"):
+        os.environ["RAY_AUTH_TOKEN_PATH"] = local.token_path
+    gcs = gcs_address(address)
+    wants = cluster_wants_token(gcs) if gcs else None
+    if wants is True:
+        if not has_auth_token():
+            raise AuthError(f"the Ray cluster at {gcs} requires token authentication, but no token is configured "
+                            f"here: set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to its token (`ray get-auth-token` "
+                            f"on one of its nodes prints it)")
+        _set_auth_mode("token")
+    elif wants is False:
+        _set_auth_mode("disabled")
+        return (f"the Ray cluster at {gcs} has no authentication: anyone who can reach its ports can run code "
+                f"on it; start it with RAY_AUTH_MODE=token (see docs/ray.md)")
+    return None
+
+
+def connect(address: str, namespace: str, runtime_env: dict | None = None, on_local_start=None,
+            **local_kwargs) -> LocalCluster | None:
+    """ray.init against `address` (auto | HOST:PORT | ray://... | local) in `namespace`, with the
+    cluster's own authentication. on_local_start(cluster): called when this call started a local
+    head (so that the caller can stop it if what follows fails)."""
+    address, local, started = resolve_address(address, **local_kwargs)
+    if started and on_local_start is not None:
+        on_local_start(local)
     if local is not None or address.split(":", 1)[0] in ("127.0.0.1", "localhost"):
         use_loopback_node()
-        if "ray" not in sys.modules:   # read at import; once imported, Ray turns token mode on by itself
-            os.environ.setdefault("RAY_AUTH_MODE", "token")   # when it finds a token (see has_auth_token)
+    warning = prepare_auth(address, local)
+    if warning:
+        print(f"pdserve: warning: {warning}", file=sys.stderr, flush=True)
     import ray
 
     ray.init(address=address, namespace=namespace, runtime_env=runtime_env, log_to_driver=False,

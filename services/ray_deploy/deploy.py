@@ -35,6 +35,7 @@ from typing import Any
 from services.security import CLUSTER_TOKEN_ENV, new_token
 
 HEAD_RESOURCE = "node:__internal_head__"
+DEFAULT_PLACEMENT_WAIT_S = 20.0   # placing a deployment that fits the cluster's nodes
 PIN = 0.001   # a sliver of the head node's marker resource pins an actor/bundle there
 KV_TRANSPORTS = ("ray", "grpc")
 STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
@@ -44,27 +45,48 @@ class DeploymentError(RuntimeError):
     pass
 
 
+def _f(default: Any, help: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
+
+
 @dataclass(slots=True)
 class RayDeployment:
-    model: str                              # model directory (shared path), or the one to ship (ship_model)
-    prefill_workers: int = 1
-    decode_workers: int = 1
-    name: str = "pdserve"
-    namespace: str = "pdserve"
-    host: str = "127.0.0.1"                 # router bind address ("node-ip": the head's cluster IP)
-    port: int = 50051
-    worker_host: str = "127.0.0.1"          # workers' bind address: loopback (single node) or "node-ip"
-    kv_transport: str = "ray"               # "ray": object store; "grpc": KVTransfer.PushBlocks
-    engine: dict[str, Any] = field(default_factory=dict)   # EngineConfig fields for every worker
-    worker_cpus: float = 1.0
-    worker_gpus: float | None = None        # None: 1 per worker when the cluster has GPUs, else 0
-    router_cpus: float = 1.0
-    placement_strategy: str = "SPREAD"
-    router_on_head: bool = True
-    max_restarts: int = -1                  # -1: restart forever
-    ship_model: bool = False                # ship `model` to every node in the runtime env (working_dir)
-    worker_wait_s: float = 60.0             # router holds requests this long while no worker of a role is up
-    ready_timeout_s: float = 300.0
+    """One deployment on a Ray cluster. The `pdserve ray up` flags are generated from these fields;
+    the roles' own settings travel to the actors as argv (``engine_args``, ``worker_args``,
+    ``router_args``: made by ``config_to_argv``, parsed by the same generated flags)."""
+
+    model: str = field(metadata={"help": "model directory: a path every node has, or the one to ship"})
+    prefill_workers: int = _f(1, "prefill worker actors")
+    decode_workers: int = _f(1, "decode worker actors")
+    name: str = _f("pdserve", "deployment name (actor name prefix)", cli=False)
+    namespace: str = _f("pdserve", "Ray namespace of the actors", cli=False)
+    host: str = _f("127.0.0.1", "router bind address (node-ip: the head node's cluster IP)")
+    port: int = _f(50051, "router port")
+    worker_host: str = _f("127.0.0.1", "workers' gRPC bind address; loopback pins every actor to the head node, "
+                                       "node-ip lets workers spread over nodes")
+    kv_transport: str = _f("ray", "KV blocks through Ray's object store (ray) or over gRPC KVTransfer (grpc)",
+                           choices=KV_TRANSPORTS)
+    engine: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})  # EngineConfig fields (Python API)
+    engine_args: list[str] = field(default_factory=list, metadata={"cli": False})  # EngineConfig flags, every worker
+    worker_args: list[str] = field(default_factory=list, metadata={"cli": False})  # WorkerConfig flags
+    router_args: list[str] = field(default_factory=list, metadata={"cli": False})  # router's config flags
+    worker_cpus: float | None = _f(None, "CPUs per worker actor; none: 1, or an equal share that fits the head "
+                                         "node when every actor runs there (e.g. 0.66 on a 2-CPU head)")
+    worker_gpus: float | None = _f(None, "GPUs per worker actor; none: 1 if the cluster has GPUs, else 0")
+    router_cpus: float | None = _f(None, "CPUs of the router actor; none: 1, or the share of the head node "
+                                         "that fits (as --worker-cpus)")
+    placement_strategy: str = _f("SPREAD", "strategy of the deployment's placement group", choices=STRATEGIES)
+    router_on_head: bool = _f(True, "run the router on the head node (where clients find it)")
+    max_restarts: int = _f(-1, "restarts per actor; -1: unlimited")
+    ship_model: bool = _f(False, "upload --model through the runtime env (working_dir) instead of reading a "
+                                 "shared path (small models: Ray's limit is 512 MiB zipped)")
+    worker_wait_s: float = _f(60.0, "seconds the router holds a request while no worker of a role is healthy "
+                                    "(a restart)", cli=False)   # the router's GenerationOptions.worker_wait_s
+    placement_timeout_s: float | None = _f(None, "seconds to wait for the cluster to place the deployment (an "
+                                                 "autoscaling cluster adding nodes); none: fail at once when the "
+                                                 "cluster as it is can never hold it, else wait 20 s")
+    ready_timeout_s: float = _f(300.0, "seconds to wait for the deployment to serve; on failure it is removed",
+                                aliases=("--timeout",))
 
     def validate(self) -> None:
         if self.prefill_workers < 1 or self.decode_workers < 1:
@@ -73,12 +95,18 @@ class RayDeployment:
             raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}")
         if self.placement_strategy not in STRATEGIES:
             raise ValueError(f"placement_strategy must be one of {STRATEGIES}")
-        if self.worker_cpus <= 0:
-            raise ValueError("worker_cpus must be > 0")
+        for what in ("worker_cpus", "router_cpus"):
+            value = getattr(self, what)
+            if value is not None and value <= 0:
+                raise ValueError(f"{what} must be > 0")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.name):
             raise ValueError(f"bad deployment name {self.name!r}")
         if "://" not in self.model and not Path(self.model, "config.json").exists() and self.ship_model:
             raise ValueError(f"--ship-model: {self.model} is not a model directory here")
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill_workers + self.decode_workers
 
     @property
     def loopback_workers(self) -> bool:
@@ -89,6 +117,24 @@ class RayDeployment:
         return {"prefill": [f"{self.name}-prefill-{i}" for i in range(self.prefill_workers)],
                 "decode": [f"{self.name}-decode-{i}" for i in range(self.decode_workers)],
                 "router": [f"{self.name}-router"]}
+
+    def role_argv(self, worker_cpus: float) -> tuple[list[str], list[str], list[str]]:
+        """(engine, worker, router) argv for the actors: the one serialised form of their settings."""
+        from engine.config import EngineConfig
+        from services.config_cli import config_to_argv, configs_from_argv
+
+        engine = list(self.engine_args)
+        if self.engine:
+            engine = config_to_argv(EngineConfig(model="-", **self.engine), exclude=("model", "role")) + engine
+        configs_from_argv(engine, (EngineConfig, ("model", "role")), model="-")   # a bad setting fails here
+        if "--num-threads" not in engine and "--threads" not in engine:
+            engine += ["--num-threads", str(max(1, int(worker_cpus)))]
+        router = list(self.router_args)
+        if "--worker-wait-s" not in router:
+            router = ["--worker-wait-s", f"{self.worker_wait_s:g}", *router]
+        if "--ready-timeout-s" not in router:
+            router = ["--ready-timeout-s", f"{self.ready_timeout_s:g}", *router]
+        return engine, list(self.worker_args), router
 
 
 @dataclass(slots=True)
@@ -173,6 +219,28 @@ def deploy(spec: RayDeployment) -> DeploymentInfo:
         logging.getLogger("ray.actor").removeFilter(quiet)
 
 
+def _head_resources() -> dict[str, float]:
+    import ray
+
+    return next((node["Resources"] for node in ray.nodes()
+                 if node.get("Alive") and HEAD_RESOURCE in node.get("Resources", {})), {})
+
+
+def resolve_cpus(spec: RayDeployment, head_cpus: float | None) -> tuple[float, float]:
+    """(worker_cpus, router_cpus): as given; an unset one is 1 CPU, or, when every actor runs on the
+    head node (loopback workers) and 1 each would not fit, an equal share of what the given ones leave."""
+    worker, router = spec.worker_cpus, spec.router_cpus
+    if worker is not None and router is not None:
+        return worker, router
+    if not spec.loopback_workers or head_cpus is None:
+        return worker or 1.0, router or min(1.0, worker or 1.0)
+    fixed = (spec.num_workers * worker if worker is not None else 0.0) + (router or 0.0)
+    shares = (spec.num_workers if worker is None else 0) + (1 if router is None else 0)
+    share = min(1.0, max(0.01, (head_cpus - fixed) / shares))
+    share = int(share * 100) / 100   # down to a hundredth, so that the shares fit
+    return (worker if worker is not None else share), (router if router is not None else share)
+
+
 def _deploy(spec: RayDeployment) -> DeploymentInfo:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -185,46 +253,59 @@ def _deploy(spec: RayDeployment) -> DeploymentInfo:
     t0 = time.monotonic()
     if list_actors(spec.name, spec.namespace):
         raise DeploymentError(f"deployment {spec.name!r} already exists in namespace {spec.namespace!r}; "
-                              "remove it first (pdserve ray down)")
+                              "remove it first (pdserve ray down), or pass --if-exists keep|replace")
     names = spec.actor_names()
     gpus = _gpus(spec)
-    engine = dict(spec.engine)
-    engine.setdefault("num_threads", max(1, int(spec.worker_cpus)))
+    head = _head_resources()
+    worker_cpus, router_cpus = resolve_cpus(spec, head.get("CPU"))
+    engine_args, worker_args, router_args = spec.role_argv(worker_cpus)
     pin = {HEAD_RESOURCE: PIN} if spec.loopback_workers else {}
-    bundle = {"CPU": spec.worker_cpus, **({"GPU": gpus} if gpus else {}), **pin}
+    bundle = {"CPU": worker_cpus, **({"GPU": gpus} if gpus else {}), **pin}
+    router_pin = spec.router_on_head or spec.loopback_workers
+    router_bundle = {"CPU": router_cpus, **({HEAD_RESOURCE: PIN} if router_pin else {})}
+    # The router takes bundle 0 of the group, so the whole deployment is placed at once or not at
+    # all (STRICT_SPREAD would then also want a node of its own for the router: not there).
+    router_in_group = spec.placement_strategy != "STRICT_SPREAD"
     order = []   # interleave prefill and decode over the bundles
     for i in range(max(spec.prefill_workers, spec.decode_workers)):
         order += [(role, names[role][i]) for role in ("prefill", "decode") if i < len(names[role])]
     base = {"namespace": spec.namespace, "kv_transport": spec.kv_transport, "host": spec.worker_host,
-            "model": spec.model, "ship_model": spec.ship_model, "engine": engine}
-    # The internal plane's secret reaches the actors through their environment, never their arguments.
-    secret_env = {"env_vars": {CLUSTER_TOKEN_ENV: os.environ.get(CLUSTER_TOKEN_ENV) or new_token()}}
+            "model": spec.model, "ship_model": spec.ship_model, "engine_args": engine_args,
+            "worker_args": worker_args}
+    # The internal plane's secret (and the log level) reach the actors through their environment.
+    env = {CLUSTER_TOKEN_ENV: os.environ.get(CLUSTER_TOKEN_ENV) or new_token()}
+    if os.environ.get("PDSERVE_LOG_LEVEL"):
+        env["PDSERVE_LOG_LEVEL"] = os.environ["PDSERVE_LOG_LEVEL"]
+    runtime_env = {"env_vars": env}
     if pin:
-        _check_head_fits(spec, bundle, len(order))
+        _check_head_fits(spec, head, bundle, len(order), router_cpus)
+    bundles = ([dict(router_bundle)] if router_in_group else []) + [dict(bundle) for _ in order]
+    first_worker = 1 if router_in_group else 0
     try:
-        pg = ray.util.placement_group([dict(bundle) for _ in order], strategy=spec.placement_strategy,
-                                      name=_pg_name(spec.name), lifetime="detached")
+        if spec.placement_timeout_s is None:
+            _check_cluster_fits(spec, bundles, bundle, router_bundle, len(order))
+        pg = ray.util.placement_group(bundles, strategy=spec.placement_strategy, name=_pg_name(spec.name),
+                                      lifetime="detached")
         try:
-            ray.get(pg.ready(), timeout=spec.ready_timeout_s)
+            ray.get(pg.ready(), timeout=spec.placement_timeout_s or DEFAULT_PLACEMENT_WAIT_S)
         except ray.exceptions.GetTimeoutError:
-            raise DeploymentError(
-                f"the cluster cannot place {len(order)} workers of {bundle} ({spec.placement_strategy}) within "
-                f"{spec.ready_timeout_s}s; available: {ray.available_resources()}") from None
+            raise DeploymentError(_unplaceable(spec, bundle, router_bundle, len(order))) from None
         workers = []
         for index, (role, actor_name) in enumerate(order):
             workers.append(WorkerActor.options(
                 name=actor_name, namespace=spec.namespace, lifetime="detached", max_restarts=spec.max_restarts,
-                num_cpus=spec.worker_cpus, num_gpus=gpus, runtime_env=secret_env,
+                num_cpus=worker_cpus, num_gpus=gpus, runtime_env=runtime_env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=index),
+                    placement_group=pg, placement_group_bundle_index=first_worker + index),
             ).remote(json.dumps({**base, "name": actor_name, "role": role})))
         router_spec = {**base, "name": names["router"][0], "host": spec.host, "port": spec.port,
-                       "prefill": names["prefill"], "decode": names["decode"],
-                       "worker_wait_s": spec.worker_wait_s, "ready_timeout_s": spec.ready_timeout_s}
+                       "prefill": names["prefill"], "decode": names["decode"], "router_args": router_args}
+        placement = ({"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=0)} if router_in_group
+            else {"resources": {HEAD_RESOURCE: PIN} if router_pin else None})
         router = RouterActor.options(
             name=names["router"][0], namespace=spec.namespace, lifetime="detached", max_restarts=spec.max_restarts,
-            num_cpus=spec.router_cpus, runtime_env=secret_env,
-            resources={HEAD_RESOURCE: PIN} if spec.router_on_head or spec.loopback_workers else None,
+            num_cpus=router_cpus, runtime_env=runtime_env, **placement,
         ).remote(json.dumps(router_spec))
         # Workers first: a worker that cannot start fails here with its own error.
         deadline = time.monotonic() + spec.ready_timeout_s
@@ -242,21 +323,62 @@ def _deploy(spec: RayDeployment) -> DeploymentInfo:
                           seconds=time.monotonic() - t0)
 
 
-def _check_head_fits(spec: RayDeployment, bundle: dict[str, float], n: int) -> None:
-    """Loopback workers all go to the head node: fail fast when it cannot hold them."""
+FIXES = ("lower --worker-cpus / --router-cpus (fractions are fine, e.g. 0.5), deploy fewer "
+         "--prefill-workers / --decode-workers, or give the cluster more CPUs (--address local: --local-num-cpus)")
+
+
+def _fmt(resources: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items()) if not k.startswith("node:")
+                           and k not in ("memory", "object_store_memory")) + "}"
+
+
+def _check_cluster_fits(spec: RayDeployment, bundles: list[dict], bundle: dict, router_bundle: dict,
+                        n: int) -> None:
+    """Fail at once when the alive nodes, empty, could not hold every bundle (first fit, largest
+    first; STRICT_SPREAD: each on its own node): waiting would not help a cluster that does not grow."""
     import ray
 
-    head = next((node["Resources"] for node in ray.nodes()
-                 if node.get("Alive") and HEAD_RESOURCE in node.get("Resources", {})), None)
-    if head is None:
+    nodes = [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
+    spread = spec.placement_strategy == "STRICT_SPREAD"
+    used: set[int] = set()
+    for b in sorted(bundles, key=lambda b: -b.get("CPU", 0)):
+        for i, free in enumerate(nodes):
+            if (spread and i in used) or any(free.get(k, 0) + 1e-9 < v for k, v in b.items()):
+                continue
+            for k, v in b.items():
+                if not k.startswith("node:"):
+                    free[k] -= v
+            used.add(i)
+            break
+        else:
+            raise DeploymentError(
+                f"the cluster can never place the deployment: it needs {n} worker(s) of {_fmt(bundle)} and a "
+                f"router of {_fmt(router_bundle)}, but its nodes have {', '.join(_fmt(nd['Resources']) for nd in ray.nodes() if nd.get('Alive'))}; "
+                f"{FIXES} (an autoscaling cluster: give --placement-timeout-s to wait for new nodes)")
+
+
+def _unplaceable(spec: RayDeployment, bundle: dict, router_bundle: dict, n: int) -> str:
+    import ray
+
+    return (f"the cluster could not place the deployment within {spec.placement_timeout_s or DEFAULT_PLACEMENT_WAIT_S:g}s "
+            f"(--placement-timeout-s): it needs {n} worker(s) of {_fmt(bundle)} and a router of "
+            f"{_fmt(router_bundle)}; the cluster has {_fmt(ray.cluster_resources())}, free "
+            f"{_fmt(ray.available_resources())}; {FIXES}")
+
+
+def _check_head_fits(spec: RayDeployment, head: dict[str, float], bundle: dict[str, float], n: int,
+                     router_cpus: float) -> None:
+    """Loopback workers all go to the head node: fail at once when it can never hold them."""
+    if not head:
         return
     need = {k: v * n for k, v in bundle.items() if k != HEAD_RESOURCE}
-    need["CPU"] = need.get("CPU", 0) + spec.router_cpus
+    need["CPU"] = need.get("CPU", 0) + router_cpus
     short = {k: (v, head.get(k, 0)) for k, v in need.items() if head.get(k, 0) + 1e-9 < v}
     if short:
         detail = ", ".join(f"{k}: need {v:g}, head has {have:g}" for k, (v, have) in short.items())
-        raise DeploymentError(f"with --worker-host {spec.worker_host} every worker runs on the head node, which "
-                              f"is too small ({detail}); use --worker-host node-ip to spread workers over nodes")
+        raise DeploymentError(f"with --worker-host {spec.worker_host} every actor runs on the head node, which "
+                              f"is too small ({detail}); {FIXES}, or --worker-host node-ip to spread workers "
+                              f"over nodes")
 
 
 def _get(refs, deadline: float, what: str):

@@ -1,0 +1,126 @@
+"""One source of truth for settings: every field of every config dataclass is a flag of every
+command that uses it (generated from the dataclass), and the form children and Ray actors get
+(argv from config_to_argv) parses back, with the same generated flags, to the same config."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from engine.config import EngineConfig
+from services.cli import build_parser
+from services.config_cli import config_fields, config_to_argv, configs_from_argv, flag
+from services.generation import GenerationOptions
+from services.launcher import Deployment
+from services.ray_deploy.deploy import RayDeployment
+from services.router import RequestLimits, RouterConfig
+from services.worker import WorkerConfig
+
+WORKER = (EngineConfig, WorkerConfig)
+ROUTER = (RouterConfig, GenerationOptions, RequestLimits)
+ENTRY_POINTS = {
+    ("up",): (*WORKER, *ROUTER, Deployment),
+    ("worker",): WORKER, ("prefill",): WORKER, ("decode",): WORKER,
+    ("router",): ROUTER,
+    ("generate",): (EngineConfig,),
+    ("ray", "up"): (*WORKER, *ROUTER, RayDeployment),
+}
+# Fields an entry point sets another way, and the flag that does it.
+OTHERWISE = {
+    "model": "--model",                                   # every command: the checkpoint
+    "role": None,                                         # the subcommand (worker: --role)
+    ("up", "num_threads"): "--threads-per-worker",        # per worker process
+    ("ray", "up", "name"): "--name", ("ray", "up", "namespace"): "--namespace",
+}
+
+
+def _subparser(path: tuple[str, ...]) -> argparse.ArgumentParser:
+    parser = build_parser()
+    for name in path:
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = action.choices[name]
+    return parser
+
+
+@pytest.mark.parametrize("path", list(ENTRY_POINTS), ids=" ".join)
+def test_every_field_is_a_flag_of_every_entry_point(path: tuple[str, ...]) -> None:
+    parser = _subparser(path)
+    options = {s for a in parser._actions for s in a.option_strings}
+    missing = []
+    for cls in ENTRY_POINTS[path]:
+        for f in dataclasses.fields(cls):
+            if not f.init or not f.metadata.get("cli", True):
+                continue
+            other = OTHERWISE.get((*path, f.name), OTHERWISE.get(f.name, flag(f.name)))
+            if other is None:
+                continue
+            if other not in options:
+                missing.append(f"{cls.__name__}.{f.name} ({other})")
+    assert not missing, f"pdserve {' '.join(path)} lacks: {', '.join(missing)}"
+
+
+def _non_default(cls: type):
+    """An instance with every simple field changed from its default (valid values)."""
+    values = {}
+    for f, tp in config_fields(cls):
+        default = f.default
+        if isinstance(default, bool):
+            values[f.name] = not default
+        elif isinstance(default, int) and f.name not in ("role",):
+            values[f.name] = default + 3
+        elif isinstance(default, float):
+            values[f.name] = min(1.0, default * 0.5) if "utilization" in f.name else default + 1.5
+    return values
+
+
+@pytest.mark.parametrize("cls", [EngineConfig, WorkerConfig, RouterConfig, GenerationOptions, RequestLimits])
+def test_argv_round_trip_through_the_generated_parser(cls: type) -> None:
+    fixed = {"model": "/m"} if cls is EngineConfig else {}
+    obj = cls(**fixed, **_non_default(cls))
+    argv = config_to_argv(obj, exclude=("model",))
+    assert argv, "every changed field is written"
+    (back,) = configs_from_argv(argv, (cls, ("model",)), **fixed)
+    assert back == obj
+
+
+def test_up_forwards_engine_settings_to_its_workers_as_their_cli_parses_them() -> None:
+    """`pdserve up --block-size 8 ...` -> the argv a worker gets -> `pdserve worker`'s own parser."""
+    from services.cli import ENGINE_FIXED
+    from services.config_cli import config_from_args, given
+
+    up = build_parser().parse_args(["up", "--block-size", "8", "--no-enable-prefix-caching", "--dtype", "float32",
+                                    "--kv-lease-idle-s", "4"])
+    engine = EngineConfig(model="/m", **given(up, EngineConfig, ENGINE_FIXED))
+    argv = ["worker", "--role", "decode", "--model", "/m", *config_to_argv(engine, exclude=ENGINE_FIXED),
+            *config_to_argv(config_from_args(WorkerConfig, up))]
+    worker = build_parser().parse_args(argv)
+    assert EngineConfig(model="/m", role="decode", **given(worker, EngineConfig, ENGINE_FIXED)) == \
+        dataclasses.replace(engine, role="decode")
+    assert config_from_args(WorkerConfig, worker).kv_lease_idle_s == 4
+
+
+def test_ray_up_hands_actors_argv_parsed_like_the_cli() -> None:
+    from services.ray_deploy.actors import router_configs, worker_configs
+    from services.ray_deploy.cli import ray_spec
+
+    args = build_parser().parse_args(["ray", "up", "--block-size", "8", "--kv-lease-max-s", "100",
+                                      "--stall-timeout-s", "4", "--max-prompt-bytes", "4096", "--worker-wait", "7",
+                                      "--timeout", "99"])
+    spec = ray_spec(args, "/m")
+    engine_args, worker_args, router_args = spec.role_argv(worker_cpus=0.5)
+    engine, worker = worker_configs({"role": "prefill", "engine_args": engine_args, "worker_args": worker_args}, "/m")
+    assert (engine.block_size, engine.num_threads, engine.role) == (8, 1, "prefill")
+    assert worker.kv_lease_max_s == 100
+    generation, limits, router = router_configs({"router_args": router_args})
+    assert (generation.stall_timeout_s, generation.worker_wait_s) == (4, 7)
+    assert limits.max_prompt_bytes == 4096 and router.ready_timeout_s == 99
+    assert spec.ready_timeout_s == 99
+
+
+def test_environment_variables_are_documented() -> None:
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    help_text = build_parser().format_help()
+    for var in ("PDSERVE_HOME", "PDSERVE_LOG_LEVEL", "PDSERVE_CLUSTER_TOKEN", "PDSERVE_API_KEY"):
+        assert var in help_text and var in readme, var
