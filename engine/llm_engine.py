@@ -178,7 +178,8 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+        if seq.num_output_tokens >= p.min_tokens and (
+                tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)):
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

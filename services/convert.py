@@ -22,6 +22,8 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         p.seed = int(msg.seed)
     if msg.HasField("ignore_eos"):
         p.ignore_eos = bool(msg.ignore_eos)
+    if msg.HasField("min_tokens"):
+        p.min_tokens = int(msg.min_tokens)
     p.stop_token_ids = list(msg.stop_token_ids)
     return p
 
@@ -30,6 +32,8 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                     max_tokens=p.max_tokens, ignore_eos=p.ignore_eos,
                                     stop_token_ids=p.stop_token_ids)
+    if p.min_tokens:
+        msg.min_tokens = p.min_tokens
     if p.seed is not None:
         msg.seed = p.seed
     return msg
