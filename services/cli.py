@@ -19,6 +19,7 @@ from services.worker import WorkerConfig
 DEFAULT_PORT = 50051
 ENGINE_FIXED = ("model", "role")          # set by --model and the subcommand
 UP_PER_PROCESS = ("num_threads",)         # `up` sets these per worker (threads_per_worker)
+UP_ROUTER_OWN = ("drain_timeout_s",)      # `up` sets these on the router from its Deployment
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -133,7 +134,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from services.launcher import Cluster, Stopped
     engine = EngineConfig(model=_model_dir(args), **given(args, EngineConfig, (*ENGINE_FIXED, *UP_PER_PROCESS)))
     router_args = [*config_to_argv(config_from_args(GenerationOptions, args)),
-                   *config_to_argv(config_from_args(RequestLimits, args))]
+                   *config_to_argv(config_from_args(RequestLimits, args)),
+                   *config_to_argv(config_from_args(RouterConfig, args, exclude=UP_ROUTER_OWN), exclude=UP_ROUTER_OWN)]
     api_key = _api_key(args)
     if api_key:
         os.environ["PDSERVE_API_KEY"] = api_key   # the router reads it from its environment, never argv
@@ -153,6 +155,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 0
     print(f"pdserve is up: router at {cluster.router_address}\n{cluster.describe()}", flush=True)
     print(f"try: pdserve generate --router {cluster.router_address} \"Once upon a time\"", flush=True)
+    if args.http_port is not None:
+        print(f"OpenAI-compatible HTTP API at http://{spec.host}:{args.http_port}/v1", flush=True)
     return cluster.wait()
 
 
@@ -207,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p.add_argument_group("engine"), EngineConfig, exclude=(*ENGINE_FIXED, *UP_PER_PROCESS))
     add_config_args(p.add_argument_group("workers"), WorkerConfig, exclude=("drain_timeout_s",))
     add_config_args(p.add_argument_group("router"), GenerationOptions)
+    add_config_args(p.add_argument_group("router process"), RouterConfig, exclude=UP_ROUTER_OWN)
     add_config_args(p.add_argument_group("request limits"), RequestLimits)
     _add_security_args(p, router=True)
     p.set_defaults(func=cmd_up)
