@@ -268,8 +268,17 @@ class StopMatcher:
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
         self.pending = ""
+
+    def _held(self, buf: str) -> int:
+        """Length of the longest end of buf that begins a stop string."""
+        held = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), held, -1):
+                if buf.endswith(s[:k]):
+                    held = k
+                    break
+        return held
 
     def add(self, text: str, final: bool, check: bool = True) -> tuple[str, bool]:
         """(text safe to send, whether a stop string ended it). check=False: no stop yet (min_tokens)."""
@@ -284,7 +293,7 @@ class StopMatcher:
         if final:
             self.pending = ""
             return buf, False
-        cut = max(0, len(buf) - self.hold)
+        cut = len(buf) - self._held(buf)
         self.pending = buf[cut:]
         return buf[:cut], False
 
