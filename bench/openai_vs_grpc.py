@@ -1,0 +1,202 @@
+#!/usr/bin/env python
+"""pdserve's OpenAI-compatible HTTP API against its gRPC API: one cluster, one workload, three
+load generators, back to back.
+
+It starts ``pdserve up --http-port PORT`` (router + workers as separate processes on
+127.0.0.1; disaggregated 1P+1D by default, ``--colocated`` for one colocated worker), then runs
+
+* ``grpc``:        ``pdserve bench serve`` against the router's gRPC API (token-id prompts);
+* ``openai``:      ``vllm bench serve --backend openai`` against ``/v1/completions``;
+* ``openai-chat``: ``vllm bench serve --backend openai-chat`` against ``/v1/chat/completions``;
+
+each with random prompts of ``--input-len`` tokens, ``--output-len`` output tokens
+(``ignore_eos``), greedy, Poisson arrivals at ``--request-rate``, ``--num-prompts`` prompts and
+``--num-warmups`` warmups, and a different seed per run so no run hits another's prefix cache.
+vLLM is never a dependency of pdserve: its benchmark runs as ``vllm.benchmarks.serve``
+(``add_cli_args`` + ``main``) under another interpreter, ``--vllm-python`` (default
+``/work/vllm-venv/bin/python``), with ``--tokenizer`` set to the model directory. vLLM's random
+dataset decodes random token ids to text, so its prompts are re-tokenized by the router
+(``input_lens`` come from the usage the server reports) and chat prompts carry the chat
+template's few extra tokens.
+
+Finally it prints a table: every metric of each run, and openai / grpc ratios. Example::
+
+    PYTHONPATH=. python bench/openai_vs_grpc.py --num-prompts 100 --request-rate 4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+RUNS = ("grpc", "openai", "openai-chat")
+PERCENTILES = (50, 90, 99)
+SERVED_NAME = "pdserve-small"
+VLLM_MAIN = ("import argparse, sys\n"
+             "from vllm.benchmarks.serve import add_cli_args, main\n"
+             "p = argparse.ArgumentParser()\nadd_cli_args(p)\nmain(p.parse_args(sys.argv[1:]))\n")
+
+
+def start_up(model: str, port: int, http_port: int, args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
+    setup = ["--colocated-workers", "1"] if args.colocated else ["--prefill-workers", "1", "--decode-workers", "1"]
+    cmd = [sys.executable, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+           "--http-port", str(http_port), "--served-model-name", SERVED_NAME, "--threads", str(args.threads),
+           *setup, *shlex.split(args.engine_args)]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    print(f"$ {shlex.join(cmd)}", flush=True)
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop_up(popen: subprocess.Popen, timeout: float = 60.0) -> None:
+    if popen.poll() is None:
+        popen.send_signal(signal.SIGTERM)
+        try:
+            popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+
+
+def run_grpc(args: argparse.Namespace, port: int, seed: int, out_dir: Path) -> dict[str, Any]:
+    from bench.serve import main as bench_main
+    name = "grpc.json"
+    argv = ["--router", f"127.0.0.1:{port}", "--dataset-name", "random", "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+            "--request-rate", str(args.request_rate), "--seed", str(seed), "--ignore-eos", "--temperature", "0",
+            "--num-warmups", str(args.num_warmups), "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--metric-percentiles", ",".join(map(str, PERCENTILES)), "--save-result", "--result-dir", str(out_dir),
+            "--result-filename", name, "--no-plot"]
+    print(f"[grpc] pdserve bench serve {shlex.join(argv)}", flush=True)
+    if bench_main(argv) != 0:
+        raise RuntimeError("pdserve bench serve failed")
+    return json.loads((out_dir / name).read_text())
+
+
+def run_vllm(backend: str, args: argparse.Namespace, model: str, http_port: int, seed: int, out_dir: Path
+             ) -> dict[str, Any]:
+    name = f"{backend}.json"
+    endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
+    argv = ["--backend", backend, "--base-url", f"http://127.0.0.1:{http_port}", "--endpoint", endpoint,
+            "--model", SERVED_NAME, "--tokenizer", model, "--dataset-name", "random",
+            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+            "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate), "--seed", str(seed),
+            "--ignore-eos", "--temperature", "0", "--num-warmups", str(args.num_warmups),
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", ",".join(map(str, PERCENTILES)),
+            "--ready-check-timeout-sec", "60", "--save-result", "--save-detailed", "--result-dir", str(out_dir),
+            "--result-filename", name, "--disable-tqdm"]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    print(f"[{backend}] vllm bench serve {shlex.join(argv)}", flush=True)
+    with open(out_dir / f"{backend}.log", "w") as log:
+        rc = subprocess.run([args.vllm_python, "-c", VLLM_MAIN, *argv], cwd=out_dir, env=env, stdout=log,
+                            stderr=subprocess.STDOUT).returncode
+    print((out_dir / f"{backend}.log").read_text()[-3000:], flush=True)
+    if rc != 0:
+        raise RuntimeError(f"vllm bench serve --backend {backend} failed (rc {rc}); see {out_dir / f'{backend}.log'}")
+    return json.loads((out_dir / name).read_text())
+
+
+def comparison_table(results: dict[str, dict[str, Any]]) -> str:
+    runs = [r for r in RUNS if r in results]
+    base = results.get("grpc")
+    header = "| metric | " + " | ".join(runs) + " | " + " | ".join(f"{r} / grpc" for r in runs if r != "grpc") + " |"
+    lines = [header, "|---|" + "---:|" * (len(runs) + sum(r != "grpc" for r in runs))]
+
+    def row(label: str, key: str, fmt: str = "{:.1f}") -> None:
+        cells = [fmt.format(results[r][key]) for r in runs]
+        ratios = [f"{results[r][key] / base[key]:.2f}x" if base and base[key] else "-" for r in runs if r != "grpc"]
+        lines.append(f"| {label} | " + " | ".join(cells + ratios) + " |")
+
+    lines.append("| completed / failed | " + " | ".join(f"{results[r]['completed']} / {results[r]['failed']}"
+                                                       for r in runs) + " |" + " |" * sum(r != "grpc" for r in runs))
+    row("mean input tokens", "mean_input_len")
+    row("duration (s)", "duration")
+    row("request throughput (req/s)", "request_throughput", "{:.2f}")
+    row("output throughput (tok/s)", "output_throughput")
+    for m, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E")):
+        row(f"{label} mean (ms)", f"mean_{m}_ms")
+        for p in PERCENTILES:
+            row(f"{label} p{p} (ms)", f"p{p}_{m}_ms")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the small model, made on first use)")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
+    p.add_argument("--colocated", action="store_true", help="one colocated worker instead of 1 prefill + 1 decode")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", type=float, default=4.0)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-warmups", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="run i uses seed + i")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--engine-args", default="", help="extra engine flags for every worker")
+    p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
+                   help="an interpreter with vLLM installed (for its benchmark only)")
+    p.add_argument("--result-dir", default=None, help="default: a new folder under /tmp")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    runs = [r for r in args.runs.split(",") if r]
+    for r in runs:
+        if r not in RUNS:
+            raise SystemExit(f"unknown run {r!r}; choose from {', '.join(RUNS)}")
+    from bench.datasets import ensure_model
+    from services.launcher import free_port, wait_serving
+
+    model = str(args.model or ensure_model("small"))
+    out_dir = Path(args.result_dir or f"/tmp/pdserve-openai-vs-grpc-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    print(f"model {model}; {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out tokens, Poisson "
+          f"{args.request_rate} req/s, {'colocated' if args.colocated else '1P+1D'}, commit {commit}, "
+          f"{os.cpu_count()} CPUs; results in {out_dir}", flush=True)
+    port, http_port = free_port(), free_port()
+    popen = start_up(model, port, http_port, args, out_dir / "up.log")
+    results: dict[str, dict[str, Any]] = {}
+    load: dict[str, list[float]] = {}
+    try:
+        wait_serving(f"127.0.0.1:{port}", popen, timeout=300)
+        time.sleep(1.0)
+        for i, run in enumerate(runs):
+            before = os.getloadavg()[0]
+            seed = args.seed + i
+            results[run] = (run_grpc(args, port, seed, out_dir) if run == "grpc"
+                            else run_vllm(run, args, model, http_port, seed, out_dir))
+            lens = results[run].get("input_lens") or []
+            results[run]["mean_input_len"] = sum(lens) / len(lens) if lens else float(results[run].get(
+                "total_input_tokens", 0)) / max(1, results[run]["completed"])
+            load[run] = [round(before, 2), round(os.getloadavg()[0], 2)]
+            print(f"[{run}] 1-min load average before / after: {load[run][0]} / {load[run][1]}", flush=True)
+    finally:
+        stop_up(popen)
+    table = comparison_table(results)
+    print("\n" + table + "\n")
+    summary = {"args": vars(args), "commit": commit, "model": model, "table_markdown": table,
+               "loadavg_before_after": load,
+               "results": {k: {kk: vv for kk, vv in v.items() if not isinstance(vv, (list, dict))}
+                           for k, v in results.items()}}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"wrote {out_dir / 'summary.json'}", flush=True)
+    return 0 if all(r["failed"] == 0 and r["completed"] == args.num_prompts for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
