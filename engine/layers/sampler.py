@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.logprobs import attach_logprobs
 from engine.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
@@ -26,7 +27,12 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]) -> list[int]:
-        """logits: [B, V]; output_index[i]: how many tokens row i has generated so far."""
+        """logits: [B, V]; output_index[i]: how many tokens row i has generated so far. Rows whose
+        params ask for logprobs get their token as an engine.logprobs.SampledToken."""
+        tokens = self._sample_tokens(logits, params, output_index)
+        return attach_logprobs(logits, tokens, params) if any(p.logprobs is not None for p in params) else tokens
+
+    def _sample_tokens(self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]) -> list[int]:
         logits = logits.float().cpu()
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
