@@ -80,6 +80,7 @@ class Timing:
 class Chunk:
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[common_pb2.TokenLogprob] | None = None   # one per token, when params.logprobs is set
 
 
 @dataclass(eq=False)
@@ -173,11 +174,12 @@ class Generator:
                     t = gen.timing
                     if not gen.generated:
                         t.queue_ms, t.prefill_ms, t.cached_tokens = first.queue_ms, first.prefill_ms, first.num_cached_tokens
+                    first_logprobs = [first.logprob] if first.HasField("logprob") else None
                     if first.HasField("finish_reason"):   # the first token ends it: no decode needed
                         await self._release(gen)
-                        yield Chunk([first.token_id], first.finish_reason)
+                        yield Chunk([first.token_id], first.finish_reason, first_logprobs)
                         return
-                    yield Chunk([first.token_id])
+                    yield Chunk([first.token_id], None, first_logprobs)
                     decode_call = decode.decode.Decode(worker_pb2.DecodeRequest(
                         request_id=gen.request_id, first_token_id=first.token_id,
                         kv_wait_ms=int(self.options.stall_timeout_s * 1e3)))
@@ -186,7 +188,8 @@ class Generator:
                         if first_event and not t.first_decode_step_ms:
                             t.first_decode_step_ms = event.first_decode_step_ms
                         first_event = False
-                        yield Chunk(list(event.token_ids), event.finish_reason if event.finished else None)
+                        yield Chunk(list(event.token_ids), event.finish_reason if event.finished else None,
+                                    list(event.logprobs) or None)
                         if event.finished:
                             return
                     if not gen.aborted:
@@ -235,12 +238,13 @@ class Generator:
                     if not gen.generated:
                         t = gen.timing
                         t.queue_ms, t.prefill_ms, t.cached_tokens = first.queue_ms, first.prefill_ms, first.num_cached_tokens
-                    yield Chunk([first.token_id], first.finish_reason if first.HasField("finish_reason") else None)
+                    yield Chunk([first.token_id], first.finish_reason if first.HasField("finish_reason") else None,
+                                [first.logprob] if first.HasField("logprob") else None)
                     if first.HasField("finish_reason"):
                         return
                 else:
                     ev = event.decode
-                    yield Chunk(list(ev.token_ids), ev.finish_reason if ev.finished else None)
+                    yield Chunk(list(ev.token_ids), ev.finish_reason if ev.finished else None, list(ev.logprobs) or None)
                     if ev.finished:
                         return
             if not gen.aborted:

@@ -133,7 +133,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     self._observe_tokens(gen, len(chunk.token_ids), now)
                     usage.completion_tokens += len(chunk.token_ids)
                 msg = router_pb2.GenerateResponse(request_id=parsed.request_id, token_ids=chunk.token_ids,
-                                                  text=detok.add(chunk.token_ids, final=chunk.finish_reason is not None))
+                                                  text=detok.add(chunk.token_ids, final=chunk.finish_reason is not None),
+                                                  logprobs=chunk.logprobs or ())
                 if chunk.finish_reason is not None:
                     finished = True
                     msg.finished = True
