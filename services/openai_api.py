@@ -26,6 +26,9 @@ Behaviour:
 * ``stop`` strings are matched in the detokenized text across token boundaries; the text from
   the stop string on is never sent, the request is aborted on its workers at once and finishes
   with ``"stop"``. ``n`` choices are independent requests (with a seed: seed + i).
+* ``logprobs`` (completions: an int; chat: ``logprobs`` + ``top_logprobs``): the workers
+  report each sampled token's logprob in the raw model distribution and the top alternatives
+  (engine/logprobs.py); they are formatted here as OpenAI does.
 * A client that disconnects (streaming or not) cancels its request: the Generator's
   cancellation path aborts it on every worker and frees its blocks.
 """
@@ -51,6 +54,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS
 from engine.validation import validate_request
 from services.detokenizer import IncrementalDetokenizer
 from services.errors import RouterError
@@ -224,8 +228,6 @@ def parse_body(body: dict, chat: bool, default_model: str) -> ParsedBody:
         value = body.get(name)
         if value is not None and value != neutral and value not in NEUTRAL_OK.get(name, ()):
             raise HTTPError(400, f"{name}={value!r} is not supported by pdserve", name)
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise HTTPError(400, "logprobs are not supported yet", "logprobs")
     model = _field(body, "model", str, default_model)
     max_tokens = _field(body, "max_completion_tokens", int) if chat else None
     if max_tokens is None:
@@ -238,6 +240,17 @@ def parse_body(body: dict, chat: bool, default_model: str) -> ParsedBody:
                             stop_token_ids=_int_list(body.get("stop_token_ids") or [], "stop_token_ids"),
                             ignore_eos=_field(body, "ignore_eos", bool, False),
                             min_tokens=_field(body, "min_tokens", int, 0))
+    if chat:   # logprobs: bool, top_logprobs: how many alternatives
+        top = _field(body, "top_logprobs", int)
+        if _field(body, "logprobs", bool, False):
+            params.logprobs = top or 0
+        elif top is not None:
+            raise HTTPError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    else:      # logprobs: how many alternatives (0: only the sampled token's)
+        params.logprobs = _field(body, "logprobs", int)
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
+        name = "top_logprobs" if chat else "logprobs"
+        raise HTTPError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {params.logprobs}", name)
     if params.top_k < 0:   # vLLM's -1: disabled
         params.top_k = 0 if params.top_k == -1 else params.top_k
     n = _field(body, "n", int, 1)
@@ -309,6 +322,7 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list | None = None      # common_pb2.TokenLogprob per token, when asked
 
 
 @dataclass(slots=True)
@@ -527,6 +541,31 @@ class OpenAIServer:
             raise HTTPError(400, f"chat template failed: {type(exc).__name__}: {exc}", "messages") from None
         return await self._encode(text, "messages", add_special_tokens=False)
 
+    def _logprobs(self, parsed: ParsedBody, d: Delta, text_offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object for a Delta's tokens: completions' {tokens, token_logprobs,
+        top_logprobs, text_offset} or chat's {content: [{token, logprob, bytes, top_logprobs}]}.
+        As vLLM: the sampled token's logprob is always there, besides the top alternatives."""
+        if parsed.params.logprobs is None:
+            return None
+        tok = self.servicer.tokenizer
+        pairs = list(zip(d.token_ids, d.logprobs or ()))
+        if parsed.chat:
+            def entry(token_id: int, logprob: float) -> dict:
+                text = _token_text(tok, token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [{**entry(t, lp.logprob), "top_logprobs": [
+                entry(i, v) for i, v in zip(lp.top_token_ids, lp.top_logprobs)]} for t, lp in pairs]}
+        tokens = [_token_text(tok, t) for t, _ in pairs]
+        offsets, top = [], []
+        for (t, lp), text in zip(pairs, tokens):
+            offsets.append(text_offset)
+            text_offset += len(text)
+            alternatives = {_token_text(tok, i): v for i, v in zip(lp.top_token_ids, lp.top_logprobs)}
+            alternatives.setdefault(text, lp.logprob)
+            top.append(alternatives)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp in pairs], "top_logprobs": top,
+                "text_offset": offsets}
+
     # ---- generation ----------------------------------------------------------------------
     async def _run_choice(self, choice: Choice, stop: list[str], skip_special: bool) -> AsyncIterator[Delta]:
         """One choice through the Generator: text deltas, stop strings applied; the last Delta
@@ -556,9 +595,9 @@ class OpenAIServer:
                         servicer._observe_finish(gen, usage, now)
                         yield Delta(choice.index, text, list(chunk.token_ids), "stop" if hit else chunk.finish_reason,
                                     len(choice.prompt) if choice.first_of_prompt else 0, completion,
-                                    gen.timing.cached_tokens if choice.first_of_prompt else 0)
+                                    gen.timing.cached_tokens if choice.first_of_prompt else 0, chunk.logprobs)
                         return   # a stop string: aclosing ends the generation, which aborts it on its workers
-                    yield Delta(choice.index, text, list(chunk.token_ids))
+                    yield Delta(choice.index, text, list(chunk.token_ids), logprobs=chunk.logprobs)
         finally:
             servicer.metrics.num_requests_running.dec()
             if not finished:
@@ -566,10 +605,13 @@ class OpenAIServer:
 
     async def _complete(self, parsed: ParsedBody, choices: list[Choice]) -> JSONResponse:
         async def collect(choice: Choice) -> tuple[str, Delta]:
-            texts, last = [], None
+            texts, last, token_ids, logprobs = [], None, [], []
             async for delta in self._run_choice(choice, parsed.stop, parsed.skip_special_tokens):
                 texts.append(delta.text)
+                token_ids += delta.token_ids
+                logprobs += delta.logprobs or ()
                 last = delta
+            last.token_ids, last.logprobs = token_ids, logprobs
             return "".join(texts), last
 
         results = await _gather_or_cancel([collect(c) for c in choices])
@@ -580,12 +622,13 @@ class OpenAIServer:
         if parsed.chat:
             body = {"id": rid, "object": "chat.completion", "created": created, "model": self.served_model_name,
                     "choices": [{"index": d.index, "message": {"role": "assistant", "content": text},
-                                 "logprobs": None, "finish_reason": d.finish_reason} for text, d in results],
+                                 "logprobs": self._logprobs(parsed, d), "finish_reason": d.finish_reason}
+                                for text, d in results],
                     "usage": usage}
         else:
             body = {"id": rid, "object": "text_completion", "created": created, "model": self.served_model_name,
-                    "choices": [{"index": d.index, "text": text, "logprobs": None, "finish_reason": d.finish_reason}
-                                for text, d in results],
+                    "choices": [{"index": d.index, "text": text, "logprobs": self._logprobs(parsed, d),
+                                 "finish_reason": d.finish_reason} for text, d in results],
                     "usage": usage}
         return JSONResponse(body)
 
@@ -625,11 +668,16 @@ class OpenAIServer:
                 payload["usage"] = usage if with_usage else None
             return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
+        offsets = [0] * len(choices)   # text_offset of the next token, per choice
+
         def choice_event(d: Delta) -> dict:
+            logprobs = self._logprobs(parsed, d, offsets[d.index])
+            if logprobs is not None and not parsed.chat:
+                offsets[d.index] += sum(len(t) for t in logprobs["tokens"])
             if parsed.chat:
                 delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                return {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": d.finish_reason}
-            return {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+                return {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
+            return {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
 
         async def events() -> AsyncIterator[bytes]:
             totals = [0, 0, 0]
@@ -664,6 +712,10 @@ class OpenAIServer:
                 await _cancel(tasks)
 
         return SSEResponse(events())
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:

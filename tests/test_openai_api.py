@@ -56,7 +56,7 @@ def test_parse_body_names_the_field() -> None:
              ({}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
              ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
              ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"), ({"prompt": "x", "seed": True}, "seed"),
-             ({"prompt": "x", "logprobs": 2}, "logprobs")]
+             ({"prompt": "x", "logprobs": 21}, "logprobs"), ({"prompt": "x", "logprobs": True}, "logprobs")]
     for body, param in cases:
         with pytest.raises(HTTPError) as info:
             parse_body(body, chat=False, default_model="m")
@@ -73,7 +73,15 @@ def test_parse_body_names_the_field() -> None:
             p.params.max_tokens) == (0, True, 2, [5], 7)
     c = parse_body({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
                     "max_completion_tokens": 3, "max_tokens": 9}, chat=True, default_model="m")
-    assert c.messages[0]["content"] == "hi" and c.params.max_tokens == 3
+    assert c.messages[0]["content"] == "hi" and c.params.max_tokens == 3 and c.params.logprobs is None
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_body({**chat, "logprobs": True, "top_logprobs": 2}, chat=True, default_model="m").params.logprobs == 2
+    assert parse_body({**chat, "logprobs": True}, chat=True, default_model="m").params.logprobs == 0
+    assert parse_body({"prompt": "x", "logprobs": 0}, chat=False, default_model="m").params.logprobs == 0
+    for body in ({**chat, "top_logprobs": 2}, {**chat, "logprobs": True, "top_logprobs": 21}):
+        with pytest.raises(HTTPError) as info:
+            parse_body(body, chat=True, default_model="m")
+        assert info.value.param == "top_logprobs"
 
 
 def test_detokenizer_never_splits_a_multibyte_character(tiny_qwen3: str) -> None:
@@ -100,6 +108,31 @@ def test_min_tokens_ignores_stop_ids_until_reached(tiny_qwen3: str) -> None:
     assert out.token_ids == greedy[:later[0] + 1] if later else greedy
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=3, min_tokens=4).validate()
+
+
+def test_engine_logprobs_are_the_raw_model_distribution(tiny_qwen3: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(tiny_qwen3, dtype="float32", block_size=8, num_kv_blocks=128)
+    prompt = PROMPTS[1]
+    greedy, sampled = llm.generate([prompt, prompt], [_greedy(4, logprobs=5),
+                                                      SamplingParams(temperature=2.0, seed=3, max_tokens=4, logprobs=0)])
+    assert len(greedy.logprobs) == 4 and len(sampled.logprobs) == 4
+    for tok, lp in zip(greedy.token_ids, greedy.logprobs):
+        assert lp.top_ids[0] == tok and lp.top_logprobs[0] == pytest.approx(lp.logprob)
+        assert len(lp.top_ids) == 5 and lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+    assert all(lp.top_ids == [] for lp in sampled.logprobs)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(torch.tensor([prompt + greedy.token_ids[:1]])).logits[0, -2:].float(), -1)
+    top = ref[0].topk(5)
+    assert greedy.logprobs[0].top_ids == top.indices.tolist()
+    assert greedy.logprobs[0].top_logprobs == pytest.approx(top.values.tolist(), abs=1e-3)
+    assert greedy.logprobs[1].logprob == pytest.approx(ref[1, greedy.token_ids[1]].item(), abs=1e-3)
+    # sampled at temperature 2, reported from the raw distribution (vLLM's default, raw_logprobs)
+    assert sampled.logprobs[0].logprob == pytest.approx(ref[0, sampled.token_ids[0]].item(), abs=1e-3)
+    assert llm.generate([prompt], _greedy(2))[0].logprobs is None
 
 
 def test_chat_without_template_is_a_clear_400(tiny_qwen3: str) -> None:
@@ -332,6 +365,33 @@ def test_stop_token_ids_and_min_tokens(served: Served, offline: LLM) -> None:
                                              extra_body={"stop_token_ids": [stop], "min_tokens": first + 2})
     later = [j for j, t in enumerate(greedy) if t == stop and j + 1 >= first + 2]
     assert out.usage.completion_tokens == (later[0] + 1 if later else 20)
+
+
+def test_logprobs(served: Served, offline: LLM) -> None:
+    client = served.client()
+    prompt = PROMPTS[2]
+    ref = offline.generate([prompt], _greedy(logprobs=3))[0]
+    tok = offline.tokenizer
+    out = client.completions.create(model=served.model, prompt=prompt, max_tokens=MAX_NEW, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [tok.decode([t]) for t in ref.token_ids]
+    assert lp.token_logprobs == pytest.approx([r.logprob for r in ref.logprobs], abs=1e-3)
+    for top, r, text in zip(lp.top_logprobs, ref.logprobs, lp.tokens):
+        assert set(top) >= {tok.decode([i]) for i in r.top_ids} and text in top
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    events = list(client.completions.create(model=served.model, prompt=prompt, max_tokens=MAX_NEW, temperature=0,
+                                            logprobs=3, stream=True, extra_body={"ignore_eos": True}))
+    assert [x for e in events for x in e.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    assert [x for e in events for x in e.choices[0].logprobs.text_offset] == lp.text_offset
+    chat = client.chat.completions.create(model=served.model, messages=CHAT, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)   # greedy: the top one
+    assert "".join(c.token for c in content) == chat.choices[0].message.content or "\ufffd" in chat.choices[0].message.content
+    plain = client.completions.create(model=served.model, prompt=prompt, max_tokens=2)
+    assert plain.choices[0].logprobs is None
 
 
 # ---- chat ---------------------------------------------------------------------------------
