@@ -19,7 +19,9 @@ dataset decodes random token ids to text, so its prompts are re-tokenized by the
 (``input_lens`` come from the usage the server reports) and chat prompts carry the chat
 template's few extra tokens.
 
-Finally it prints a table: every metric of each run, and openai / grpc ratios. Example::
+Finally it prints a table: every metric of each run, and each HTTP run over the mean of the gRPC
+runs (``--runs grpc,openai,openai-chat,grpc`` brackets the HTTP runs with gRPC ones, which shows
+how much the shared machine drifted meanwhile). Example::
 
     PYTHONPATH=. python bench/openai_vs_grpc.py --num-prompts 100 --request-rate 4
 """
@@ -69,24 +71,35 @@ def stop_up(popen: subprocess.Popen, timeout: float = 60.0) -> None:
             popen.wait()
 
 
-def run_grpc(args: argparse.Namespace, port: int, seed: int, out_dir: Path) -> dict[str, Any]:
+def wait_for_quiet(max_load: float | None, max_wait_s: float) -> None:
+    """On a shared machine: wait (bounded) until the 1-minute load average drops to max_load."""
+    if max_load is None:
+        return
+    deadline = time.monotonic() + max_wait_s
+    while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
+        print(f"waiting for the machine to quiet down: load {os.getloadavg()[0]:.2f} > {max_load}", flush=True)
+        time.sleep(15)
+
+
+def run_grpc(args: argparse.Namespace, port: int, seed: int, out_dir: Path, label: str = "grpc") -> dict[str, Any]:
     from bench.serve import main as bench_main
-    name = "grpc.json"
+    name = f"{label.replace('#', '-')}.json"
     argv = ["--router", f"127.0.0.1:{port}", "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
             "--request-rate", str(args.request_rate), "--seed", str(seed), "--ignore-eos", "--temperature", "0",
             "--num-warmups", str(args.num_warmups), "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", ",".join(map(str, PERCENTILES)), "--save-result", "--result-dir", str(out_dir),
             "--result-filename", name, "--no-plot"]
-    print(f"[grpc] pdserve bench serve {shlex.join(argv)}", flush=True)
+    print(f"[{label}] pdserve bench serve {shlex.join(argv)}", flush=True)
     if bench_main(argv) != 0:
         raise RuntimeError("pdserve bench serve failed")
     return json.loads((out_dir / name).read_text())
 
 
-def run_vllm(backend: str, args: argparse.Namespace, model: str, http_port: int, seed: int, out_dir: Path
-             ) -> dict[str, Any]:
-    name = f"{backend}.json"
+def run_vllm(backend: str, args: argparse.Namespace, model: str, http_port: int, seed: int, out_dir: Path,
+             label: str | None = None) -> dict[str, Any]:
+    stem = (label or backend).replace("#", "-")
+    name = f"{stem}.json"
     endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
     argv = ["--backend", backend, "--base-url", f"http://127.0.0.1:{http_port}", "--endpoint", endpoint,
             "--model", SERVED_NAME, "--tokenizer", model, "--dataset-name", "random",
@@ -98,29 +111,39 @@ def run_vllm(backend: str, args: argparse.Namespace, model: str, http_port: int,
             "--result-filename", name, "--disable-tqdm"]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    print(f"[{backend}] vllm bench serve {shlex.join(argv)}", flush=True)
-    with open(out_dir / f"{backend}.log", "w") as log:
+    print(f"[{stem}] vllm bench serve {shlex.join(argv)}", flush=True)
+    log_path = out_dir / f"{stem}.log"
+    with open(log_path, "w") as log:
         rc = subprocess.run([args.vllm_python, "-c", VLLM_MAIN, *argv], cwd=out_dir, env=env, stdout=log,
                             stderr=subprocess.STDOUT).returncode
-    print((out_dir / f"{backend}.log").read_text()[-3000:], flush=True)
+    text = log_path.read_text()
+    print(text[text.find("============ Serving Benchmark Result"):][-3000:] if "Serving Benchmark" in text
+          else text[-3000:], flush=True)
     if rc != 0:
-        raise RuntimeError(f"vllm bench serve --backend {backend} failed (rc {rc}); see {out_dir / f'{backend}.log'}")
+        raise RuntimeError(f"vllm bench serve --backend {backend} failed (rc {rc}); see {log_path}")
     return json.loads((out_dir / name).read_text())
 
 
+def _kind(label: str) -> str:
+    return label.split("#", 1)[0]
+
+
 def comparison_table(results: dict[str, dict[str, Any]]) -> str:
-    runs = [r for r in RUNS if r in results]
-    base = results.get("grpc")
-    header = "| metric | " + " | ".join(runs) + " | " + " | ".join(f"{r} / grpc" for r in runs if r != "grpc") + " |"
-    lines = [header, "|---|" + "---:|" * (len(runs) + sum(r != "grpc" for r in runs))]
+    """One column per run (in run order), then each non-gRPC run over the mean of the gRPC runs."""
+    runs = list(results)
+    grpc_runs = [results[r] for r in runs if _kind(r) == "grpc"]
+    others = [r for r in runs if _kind(r) != "grpc"]
+    header = "| metric | " + " | ".join(runs) + " | " + " | ".join(f"{r} / grpc" for r in others) + " |"
+    lines = [header, "|---|" + "---:|" * (len(runs) + len(others))]
 
     def row(label: str, key: str, fmt: str = "{:.1f}") -> None:
         cells = [fmt.format(results[r][key]) for r in runs]
-        ratios = [f"{results[r][key] / base[key]:.2f}x" if base and base[key] else "-" for r in runs if r != "grpc"]
+        base = sum(g[key] for g in grpc_runs) / len(grpc_runs) if grpc_runs else 0
+        ratios = [f"{results[r][key] / base:.2f}x" if base else "-" for r in others]
         lines.append(f"| {label} | " + " | ".join(cells + ratios) + " |")
 
     lines.append("| completed / failed | " + " | ".join(f"{results[r]['completed']} / {results[r]['failed']}"
-                                                       for r in runs) + " |" + " |" * sum(r != "grpc" for r in runs))
+                                                       for r in runs) + " |" + " |" * len(others))
     row("mean input tokens", "mean_input_len")
     row("duration (s)", "duration")
     row("request throughput (req/s)", "request_throughput", "{:.2f}")
@@ -135,7 +158,11 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint dir (default: the small model, made on first use)")
-    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, in order, of {', '.join(RUNS)}; "
+                                                        "a run may repeat (e.g. grpc,openai,openai-chat,grpc)")
+    p.add_argument("--max-load", type=float, default=None,
+                   help="before each run wait (up to --max-wait-s) until the 1-min load average is at most this")
+    p.add_argument("--max-wait-s", type=float, default=600.0)
     p.add_argument("--colocated", action="store_true", help="one colocated worker instead of 1 prefill + 1 decode")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=4.0)
@@ -176,15 +203,18 @@ def main(argv: list[str] | None = None) -> int:
         wait_serving(f"127.0.0.1:{port}", popen, timeout=300)
         time.sleep(1.0)
         for i, run in enumerate(runs):
+            label = run if runs[:i].count(run) == 0 else f"{run}#{runs[:i].count(run) + 1}"
+            wait_for_quiet(args.max_load, args.max_wait_s)
             before = os.getloadavg()[0]
             seed = args.seed + i
-            results[run] = (run_grpc(args, port, seed, out_dir) if run == "grpc"
-                            else run_vllm(run, args, model, http_port, seed, out_dir))
-            lens = results[run].get("input_lens") or []
-            results[run]["mean_input_len"] = sum(lens) / len(lens) if lens else float(results[run].get(
-                "total_input_tokens", 0)) / max(1, results[run]["completed"])
-            load[run] = [round(before, 2), round(os.getloadavg()[0], 2)]
-            print(f"[{run}] 1-min load average before / after: {load[run][0]} / {load[run][1]}", flush=True)
+            result = (run_grpc(args, port, seed, out_dir, label) if run == "grpc"
+                      else run_vllm(run, args, model, http_port, seed, out_dir, label))
+            lens = result.get("input_lens") or []
+            result["mean_input_len"] = sum(lens) / len(lens) if lens else float(result.get(
+                "total_input_tokens", 0)) / max(1, result["completed"])
+            results[label] = result
+            load[label] = [round(before, 2), round(os.getloadavg()[0], 2)]
+            print(f"[{label}] 1-min load average before / after: {load[label][0]} / {load[label][1]}", flush=True)
     finally:
         stop_up(popen)
     table = comparison_table(results)
