@@ -156,7 +156,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"pdserve is up: router at {cluster.router_address}\n{cluster.describe()}", flush=True)
     print(f"try: pdserve generate --router {cluster.router_address} \"Once upon a time\"", flush=True)
     if args.http_port is not None:
-        print(f"OpenAI-compatible HTTP API at http://{spec.host}:{args.http_port}/v1", flush=True)
+        scheme = "https" if spec.credentials.tls is not None else "http"
+        print(f"OpenAI-compatible HTTP API at {scheme}://{spec.host}:{args.http_port}/v1", flush=True)
     return cluster.wait()
 
 

@@ -823,6 +823,7 @@ class HTTPServer:
     server: uvicorn.Server
     task: asyncio.Task
     port: int
+    scheme: str = "http"
 
     async def stop(self) -> None:
         self.server.should_exit = True
@@ -834,9 +835,11 @@ class HTTPServer:
 
 
 async def start_http(servicer, host: str, port: int, served_model_name: str, api_key: str | None = None,
-                     max_body_bytes: int = 8 << 20) -> HTTPServer:
+                     max_body_bytes: int = 8 << 20, tls=None) -> HTTPServer:
     """Serve the OpenAI-compatible API on host:port (0: any free port) on the running loop;
-    returns once it accepts connections. Raises OSError if the port is taken."""
+    returns once it accepts connections. Raises OSError if the port is taken. tls (a
+    services.security.TLSFiles): HTTPS with the router's certificate, as its gRPC API has
+    (clients are not asked for a certificate; the API key is what authenticates them)."""
     api = OpenAIServer(servicer, served_model_name, api_key, max_body_bytes)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -848,8 +851,9 @@ async def start_http(servicer, host: str, port: int, served_model_name: str, api
         raise OSError(exc.errno, f"HTTP port {host}:{port} is not available ({exc.strerror})") from None
     sock.listen(2048)
     sock.setblocking(False)
+    ssl_files = {"ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key)} if tls is not None else {}
     config = uvicorn.Config(api.asgi(), log_config=None, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=2, server_header=False)
+                            timeout_graceful_shutdown=2, server_header=False, **ssl_files)
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
@@ -857,4 +861,4 @@ async def start_http(servicer, host: str, port: int, served_model_name: str, api
             task.result()   # raises the start-up error
             raise OSError(f"HTTP server on {host}:{port} stopped during start-up")
         await asyncio.sleep(0.01)
-    return HTTPServer(server, task, sock.getsockname()[1])
+    return HTTPServer(server, task, sock.getsockname()[1], "https" if tls is not None else "http")

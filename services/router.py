@@ -248,7 +248,7 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
         if options.config.http_port is not None:   # on this loop, before gRPC says SERVING
             from services.openai_api import start_http
             http = await start_http(servicer, host, options.config.http_port, served_model_name(options), api_key,
-                                    options.limits.max_http_body_bytes)
+                                    options.limits.max_http_body_bytes, tls=credentials.tls)
         interceptors = [api_key_interceptor(api_key)] if api_key else []
         server = await start_server([service_registration(router_pb2.DESCRIPTOR.services_by_name["Router"], servicer)],
                                     host, port, interceptors=interceptors,
@@ -258,7 +258,7 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
         if metrics_port is not None:
             note = f", metrics on http://{host}:{start_metrics_server(metrics.registry, host, metrics_port)}/metrics"
         if http is not None:
-            note += f", OpenAI-compatible HTTP API on http://{host}:{http.port}/v1"
+            note += f", OpenAI-compatible HTTP API on {http.scheme}://{host}:{http.port}/v1"
         print(f"pdserve router listening on {host}:{server.port}{note}", flush=True)
         if on_start is not None:
             on_start(server.port)

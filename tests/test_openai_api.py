@@ -145,6 +145,57 @@ def test_chat_without_template_is_a_clear_400(tiny_qwen3: str) -> None:
     assert (info.value.status, info.value.param, info.value.code) == (400, "messages", "no_chat_template")
 
 
+def test_https_with_the_router_certificate(tmp_path) -> None:
+    import asyncio
+    import datetime
+    import ssl
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from services.openai_api import start_http
+    from services.security import TLSFiles
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    tls = TLSFiles(tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "cert.pem")
+    servicer = SimpleNamespace(pool=SimpleNamespace(serving=True), draining=False,
+                               options=SimpleNamespace(model="m"))
+    ctx = ssl.create_default_context(cafile=str(tmp_path / "cert.pem"))
+
+    def get(port: int, path: str, key: str | None = None) -> int:
+        req = urllib.request.Request(f"https://localhost:{port}{path}")
+        if key:
+            req.add_header("Authorization", f"Bearer {key}")
+        try:
+            return urllib.request.urlopen(req, context=ctx, timeout=10).status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    async def run() -> tuple[str, int, int, int]:
+        server = await start_http(servicer, "127.0.0.1", 0, "m", api_key=API_KEY, tls=tls)
+        try:
+            loop = asyncio.get_running_loop()
+            return (server.scheme, await loop.run_in_executor(None, get, server.port, "/health"),
+                    await loop.run_in_executor(None, get, server.port, "/version"),
+                    await loop.run_in_executor(None, get, server.port, "/version", API_KEY))
+        finally:
+            await server.stop()
+
+    assert asyncio.run(run()) == ("https", 200, 401, 200)
+
+
 def test_up_forwards_router_settings(monkeypatch, tiny_qwen3: str) -> None:
     import services.launcher
     from services.cli import main
