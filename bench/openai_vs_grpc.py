@@ -19,7 +19,9 @@ dataset decodes random token ids to text, so its prompts are re-tokenized by the
 (``input_lens`` come from the usage the server reports) and chat prompts carry the chat
 template's few extra tokens.
 
-Finally it prints a table: every metric of each run, and each HTTP run over the mean of the gRPC
+Finally it prints a table: every metric of each run, the CPU time the router, the workers and the
+load generator spent during each run (read from /proc: on a shared machine the one figure that
+does not depend on what else runs), and each HTTP run over the mean of the gRPC
 runs (``--runs grpc,openai,openai-chat,grpc`` brackets the HTTP runs with gRPC ones, which shows
 how much the shared machine drifted meanwhile). Example::
 
@@ -69,6 +71,31 @@ def stop_up(popen: subprocess.Popen, timeout: float = 60.0) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(popen.pid, signal.SIGKILL)
             popen.wait()
+
+
+def _cpu_s(pid: int) -> float:
+    """user + system CPU seconds of a live process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cluster_pids(up_pid: int) -> dict[str, list[int]]:
+    """The router's and the workers' pids among `pdserve up`'s children."""
+    out: dict[str, list[int]] = {"router": [], "workers": []}
+    children = subprocess.run(["pgrep", "-P", str(up_pid)], capture_output=True, text=True).stdout.split()
+    for pid in map(int, children):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        out["router" if b"router" in argv else "workers"].append(pid)
+    return out
+
+
+def cpu_snapshot(pids: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds so far: the router, the workers, this process (the gRPC load generator) and
+    its waited-for children (vLLM's load generator)."""
+    import resource
+    return {"router": sum(map(_cpu_s, pids["router"])), "workers": sum(map(_cpu_s, pids["workers"])),
+            "client": time.process_time() + resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
+            + resource.getrusage(resource.RUSAGE_CHILDREN).ru_stime}
 
 
 def wait_for_quiet(max_load: float | None, max_wait_s: float) -> None:
@@ -152,6 +179,11 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
         row(f"{label} mean (ms)", f"mean_{m}_ms")
         for p in PERCENTILES:
             row(f"{label} p{p} (ms)", f"p{p}_{m}_ms")
+    if all("cpu_router_s" in results[r] for r in runs):
+        row("router CPU (s)", "cpu_router_s")
+        row("router CPU per output token (us)", "router_cpu_us_per_token", "{:.0f}")
+        row("workers CPU (s)", "cpu_workers_s")
+        row("load generator CPU (s)", "cpu_client_s")
     return "\n".join(lines)
 
 
@@ -202,13 +234,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_serving(f"127.0.0.1:{port}", popen, timeout=300)
         time.sleep(1.0)
+        pids = cluster_pids(popen.pid)
         for i, run in enumerate(runs):
             label = run if runs[:i].count(run) == 0 else f"{run}#{runs[:i].count(run) + 1}"
             wait_for_quiet(args.max_load, args.max_wait_s)
             before = os.getloadavg()[0]
             seed = args.seed + i
+            cpu0 = cpu_snapshot(pids)
             result = (run_grpc(args, port, seed, out_dir, label) if run == "grpc"
                       else run_vllm(run, args, model, http_port, seed, out_dir, label))
+            cpu1 = cpu_snapshot(pids)
+            for who in cpu0:   # whole runs (warmups, dataset set-up included), in CPU seconds
+                result[f"cpu_{who}_s"] = cpu1[who] - cpu0[who]
+            result["router_cpu_us_per_token"] = result["cpu_router_s"] / max(1, result["total_output_tokens"]) * 1e6
             lens = result.get("input_lens") or []
             result["mean_input_len"] = sum(lens) / len(lens) if lens else float(result.get(
                 "total_input_tokens", 0)) / max(1, result["completed"])
