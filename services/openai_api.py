@@ -451,21 +451,21 @@ class OpenAIServer:
 
     # ---- handlers ----------------------------------------------------------------------
     async def _handle(self, request: Request, chat: bool) -> Response:
+        started = False   # once generating, each choice counts its own failure (_run_choice)
         try:
             if self.servicer.draining:
                 raise RouterError("UNAVAILABLE", "the router is draining (shutting down)")
             parsed = parse_body(await self._read_json(request), chat, self.served_model_name)
             self._check_model(parsed.model)
             choices = await _until_disconnect(request, self._prepare(parsed))
+            started = True
             if parsed.stream:
                 return await self._stream(request, parsed, choices)
             return await _until_disconnect(request, self._complete(parsed, choices))
-        except RouterError as exc:
-            self.servicer.metrics.request_failure.inc()
-            return HTTPError.from_router(exc).response()
-        except HTTPError as exc:
-            self.servicer.metrics.request_failure.inc()
-            return exc.response()
+        except (RouterError, HTTPError) as exc:
+            if not started:
+                self.servicer.metrics.request_failure.inc()
+            return (HTTPError.from_router(exc) if isinstance(exc, RouterError) else exc).response()
         except ClientGone:   # nobody to answer; the request was cancelled on its workers
             return Response(status_code=499)
 
