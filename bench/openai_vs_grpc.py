@@ -19,7 +19,9 @@ dataset decodes random token ids to text, so its prompts are re-tokenized by the
 (``input_lens`` come from the usage the server reports) and chat prompts carry the chat
 template's few extra tokens.
 
-Finally it prints a table: every metric of each run, the CPU time the router, the workers and the
+Finally it prints a table: every metric of each run as its load generator measured it, the mean
+TTFT / ITL / E2E as the router measured them (its Prometheus histograms, the same code for both
+protocols), the CPU time the router, the workers and the
 load generator spent during each run (read from /proc: on a shared machine the one figure that
 does not depend on what else runs), and each HTTP run over the mean of the gRPC
 runs (``--runs grpc,openai,openai-chat,grpc`` brackets the HTTP runs with gRPC ones, which shows
@@ -96,6 +98,23 @@ def cpu_snapshot(pids: dict[str, list[int]]) -> dict[str, float]:
     return {"router": sum(map(_cpu_s, pids["router"])), "workers": sum(map(_cpu_s, pids["workers"])),
             "client": time.process_time() + resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
             + resource.getrusage(resource.RUSAGE_CHILDREN).ru_stime}
+
+
+ROUTER_HISTOGRAMS = {"ttft": "pdserve:time_to_first_token_seconds", "itl": "pdserve:inter_token_latency_seconds",
+                     "e2el": "pdserve:e2e_request_latency_seconds"}
+
+
+def router_histograms(http_port: int) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the router's latency histograms, from its /metrics on the HTTP port."""
+    import urllib.request
+    text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            name = series.split("{", 1)[0]
+            values[name] = values.get(name, 0.0) + float(value)
+    return {k: (values.get(f"{m}_sum", 0.0), values.get(f"{m}_count", 0.0)) for k, m in ROUTER_HISTOGRAMS.items()}
 
 
 def wait_for_quiet(max_load: float | None, max_wait_s: float) -> None:
@@ -179,6 +198,10 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
         row(f"{label} mean (ms)", f"mean_{m}_ms")
         for p in PERCENTILES:
             row(f"{label} p{p} (ms)", f"p{p}_{m}_ms")
+    if all("router_mean_itl_ms" in results[r] for r in runs):
+        row("router-side TTFT mean (ms)", "router_mean_ttft_ms")
+        row("router-side ITL mean (ms)", "router_mean_itl_ms")
+        row("router-side E2E mean (ms)", "router_mean_e2el_ms")
     if all("cpu_router_s" in results[r] for r in runs):
         row("router CPU (s)", "cpu_router_s")
         row("router CPU per output token (us)", "router_cpu_us_per_token", "{:.0f}")
@@ -240,10 +263,13 @@ def main(argv: list[str] | None = None) -> int:
             wait_for_quiet(args.max_load, args.max_wait_s)
             before = os.getloadavg()[0]
             seed = args.seed + i
-            cpu0 = cpu_snapshot(pids)
+            cpu0, hist0 = cpu_snapshot(pids), router_histograms(http_port)
             result = (run_grpc(args, port, seed, out_dir, label) if run == "grpc"
                       else run_vllm(run, args, model, http_port, seed, out_dir, label))
-            cpu1 = cpu_snapshot(pids)
+            cpu1, hist1 = cpu_snapshot(pids), router_histograms(http_port)
+            for key in ROUTER_HISTOGRAMS:   # the same latencies, as the router saw them (warmups included)
+                total, count = (hist1[key][0] - hist0[key][0]), (hist1[key][1] - hist0[key][1])
+                result[f"router_mean_{key}_ms"] = total / count * 1e3 if count else 0.0
             for who in cpu0:   # whole runs (warmups, dataset set-up included), in CPU seconds
                 result[f"cpu_{who}_s"] = cpu1[who] - cpu0[who]
             result["router_cpu_us_per_token"] = result["cpu_router_s"] / max(1, result["total_output_tokens"]) * 1e6
