@@ -32,9 +32,10 @@ class EngineConfig:
     kv_cache_memory_bytes: int = _f(1 << 30, "CPU: KV pool budget in bytes")
     gpu_memory_utilization: float = _f(0.85, "CUDA: fraction of free memory for the KV pool")
     enable_prefix_caching: bool = _f(True, "share computed blocks between prompts with a common prefix")
-    schedule_policy: str = _f("prefill_first", "what one step holds: prefill_first, interleave (decode after "
-                                               "each prefill step while prompts wait) or mixed (decodes and "
-                                               "prefill chunks in one step)", choices=SCHEDULE_POLICIES)
+    schedule_policy: str = _f("auto", "what one step holds: prefill_first, interleave (decode after each "
+                                      "prefill step while prompts wait), mixed (decodes and prefill chunks in "
+                                      "one step); auto: mixed where decodes run (the best ITL tail, as vLLM "
+                                      "does), prefill_first on prefill workers", choices=("auto", *SCHEDULE_POLICIES))
     role: str = _f("both", "both (colocated), prefill or decode", choices=ROLES)
     num_threads: int | None = _f(None, "torch intra-op threads; none: torch's choice", aliases=("--threads",))
     enforce_eager: bool = _f(False, "CUDA: no graph capture for decode")
@@ -44,7 +45,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_choice("role", self.role, ROLES)
-        _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        _check_choice("schedule_policy", self.schedule_policy, ("auto", *SCHEDULE_POLICIES))
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("compute_dtype", self.compute_dtype, DTYPES)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
@@ -60,6 +61,13 @@ class EngineConfig:
             _check_int("num_threads", self.num_threads, 1)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def policy(self) -> str:
+        """The schedule policy in force ("auto" resolved by role)."""
+        if self.schedule_policy != "auto":
+            return self.schedule_policy
+        return "prefill_first" if self.role == "prefill" else "mixed"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":

@@ -7,6 +7,7 @@ from typing import Any, Sequence as Seq
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 
@@ -19,6 +20,7 @@ class CompletionOutput:
     text: str
     finish_reason: str
     num_cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None   # per generated token, when params.logprobs is set
 
 
 class LLM:
@@ -46,16 +48,19 @@ class LLM:
         for rid, ids, p in zip(rids, token_lists, params):
             self.engine.add_request(rid, ids, p)
         generated: dict[str, list[int]] = {rid: [] for rid in rids}
+        logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid, p in zip(rids, params) if p.logprobs is not None}
         reasons: dict[str, str] = {}
         cached: dict[str, int] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 generated[out.request_id].extend(out.new_token_ids)
+                if out.logprobs:
+                    logprobs[out.request_id].extend(out.logprobs)
                 cached[out.request_id] = out.num_cached_tokens
                 if out.finished:
                     reasons[out.request_id] = out.finish_reason or "stop"
         return [CompletionOutput(rid, ids, generated[rid], self.tokenizer.decode(generated[rid], skip_special_tokens=True),
-                                 reasons[rid], cached.get(rid, 0))
+                                 reasons[rid], cached.get(rid, 0), logprobs.get(rid))
                 for rid, ids in zip(rids, token_lists)]
 
     def stats(self) -> dict[str, int]:

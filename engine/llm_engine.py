@@ -26,6 +26,7 @@ from typing import Sequence as Seq
 from engine.block_manager import BlockManager, NoFreeBlocks
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnector, LeasePolicy, Reservation
+from engine.logprobs import TokenLogprob, logprob_of
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -46,6 +47,7 @@ class RequestOutput:
     ready_blocks: list[int] = field(default_factory=list)   # prefill role: block indices exportable now
     queue_s: float | None = None            # on the first token: arrival -> first scheduled
     prefill_s: float | None = None          # on the first token: first scheduled -> first token
+    logprobs: list[TokenLogprob] | None = None   # per new token, when the request asked (params.logprobs)
 
 
 class NoCapacity(RuntimeError):
@@ -160,6 +162,7 @@ class LLMEngine:
                     outputs.append(RequestOutput(seq.request_id, [], False, None, seq.num_prompt_tokens,
                                                  seq.num_cached_tokens, ready_blocks=self.kv.export(seq, final=False)))
                 continue
+            logprob, tok = logprob_of(tok), int(tok)
             seq.token_ids.append(tok)
             reason = self._stop_reason(seq, tok)
             if prefill_role:
@@ -169,6 +172,8 @@ class LLMEngine:
                     self._drop(seq, reason)
                 out = RequestOutput(seq.request_id, [tok], reason is not None, reason,
                                     seq.num_prompt_tokens, seq.num_cached_tokens)
+            if logprob is not None:
+                out.logprobs = [logprob]
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 out.queue_s = (seq.first_scheduled_time or now) - seq.arrival_time
@@ -178,7 +183,8 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+        if seq.num_output_tokens >= p.min_tokens and (
+                tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)):
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

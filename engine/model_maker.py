@@ -4,7 +4,7 @@
 ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load
 directly: ``config.json``, ``generation_config.json``, ``model.safetensors`` and
 a byte-level BPE tokenizer trained on the English corpus shipped in
-``engine/data``.  Same arguments always give byte-identical files.
+``engine/data``, with a plain-text chat template (``CHAT_TEMPLATE``).  Same arguments always give byte-identical files.
 
 The weights are random but scaled so that logits are well separated (greedy
 decoding is stable between two float32 implementations) and greedy output is
@@ -43,13 +43,29 @@ SPECIAL_ROW_SCALE = 0.05  # see make_weights
 RESIDUAL_GAIN = 2.0  # see weight_specs
 
 # Bump when the output of make_model changes, so cached default models are rebuilt.
-MAKER_VERSION = 1
+# 2: a chat template.
+MAKER_VERSION = 2
 DEFAULT_PRESET: PresetName = "tiny"
 DEFAULT_ARCH: Arch = "qwen3"
 DEFAULT_SEED = 0
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CORPUS_PATH = DATA_DIR / "corpus.txt"
+
+# A plain-text chat template (the tokenizer has no chat special tokens): one "role: content"
+# paragraph per message, then "assistant:" for the reply. Content may be a string or a list of
+# OpenAI content parts ({"type": "text", "text": ...}).
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ message['role'] }}: "
+    "{%- if message['content'] is string -%}{{ ' ' + message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{ ' ' + part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '\\n\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'assistant:' }}{%- endif -%}"
+)
 
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -175,6 +191,7 @@ def _write_tokenizer(out: Path, vocab_size: int, model_max_length: int) -> None:
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
     )
+    hf_tok.chat_template = CHAT_TEMPLATE
     hf_tok.save_pretrained(str(out))
     special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN}
     _write_json(out / "special_tokens_map.json", special)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20   # vLLM's default max_logprobs
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -20,6 +22,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0          # EOS and stop_token_ids do not end the request before this many tokens
+    logprobs: int | None = None  # report the sampled token's logprob and this many top alternatives
 
     def validate(self) -> None:
         """Raise ValueError naming the first field outside its limits."""
@@ -33,6 +37,11 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0 or self.seed >= 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         for tok in self.stop_token_ids:
             if not isinstance(tok, int) or tok < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {tok!r}")

@@ -91,7 +91,7 @@ class Scheduler:
         self._preempted_this_step = []
         prefill_pending = bool(self.waiting) or any(s.is_prefilling for s in self.running)
         decoders = [s for s in self.running if not s.is_prefilling]
-        policy = self.config.schedule_policy
+        policy = self.config.policy
         if policy == "mixed":
             batch = self._build(decode=True, prefill=True)
         elif (policy == "interleave" and self.last_kind is StepKind.PREFILL

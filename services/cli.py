@@ -21,6 +21,7 @@ from services.worker import WorkerConfig
 DEFAULT_PORT = 50051
 ENGINE_FIXED = ("model", "role")          # set by --model and the subcommand
 UP_PER_PROCESS = ("num_threads",)         # `up` sets these per worker (threads_per_worker)
+UP_ROUTER_OWN = ("drain_timeout_s",)      # `up` sets these on the router from its Deployment
 LOG_LEVEL_ENV = "PDSERVE_LOG_LEVEL"
 
 
@@ -217,7 +218,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     engine = EngineConfig(model=_model_dir(args), **given(args, EngineConfig, (*ENGINE_FIXED, *UP_PER_PROCESS)))
     router_args = [*config_to_argv(config_from_args(GenerationOptions, args)),
                    *config_to_argv(config_from_args(RequestLimits, args)),
-                   *config_to_argv(config_from_args(RouterConfig, args, exclude=("drain_timeout_s",)))]
+                   *config_to_argv(config_from_args(RouterConfig, args, exclude=UP_ROUTER_OWN), exclude=UP_ROUTER_OWN)]
     api_key = _api_key(args)
     if api_key:
         os.environ["PDSERVE_API_KEY"] = api_key   # the router reads it from its environment, never argv
@@ -243,6 +244,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise RuntimeFailure(str(exc)) from None
     print(f"pdserve is up: router at {cluster.router_address}\n{cluster.describe()}", flush=True)
     print(f"try: pdserve generate --router {cluster.router_address} \"Once upon a time\"", flush=True)
+    if args.http_port is not None:
+        scheme = "https" if spec.credentials.tls is not None else "http"
+        print(f"OpenAI-compatible HTTP API at {scheme}://{spec.host}:{args.http_port}/v1", flush=True)
     return cluster.wait()
 
 
@@ -323,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p.add_argument_group("deployment"), Deployment, exclude=("model",))
     add_config_args(p.add_argument_group("engine"), EngineConfig, exclude=(*ENGINE_FIXED, *UP_PER_PROCESS))
     add_config_args(p.add_argument_group("workers"), WorkerConfig, exclude=("drain_timeout_s",))
-    add_config_args(p.add_argument_group("router"), RouterConfig, exclude=("drain_timeout_s",))
+    add_config_args(p.add_argument_group("router"), RouterConfig, exclude=UP_ROUTER_OWN)
     add_config_args(p.add_argument_group("generation"), GenerationOptions)
     add_config_args(p.add_argument_group("request limits"), RequestLimits)
     _add_security_args(p, router=True)

@@ -7,7 +7,7 @@ import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.async_engine import AsyncEngine
-from services.convert import params_from_proto
+from services.convert import logprobs_to_proto, params_from_proto
 from services.worker_state import WorkerState
 
 
@@ -41,11 +41,14 @@ class ColocatedHandler(worker_pb2_grpc.ColocatedWorkerServicer):
                                                       prefill_ms=(out.prefill_s or 0.0) * 1e3)
                         if out.finish_reason is not None:
                             token.finish_reason = out.finish_reason
+                        if out.logprobs:
+                            token.logprob.CopyFrom(logprobs_to_proto(out.logprobs)[0])
                         yield worker_pb2.GenerateLocalEvent(first_token=token)
                         if out.finished:
                             return
                         continue
-                    event = worker_pb2.DecodeEvent(token_ids=out.new_token_ids, finished=out.finished)
+                    event = worker_pb2.DecodeEvent(token_ids=out.new_token_ids, finished=out.finished,
+                                                   logprobs=logprobs_to_proto(out.logprobs))
                     if out.finish_reason is not None:
                         event.finish_reason = out.finish_reason
                     yield worker_pb2.GenerateLocalEvent(decode=event)

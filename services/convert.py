@@ -22,6 +22,10 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         p.seed = int(msg.seed)
     if msg.HasField("ignore_eos"):
         p.ignore_eos = bool(msg.ignore_eos)
+    if msg.HasField("min_tokens"):
+        p.min_tokens = int(msg.min_tokens)
+    if msg.HasField("logprobs"):
+        p.logprobs = int(msg.logprobs)
     p.stop_token_ids = list(msg.stop_token_ids)
     return p
 
@@ -30,6 +34,16 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                     max_tokens=p.max_tokens, ignore_eos=p.ignore_eos,
                                     stop_token_ids=p.stop_token_ids)
+    if p.min_tokens:
+        msg.min_tokens = p.min_tokens
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
     if p.seed is not None:
         msg.seed = p.seed
     return msg
+
+
+def logprobs_to_proto(logprobs) -> list[common_pb2.TokenLogprob]:
+    """engine TokenLogprobs (or None) -> proto messages."""
+    return [common_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+            for lp in logprobs or ()]

@@ -11,7 +11,7 @@ from engine import NoCapacity
 from engine.kv_connector import HandoffError, HandoffState
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.async_engine import AsyncEngine
-from services.convert import params_from_proto
+from services.convert import logprobs_to_proto, params_from_proto
 from services.worker_state import WorkerState
 
 
@@ -77,7 +77,8 @@ class DecodeHandler(worker_pb2_grpc.DecodeWorkerServicer):
                 t_admit, first = time.perf_counter(), True
                 while True:
                     out = (await stream.get()).output
-                    event = worker_pb2.DecodeEvent(token_ids=out.new_token_ids, finished=out.finished)
+                    event = worker_pb2.DecodeEvent(token_ids=out.new_token_ids, finished=out.finished,
+                                                   logprobs=logprobs_to_proto(out.logprobs))
                     if out.finish_reason is not None:
                         event.finish_reason = out.finish_reason
                     if first:

@@ -80,6 +80,7 @@ class Timing:
 class Chunk:
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[common_pb2.TokenLogprob] | None = None   # one per token, when params.logprobs is set
 
 
 @dataclass(eq=False)
@@ -180,11 +181,12 @@ class Generator:
                     t = gen.timing
                     if not gen.generated:
                         t.queue_ms, t.prefill_ms, t.cached_tokens = first.queue_ms, first.prefill_ms, first.num_cached_tokens
+                    first_logprobs = [first.logprob] if first.HasField("logprob") else None
                     if first.HasField("finish_reason"):   # the first token ends it: no decode needed
                         await self._release(gen)
-                        yield Chunk([first.token_id], first.finish_reason)
+                        yield Chunk([first.token_id], first.finish_reason, first_logprobs)
                         return
-                    yield Chunk([first.token_id])
+                    yield Chunk([first.token_id], None, first_logprobs)
                     decode_call = decode.decode.Decode(worker_pb2.DecodeRequest(
                         request_id=gen.worker_request_id, first_token_id=first.token_id,
                         kv_wait_ms=int(self.options.stall_timeout_s * 1e3)))
@@ -250,7 +252,8 @@ class Generator:
                     if not gen.generated:
                         t = gen.timing
                         t.queue_ms, t.prefill_ms, t.cached_tokens = first.queue_ms, first.prefill_ms, first.num_cached_tokens
-                    yield Chunk([first.token_id], first.finish_reason if first.HasField("finish_reason") else None)
+                    yield Chunk([first.token_id], first.finish_reason if first.HasField("finish_reason") else None,
+                                [first.logprob] if first.HasField("logprob") else None)
                     if first.HasField("finish_reason"):
                         return
                 else:
@@ -267,7 +270,8 @@ class Generator:
         for (its engine failed, or it was told by a stale abort) is a fault: the request moves."""
         if event.finished and event.finish_reason == "abort" and not gen.aborted:
             raise WorkerFailure(worker.address, "ABORTED", "the worker aborted the request")
-        return Chunk(list(event.token_ids), event.finish_reason if event.finished else None)
+        return Chunk(list(event.token_ids), event.finish_reason if event.finished else None,
+                     list(event.logprobs) or None)
     async def _reserve(self, gen: Generation) -> tuple[WorkerHandle, worker_pb2.ReserveResponse]:
         """Decode blocks for the whole sequence, waiting in the admission queue while every
         decode worker is full."""

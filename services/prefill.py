@@ -11,7 +11,7 @@ import grpc
 from engine.block_manager import transfer_block_hashes
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.async_engine import AsyncEngine
-from services.convert import params_from_proto
+from services.convert import logprobs_to_proto, params_from_proto
 from services.kv_transfer import KVBlock, KVSender, KVTransferError
 from services.worker_state import WorkerState
 
@@ -72,6 +72,8 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
                                               prefill_ms=(out.prefill_s or 0.0) * 1e3)
                 if out.finish_reason is not None:
                     token.finish_reason = out.finish_reason
+                if out.logprobs:
+                    token.logprob.CopyFrom(logprobs_to_proto(out.logprobs)[0])
                 yield worker_pb2.PrefillEvent(first_token=token)
                 blocks = nbytes = 0
                 if kv is not None:

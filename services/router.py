@@ -38,9 +38,14 @@ class RequestLimits:
         "help": "largest text prompt in UTF-8 bytes, checked before tokenizing"})
     max_request_id_chars: int = field(default=256, metadata={"help": "longest request_id"})
     max_stop_token_ids: int = field(default=256, metadata={"help": "most stop_token_ids in one request"})
+    max_http_body_bytes: int = field(default=8 << 20, metadata={
+        "help": "largest HTTP request body, refused (413) while it is read, before parsing"})
+    max_choices: int = field(default=64, metadata={
+        "help": "most choices (prompts x n) in one HTTP request"})
 
     def __post_init__(self) -> None:
-        for name in ("max_prompt_bytes", "max_request_id_chars", "max_stop_token_ids"):
+        for name in ("max_prompt_bytes", "max_request_id_chars", "max_stop_token_ids", "max_http_body_bytes",
+                     "max_choices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -50,6 +55,16 @@ class RouterConfig:
     drain_timeout_s: float = field(default=30.0, metadata={
         "help": "on SIGTERM, in-flight requests get this long to finish"})
     ready_timeout_s: float = field(default=120.0, metadata={"help": "workers must be up this soon after start"})
+    http_port: int | None = field(default=None, metadata={
+        "help": "serve the OpenAI-compatible HTTP API on this port, on --host (none: no HTTP)"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "model name of the HTTP API (none: the checkpoint directory's name)"})
+
+    def __post_init__(self) -> None:
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be empty")
 
 
 @dataclass(slots=True)
@@ -118,7 +133,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     self._observe_tokens(gen, len(chunk.token_ids), now)
                     usage.completion_tokens += len(chunk.token_ids)
                 msg = router_pb2.GenerateResponse(request_id=parsed.request_id, token_ids=chunk.token_ids,
-                                                  text=detok.add(chunk.token_ids, final=chunk.finish_reason is not None))
+                                                  text=detok.add(chunk.token_ids, final=chunk.finish_reason is not None),
+                                                  logprobs=chunk.logprobs or ())
                 if chunk.finish_reason is not None:
                     finished = True
                     msg.finished = True
@@ -229,6 +245,11 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
         await pool.wait_ready(options.config.ready_timeout_s)
         metrics = RouterMetrics(model_name=options.model)
         servicer = RouterServicer(options, pool, metrics)
+        http = None
+        if options.config.http_port is not None:   # on this loop, before gRPC says SERVING
+            from services.openai_api import start_http
+            http = await start_http(servicer, host, options.config.http_port, served_model_name(options), api_key,
+                                    options.limits.max_http_body_bytes, tls=credentials.tls)
         interceptors = [api_key_interceptor(api_key)] if api_key else []
         server = await start_server([service_registration(router_pb2.DESCRIPTOR.services_by_name["Router"], servicer)],
                                     host, port, interceptors=interceptors,
@@ -237,6 +258,8 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
         note = ""
         if metrics_port is not None:
             note = f", metrics on http://{host}:{start_metrics_server(metrics.registry, host, metrics_port)}/metrics"
+        if http is not None:
+            note += f", OpenAI-compatible HTTP API on {http.scheme}://{host}:{http.port}/v1"
         print(f"pdserve router listening on {host}:{server.port}{note}", flush=True)
         if on_start is not None:
             on_start(server.port)
@@ -251,9 +274,17 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
                 await asyncio.sleep(0.05)
         finally:
             health.cancel()
+            if http is not None:
+                await http.stop()
             await server.server.stop(grace=1)
     finally:
         await pool.close()
+
+
+def served_model_name(options: RouterOptions) -> str:
+    """The model name of the HTTP API: --served-model-name, else the checkpoint directory's name."""
+    from pathlib import Path
+    return options.config.served_model_name or Path(options.model).resolve().name
 
 
 async def _follow_health(server, pool: WorkerPool, servicer: RouterServicer) -> None:

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import random
 import socket
@@ -33,11 +35,12 @@ def _free_port_run(n: int) -> int:
 
 
 def test_up_generate_and_sigterm(tiny_qwen3: str, tmp_path: Path) -> None:
-    port, metrics_base = free_port(), _free_port_run(3)
+    port, http_port, metrics_base = free_port(), free_port(), _free_port_run(3)
     home = tmp_path / "home"
     cmd = [sys.executable, "-m", "services.cli", "up", "--model", tiny_qwen3, "--port", str(port),
            "--prefill-workers", "1", "--decode-workers", "1", "--dtype", "float32",
-           "--metrics-port-base", str(metrics_base), "--log-level", "info"]
+           "--metrics-port-base", str(metrics_base), "--log-level", "info",
+           "--http-port", str(http_port), "--served-model-name", "tiny"]
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                           env={**os.environ, "PDSERVE_HOME": str(home)})
     try:
@@ -54,6 +57,15 @@ def test_up_generate_and_sigterm(tiny_qwen3: str, tmp_path: Path) -> None:
                               "Hello world", "--max-tokens", "5", "--ignore-eos"],
                              capture_output=True, text=True, timeout=60)
         assert cli.returncode == 0 and "finish_reason=length" in cli.stderr and "completion_tokens=5" in cli.stderr
+        # the OpenAI-compatible HTTP API, with the flags `up` forwarded to the router
+        base = f"http://127.0.0.1:{http_port}"
+        models = json.loads(urllib.request.urlopen(f"{base}/v1/models", timeout=30).read())
+        assert [m["id"] for m in models["data"]] == ["tiny"]
+        req = urllib.request.Request(f"{base}/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 6,
+                                                      "temperature": 0, "ignore_eos": True}).encode())
+        body = json.loads(urllib.request.urlopen(req, timeout=30).read())
+        assert body["choices"][0]["text"] == out.text and body["usage"]["completion_tokens"] == 6
         children = [int(p) for p in subprocess.run(["pgrep", "-P", str(up.pid)], capture_output=True,
                                                    text=True).stdout.split()]
         assert len(children) == 3   # router, prefill, decode
@@ -64,6 +76,7 @@ def test_up_generate_and_sigterm(tiny_qwen3: str, tmp_path: Path) -> None:
         output, _ = up.communicate(timeout=30)
     assert up.returncode == 0, output
     assert f"router at 127.0.0.1:{port}" in output
+    assert f"OpenAI-compatible HTTP API at http://127.0.0.1:{http_port}/v1" in output
     # what it was doing meanwhile, line by line (not a terminal: no carriage returns)
     log_dir = home / "logs" / f"up-{port}"
     for line in ("pdserve: starting 1 prefill + 1 decode worker(s) and a router", f"logs in {log_dir}",

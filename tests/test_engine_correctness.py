@@ -27,7 +27,7 @@ def test_batch_matches_hf(tiny_model: str) -> None:
 
 @pytest.mark.parametrize("budget", [3, 7, 16, 50])
 def test_chunked_prefill_matches_unchunked(tiny_model: str, budget: int) -> None:
-    llm = make_llm(tiny_model, max_num_batched_tokens=budget, max_num_seqs=min(budget, 16))
+    llm = make_llm(tiny_model, max_num_batched_tokens=budget, max_num_seqs=min(budget, 16), schedule_policy="prefill_first")
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == hf_greedy(tiny_model, PROMPTS, MAX_NEW)
     prefill_steps: dict[str, int] = {}

@@ -17,6 +17,7 @@ EXPECTED_FILES = {
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "chat_template.jinja",
 }
 
 

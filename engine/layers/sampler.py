@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.layers import cpu_kernels
+from engine.logprobs import attach_logprobs
 from engine.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
@@ -34,7 +35,12 @@ class Sampler:
         self._one = torch.empty(1, dtype=torch.float64)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]) -> list[int]:
-        """logits: [B, V]; output_index[i]: how many tokens row i has generated so far."""
+        """logits: [B, V]; output_index[i]: how many tokens row i has generated so far. Rows whose
+        params ask for logprobs get their token as an engine.logprobs.SampledToken."""
+        tokens = self._sample_tokens(logits, params, output_index)
+        return attach_logprobs(logits, tokens, params) if any(p.logprobs is not None for p in params) else tokens
+
+    def _sample_tokens(self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]) -> list[int]:
         if self.native and logits.device.type == "cpu" and logits.dtype in cpu_kernels.DTYPE_CODES:
             return self._native(logits, params, output_index)
         logits = logits.float().cpu()

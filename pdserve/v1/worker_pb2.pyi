@@ -88,18 +88,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "finish_reason", "num_cached_tokens", "queue_ms", "prefill_ms")
+    __slots__ = ("token_id", "finish_reason", "num_cached_tokens", "queue_ms", "prefill_ms", "logprob")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     finish_reason: str
     num_cached_tokens: int
     queue_ms: float
     prefill_ms: float
-    def __init__(self, token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+    logprob: _common_pb2.TokenLogprob
+    def __init__(self, token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class KVDelivered(_message.Message):
     __slots__ = ("blocks", "bytes", "exposed_ms")
@@ -174,18 +176,20 @@ class FailTransferRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "finished", "kv_wait_ms", "first_decode_step_ms")
+    __slots__ = ("token_ids", "finish_reason", "finished", "kv_wait_ms", "first_decode_step_ms", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     KV_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_DECODE_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     finished: bool
     kv_wait_ms: float
     first_decode_step_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., finished: _Optional[bool] = ..., kv_wait_ms: _Optional[float] = ..., first_decode_step_ms: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., finished: _Optional[bool] = ..., kv_wait_ms: _Optional[float] = ..., first_decode_step_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateLocalRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params")

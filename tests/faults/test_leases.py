@@ -42,13 +42,14 @@ def _stall_prefill(fc: FaultCluster, prompt: list[int], stall_s: float):
 
 
 def test_progress_keeps_a_reservation_alive_well_past_its_idle_lease(tiny_qwen3: str) -> None:
-    fc = _cluster(tiny_qwen3, lease_idle_s=0.5)
+    fc = FaultCluster(tiny_qwen3, prefill=1, decode=1, engine_args=[*SLOW_PREFILL[:-1], "2"], router_args=NO_MIGRATION,
+                      worker_args=["--kv-lease-idle-s", "0.3", "--kv-lease-max-s", "120"])
     try:
         prompt = random_prompts(1, PROMPT_LEN, PROMPT_LEN, seed=601)[0]
         obs = observe(fc.router, prompt, 8)
         assert obs.done.wait(120)
         assert obs.code is None, obs.details
-        assert obs.arrivals[0] - obs.started > 0.5 * 2   # the prefill alone outlived the idle lease twice over
+        assert obs.arrivals[0] - obs.started > 3 * 0.3   # the prefill alone outlived the idle lease 3 times over
         assert obs.tokens == _expected(tiny_qwen3, prompt, 8)
         wait_for(fc.at_baseline, 10, "free blocks at baseline")
     finally:

@@ -1,0 +1,53 @@
+"""Log-probabilities of sampled tokens, for requests that ask (SamplingParams.logprobs).
+
+As vLLM reports them by default ("raw_logprobs"): log_softmax of the model's raw logits, before
+temperature, top-k or top-p; the sampled token's logprob plus the ``logprobs`` most likely
+tokens. The sampler attaches them to the token it returns (``SampledToken``: an int that
+carries them), so they travel from the sampler to the engine's step results with nothing in
+between changing; requests that do not ask pay nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    logprob: float                                         # of the sampled token
+    top_ids: list[int] = field(default_factory=list)       # the most likely tokens, most likely first
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+class SampledToken(int):
+    """A sampled token id carrying its TokenLogprob."""
+
+    logprob: TokenLogprob
+
+    def __new__(cls, token_id: int, logprob: TokenLogprob) -> "SampledToken":
+        obj = super().__new__(cls, token_id)
+        obj.logprob = logprob
+        return obj
+
+
+def attach_logprobs(logits: torch.Tensor, tokens: list[int], params: list) -> list[int]:
+    """tokens, with the rows whose params ask for logprobs turned into SampledTokens."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return tokens
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+    chosen = logprobs[torch.arange(len(rows)), torch.tensor([tokens[i] for i in rows], device=logprobs.device)]
+    k = min(max(params[i].logprobs for i in rows), logprobs.shape[-1])
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    chosen, top_vals, top_ids = chosen.tolist(), top_vals.cpu().tolist(), top_ids.cpu().tolist()
+    out = list(tokens)
+    for j, i in enumerate(rows):
+        n = params[i].logprobs
+        out[i] = SampledToken(tokens[i], TokenLogprob(chosen[j], top_ids[j][:n], top_vals[j][:n]))
+    return out
+
+
+def logprob_of(token: int) -> TokenLogprob | None:
+    return getattr(token, "logprob", None)
