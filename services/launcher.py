@@ -61,6 +61,8 @@ class Deployment:
                                    "(`pdserve up` default: $PDSERVE_HOME/logs/up-PORT)")
     threads_per_worker: int = _f(1, "torch threads of each worker process", aliases=("--threads",))
     restart: bool = _f(True, "restart a child that dies (with backoff) instead of stopping the deployment")
+    pin_workers: bool = _f(True, "give each worker its own cores (one per torch thread) when the machine has "
+                                 "enough for all of them; the router floats")
     drain_timeout_s: float = _f(30.0, "on SIGTERM, in-flight requests get this long to finish")
     engine_args: list[str] = field(default_factory=list, metadata={"cli": False})   # forwarded to every worker
     worker_args: list[str] = field(default_factory=list, metadata={"cli": False})   # forwarded to every worker
@@ -110,6 +112,7 @@ class Process:
     started_at: float = 0.0
     next_start: float = 0.0
     log_path: str | None = None        # the child's stdout and stderr go here (None: inherited)
+    cpus: set[int] | None = None       # cores it runs on (None: any)
 
     def start(self) -> None:
         if self.log_path is None:
@@ -118,6 +121,13 @@ class Process:
             with open(self.log_path, "ab") as log:   # appended: restarts keep the earlier output
                 self.popen = subprocess.Popen(self.cmd, env=self.env, start_new_session=True, stdout=log,
                                               stderr=subprocess.STDOUT)
+        if self.cpus:
+            # Popen returns once the child runs python, before it starts any thread: every
+            # thread it makes later inherits these cores.
+            try:
+                os.sched_setaffinity(self.popen.pid, self.cpus)
+            except OSError:
+                pass
         self.started_at = time.monotonic()
 
     def log_tail(self, lines: int = 15) -> str:
@@ -198,6 +208,7 @@ class Cluster:
         if spec.credentials.cluster_token is None:   # a fresh secret for this deployment
             spec.credentials = Credentials(new_token(), spec.credentials.tls)
         self._stop_requested = False
+        self._pinned = self._cores()
 
     @property
     def router_address(self) -> str:
@@ -205,6 +216,30 @@ class Cluster:
 
     def request_stop(self, *_: object) -> None:
         self._stop_requested = True
+
+    def _cores(self) -> dict[str, set[int]]:
+        """Process name -> its cores, when there are enough for every worker to have its own.
+
+        A prefill step's length is a request's time to first token, so nothing else runs on a
+        prefill worker's cores; the router (which streams every token) shares the last decode
+        worker's cores, where a moment's delay costs an inter-token gap the decode batch absorbs.
+        Colocated workers leave the router any spare cores."""
+        s = self.spec
+        if not s.pin_workers or not hasattr(os, "sched_getaffinity"):
+            return {}
+        names = ([f"both-{i}" for i in range(s.colocated_workers)] if s.colocated_workers else
+                 [*(f"prefill-{i}" for i in range(s.prefill_workers)), *(f"decode-{i}" for i in range(s.decode_workers))])
+        cores = sorted(os.sched_getaffinity(0))
+        t = s.threads_per_worker
+        if len(names) * t > len(cores):
+            return {}
+        pinned = {name: set(cores[i * t:(i + 1) * t]) for i, name in enumerate(names)}
+        spare = set(cores[len(names) * t:])
+        if not s.colocated_workers:
+            pinned["router"] = pinned[names[-1]]
+        elif spare:
+            pinned["router"] = spare
+        return pinned
 
     def _process(self, name: str, args: list[str], port: int) -> Process:
         env = {**os.environ, **self.spec.credentials.child_env(), PARENT_PID_ENV: str(os.getpid())}
@@ -219,7 +254,8 @@ class Cluster:
             args = [*args, "--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca)]
         cmd = [sys.executable, "-m", "services.cli", *args, "--host", self.spec.host, "--port", str(port)]
         log_path = os.path.join(self.spec.log_dir, f"{name}.log") if self.spec.log_dir else None
-        proc = Process(name, cmd, f"{self.spec.host}:{port}", env, metrics_address=metrics, log_path=log_path)
+        proc = Process(name, cmd, f"{self.spec.host}:{port}", env, metrics_address=metrics, log_path=log_path,
+                       cpus=self._pinned.get(name))
         self.processes.append(proc)
         return proc
 

@@ -22,6 +22,8 @@ SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),                               # a second server on a busy port fails
+    ("grpc.http2.lookahead_bytes", 8 << 20),                # a stream may send this much before a window update
+    ("grpc.http2.max_frame_size", 16 << 20 - 1),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
     ("grpc.http2.max_ping_strikes", 0),
@@ -31,6 +33,8 @@ SERVER_OPTIONS = [
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.lookahead_bytes", 8 << 20),
+    ("grpc.http2.max_frame_size", 16 << 20 - 1),
     ("grpc.keepalive_time_ms", 2000),
     ("grpc.keepalive_timeout_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),

@@ -207,10 +207,13 @@ class GrpcKVSender(KVSender):
     """One channel per decode worker (made by ``channel_factory``, which adds credentials)."""
 
     def __init__(self, channel_factory: Callable[[str], grpc.aio.Channel], *,
-                 frame_bytes: int = DEFAULT_FRAME_BYTES) -> None:
+                 frame_bytes: int = DEFAULT_FRAME_BYTES, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        """metadata: sent on every stream (the cluster token, when the factory's channels do not
+        attach it themselves)."""
         if not 0 < frame_bytes <= MAX_FRAME_BYTES:
             raise ValueError(f"kv frame_bytes must be in (0, {MAX_FRAME_BYTES}], got {frame_bytes}")
         self.frame_bytes = frame_bytes
+        self.metadata = metadata
         self._channel_factory = channel_factory
         self._channels: dict[str, tuple[grpc.aio.Channel, Any]] = {}
 
@@ -226,7 +229,8 @@ class GrpcKVSender(KVSender):
     def open(self, target: str, request_id: str, transfer_token: bytes) -> KVStream:
         # wait_for_ready: a connection that is (re)establishing, say after this process was frozen,
         # is waited for instead of failing the stream; finish() bounds the whole transfer.
-        return GrpcKVStream(self._method(target)(wait_for_ready=True), request_id, transfer_token, self.frame_bytes)
+        call = self._method(target)(wait_for_ready=True, metadata=self.metadata or None)
+        return GrpcKVStream(call, request_id, transfer_token, self.frame_bytes)
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
