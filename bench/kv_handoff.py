@@ -5,14 +5,19 @@ what the memory and the socket alone would take for the same bytes, side by side
 A real decode worker (`pdserve decode`, its own process, the `small` model unless --model) makes
 a reservation for a prompt of N tokens; this process then does what a prefill worker does: opens
 the request's KV stream (GrpcKVSender) when the request arrives, and once the last chunk is
-computed sends every block (header + CRC-32 + raw bytes) and waits for the acknowledgement — which the decode worker gives only after checking
-each block (token, index, chain hash, layout, CRC) and writing it into its paged pool. That wait
-is the "exposed transfer" of a one-chunk prompt. Per size it prints the median, and for the same
-bytes in the same run:
+computed sends every block (header + CRC-32 + raw bytes) and, as the router does on the first
+token, asks the decode worker to continue. Two times per size (medians): until the decode
+worker has every block checked (token, index, chain hash, layout, CRC), stored in its paged pool
+and the request admitted — the "exposed transfer" a one-chunk prompt adds before its second
+token — and until the sender holds the acknowledgement (when its pinned blocks are released).
+For the same bytes in the same run:
 
 * memcpy: one copy of the bytes in this process (the floor: the KV must be copied once);
 * socket: the bytes over a loopback TCP connection to a child process that reads them all and
   answers one byte (what any transport pays for moving them between processes).
+
+Each size runs both ways the gRPC transport can carry the bytes on one host: through a shared
+memory segment (`--kv-shared-memory`, the default on loopback) and inside the stream's frames.
 
     python bench/kv_handoff.py                         # 128, 256, 1024 tokens of the small model
     python bench/kv_handoff.py --tokens 256 --iters 50
@@ -86,7 +91,10 @@ def memcpy_seconds(nbytes: int, iters: int) -> list[float]:
     return out[3:]
 
 
-async def handoff_seconds(address: str, token: str, tokens: int, iters: int) -> tuple[list[float], int]:
+async def handoff_seconds(address: str, token: str, tokens: int, iters: int, shm: bool
+                          ) -> tuple[list[float], list[float], int]:
+    """(seconds until the decode worker could decode: every block verified and stored, and the
+    request admitted; seconds until the sender had its acknowledgement; bytes) per iteration."""
     import torch
 
     from engine.block_manager import transfer_block_hashes
@@ -96,8 +104,9 @@ async def handoff_seconds(address: str, token: str, tokens: int, iters: int) -> 
     from services.server import options
 
     creds = Credentials(token)
-    sender = GrpcKVSender(lambda a: creds.channel(a, options(), attach_token=False), metadata=creds.metadata)
-    out, nbytes = [], 0
+    sender = GrpcKVSender(lambda a: creds.channel(a, options(), attach_token=False), metadata=creds.metadata,
+                          shared_memory=shm)
+    ready, acked, nbytes = [], [], 0
     async with creds.channel(address, options()) as ch:
         info, decode = worker_pb2_grpc.WorkerStub(ch), worker_pb2_grpc.DecodeWorkerStub(ch)
         status = await info.GetStatus(worker_pb2.StatusRequest())
@@ -105,25 +114,30 @@ async def handoff_seconds(address: str, token: str, tokens: int, iters: int) -> 
         dtype = getattr(torch, status.kv_dtype)
         for i in range(iters + 3):
             prompt = [2 + (i * 7919 + j * 31) % 8000 for j in range(tokens)]   # fresh: no prefix hits
-            rid = f"bench-{tokens}-{i}"
+            rid = f"bench-{tokens}-{shm}-{i}"
+            # max_tokens=1: the token the Decode call brings ends the request, so the call answers as
+            # soon as the request is admitted (its KV complete), with no decode step in the way.
             res = await decode.Reserve(worker_pb2.ReserveRequest(
                 request_id=rid, prompt_token_ids=prompt, params=common_pb2.SamplingParams(max_tokens=1)))
             hashes = transfer_block_hashes(prompt, status.block_size)
             blocks = [KVBlock(rid, j, hashes[j], status.block_size, torch.randn(shape).to(dtype))
                       for j in res.needed_block_indices]
             # As a prefill worker does: the stream opens when the request arrives, while the prompt
-            # computes; what is exposed starts when the last chunk's blocks are ready.
+            # computes; what is exposed starts when the last chunk's blocks are ready, and the router
+            # asks the decode worker to continue at once.
             stream = sender.open(address, rid, res.transfer_token)
             await stream.heartbeat()
             await asyncio.sleep(0.005)
             t = time.perf_counter()
             await stream.send(blocks)
+            events = [e async for e in decode.Decode(worker_pb2.DecodeRequest(request_id=rid, first_token_id=5))]
+            assert events and events[-1].finished
+            ready.append(time.perf_counter() - t)
             result = await stream.finish(timeout=60)
-            out.append(time.perf_counter() - t)
+            acked.append(time.perf_counter() - t)
             nbytes = result.bytes
-            await info.Abort(common_pb2.AbortRequest(request_id=rid))
     await sender.close()
-    return out[3:], nbytes
+    return ready[3:], acked[3:], nbytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,15 +161,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_serving(address, worker, timeout=180, credentials=Credentials(token))
         print(f"decode worker {address} ({args.model}); load average {os.getloadavg()[0]:.2f}", flush=True)
-        print("| prompt tokens | KV MiB | hand-off ms | memcpy ms | socket ms | hand-off / socket | hand-off MiB/s |")
-        print("|---:|---:|---:|---:|---:|---:|---:|")
+        print("| prompt tokens | KV MiB | decodable after (ms), shared memory | acknowledged after, shared memory "
+              "| decodable after, bytes in the stream | acknowledged after, bytes in the stream | memcpy ms "
+              "| socket ms |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for n in [int(x) for x in args.tokens.split(",")]:
-            hand, nbytes = asyncio.run(handoff_seconds(address, token, n, args.iters))
+            shm_ready, shm_acked, nbytes = asyncio.run(handoff_seconds(address, token, n, args.iters, shm=True))
+            ready, acked, _ = asyncio.run(handoff_seconds(address, token, n, args.iters, shm=False))
             mem = memcpy_seconds(nbytes, args.iters)
             sock = socket_seconds(os.urandom(nbytes), args.iters)
-            h, m, s = (statistics.median(v) * 1e3 for v in (hand, mem, sock))
-            print(f"| {n} | {nbytes / MiB:.2f} | {h:.2f} | {m:.3f} | {s:.2f} | {h / s:.1f}x | {nbytes / MiB / (h / 1e3):.0f} |",
-                  flush=True)
+            cells = [statistics.median(v) * 1e3 for v in (shm_ready, shm_acked, ready, acked)]
+            print(f"| {n} | {nbytes / MiB:.2f} | " + " | ".join(f"{c:.2f}" for c in cells)
+                  + f" | {statistics.median(mem) * 1e3:.3f} | {statistics.median(sock) * 1e3:.2f} |", flush=True)
     finally:
         worker.terminate()
         try:

@@ -17,6 +17,7 @@ from services.async_engine import AsyncEngine
 from services.colocated import ColocatedHandler
 from services.decode import DecodeHandler
 from services.kv_transfer import GrpcKVSender, KVSender, KVTransferServicer, register_kv_servicer
+from services.kv_transfer import shared_memory
 from services.kv_transfer.grpc_transport import grpc_message_limit
 from services.prefill import PrefillHandler
 from services.security import Credentials
@@ -41,6 +42,9 @@ class WorkerConfig:
         "help": "decode: a reservation whose KV makes no progress this long is freed"})
     kv_lease_max_s: float = field(default=300.0, metadata={
         "help": "decode: no reservation lives longer (prefill: nor do pinned blocks awaiting delivery)"})
+    kv_shared_memory: bool = field(default=True, metadata={
+        "help": "KV between workers on this host's loopback goes through /dev/shm (0600 segments); the "
+                "gRPC stream carries only headers. Both ends must allow it"})
 
     def __post_init__(self) -> None:
         if self.drain_timeout_s < 0:
@@ -134,9 +138,13 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
     sender = None
     if config.role == "prefill":
         creds = options.credentials
+        if options.config.kv_shared_memory and shared_memory.available():
+            # segments a previous sender died holding; no live hand-off outlives a lease
+            shared_memory.sweep(options.config.kv_lease_max_s)
         sender = options.kv_sender or GrpcKVSender(
             lambda address: creds.channel(address, channel_options([("grpc.max_send_message_length",
-                                                                     grpc_message_limit())])))
+                                                                     grpc_message_limit())]), attach_token=False),
+            metadata=creds.metadata, shared_memory=options.config.kv_shared_memory)
         registrations.append(service_registration(services["PrefillWorker"],
                                                   PrefillHandler(aengine, sender, state, metrics)))
     elif config.role == "decode":
@@ -145,7 +153,7 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
         kv.on_block = metrics.kv_received
         notify = kv.on_change
         kv.on_change = lambda rid, st: (metrics.kv_handoff_ended(st), notify(rid, st))
-        kv_servicer = KVTransferServicer(kv)
+        kv_servicer = KVTransferServicer(kv, shared_memory=options.config.kv_shared_memory)
         registrations.append((lambda servicer, server: register_kv_servicer(servicer, server), kv_servicer,
                               "pdserve.v1.KVTransfer"))
     else:

@@ -1,9 +1,11 @@
 """The KV transports as byte pipes under the decode engine's KV connector: the same cases over
-gRPC (a real in-process server on loopback) and over the Ray object-store transport (its sender
-and receiver joined by a stand-in for the actor call; the real Ray path runs in test_ray_serving)."""
+gRPC (a real in-process server on loopback), gRPC with the payloads in shared-memory segments,
+and the Ray object-store transport (its sender and receiver joined by a stand-in for the actor
+call; the real Ray path runs in test_ray_serving)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import tracemalloc
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -18,12 +20,13 @@ from engine.block_manager import transfer_block_hashes
 from engine.kv_connector import HandoffState
 from pdserve.v1 import kv_pb2
 from services.kv_transfer import GrpcKVSender, KVBlock, KVSender, KVTransferError, KVTransferServicer
+from services.kv_transfer import shared_memory
 from services.kv_transfer.grpc_transport import encode_open, register_kv_servicer
 from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender
 from services.server import options as channel_options
 from tests.conftest import assert_no_leak, random_prompts
 
-TRANSPORTS = ("grpc", "ray")
+TRANSPORTS = ("grpc", "grpc-shm", "ray")
 PROMPT = random_prompts(1, 60, 60, seed=77)[0]          # 8 blocks of 8 (the last one partial)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -57,20 +60,44 @@ class _FakeActor:
         self.kv_cancel = _FakeActorMethod(receiver.cancel)
 
 
+def _segments() -> set[str]:
+    return {n for n in os.listdir(shared_memory.SHM_DIR) if shared_memory.NAME.fullmatch(n)}
+
+
+@pytest.fixture(autouse=True)
+def no_segment_left():
+    """Every shared-memory segment a test's sender wrote is gone when the test ends (the receiver
+    unlinks what it maps; the sender removes what a failed or cancelled stream left)."""
+    before = _segments()
+    yield
+    assert _segments() - before == set()
+
+
+@asynccontextmanager
+async def kv_server(engine: LLMEngine, shm: bool = False) -> AsyncIterator[str]:
+    """A real gRPC KV receiver on loopback feeding engine's connector; yields its address."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    register_kv_servicer(KVTransferServicer(engine.kv, shared_memory=shm), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
 @asynccontextmanager
 async def transport(kind: str, engine: LLMEngine, chunk_bytes: int) -> AsyncIterator[tuple[KVSender, str]]:
     """(sender, target) whose blocks land in engine's KV connector."""
-    if kind == "grpc":
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        register_kv_servicer(KVTransferServicer(engine.kv), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        sender = GrpcKVSender(lambda a: grpc.aio.insecure_channel(a, options=channel_options()), frame_bytes=chunk_bytes)
-        try:
-            yield sender, f"127.0.0.1:{port}"
-        finally:
-            await sender.close()
-            await server.stop(None)
+    if kind.startswith("grpc"):
+        shm = kind == "grpc-shm"
+        async with kv_server(engine, shm) as target:
+            sender = GrpcKVSender(lambda a: grpc.aio.insecure_channel(a, options=channel_options()),
+                                  frame_bytes=chunk_bytes, shared_memory=shm)
+            try:
+                yield sender, target
+            finally:
+                await sender.close()
     else:
         actor = _FakeActor(RayKVReceiver(engine.kv))
         sender = RayKVSender(chunk_bytes=chunk_bytes, put=lambda arrays: _Ready(arrays))
@@ -264,3 +291,118 @@ def test_ray_receiver_refuses_objects_of_the_wrong_kind(engine: LLMEngine) -> No
     assert ack.error_code == "INVALID_ARGUMENT" and "uint8" in ack.error
     assert engine.kv.state(rid) is HandoffState.FAILED
     assert_no_leak(engine)
+
+
+async def _push_raw(target: str, frames: list[bytes]) -> grpc.aio.AioRpcError | kv_pb2.PushAck:
+    """Write hand-made frames on a KV stream; the error the receiver answers (or its ack)."""
+    async with grpc.aio.insecure_channel(target) as ch:
+        call = ch.stream_unary("/pdserve.v1.KVTransfer/PushBlocks", request_serializer=lambda b: b,
+                               response_deserializer=kv_pb2.PushAck.FromString)()
+        for frame in frames:
+            await call.write(frame)
+        await call.done_writing()
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            return exc
+
+
+def _shm_frame(headers: list[kv_pb2.KVBlockHeader], name: str, size: int, payload: bytes = b"") -> bytes:
+    return kv_pb2.KVFrame(headers=headers, payload=payload,
+                          shm=kv_pb2.KVSharedMemory(name=name, size=size)).SerializeToString()
+
+
+def _private_segment(data: bytes, mode: int = 0o600) -> str:
+    name = shared_memory.write_segment([memoryview(data)])
+    os.chmod(os.path.join(shared_memory.SHM_DIR, name), mode)
+    return name
+
+
+@pytest.mark.parametrize("case, code, says", [
+    ("receiver-refuses-shm", "INVALID_ARGUMENT", "no KV through shared memory"),
+    ("bad-name", "DATA_LOSS", "not a KV segment name"),
+    ("missing", "DATA_LOSS", "No such file"),
+    ("group-readable", "DATA_LOSS", "not a private file"),
+    ("size-differs-from-headers", "INVALID_ARGUMENT", "segment of"),
+    ("file-smaller-than-declared", "DATA_LOSS", "the headers declare"),
+    ("inline-and-shm", "INVALID_ARGUMENT", "not both"),
+])
+def test_a_bad_shared_memory_frame_is_refused_and_frees_the_request(engine: LLMEngine, case: str, code: str,
+                                                                     says: str) -> None:
+    """A segment is mapped only when the receiver allows it, its name is of pdserve's form, it is a
+    private regular file of this user, and its size is exactly what the checked headers declare;
+    a refusal fails the request (its blocks freed) and unlinks nothing but what it was sent."""
+    rid = f"shm-{case}"
+    res = engine.reserve(rid, PROMPT, GREEDY)
+    header, payload = _blocks(rid, [0], engine)[0].encode()
+    data = bytes(payload)
+    made: list[str] = []
+    name, size, inline = "", len(data), b""
+    if case == "bad-name":
+        name = "../../etc/passwd"
+    elif case == "missing":
+        name = "pdserve-kv-" + "0" * 32
+    elif case == "file-smaller-than-declared":
+        name = _private_segment(data[:-4])
+    else:
+        name = _private_segment(data, 0o640 if case == "group-readable" else 0o600)
+    if case == "size-differs-from-headers":
+        size = len(data) + 4096
+    if case == "inline-and-shm":
+        inline = data
+    if name.startswith("pdserve-kv-"):
+        made.append(name)
+    frames = [encode_open(rid, res.transfer_token), _shm_frame([header], name, size, inline)]
+
+    async def run():
+        async with kv_server(engine, shm=case != "receiver-refuses-shm") as target:
+            return await _push_raw(target, frames)
+    try:
+        err = _run(run())
+        assert isinstance(err, grpc.aio.AioRpcError), err
+        assert err.code().name == code and says in err.details(), (err.code(), err.details())
+        assert engine.kv.state(rid) is HandoffState.FAILED
+        assert_no_leak(engine)
+    finally:
+        for n in made:
+            shared_memory.remove(n)
+
+
+def test_a_shared_memory_segment_is_unlinked_once_mapped(engine: LLMEngine) -> None:
+    rid = "shm-unlinked"
+    res = engine.reserve(rid, PROMPT, GREEDY)
+    blocks = _blocks(rid, list(range(8)), engine, seed=3)
+    encoded = [b.encode() for b in blocks]
+    name = _private_segment(b"".join(bytes(p) for _, p in encoded))
+    frames = [encode_open(rid, res.transfer_token),
+              _shm_frame([h for h, _ in encoded], name, sum(p.nbytes for _, p in encoded))]
+
+    async def run():
+        async with kv_server(engine, shm=True) as target:
+            return await _push_raw(target, frames)
+    ack = _run(run())
+    assert isinstance(ack, kv_pb2.PushAck) and ack.blocks_received == 8, ack
+    assert not os.path.exists(os.path.join(shared_memory.SHM_DIR, name))
+    stored = engine.runner.read_blocks(engine.kv.receiving[rid].seq.block_table)
+    assert all(torch.equal(stored[j], b.data) for j, b in enumerate(blocks))
+    engine.abort(rid)
+    assert_no_leak(engine)
+
+
+def test_shared_memory_is_only_for_loopback_targets() -> None:
+    assert shared_memory.is_local("127.0.0.1:5000") and shared_memory.is_local("[::1]:5000")
+    assert shared_memory.is_local("localhost:5000")
+    assert not shared_memory.is_local("10.0.0.7:5000") and not shared_memory.is_local("decode-0:5000")
+
+
+def test_a_sweep_removes_only_old_segments_of_this_user() -> None:
+    old, new = _private_segment(b"x" * 64), _private_segment(b"y" * 64)
+    try:
+        past = os.path.getmtime(os.path.join(shared_memory.SHM_DIR, old)) - 3600
+        os.utime(os.path.join(shared_memory.SHM_DIR, old), (past, past))
+        assert shared_memory.sweep(600) >= 1
+        assert not os.path.exists(os.path.join(shared_memory.SHM_DIR, old))
+        assert os.path.exists(os.path.join(shared_memory.SHM_DIR, new))
+    finally:
+        shared_memory.remove(old)
+        shared_memory.remove(new)

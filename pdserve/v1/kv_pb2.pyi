@@ -38,15 +38,25 @@ class KVBlockHeader(_message.Message):
     checksum: int
     def __init__(self, request_id: _Optional[str] = ..., block_index: _Optional[int] = ..., block_hash: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
+class KVSharedMemory(_message.Message):
+    __slots__ = ("name", "size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
 class KVFrame(_message.Message):
-    __slots__ = ("open", "headers", "payload")
+    __slots__ = ("open", "headers", "payload", "shm")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     HEADERS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     open: KVStreamOpen
     headers: _containers.RepeatedCompositeFieldContainer[KVBlockHeader]
     payload: bytes
-    def __init__(self, open: _Optional[_Union[KVStreamOpen, _Mapping]] = ..., headers: _Optional[_Iterable[_Union[KVBlockHeader, _Mapping]]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    shm: KVSharedMemory
+    def __init__(self, open: _Optional[_Union[KVStreamOpen, _Mapping]] = ..., headers: _Optional[_Iterable[_Union[KVBlockHeader, _Mapping]]] = ..., payload: _Optional[bytes] = ..., shm: _Optional[_Union[KVSharedMemory, _Mapping]] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("blocks_received", "bytes_received", "error_code", "error")

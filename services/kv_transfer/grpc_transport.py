@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ import grpc
 
 from engine.kv_connector import BlockMeta, HandoffError, HandoffState
 from pdserve.v1 import kv_pb2, kv_pb2_grpc
+from services.kv_transfer import shared_memory
+from services.kv_transfer.shared_memory import available as shared_memory_available
 from services.kv_transfer.base import (
     DEFAULT_FRAME_BYTES, MAX_FRAME_BYTES, MAX_PENDING_HEADERS, KVBlock, KVSender, KVSink, KVStream, KVTransferError,
     SendResult, block_meta,
@@ -35,7 +38,8 @@ SERVICE = "pdserve.v1.KVTransfer"
 METHOD = f"/{SERVICE}/PushBlocks"
 FRAME_OVERHEAD_BYTES = 64 << 10    # room for headers and framing in one message
 
-_OPEN, _HEADER, _PAYLOAD = 1, 2, 3
+_OPEN, _HEADER, _PAYLOAD, _SHM = 1, 2, 3, 4
+MAX_SEGMENT_BYTES = 64 << 20       # payload bytes per shared-memory segment
 
 
 def grpc_message_limit(frame_bytes: int = DEFAULT_FRAME_BYTES) -> int:
@@ -60,6 +64,31 @@ def _field(number: int, data: bytes | memoryview) -> list[bytes | memoryview]:
 
 def encode_open(request_id: str, token: bytes) -> bytes:
     return b"".join(_field(_OPEN, kv_pb2.KVStreamOpen(request_id=request_id, transfer_token=token).SerializeToString()))
+
+
+def encode_shm_frames(blocks: Sequence[KVBlock]) -> tuple[list[bytes], list[str]]:
+    """Serialized KVFrames whose payloads go through shared-memory segments (whole blocks per
+    frame, up to MAX_SEGMENT_BYTES each); returns the frames and the segments' names."""
+    frames, names = [], []
+    group: list[tuple[kv_pb2.KVBlockHeader, memoryview]] = []
+
+    def flush() -> None:
+        if not group:
+            return
+        name = shared_memory.write_segment([p for _, p in group])
+        names.append(name)
+        shm = kv_pb2.KVSharedMemory(name=name, size=sum(p.nbytes for _, p in group)).SerializeToString()
+        parts = [x for h, _ in group for x in _field(_HEADER, h.SerializeToString())]
+        frames.append(b"".join([*parts, *_field(_SHM, shm)]))
+        group.clear()
+
+    for block in blocks:
+        header, payload = block.encode()
+        if group and sum(p.nbytes for _, p in group) + payload.nbytes > MAX_SEGMENT_BYTES:
+            flush()
+        group.append((header, payload))
+    flush()
+    return frames, names
 
 
 def encode_frames(blocks: Sequence[KVBlock], frame_bytes: int) -> list[bytes]:
@@ -98,6 +127,7 @@ class Frame:
     open: kv_pb2.KVStreamOpen | None = None
     headers: list[kv_pb2.KVBlockHeader] = field(default_factory=list)
     payload: memoryview = memoryview(b"")
+    shm: kv_pb2.KVSharedMemory | None = None
     error: str = ""
 
 
@@ -121,6 +151,8 @@ def parse_frame(data: bytes) -> Frame:
                     frame.headers.append(kv_pb2.KVBlockHeader.FromString(chunk))
                 elif number == _PAYLOAD:
                     frame.payload = chunk
+                elif number == _SHM:
+                    frame.shm = kv_pb2.KVSharedMemory.FromString(chunk)
             elif wire == 0:
                 _, pos = _read_varint(data, pos)
             elif wire in (1, 5):
@@ -148,9 +180,12 @@ def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
 # ---- sender ------------------------------------------------------------------------------
 
 class GrpcKVStream(KVStream):
-    def __init__(self, call: grpc.aio.StreamUnaryCall, request_id: str, token: bytes, frame_bytes: int) -> None:
+    def __init__(self, call: grpc.aio.StreamUnaryCall, request_id: str, token: bytes, frame_bytes: int,
+                 shared: bool = False) -> None:
         self._call = call
         self._frame_bytes = frame_bytes
+        self._shared = shared
+        self._segments: list[str] = []   # written, maybe not yet taken by the receiver
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._queue.put_nowait(encode_open(request_id, token))
         self._blocks = self._bytes = 0
@@ -166,7 +201,12 @@ class GrpcKVStream(KVStream):
             await self._call.write(frame)
 
     async def send(self, blocks: Sequence[KVBlock]) -> None:
-        for frame in encode_frames(blocks, self._frame_bytes):
+        if self._shared:
+            frames, names = encode_shm_frames(blocks)
+            self._segments += names
+        else:
+            frames = encode_frames(blocks, self._frame_bytes)
+        for frame in frames:
             self._queue.put_nowait(frame)
         self._blocks += len(blocks)
         self._bytes += sum(b.data.numel() * b.data.element_size() for b in blocks)
@@ -186,6 +226,7 @@ class GrpcKVStream(KVStream):
             raise KVTransferError("DEADLINE_EXCEEDED", f"KV not acknowledged within {timeout}s") from exc
         finally:
             self._reap_writer()
+            self._remove_segments()
         if ack.blocks_received != self._blocks:
             raise KVTransferError("DATA_LOSS", f"receiver acknowledged {ack.blocks_received} of {self._blocks} blocks")
         return SendResult(ack.blocks_received, ack.bytes_received, time.perf_counter() - self._start)
@@ -193,6 +234,13 @@ class GrpcKVStream(KVStream):
     async def cancel(self) -> None:
         self._reap_writer()
         self._call.cancel()
+        self._remove_segments()
+
+    def _remove_segments(self) -> None:
+        """Segments the receiver did not take (it unlinks those it maps) must not outlive the stream."""
+        segments, self._segments = self._segments, []
+        for name in segments:
+            shared_memory.remove(name)
 
     def _reap_writer(self) -> None:
         """Stop the writer; a write that failed because the receiver ended the call is expected
@@ -207,9 +255,11 @@ class GrpcKVSender(KVSender):
     """One channel per decode worker (made by ``channel_factory``, which adds credentials)."""
 
     def __init__(self, channel_factory: Callable[[str], grpc.aio.Channel], *,
-                 frame_bytes: int = DEFAULT_FRAME_BYTES, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+                 frame_bytes: int = DEFAULT_FRAME_BYTES, metadata: tuple[tuple[str, str], ...] = (),
+                 shared_memory: bool = False) -> None:
         """metadata: sent on every stream (the cluster token, when the factory's channels do not
-        attach it themselves)."""
+        attach it themselves). shared_memory: payloads to a loopback target go through /dev/shm."""
+        self.shared_memory = shared_memory and shared_memory_available()
         if not 0 < frame_bytes <= MAX_FRAME_BYTES:
             raise ValueError(f"kv frame_bytes must be in (0, {MAX_FRAME_BYTES}], got {frame_bytes}")
         self.frame_bytes = frame_bytes
@@ -230,7 +280,8 @@ class GrpcKVSender(KVSender):
         # wait_for_ready: a connection that is (re)establishing, say after this process was frozen,
         # is waited for instead of failing the stream; finish() bounds the whole transfer.
         call = self._method(target)(wait_for_ready=True, metadata=self.metadata or None)
-        return GrpcKVStream(call, request_id, transfer_token, self.frame_bytes)
+        return GrpcKVStream(call, request_id, transfer_token, self.frame_bytes,
+                            shared=self.shared_memory and shared_memory.is_local(target))
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
@@ -250,8 +301,10 @@ class _Pending:
 class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
     """Reassembles blocks and hands them to the sink; the first refusal ends the call."""
 
-    def __init__(self, sink: KVSink) -> None:
+    def __init__(self, sink: KVSink, shared_memory: bool = False) -> None:
+        """shared_memory: accept frames whose payload is in a same-host shared-memory segment."""
         self.sink = sink
+        self.shared_memory = shared_memory
 
     async def PushBlocks(self, request_iterator: AsyncIterator[Frame], context: grpc.aio.ServicerContext
                          ) -> kv_pb2.PushAck:
@@ -272,6 +325,8 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
                 if not frame.headers and not frame.payload.nbytes:
                     self.sink.heartbeat(rid, token)
                     continue
+                if frame.shm is not None and pending:
+                    raise HandoffError("INVALID_ARGUMENT", "a shared-memory frame must start at a block boundary")
                 for header in frame.headers:
                     if header.request_id != rid:
                         raise HandoffError("INVALID_ARGUMENT", f"block for {header.request_id!r} on the stream of {rid!r}")
@@ -280,7 +335,8 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
                     meta = block_meta(header)
                     self.sink.check(meta, token)
                     pending.append(_Pending(meta))
-                data = frame.payload
+                segment = self._map(frame, pending) if frame.shm is not None else None
+                data = memoryview(segment) if segment is not None else frame.payload
                 while data.nbytes:
                     if not pending:
                         raise HandoffError("INVALID_ARGUMENT", "payload bytes beyond the announced blocks")
@@ -302,6 +358,12 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
                     self.sink.accept(p.meta, token, chunk)
                     blocks += 1
                     nbytes += size
+                if segment is not None:
+                    del chunk, data
+                    try:
+                        segment.close()
+                    except BufferError:   # a view still alive: the mapping goes with it
+                        pass
             if context.cancelled():
                 raise asyncio.CancelledError()
             if pending:
@@ -318,6 +380,23 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
             if rid:
                 self.sink.fail(rid, "ABORTED", f"the KV stream of {rid!r} was cancelled by its sender")
             raise
+
+
+    def _map(self, frame: Frame, pending: deque[_Pending]) -> "mmap.mmap":
+        """The frame's payload from its shared-memory segment, after checking its size against the
+        headers (already checked against the reservation): nothing is mapped beyond them."""
+        if not self.shared_memory:
+            raise HandoffError("INVALID_ARGUMENT", "this worker takes no KV through shared memory")
+        if frame.payload.nbytes:
+            raise HandoffError("INVALID_ARGUMENT", "a frame carries its payload inline or in shared memory, not both")
+        declared = sum(p.meta.nbytes for p in pending)
+        if frame.shm.size != declared:
+            raise HandoffError("INVALID_ARGUMENT", f"shared-memory segment of {frame.shm.size} bytes for blocks of "
+                                                   f"{declared}")
+        try:
+            return shared_memory.read_segment(frame.shm.name, frame.shm.size)
+        except ValueError as exc:
+            raise HandoffError("DATA_LOSS", str(exc)) from None
 
 
 def register_kv_servicer(servicer: KVTransferServicer, server: grpc.aio.Server) -> None:

@@ -3,6 +3,7 @@ signals to workers, and the figures docs/reliability.md reports (written to the 
 by $PDSERVE_FAULT_REPORT when it is set)."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -80,6 +81,18 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval:
         time.sleep(interval)
 
 
+@dataclass
+class Busy:
+    """A thread keeping a worker busy; stop() ends it after the prompt in progress."""
+
+    event: threading.Event
+    thread: threading.Thread
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.event.set()
+        self.thread.join(timeout)
+
+
 class FaultCluster:
     """A cluster whose dead children are restarted (as `pdserve up` does) by a supervisor thread."""
 
@@ -89,7 +102,7 @@ class FaultCluster:
                                               engine_args=engine_args or FAULT_ENGINE,
                                               router_args=router_args or FAULT_ROUTER,
                                               worker_args=worker_args or FAULT_WORKER)
-        self._busy = 0
+        self._busy = itertools.count(1)   # busy prompt numbers (next() is atomic)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._supervise, daemon=True)
         self._thread.start()
@@ -133,27 +146,30 @@ class FaultCluster:
     def signal(self, name: str, sig: int) -> None:
         os.kill(self.process(name).popen.pid, sig)
 
-    def busy_prefill(self, name: str, tokens: int) -> threading.Thread:
-        """Occupy a prefill worker with a long prompt sent straight to it (no KV target), as a member.
-        The prompt is fresh every time: a prefix-cache hit would make it instant."""
+    def busy_prefill(self, name: str, tokens: int) -> "Busy":
+        """Keep a prefill worker busy, until stopped, with long prompts sent straight to it (no KV
+        target, as a member) one after another, so that a request arriving at any moment queues
+        behind one. Each prompt is fresh: a prefix-cache hit would make it instant."""
         address = self.process(name).address
-        self._busy += 1
-        request_id = f"busy-{self._busy}"
-        prompt = random_prompts(1, tokens, tokens, seed=10_000 + self._busy)[0]
+        stop = threading.Event()
 
         def run() -> None:
             with channel(self.cluster, address) as ch:
-                try:
-                    for _ in worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(worker_pb2.PrefillRequest(
-                            request_id=request_id, prompt_token_ids=prompt,
-                            params=common_pb2.SamplingParams(max_tokens=1)), timeout=60):
-                        pass
-                except grpc.RpcError:
-                    pass
+                stub = worker_pb2_grpc.PrefillWorkerStub(ch)
+                while not stop.is_set():
+                    n = next(self._busy)
+                    prompt = random_prompts(1, tokens, tokens, seed=10_000 + n)[0]
+                    try:
+                        for _ in stub.Prefill(worker_pb2.PrefillRequest(
+                                request_id=f"busy-{n}", prompt_token_ids=prompt,
+                                params=common_pb2.SamplingParams(max_tokens=1)), timeout=60):
+                            pass
+                    except grpc.RpcError:   # the worker was killed or frozen: try again shortly
+                        stop.wait(0.2)
 
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
-        return thread
+        return Busy(stop, thread)
 
     def all_healthy(self) -> bool:
         try:

@@ -13,7 +13,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.conftest import random_prompts
-from tests.faults.harness import STALL_S, FaultCluster, observe, record, wait_for
+from tests.faults.harness import STALL_S, Busy, FaultCluster, observe, record, wait_for
 from tests.serving import metric, scrape
 
 pytestmark = pytest.mark.faults
@@ -49,11 +49,11 @@ def baseline_e2e(fc) -> float:
     return obs.ended - obs.started
 
 
-def _reach_phase(fc: FaultCluster, role: str, phase: str, prompt: list[int]):
-    """Start the request and return (victim worker name, observation) once it is in the phase."""
-    busy = []
-    if phase == "queued":   # both prefill workers busy with a long prompt: the request waits in a queue
-        busy = [fc.busy_prefill(name, 1800) for name in fc.names("prefill")]
+def _reach_phase(fc: FaultCluster, role: str, phase: str, prompt: list[int], busy: list[Busy]):
+    """Start the request and return (victim worker name, observation) once it is in the phase;
+    busy gets the load it started (the caller stops it)."""
+    if phase == "queued":   # both prefill workers kept busy with long prompts: the request waits in a queue
+        busy += [fc.busy_prefill(name, 1800) for name in fc.names("prefill")]
         wait_for(lambda: all(fc.status(n).num_running for n in fc.names("prefill")), 30, "busy prefill workers")
     obs = observe(fc.router, prompt, MAX_TOKENS)
     if role == "prefill" and phase == "queued":
@@ -80,7 +80,7 @@ def _reach_phase(fc: FaultCluster, role: str, phase: str, prompt: list[int]):
         wait_for(lambda: metric(scrape(address), "pdserve:kv_transfer_bytes_total") > before, 30, "KV arriving",
                  interval=0.01)
     assert not obs.done.is_set(), (role, phase, obs)
-    return victim, obs, busy
+    return victim, obs
 
 
 def _await_holder(fc: FaultCluster, role: str, field_name: str) -> str:
@@ -95,19 +95,22 @@ def test_a_request_survives_a_worker_fault(fc, reference, baseline_e2e, role: st
     wait_for(fc.all_healthy, 60, "every worker healthy")
     wait_for(fc.at_baseline, 30, "free blocks at baseline")
     prompt = PROMPTS[(role, phase, fault)]
-    victim, obs, busy = _reach_phase(fc, role, phase, prompt)
-    t_fault = time.monotonic()
-    fc.signal(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    busy: list[Busy] = []
     try:
-        assert obs.done.wait(90), f"request hung after {fault} of {victim} ({phase})"
+        victim, obs = _reach_phase(fc, role, phase, prompt, busy)
+        t_fault = time.monotonic()
+        fc.signal(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        try:
+            assert obs.done.wait(90), f"request hung after {fault} of {victim} ({phase})"
+        finally:
+            if fault == "stop":
+                remaining = STOP_S - (time.monotonic() - t_fault)
+                if remaining > 0:
+                    time.sleep(remaining)
+                fc.signal(victim, signal.SIGCONT)
     finally:
-        if fault == "stop":
-            remaining = STOP_S - (time.monotonic() - t_fault)
-            if remaining > 0:
-                time.sleep(remaining)
-            fc.signal(victim, signal.SIGCONT)
-    for thread in busy:
-        thread.join(60)
+        for b in busy:
+            b.stop()
     assert obs.code is None, (obs.code, obs.details)
     assert obs.tokens == reference[(role, phase, fault)]   # exactly the tokens of a fault-free run
     assert obs.finish_reason == "length"

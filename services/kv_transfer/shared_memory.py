@@ -1,0 +1,111 @@
+"""Same-host KV payloads through POSIX shared memory; the gRPC stream carries only the headers.
+
+Over loopback, moving a block's bytes through gRPC costs several copies and HTTP/2 framing
+(~250-350 MB/s here); writing them into a tmpfs segment and letting the receiver map it costs
+one copy on each side. A frame then names a segment (`KVFrame.shm`) instead of carrying
+`payload`; everything else — the stream, its token, the headers, every check, the
+acknowledgement — is unchanged.
+
+Who can read a segment: it is created 0600 by the sender's user under `/dev/shm`, so another
+local user cannot. The receiver opens only names of this module's form, refuses anything that
+is not a regular file of its own user with no group/other access, or whose size differs from
+the bytes the frame's (already checked) headers declare, and unlinks the segment once mapped:
+a segment lives from the sender's write to the receiver's read, and the sender removes any the
+receiver never took (a failed or cancelled stream).
+"""
+from __future__ import annotations
+
+import ipaddress
+import mmap
+import os
+import re
+import secrets
+import stat
+import time
+from typing import Sequence
+
+SHM_DIR = "/dev/shm"
+NAME = re.compile(r"pdserve-kv-[0-9a-f]{32}")
+IOV_MAX = 1024
+
+
+def available() -> bool:
+    return os.path.isdir(SHM_DIR) and hasattr(os, "writev")
+
+
+def is_local(target: str) -> bool:
+    """Whether a host:port target is this host's loopback (where /dev/shm is shared for sure)."""
+    host = target.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def write_segment(payloads: Sequence[memoryview]) -> str:
+    """A new segment holding the payloads back to back; returns its name."""
+    name = f"pdserve-kv-{secrets.token_hex(16)}"
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        for i in range(0, len(payloads), IOV_MAX):
+            chunk = payloads[i:i + IOV_MAX]
+            want = sum(p.nbytes for p in chunk)
+            if os.writev(fd, chunk) != want:   # tmpfs writes whole buffers; anything else is a full /dev/shm
+                raise OSError(f"short write to shared memory segment {name}")
+    except BaseException:
+        remove(name)
+        raise
+    finally:
+        os.close(fd)
+    return name
+
+
+def read_segment(name: str, size: int) -> mmap.mmap:
+    """Map a segment a sender named, after checking it is one of ours of exactly size bytes; the
+    name is unlinked at once (the mapping stays valid). Raises ValueError saying what is wrong."""
+    if not NAME.fullmatch(name):
+        raise ValueError(f"not a KV segment name: {name[:80]!r}")
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ValueError(f"KV segment {name}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise ValueError(f"KV segment {name} is not a private file of this user")
+        if st.st_size != size:
+            raise ValueError(f"KV segment {name} has {st.st_size} bytes, the headers declare {size}")
+        if size == 0:
+            raise ValueError(f"KV segment {name} is empty")
+        return mmap.mmap(fd, size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+        remove(name)
+
+
+def sweep(older_than_s: float) -> int:
+    """Remove this user's segments older than older_than_s (a sender that died between writing a
+    segment and the receiver taking it leaves one behind); returns how many went. No live
+    transfer is that old: a lease ends every hand-off well before."""
+    removed, now = 0, time.time()
+    for name in os.listdir(SHM_DIR):
+        if not NAME.fullmatch(name):
+            continue
+        try:
+            st = os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and now - st.st_mtime > older_than_s:
+            remove(name)
+            removed += 1
+    return removed
+
+
+def remove(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
