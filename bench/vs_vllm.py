@@ -373,9 +373,22 @@ def default_omp_bind(threads: int) -> str:
     return "0" if threads == 1 else f"0-{threads - 1}"
 
 
+def native_bf16(flags: dict[str, bool]) -> bool:
+    """Whether this CPU has bf16 dot products in hardware (AMX tiles or AVX512-BF16)."""
+    return bool(flags.get("amx_bf16") or flags.get("avx512_bf16"))
+
+
+def vllm_dtype(choice: str) -> str:
+    """vLLM's --dtype for --vllm-dtype: auto is what a user would pick on this CPU, bfloat16 where
+    bf16 is native, float32 elsewhere (vLLM-CPU's bf16 is emulated and several times slower there)."""
+    if choice != "auto":
+        return choice
+    return "bfloat16" if native_bf16(machine_info()["flags"]) else "float32"
+
+
 def vllm_server_command(vllm_python: str, model: str, port: int, max_model_len: int = 2048,
-                        extra: Sequence[str] = ()) -> list[str]:
-    return [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "bfloat16",
+                        extra: Sequence[str] = (), dtype: str = "bfloat16") -> list[str]:
+    return [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype,
             "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port), *extra]
 
 
@@ -433,11 +446,13 @@ def vllm_load_argv(wl: dict[str, Any], base_url: str, backend: str, tokenizer: s
 
 
 def offline_worker_command(python: str, side: str, workload: Path, model: str, out: Path, threads: int,
-                           pdserve_args: Sequence[str] = ()) -> list[str]:
+                           pdserve_args: Sequence[str] = (), dtype: str = "bfloat16") -> list[str]:
     cmd = [python, str(THIS_FILE), f"_{side}-offline", "--workload", str(workload), "--model", model,
            "--out", str(out), "--threads", str(threads)]
     if side == "pdserve" and pdserve_args:
         cmd += ["--pdserve-args", shlex.join(pdserve_args)]
+    if side == "vllm":
+        cmd += ["--dtype", dtype]
     return cmd
 
 
@@ -776,7 +791,8 @@ def run_offline(args: argparse.Namespace, rec: Record, model: str) -> dict[str, 
             load = wait_for_quiet(args.max_load, args.max_wait_s)
             out = rec.out_dir / f"offline-{side}-{i}.json"
             python = sys.executable if side == "pdserve" else args.vllm_python
-            cmd = offline_worker_command(python, side, wl_path, model, out, args.threads, pd_args)
+            cmd = offline_worker_command(python, side, wl_path, model, out, args.threads, pd_args,
+                                         dtype=vllm_dtype(args.vllm_dtype))
             print(f"[offline {side} {i}/{args.repeat}] 1-min load average before: {load}", flush=True)
             t0 = time.perf_counter()
             rc = rec.run(f"offline-{side}-{i}", cmd, venv if side == "vllm" else env_pd, timeout=args.timeout_s)
@@ -820,6 +836,7 @@ def _offline_worker_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--pdserve-args", default="")
+    p.add_argument("--dtype", default="bfloat16")
     return p.parse_args(argv)
 
 
@@ -871,7 +888,7 @@ def vllm_offline_worker(argv: Sequence[str]) -> int:
     import vllm
     from vllm import LLM, SamplingParams
     wl = read_workload(a.workload)
-    llm = LLM(model=a.model, dtype="bfloat16", max_model_len=2048)
+    llm = LLM(model=a.model, dtype=a.dtype, max_model_len=2048)
 
     def params(outs: Sequence[int]) -> list:
         return [SamplingParams(temperature=wl["temperature"], max_tokens=n, ignore_eos=wl["ignore_eos"]) for n in outs]
@@ -886,7 +903,7 @@ def vllm_offline_worker(argv: Sequence[str]) -> int:
         "side": "vllm", "elapsed_s": elapsed, "output_tokens": produced, "output_tok_s": produced / elapsed,
         "total_tok_s": (produced + sum(map(len, wl["prompts"]))) / elapsed,
         "digest": workload_digest(wl["prompts"], wl["output_lens"]), "vllm": vllm.__version__,
-        "torch": torch.__version__, "dtype": "bfloat16", "max_model_len": 2048,
+        "torch": torch.__version__, "dtype": a.dtype, "max_model_len": 2048,
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
         "kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"), "per_request_seed": False}, indent=1))
     print(f"vLLM offline: {produced / elapsed:.1f} tok/s ({elapsed:.2f} s)", flush=True)
@@ -965,7 +982,8 @@ def run_vllm_server_load(args: argparse.Namespace, rec: Record, model: str, wl_p
                          ) -> dict[str, Any]:
     port = free_port()
     env = vllm_env(args.vllm_kvcache_gib, args.vllm_omp_bind)
-    cmd = vllm_server_command(args.vllm_python, model, port, extra=shlex.split(args.vllm_args))
+    cmd = vllm_server_command(args.vllm_python, model, port, extra=shlex.split(args.vllm_args),
+                              dtype=vllm_dtype(args.vllm_dtype))
     load = wait_for_quiet(args.max_load, args.max_wait_s)
     print(f"[vllm {tag}] 1-min load average before: {load}", flush=True)
     server = rec.start(f"vllm-server-{tag}", cmd, env, load_before=load)
@@ -1120,6 +1138,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--vllm-omp-bind", default=None,
                         help="VLLM_CPU_OMP_THREADS_BIND for vLLM's engine (default: cores 0..threads-1; "
                              "'auto' leaves vLLM's own choice)")
+    common.add_argument("--vllm-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                        help="vLLM's --dtype; auto: bfloat16 where the CPU has AMX or AVX512-BF16, else float32 "
+                             "(vLLM-CPU's emulated bf16 is several times slower)")
     common.add_argument("--vllm-kvcache-gib", type=float, default=4, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     common.add_argument("--seed", type=int, default=0, help="workload seed")
     common.add_argument("--max-load", type=float, default=None,
@@ -1191,7 +1212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     flags = ", ".join(f for f, on in m["flags"].items() if on) or "none"
     print(f"machine: {m['cpu_model']}, {m['cpus']} CPUs, {m['memory']}; flags: {flags}; "
           f"AMX {'yes' if m['flags']['amx_bf16'] else 'no'}, AVX512-BF16 {'yes' if m['flags']['avx512_bf16'] else 'no'}; "
-          f"load {m['loadavg'][0]:.2f}", flush=True)
+          f"load {m['loadavg'][0]:.2f}; vLLM dtype {vllm_dtype(args.vllm_dtype)}", flush=True)
     print(f"git: {rec.git.get('short')} on {rec.git.get('branch')}{' (DIRTY)' if rec.git.get('dirty') else ''}; "
           f"results in {out_dir}", flush=True)
     from bench.datasets import ensure_model

@@ -232,6 +232,17 @@ def test_offline_worker_command(tmp_path):
     assert cmd[cmd.index("--pdserve-args") + 1] == "--max-num-seqs 16"
     cmd = vs.offline_worker_command("vpy", "vllm", tmp_path / "w.json", "/m", tmp_path / "o.json", 1, ["--x"])
     assert cmd[0] == "vpy" and cmd[2] == "_vllm-offline" and "--pdserve-args" not in cmd
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+
+
+def test_vllm_dtype_follows_the_cpu():
+    """auto gives vLLM bf16 only where the CPU computes bf16 natively; an explicit choice stands."""
+    assert vs.native_bf16({"amx_bf16": True, "avx512_bf16": False})
+    assert vs.native_bf16({"amx_bf16": False, "avx512_bf16": True})
+    assert not vs.native_bf16({"amx_bf16": False, "avx512_bf16": False, "avx2": True})
+    assert vs.vllm_dtype("float32") == "float32" and vs.vllm_dtype("bfloat16") == "bfloat16"
+    assert vs.vllm_dtype("auto") == ("bfloat16" if vs.native_bf16(vs.machine_info()["flags"]) else "float32")
+    assert vs.vllm_server_command("p", "/m", 1, dtype="float32")[6] == "float32"
 
 
 def test_load_generator_choice():

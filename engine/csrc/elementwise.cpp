@@ -8,6 +8,7 @@
 //   qkv_rope_store:  per q/k head: optional rms_norm, then T(T(x * cos) + T(rotate_half(x) * sin));
 //                    q and k rotated in place inside the fused qkv rows; k and v stored to the
 //                    KV cache slots (rounded to the cache dtype).
+#include <type_traits>
 #include "pd_common.h"
 
 using namespace pd;
@@ -61,7 +62,18 @@ void silu_mul_row(const T* g, const T* u, T* out, int64_t n) {
         store16(out + i, _mm512_mul_ps(s, load16(u + i, m)), m);
     }
 #else
-    for (int64_t i = 0; i < n; i++) {
+    int64_t i = 0;
+#ifdef PD_AVX2
+    if constexpr (std::is_same_v<T, float>) {
+        const __m256 one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= n; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i);
+            const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
+    }
+#endif
+    for (; i < n; i++) {
         const float x = to_f32(g[i]);
         out[i] = from_f32<T>(round_as<T>(x / (1.f + std::exp(-x))) * to_f32(u[i]));
     }

@@ -55,7 +55,7 @@ _SIGNATURES: dict[str, list] = {
     "pd_qkv_rope_store": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _F32, _P, _P, _P, _I32, _I32],
     # x, M, K, packed, N, y, n_tile0, n_tile1
     "pd_linear_bf16w": [_P, _I64, _I64, _P, _I64, _P, _I64, _I64],
-    "pd_has_avx512": [],
+    "pd_bf16w_max_rows": [],
     "pd_amx_init": [],
     # M, layers, hidden, nq, nkv, D, inter, layer pointers, eps, qk_eps, cos, sin, positions, slots, tables,
     # lens, max_blocks, block_size, scale, residual, final_norm, out, scratch
@@ -234,9 +234,14 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 # ---- bf16-weight linear -----------------------------------------------------------------------
 
-def bf16_linear_available() -> bool:
+def bf16_linear_max_rows() -> int:
+    """Up to how many rows linear_bf16w beats oneDNN's float32 GEMM on this build's ISA (0: never)."""
     lib = load()
-    return lib is not None and bool(lib.pd_has_avx512())
+    return int(lib.pd_bf16w_max_rows()) if lib is not None else 0
+
+
+def bf16_linear_available() -> bool:
+    return bf16_linear_max_rows() > 0
 
 
 def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor | None:

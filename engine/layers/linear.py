@@ -9,6 +9,7 @@ from engine.layers import cpu_kernels
 
 # Row counts up to this use the bf16-weight kernel when it is set up (decode steps); more rows
 # (prefill) use the oneDNN float32 GEMM, which is faster once weights are reused across rows.
+# The kernel may set a lower bound for the ISA it was built for (AVX2: 4 rows).
 BF16_KERNEL_MAX_ROWS = 128
 # bf16 compute on AMX: row counts up to this use the AMX kernel over weights packed on huge pages
 # (decode steps stream the weights; measured 1.2-1.4x oneDNN's prepacked GEMM at 1-64 rows);
@@ -31,6 +32,7 @@ class Linear(nn.Module):
         self.scale: torch.Tensor | None = None     # [out], one scale per output channel
         self.packed: torch.Tensor | None = None    # oneDNN-blocked copy of weight after pack_for_cpu()
         self.packed_bf16: torch.Tensor | None = None   # cpu_kernels bf16 layout, after pack_for_cpu(bf16_weights=True)
+        self.bf16_max_rows = 0                          # rows up to which packed_bf16 is used
         self.packed_amx: torch.Tensor | None = None    # cpu_kernels AMX tile layout, after pack_for_cpu(amx=True)
         self.amx_scale: torch.Tensor | None = None     # w8a16: the scale packed_amx (int8) is multiplied by
 
@@ -65,9 +67,10 @@ class Linear(nn.Module):
         runner may move onto huge pages); larger ones the oneDNN-prepacked weight below.
 
         bf16_weights: the float32 weight holds bf16 values (a bf16 checkpoint computed in float32).
-        Forwards of up to BF16_KERNEL_MAX_ROWS rows (decode steps) then multiply by a bf16 copy in
-        float32 math (cpu_kernels.linear_bf16w), reading half the weight bytes; larger ones keep
-        F.linear, which runs at full speed there.
+        Forwards of up to BF16_KERNEL_MAX_ROWS rows (decode steps; fewer where the kernel's ISA
+        says so) then multiply by a bf16 copy in float32 math (cpu_kernels.linear_bf16w), reading
+        half the weight bytes; larger ones keep F.linear, which runs at full speed there, or,
+        where the kernel covers only a few rows, the oneDNN-prepacked weight.
         Otherwise: a oneDNN-prepacked copy of the weight, whose GEMMs run well above the plain
         layout's for the small row counts of decode steps (~1.2-1.7x at 16-64 rows in float32).
         Either is checked against F.linear before use."""
@@ -75,8 +78,9 @@ class Linear(nn.Module):
             return self._pack_amx_int8()
         if self.qweight is not None or self.weight is None or self.weight.device.type != "cpu":
             return False
-        if bf16_weights and self._pack_bf16():
-            return True
+        if bf16_weights and self._pack_bf16() and self.bf16_max_rows >= BF16_KERNEL_MAX_ROWS:
+            return True   # larger row counts run F.linear at full speed
+        # (a bf16-weight kernel for few rows only, as on AVX2: the rest take the prepacked GEMM below)
         if amx:
             self._pack_amx()
         if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
@@ -133,13 +137,14 @@ class Linear(nn.Module):
         if not torch.allclose(cpu_kernels.linear_bf16w(x, packed), F.linear(x, w), rtol=1e-4, atol=1e-4):
             return False
         self.packed_bf16 = packed
+        self.bf16_max_rows = min(BF16_KERNEL_MAX_ROWS, cpu_kernels.bf16_linear_max_rows())
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.packed_amx is not None and x.dim() == 2 and x.shape[0] <= AMX_KERNEL_MAX_ROWS
                 and x.dtype == torch.bfloat16):
             return cpu_kernels.amx_linear(x, self.packed_amx, self.bias, self.amx_scale)
-        if (self.packed_bf16 is not None and x.dim() == 2 and x.shape[0] <= BF16_KERNEL_MAX_ROWS
+        if (self.packed_bf16 is not None and x.dim() == 2 and x.shape[0] <= self.bf16_max_rows
                 and x.dtype == torch.float32):
             y = cpu_kernels.linear_bf16w(x, self.packed_bf16)
             return y if self.bias is None else y.add_(self.bias)
