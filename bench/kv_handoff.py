@@ -17,7 +17,8 @@ For the same bytes in the same run:
   answers one byte (what any transport pays for moving them between processes).
 
 Each size runs both ways the gRPC transport can carry the bytes on one host: through a shared
-memory segment (`--kv-shared-memory`, the default on loopback) and inside the stream's frames.
+memory segment (`--kv-shared-memory`, on by default for loopback targets, used for sends of at
+least 1 MiB) and inside the stream's frames.
 
     python bench/kv_handoff.py                         # 128, 256, 1024 tokens of the small model
     python bench/kv_handoff.py --tokens 256 --iters 50
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -105,20 +107,22 @@ async def handoff_seconds(address: str, token: str, tokens: int, iters: int, shm
 
     creds = Credentials(token)
     sender = GrpcKVSender(lambda a: creds.channel(a, options(), attach_token=False), metadata=creds.metadata,
-                          shared_memory=shm)
+                          shared_memory=shm, shared_memory_min_bytes=0)   # every size, to compare
     ready, acked, nbytes = [], [], 0
+    rng = random.Random(f"{tokens}-{shm}-{time.time_ns()}")
     async with creds.channel(address, options()) as ch:
         info, decode = worker_pb2_grpc.WorkerStub(ch), worker_pb2_grpc.DecodeWorkerStub(ch)
         status = await info.GetStatus(worker_pb2.StatusRequest())
         shape = (status.num_layers, 2, status.block_size, status.num_kv_heads, status.head_dim)
         dtype = getattr(torch, status.kv_dtype)
         for i in range(iters + 3):
-            prompt = [2 + (i * 7919 + j * 31) % 8000 for j in range(tokens)]   # fresh: no prefix hits
+            prompt = [rng.randrange(2, 8000) for _ in range(tokens)]   # fresh: no prefix-cache hits, ever
             rid = f"bench-{tokens}-{shm}-{i}"
             # max_tokens=1: the token the Decode call brings ends the request, so the call answers as
             # soon as the request is admitted (its KV complete), with no decode step in the way.
             res = await decode.Reserve(worker_pb2.ReserveRequest(
                 request_id=rid, prompt_token_ids=prompt, params=common_pb2.SamplingParams(max_tokens=1)))
+            assert len(res.needed_block_indices) == -(-tokens // status.block_size), "a prefix-cache hit"
             hashes = transfer_block_hashes(prompt, status.block_size)
             blocks = [KVBlock(rid, j, hashes[j], status.block_size, torch.randn(shape).to(dtype))
                       for j in res.needed_block_indices]

@@ -93,7 +93,7 @@ async def transport(kind: str, engine: LLMEngine, chunk_bytes: int) -> AsyncIter
         shm = kind == "grpc-shm"
         async with kv_server(engine, shm) as target:
             sender = GrpcKVSender(lambda a: grpc.aio.insecure_channel(a, options=channel_options()),
-                                  frame_bytes=chunk_bytes, shared_memory=shm)
+                                  frame_bytes=chunk_bytes, shared_memory=shm, shared_memory_min_bytes=0)
             try:
                 yield sender, target
             finally:
@@ -406,3 +406,32 @@ def test_a_sweep_removes_only_old_segments_of_this_user() -> None:
     finally:
         shared_memory.remove(old)
         shared_memory.remove(new)
+
+
+def test_small_sends_stay_in_the_stream_and_large_ones_use_shared_memory(engine: LLMEngine, monkeypatch) -> None:
+    """One stream mixes both: sends under the threshold inline, the rest through segments."""
+    rid = "shm-mixed"
+    res = engine.reserve(rid, PROMPT, GREEDY)
+    blocks = _blocks(rid, res.needed_block_indices, engine, seed=5)
+    written: list[str] = []
+    write = shared_memory.write_segment
+    monkeypatch.setattr(shared_memory, "write_segment", lambda payloads: written.append(write(payloads)) or written[-1])
+
+    async def run():
+        async with kv_server(engine, shm=True) as target:
+            sender = GrpcKVSender(lambda a: grpc.aio.insecure_channel(a, options=channel_options()), shared_memory=True,
+                                  shared_memory_min_bytes=3 * engine.runner.kv_bytes_per_block)
+            try:
+                stream = sender.open(target, rid, res.transfer_token)
+                await stream.send(blocks[:2])      # under the threshold: in the stream
+                assert written == []
+                await stream.send(blocks[2:])      # six blocks: one segment
+                assert len(written) == 1
+                return await stream.finish(timeout=10)
+            finally:
+                await sender.close()
+    assert _run(run()).blocks == 8
+    stored = engine.runner.read_blocks(engine.kv.receiving[rid].seq.block_table)
+    assert all(torch.equal(stored[j], b.data) for j, b in enumerate(blocks))
+    engine.abort(rid)
+    assert_no_leak(engine)
