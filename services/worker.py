@@ -43,8 +43,8 @@ class WorkerConfig:
     kv_lease_max_s: float = field(default=300.0, metadata={
         "help": "decode: no reservation lives longer (prefill: nor do pinned blocks awaiting delivery)"})
     kv_shared_memory: bool = field(default=True, metadata={
-        "help": "KV between workers on this host's loopback goes through /dev/shm (0600 segments); the "
-                "gRPC stream carries only headers. Both ends must allow it"})
+        "help": "KV sends of 1 MiB or more between workers on this host's loopback go through /dev/shm "
+                "(0600 segments); the gRPC stream carries only headers. Both ends must allow it"})
 
     def __post_init__(self) -> None:
         if self.drain_timeout_s < 0:
