@@ -41,8 +41,8 @@ FRAME_OVERHEAD_BYTES = 64 << 10    # room for headers and framing in one message
 _OPEN, _HEADER, _PAYLOAD, _SHM = 1, 2, 3, 4
 MAX_SEGMENT_BYTES = 64 << 20       # payload bytes per shared-memory segment
 # Smaller sends stay in the stream: a segment's create/map/unlink costs more than it saves there
-# (bench/kv_handoff.py: 0.12 MiB 3.2 ms through a segment against 2.7 ms inline; 8 MiB 20.0 against
-# 20.6 ms on an AVX2 EPYC, 17.9 against 23.4 ms on an AMX Xeon).
+# (bench/kv_handoff.py on a 2-core AVX2 EPYC: 0.12 MiB 4.2 ms through a segment against 3.7 ms
+# inline; 2 MiB 8.7 against 13.2 ms; 8 MiB 33 against 39 ms).
 SHARED_MEMORY_MIN_BYTES = 1 << 20
 
 
