@@ -187,12 +187,16 @@ class PrefillActor:
             # The stream opens when the request arrives, while the prompt computes (as a prefill
             # worker does); the time runs from the moment the blocks are ready to the acknowledgement.
             stream = self.senders[transport].open(self.targets[transport], rid, res["token"])
-            await stream.heartbeat()
-            await asyncio.sleep(0.005)
-            t0 = time.perf_counter()
-            await stream.send(blocks)
-            result = await stream.finish(timeout=60)
-            seconds = time.perf_counter() - t0
+            try:
+                await stream.heartbeat()
+                await asyncio.sleep(0.005)
+                t0 = time.perf_counter()
+                await stream.send(blocks)
+                result = await stream.finish(timeout=60)
+                seconds = time.perf_counter() - t0
+            except BaseException:
+                await stream.cancel()   # no call left open (nor a shared-memory segment left behind)
+                raise
         finally:
             state = await self.decode.release.remote(rid)   # READY -> aborted: the blocks go back
         if result.blocks != len(blocks) or state != "ready":
