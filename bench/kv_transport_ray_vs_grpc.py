@@ -1,196 +1,386 @@
 #!/usr/bin/env python
-"""KV transfer throughput: Ray object store vs. gRPC, same blocks, same run.
+"""KV hand-off through Ray's object store against gRPC: the same blocks into the same decode engine.
 
-Two Ray actors play prefill and decode. The prefill actor builds the blocks once
-(deterministic random data, shaped like a model's KV block) and pushes them,
-alternating transports each iteration:
+A loopback-only local Ray cluster (token authentication with a throwaway token, no dashboard,
+every server on 127.0.0.1) holds two actors:
 
-  * ray:  RayKVSender -> ray.put per block + decode actor's push_blocks(headers, refs)
-          -> RayKVReceiver (resolve refs, header/length/CRC-32 checks) -> sink
-  * grpc: GrpcKVSender -> KVTransfer.PushBlocks served by a grpc.aio server in the
-          decode actor (frames, reassembly, the same checks) -> sink
+* decode: a real decode-role ``LLMEngine`` (the ``small`` model unless --model). Its KV
+  connector (engine/kv_connector.py) is the sink of both receivers it serves: a gRPC
+  ``KVTransfer`` server on 127.0.0.1 (``KVTransferServicer`` behind the cluster-token
+  interceptor, as a decode worker runs it) and ``RayKVReceiver`` (its ``push_blocks``,
+  ``kv_heartbeat`` and ``kv_cancel`` methods, as ``services.ray_deploy.actors.WorkerActor``).
+* prefill: for every push asks the decode actor for a reservation of a fresh random prompt
+  (so no prefix-cache hit skips a block), opens the request's stream (as a prefill worker does
+  when the request arrives) and times from ``send`` of every block to the acknowledgement of
+  ``finish``: the blocks are checksummed, moved, checked by the connector (token, index, chain
+  hash, layout, CRC-32) and written into the paged pool. Then the decode actor confirms the
+  request is READY and aborts it, so its blocks go back to the pool.
 
-Both receivers hand verified blocks to the same sink, which copies each block into
-a preallocated pool (like the decode worker's write into its paged cache; ``--sink
-discard`` skips the copy). Reported: MiB/s of block payload (median over
-iterations of one push of ``--blocks`` blocks), and the ratio ray/grpc.
+The transports take turns on the same block bytes (random, made once per prompt length):
 
-By default it starts its own loopback-only local cluster (token auth, no
-dashboard); ``--address`` uses a running one (both actors are then placed with
-``--spread`` on different nodes if asked, to measure a cross-node pull). Example::
+* ray:  ``RayKVSender`` (one ``ray.put`` of raw uint8 arrays per ~32 MiB chunk, the decode
+  actor's ``push_blocks``) -> ``RayKVReceiver``;
+* grpc: ``GrpcKVSender`` -> ``KVTransfer.PushBlocks``, payload inside the stream's frames;
+* grpc-shm (only if asked with --transports): the same with payloads through /dev/shm
+  segments for sends of at least 1 MiB, what a decode worker on the same host gets by default.
 
-    /work/venv/bin/python bench/kv_transport_ray_vs_grpc.py --blocks 32 --iters 7
+Printed: one row per prompt length (markdown): KV MiB per request, the median milliseconds and
+MiB/s of each transport, and ray/grpc (MiB/s of Ray over MiB/s of gRPC: above 1, Ray is faster).
+The decode pool's free blocks are checked back at their baseline after each length, and the
+cluster is stopped at the end (its process group checked empty). Example::
+
+    python bench/kv_transport_ray_vs_grpc.py                        # 128, 1024, 4000 tokens
+    python bench/kv_transport_ray_vs_grpc.py --tokens 256 --iters 50 --transports ray,grpc,grpc-shm
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import random
+import secrets
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
 
 MiB = 1 << 20
+NAMESPACE = "pdserve-bench"
+DECODE_ACTOR = "bench-kv-decode"
+TRANSPORTS = ("ray", "grpc", "grpc-shm")
 
 
-class SinkActor:
-    """Decode side: push_blocks (object store) and a gRPC KVTransfer server, one sink."""
+class DecodeActor:
+    """The decode side: one engine, its KV connector behind a gRPC KVTransfer server and the Ray receiver."""
 
-    async def __init__(self, pool_blocks: int, nbytes: int, copy: bool) -> None:
-        import grpc
+    async def __init__(self, model: str, num_kv_blocks: int, cluster_token: str) -> None:
         import torch
 
-        from services.kv_transfer import add_kv_transfer_servicer, decode_tensor, kv_grpc_options
+        from engine import EngineConfig, LLMEngine
+        from services.kv_transfer import KVTransferServicer, register_kv_servicer
+        from services.kv_transfer import shared_memory
         from services.kv_transfer.ray_transport import RayKVReceiver
+        from services.security import Credentials
+        from services.server import start_server
 
-        pool = torch.empty((pool_blocks, nbytes), dtype=torch.uint8)
+        torch.set_num_threads(1)
+        self.engine = LLMEngine(EngineConfig(model=model, role="decode", num_kv_blocks=num_kv_blocks, num_threads=1))
+        kv = self.engine.kv
+        self.receiver = RayKVReceiver(kv)
+        servicer = KVTransferServicer(kv, shared_memory=shared_memory.available())
+        self.server = await start_server(
+            [(lambda s, server: register_kv_servicer(s, server), servicer, "pdserve.v1.KVTransfer")],
+            "127.0.0.1", 0, interceptors=Credentials(cluster_token).server_interceptors())
 
-        class PoolSink:
-            def __init__(self) -> None:
-                self.n = 0
-
-            def accept_block(self, header, payload) -> None:
-                if copy:
-                    pool[self.n % pool_blocks].copy_(decode_tensor(header, payload).reshape(-1).view(torch.uint8))
-                self.n += 1
-
-        self.sink = PoolSink()
-        self.receiver = RayKVReceiver(self.sink, max_block_bytes=1 << 30)
-        self.server = grpc.aio.server(options=kv_grpc_options())
-        add_kv_transfer_servicer(self.server, self.sink, max_block_bytes=1 << 30)
-        port = self.server.add_insecure_port("127.0.0.1:0")
-        await self.server.start()
-        self.grpc_address = f"127.0.0.1:{port}"
-
-    async def address(self) -> str:
-        return self.grpc_address
-
-    async def push_blocks(self, headers, refs) -> bytes:
-        return await self.receiver.push_blocks(headers, refs)
-
-    async def node(self) -> str:
+    async def info(self) -> dict[str, Any]:
         import ray
-        return ray.util.get_node_ip_address()
+
+        runner = self.engine.runner
+        return {"grpc_address": f"127.0.0.1:{self.server.port}", "block_size": self.engine.config.block_size,
+                "block_shape": list(runner.block_shape), "kv_dtype": runner.kv_dtype_name,
+                "block_bytes": runner.kv_bytes_per_block, "vocab_size": self.engine.model_config.vocab_size,
+                "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address()}
+
+    async def stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
+    async def reserve(self, request_id: str, prompt: list[int]) -> dict[str, Any]:
+        from engine import SamplingParams
+
+        res = self.engine.reserve(request_id, prompt, SamplingParams(max_tokens=1))
+        return {"needed": list(res.needed_block_indices), "token": res.transfer_token}
+
+    async def release(self, request_id: str) -> str:
+        """The request's hand-off state, then abort it (its blocks back to the pool)."""
+        state = self.engine.kv.state(request_id)
+        self.engine.abort(request_id)
+        return "none" if state is None else state.value
+
+    # the object-store transport's receiving end, as WorkerActor has it
+    async def push_blocks(self, open_bytes: bytes, headers: list[bytes], refs: list[Any]) -> bytes:
+        return await self.receiver.push_blocks(open_bytes, headers, refs)
+
+    async def kv_heartbeat(self, open_bytes: bytes) -> None:
+        self.receiver.heartbeat(open_bytes)
+
+    async def kv_cancel(self, open_bytes: bytes) -> None:
+        self.receiver.cancel(open_bytes)
+
+    async def stop(self) -> None:
+        await self.server.server.stop(None)
 
 
-class SourceActor:
-    """Prefill side: the blocks, and one sender per transport."""
+class PrefillActor:
+    """The prefill side: reserves through the decode actor and pushes through each sender."""
 
-    async def __init__(self, shape: list[int], dtype: str, blocks: int, namespace: str, chunk_bytes: int) -> None:
+    async def __init__(self, decode: Any, info: dict[str, Any], cluster_token: str, ray_chunk_bytes: int,
+                       grpc_frame_bytes: int) -> None:
         import torch
 
-        from services.kv_transfer import GrpcKVSender, KVBlock, dtype_from_name
-        from services.kv_transfer.ray_transport import RayKVSender
+        from services.kv_transfer import GrpcKVSender
+        from services.kv_transfer.grpc_transport import grpc_message_limit
+        from services.kv_transfer.ray_transport import RayKVSender, ray_kv_address
+        from services.security import Credentials
+        from services.server import options
 
-        gen = torch.Generator().manual_seed(0)
-        data = torch.randn((blocks, *shape), generator=gen, dtype=torch.float32).to(dtype_from_name(dtype))
-        self.blocks = [KVBlock.from_tensor(data[i], request_id="bench", block_index=i, block_hash=i,
-                                           num_tokens=shape[2] if len(shape) > 2 else 1, layer_start=0,
-                                           layer_end=shape[0]) for i in range(blocks)]
-        self.nbytes = data[0].numel() * data.element_size()
-        self.senders = {"ray": RayKVSender(default_namespace=namespace, chunk_bytes=chunk_bytes),
-                        "grpc": GrpcKVSender()}
+        torch.set_num_threads(1)
+        self.decode = decode
+        self.info = info
+        creds = Credentials(cluster_token)
+        limit = [("grpc.max_send_message_length", grpc_message_limit(grpc_frame_bytes))]
 
-    async def block_bytes(self) -> int:
-        return self.nbytes
+        def channel(address: str):   # as serve_worker makes a prefill worker's KV channels
+            return creds.channel(address, options(limit), attach_token=False)
 
-    async def push(self, transport: str, target: str) -> float:
-        t0 = time.perf_counter()
-        result = await self.senders[transport].send_blocks(target, self.blocks)
-        seconds = time.perf_counter() - t0
-        if result.rejected or result.blocks != len(self.blocks):
-            raise RuntimeError(f"{transport}: {result}")
-        return seconds
+        self.senders = {
+            "ray": RayKVSender(default_namespace=NAMESPACE, chunk_bytes=ray_chunk_bytes),
+            **{name: GrpcKVSender(channel, metadata=creds.metadata, frame_bytes=grpc_frame_bytes, shared_memory=shm)
+               for name, shm in (("grpc", False), ("grpc-shm", True))},
+        }
+        self.targets = {"ray": ray_kv_address(DECODE_ACTOR, NAMESPACE), "grpc": info["grpc_address"],
+                        "grpc-shm": info["grpc_address"]}
+        self.rng = random.Random(time.time_ns())
+        self.pushes = 0
 
-    async def node(self) -> str:
-        import ray
-        return ray.util.get_node_ip_address()
+    async def run(self, tokens: int, iters: int, warmup: int, transports: list[str]) -> dict[str, Any]:
+        """iters timed pushes per transport (after warmup each), taking turns; seconds per push."""
+        import torch
+
+        from services.kv_transfer.base import SUPPORTED_DTYPES
+
+        info = self.info
+        n_blocks = -(-tokens // info["block_size"])
+        gen = torch.Generator().manual_seed(tokens)
+        dtype = SUPPORTED_DTYPES[info["kv_dtype"]]
+        data = [torch.randn(info["block_shape"], generator=gen).to(dtype) for _ in range(n_blocks)]
+        times: dict[str, list[float]] = {t: [] for t in transports}
+        nbytes = 0
+        for i in range(warmup + iters):
+            for t in (transports if i % 2 == 0 else transports[::-1]):   # neither always goes first
+                seconds, nbytes = await self._push(t, tokens, data)
+                if i >= warmup:
+                    times[t].append(seconds)
+        return {"seconds": times, "bytes": nbytes, "blocks": n_blocks}
+
+    async def _push(self, transport: str, tokens: int, data: list[Any]) -> tuple[float, int]:
+        from engine.block_manager import transfer_block_hashes
+        from services.kv_transfer import KVBlock
+
+        bs = self.info["block_size"]
+        prompt = [self.rng.randrange(2, self.info["vocab_size"]) for _ in range(tokens)]   # fresh: no cache hit
+        self.pushes += 1
+        rid = f"bench-{transport}-{tokens}-{self.pushes}"
+        res = await self.decode.reserve.remote(rid, prompt)
+        try:
+            if res["needed"] != list(range(len(data))):
+                raise RuntimeError(f"{rid}: reservation needs blocks {res['needed'][:8]}..., not all "
+                                   f"{len(data)} (a prefix-cache hit?)")
+            hashes = transfer_block_hashes(prompt, bs)
+            blocks = [KVBlock(rid, j, hashes[j], min(bs, tokens - j * bs), data[j]) for j in res["needed"]]
+            # The stream opens when the request arrives, while the prompt computes (as a prefill
+            # worker does); the time runs from the moment the blocks are ready to the acknowledgement.
+            stream = self.senders[transport].open(self.targets[transport], rid, res["token"])
+            try:
+                await stream.heartbeat()
+                await asyncio.sleep(0.005)
+                t0 = time.perf_counter()
+                await stream.send(blocks)
+                result = await stream.finish(timeout=60)
+                seconds = time.perf_counter() - t0
+            except BaseException:
+                await stream.cancel()   # no call left open (nor a shared-memory segment left behind)
+                raise
+        finally:
+            state = await self.decode.release.remote(rid)   # READY -> aborted: the blocks go back
+        if result.blocks != len(blocks) or state != "ready":
+            raise RuntimeError(f"{transport} {rid}: {result.blocks}/{len(blocks)} blocks acknowledged, "
+                               f"decode side {state}")
+        return seconds, result.bytes
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def close(self) -> None:
+        for sender in self.senders.values():
+            await sender.close()
+
+
+def _running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _ray_left(pgid: int, pids: list[int], wait_s: float = 15.0) -> list[str]:
+    """What is still running of the stopped cluster: its head's process group, and the actors'
+    worker processes (Ray starts each worker in a session of its own), after up to wait_s."""
+    from services.ray_deploy.cluster import _group_running
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = ([f"process group {pgid}"] if _group_running(pgid) else []) + [f"pid {p}" for p in pids if _running(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+@contextmanager
+def _scoped_env(**values: str | None) -> Iterator[None]:
+    """Set (None: unset) environment variables for the block."""
+    old = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _row(tokens: int, run: dict[str, Any], transports: list[str]) -> dict[str, Any]:
+    mib = run["bytes"] / MiB
+    row: dict[str, Any] = {"tokens": tokens, "blocks": run["blocks"], "kv_mib": mib}
+    for t in transports:
+        ms = statistics.median(run["seconds"][t]) * 1e3
+        row[t] = {"median_ms": ms, "mib_per_s": mib / (ms / 1e3), "min_ms": min(run["seconds"][t]) * 1e3,
+                  "max_ms": max(run["seconds"][t]) * 1e3}
+    for t in transports[1:]:
+        row[f"ray_over_{t}"] = row["ray"]["mib_per_s"] / row[t]["mib_per_s"] if "ray" in row else None
+    return row
+
+
+def _table_header(transports: list[str]) -> str:
+    cols = ["prompt tokens", "KV MiB"]
+    for t in transports:
+        cols += [f"{t} median ms", f"{t} MiB/s"]
+    cols += [f"ray/{t} (MiB/s)" for t in transports if t != "ray"] if "ray" in transports else []
+    return "| " + " | ".join(cols) + " |\n|" + "---:|" * len(cols)
+
+
+def _table_row(row: dict[str, Any], transports: list[str]) -> str:
+    cells = [str(row["tokens"]), f"{row['kv_mib']:.2f}"]
+    for t in transports:
+        cells += [f"{row[t]['median_ms']:.2f}", f"{row[t]['mib_per_s']:.0f}"]
+    if "ray" in transports:
+        cells += [f"{row[f'ray_over_{t}']:.2f}" for t in transports if t != "ray"]
+    return "| " + " | ".join(cells) + " |"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", default="local", help="Ray cluster address, or local (start a loopback head)")
-    p.add_argument("--block-shape", default="28,2,16,8,128",
-                   help="layers,K/V,block_size,kv_heads,head_dim (default: a 7B-class GQA model, 16-token blocks)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--blocks", type=int, default=32, help="blocks per push (one request's worth)")
-    p.add_argument("--iters", type=int, default=7, help="timed pushes per transport (after one warm-up each)")
-    p.add_argument("--sink", choices=["copy", "discard"], default="copy")
-    p.add_argument("--ray-chunk-mib", type=float, default=32.0,
-                   help="RayKVSender chunk: one object and one push_blocks call per chunk (pipelined)")
-    p.add_argument("--object-store-mb", type=int, default=1024, help="local cluster's object store")
-    p.add_argument("--spread", action="store_true", help="place sender and receiver on different nodes")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint (default: the small model, made if missing)")
+    ap.add_argument("--tokens", default="128,1024,4000", help="prompt lengths (comma-separated)")
+    ap.add_argument("--iters", type=int, default=20, help="timed pushes per transport and prompt length")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed pushes per transport first")
+    ap.add_argument("--transports", default="ray,grpc", help=f"comma-separated, of {', '.join(TRANSPORTS)}")
+    ap.add_argument("--ray-chunk-mib", type=float, default=32.0, help="RayKVSender: one object and call per chunk")
+    ap.add_argument("--grpc-frame-mib", type=float, default=4.0, help="GrpcKVSender: payload bytes per frame")
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="decode pool (default: twice the longest prompt's blocks, and some)")
+    ap.add_argument("--object-store-mb", type=int, default=512)
+    ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    args = ap.parse_args(argv)
 
-    shape = [int(x) for x in args.block_shape.split(",")]
-    from services.ray_deploy.cluster import start_local_cluster, stop_local_cluster, use_loopback_node
+    transports = [t for t in args.transports.split(",") if t]
+    if not transports or any(t not in TRANSPORTS for t in transports) or len(set(transports)) != len(transports):
+        ap.error(f"--transports: a list of distinct names of {', '.join(TRANSPORTS)}")
+    lengths = [int(x) for x in args.tokens.split(",")]
+    if args.model is None:
+        from engine.model_maker import ensure_model
+        args.model = str(ensure_model("small"))
 
-    local = None
-    if args.address == "local":
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
-        if not os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
-            import secrets
-            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)   # throwaway cluster, throwaway token
+    from engine.config import EngineConfig
+    from services.ray_deploy.cluster import (
+        LOOPBACK_ENV, prepare_auth, start_local_cluster, stop_local_cluster, use_loopback_node,
+    )
+    from services.security import new_token
+
+    # A throwaway cluster with a throwaway Ray token in the environment: nothing is written under
+    # $PDSERVE_HOME, where the token of a `pdserve ray up --address local` cluster may live.
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_AUTH_TOKEN_PATH": None,
+           LOOPBACK_ENV: "0"}
+    cluster_token = new_token()   # the gRPC KV server's cluster token (pdserve's own plane)
+    rows: list[dict[str, Any]] = []
+    pools: list[dict[str, Any]] = []
+    info: dict[str, Any] = {}
+    actor_pids: list[int] = []
+    with _scoped_env(**env):
         use_loopback_node()
         local = start_local_cluster(num_cpus=2, object_store_bytes=args.object_store_mb * MiB, save=False)
-        address = local.address
-    else:
-        address = args.address
-    import ray
+        import ray
 
-    namespace = "pdserve-bench"
-    try:
-        ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="WARNING")
-        # The actor classes by module name (not __main__), so that Ray ships a reference, not pickled code.
-        from bench import kv_transport_ray_vs_grpc as this
+        try:
+            warning = prepare_auth(local.address, local)
+            if warning:
+                raise RuntimeError(warning)
+            ray.init(address=local.address, namespace=NAMESPACE, log_to_driver=False, logging_level="WARNING")
+            # By module name (not __main__): Ray ships a reference to the classes, not pickled code.
+            from bench import kv_transport_ray_vs_grpc as this
 
-        opts = {"num_cpus": 0, **({"scheduling_strategy": "SPREAD"} if args.spread else {})}
-        source = ray.remote(this.SourceActor).options(**opts).remote(shape, args.dtype, args.blocks, namespace,
-                                                                   int(args.ray_chunk_mib * MiB))
-        block_bytes = ray.get(source.block_bytes.remote())
-        sink = ray.remote(this.SinkActor).options(name="bench-sink", **opts).remote(
-            args.blocks, block_bytes, args.sink == "copy")
-        grpc_addr = ray.get(sink.address.remote())
-        targets = {"ray": f"ray://{namespace}/bench-sink", "grpc": grpc_addr}
-        nodes = ray.get([source.node.remote(), sink.node.remote()])
-        times: dict[str, list[float]] = {"ray": [], "grpc": []}
-        for t in targets:   # warm-up: channels, actor handles, first allocations
-            ray.get(source.push.remote(t, targets[t]))
-        for _ in range(args.iters):
-            for t in targets:
-                times[t].append(ray.get(source.push.remote(t, targets[t])))
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        if local is not None:
-            stop_local_cluster(local)
-
-    push_mib = args.blocks * block_bytes / MiB
-    rows = {}
-    for t, ts in times.items():
-        med = statistics.median(ts)
-        rows[t] = {"mib_per_s": push_mib / med, "median_ms": med * 1e3, "min_ms": min(ts) * 1e3,
-                   "max_ms": max(ts) * 1e3}
-    ratio = rows["ray"]["mib_per_s"] / rows["grpc"]["mib_per_s"]
+            block_size = EngineConfig.__dataclass_fields__["block_size"].default   # what the decode engine uses
+            blocks = args.num_kv_blocks or 2 * -(-(max(lengths) + 1) // block_size) + 16
+            decode = ray.remote(this.DecodeActor).options(name=DECODE_ACTOR, num_cpus=0).remote(
+                args.model, blocks, cluster_token)
+            info = ray.get(decode.info.remote(), timeout=300)
+            actor_pids.append(info["pid"])
+            prefill = ray.remote(this.PrefillActor).options(num_cpus=0).remote(
+                decode, info, cluster_token, int(args.ray_chunk_mib * MiB), int(args.grpc_frame_mib * MiB))
+            actor_pids.append(ray.get(prefill.pid.remote(), timeout=300))
+            if not args.json:
+                print(f"decode engine: {args.model}, KV {info['kv_dtype']}{info['block_shape']} = "
+                      f"{info['block_bytes'] / MiB:.3f} MiB a block; gRPC KV server {info['grpc_address']}, "
+                      f"Ray {ray.__version__} head {local.address}; {args.iters} pushes per transport and length "
+                      f"(after {args.warmup}); load average {os.getloadavg()[0]:.2f}", flush=True)
+                print(_table_header(transports), flush=True)
+            for n in lengths:
+                before = ray.get(decode.stats.remote())["num_free_blocks"]
+                run = ray.get(prefill.run.remote(n, args.iters, args.warmup, transports))
+                after = ray.get(decode.stats.remote())
+                pools.append({"tokens": n, "total": after["num_total_blocks"], "free_before": before,
+                              "free_after": after["num_free_blocks"], "reserved_after": after["num_reserved"]})
+                if after["num_free_blocks"] != before or after["num_reserved"]:
+                    raise RuntimeError(f"{n} tokens: {after['num_free_blocks']} free blocks after, {before} before "
+                                       f"({after['num_reserved']} reservations left)")
+                rows.append(_row(n, run, transports))
+                if not args.json:
+                    print(_table_row(rows[-1], transports), flush=True)
+            ray.get(prefill.close.remote())
+            ray.get(decode.stop.remote())
+            for actor in (prefill, decode):
+                ray.kill(actor)
+        finally:
+            try:
+                if ray.is_initialized():
+                    ray.shutdown()
+            finally:
+                stop_local_cluster(local)
+    left = _ray_left(local.pgid, actor_pids)
     if args.json:
-        print(json.dumps({"block_shape": shape, "dtype": args.dtype, "block_bytes": block_bytes,
-                          "blocks": args.blocks, "iters": args.iters, "sink": args.sink, "nodes": nodes,
-                          "ray_chunk_mib": args.ray_chunk_mib,
-                          "results": rows, "ray_over_grpc": ratio}))
-        return 0
-    print(f"KV blocks {args.dtype}{shape} = {block_bytes / MiB:.2f} MiB each, {args.blocks} per push "
-          f"({push_mib:.1f} MiB), {args.iters} pushes per transport, sink={args.sink}, ray chunk {args.ray_chunk_mib} MiB, "
-          f"sender on {nodes[0]}, receiver on {nodes[1]}")
-    print(f"{'transport':<10} {'MiB/s':>9} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
-    for t, r in rows.items():
-        print(f"{t:<10} {r['mib_per_s']:>9.0f} {r['median_ms']:>10.1f} {r['min_ms']:>8.1f} {r['max_ms']:>8.1f}")
-    print(f"ray / grpc throughput: {ratio:.2f}x")
-    return 0
+        print(json.dumps({"model": args.model, "transports": transports, "iters": args.iters, "warmup": args.warmup,
+                          "decode": info, "rows": rows, "pools": pools, "ray_address": local.address,
+                          "ray_pgid": local.pgid, "actor_pids": actor_pids, "ray_processes_left": left,
+                          "load_average": os.getloadavg()[0]}))
+    else:
+        pool = ", ".join(f"{p['free_after']}/{p['total']}" for p in pools)
+        ended = "still running: " + ", ".join(left) if left else "no process of it or of the actors left"
+        print(f"free decode blocks back at their baseline after every length ({pool}); Ray head stopped, {ended}")
+    return 1 if left else 0
 
 
 if __name__ == "__main__":
