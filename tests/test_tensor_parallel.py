@@ -316,3 +316,18 @@ def test_tp2_nccl_matches_hf(tiny_qwen3: str) -> None:
     with make_llm(tiny_qwen3, device="cuda", tensor_parallel_size=2, block_size=16) as llm:
         assert llm.engine.runner.tp.pg.name().lower() == "nccl"
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+
+
+def test_up_gives_each_tp_worker_a_core_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.launcher import Cluster, Deployment
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    spec = Deployment(model="m", prefill_tp=2, engine_tp=1, decode_workers=2)
+    assert (spec.tp("prefill"), spec.tp("decode")) == (2, 1)
+    pinned = Cluster(spec)._cores()
+    assert pinned["prefill-0"] == {0, 1} and pinned["decode-0"] == {2} and pinned["decode-1"] == {3}
+    assert pinned["router"] == {3}
+    # not enough cores for every rank: nothing is pinned (the OS decides)
+    assert Cluster(Deployment(model="m", prefill_tp=4, decode_tp=4, threads_per_worker=2))._cores() == {}
+    with pytest.raises(ValueError, match="decode_tp"):
+        Deployment(model="m", decode_tp=0)
