@@ -42,6 +42,9 @@ class EngineConfig:
     quantization: str | None = _f(None, "w8a16: int8 weights with per-output-channel scales",
                                   choices=QUANTIZATIONS)
     seed: int = _f(0, "sampling seed of requests without their own")
+    tensor_parallel_size: int = _f(1, "ranks one worker splits the model over (heads, MLP, vocabulary); "
+                                      "the engine starts and stops the other ranks' processes (gloo on CPU, "
+                                      "NCCL on CUDA: one GPU per rank)")
 
     def __post_init__(self) -> None:
         _check_choice("role", self.role, ROLES)
@@ -53,6 +56,7 @@ class EngineConfig:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("block_size", self.block_size, 1)
         _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1)
         if self.num_kv_blocks is not None:

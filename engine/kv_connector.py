@@ -22,6 +22,13 @@ A block is checked exactly once, by ``accept``: the caller's transfer token, the
 index, its chain hash (recomputed from the reserved tokens), its layout against this pool,
 its CRC-32. Received blocks get prefix-cache keys only when the whole request is verified.
 
+Tensor-parallel layouts. A block may arrive as pieces, each carrying KV heads
+[head_start, head_end) (a prefill worker with TP=p ships each rank's heads as they are held);
+each piece is checked as above, may not repeat a head already received, and is written
+through ``runner.write_block``, which gives each of this worker's ranks the heads it holds
+(re-sharding happens here, not in the model). A block is complete once every head arrived, so
+any prefill layout feeds any decode layout.
+
 Thread safety: the public methods take the engine's (re-entrant) lock, which the engine
 thread holds only between forward passes, so transports call in from any thread and never
 wait for a step to end.
@@ -36,7 +43,7 @@ import time
 import warnings
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -48,6 +55,10 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
 MAX_REMEMBERED_FAILURES = 1024
+
+
+def _head_mask(start: int, end: int) -> int:
+    return (1 << end) - (1 << start)
 
 
 def _locked(method: Callable) -> Callable:
@@ -100,6 +111,8 @@ class BlockMeta:
     checksum: int
     layer_start: int = 0
     layer_end: int = 0
+    head_start: int = 0     # KV heads [head_start, head_end) are carried; 0, 0: all of them
+    head_end: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +135,7 @@ class ReceiveHandle:
     expires_at: float               # idle lapse (monotonic)
     state: HandoffState = HandoffState.RESERVED
     received_bytes: int = 0
+    heads: dict[int, int] = field(default_factory=dict)   # block index -> bit mask of KV heads received
 
     @property
     def request_id(self) -> str:
@@ -239,6 +253,13 @@ class KVConnector:
         table = self.sending[request_id].seq.block_table
         return self.engine.runner.read_blocks([table[i] for i in block_indices])
 
+    @_locked
+    def read_block_pieces(self, request_id: str, block_indices: list[int]) -> list[tuple[int, int, torch.Tensor]]:
+        """The blocks as the ranks hold them: (head_start, head_end, [n, *block shape with those heads])
+        per distinct tensor-parallel slice; one piece with every head without tensor parallelism."""
+        table = self.sending[request_id].seq.block_table
+        return self.engine.runner.read_block_pieces([table[i] for i in block_indices])
+
     # ---- consumer (decode role) ---------------------------------------------------------
     @_locked
     def reserve(self, seq: Sequence, lease_s: float | None = None, reserve_blocks: int = 0) -> Reservation:
@@ -300,13 +321,19 @@ class KVConnector:
                                                 f"or already received")
             if handle.hashes[meta.block_index] != meta.block_hash:
                 raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r}: chain hash mismatch")
-            layout = (runner.kv_dtype_name, tuple(runner.block_shape), runner.kv_bytes_per_block)
+            n_layers, _, _, n_heads, _ = runner.block_shape
+            start, end = self._head_range(meta, n_heads)
+            shape = list(runner.block_shape)
+            shape[3] = end - start
+            layout = (runner.kv_dtype_name, tuple(shape), runner.kv_bytes_per_block // n_heads * (end - start))
             got = (meta.dtype, tuple(meta.shape), meta.nbytes)
-            n_layers = runner.block_shape[0]
             if got != layout or (meta.layer_start, meta.layer_end) not in ((0, 0), (0, n_layers)):
                 raise HandoffError("DATA_LOSS", f"block layout {meta.dtype}{list(meta.shape)} ({meta.nbytes} bytes, "
-                                                f"layers [{meta.layer_start}, {meta.layer_end})) != "
-                                                f"{layout[0]}{list(layout[1])} ({layout[2]} bytes)")
+                                                f"layers [{meta.layer_start}, {meta.layer_end}), KV heads "
+                                                f"[{start}, {end})) != {layout[0]}{list(layout[1])} ({layout[2]} bytes)")
+            if handle.heads.get(meta.block_index, 0) & _head_mask(start, end):
+                raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r}: KV heads "
+                                                f"[{start}, {end}) overlap heads already received")
         except HandoffError as exc:
             self._end(handle, HandoffState.FAILED, exc.code, str(exc))
             raise
@@ -328,11 +355,19 @@ class KVConnector:
             self._end(handle, HandoffState.FAILED, exc.code, str(exc))
             raise
         runner = self.engine.runner
+        n_heads = runner.block_shape[3]
+        start, end = self._head_range(meta, n_heads)
         with warnings.catch_warnings():   # a transport's read-only buffer: the pool copies from it
             warnings.simplefilter("ignore", UserWarning)
-            data = torch.frombuffer(view, dtype=runner.dtype).view(runner.block_shape)
-        runner.write_block(handle.seq.block_table[meta.block_index], data)
-        handle.needed.discard(meta.block_index)
+            data = torch.frombuffer(view, dtype=runner.dtype).view(meta.shape)
+        # Re-sharding happens here: the runner writes each rank's share of these heads.
+        runner.write_block(handle.seq.block_table[meta.block_index], data, head_start=start)
+        got = handle.heads.get(meta.block_index, 0) | _head_mask(start, end)
+        if got == _head_mask(0, n_heads):
+            handle.heads.pop(meta.block_index, None)
+            handle.needed.discard(meta.block_index)
+        else:
+            handle.heads[meta.block_index] = got
         handle.received_bytes += meta.nbytes
         if self.on_block is not None:
             self.on_block(meta.nbytes)
@@ -342,6 +377,15 @@ class KVConnector:
         if not handle.needed:
             self._ready(handle)
         return handle.state
+
+    @staticmethod
+    def _head_range(meta: BlockMeta, n_heads: int) -> tuple[int, int]:
+        if (meta.head_start, meta.head_end) == (0, 0):
+            return 0, n_heads
+        if not 0 <= meta.head_start < meta.head_end <= n_heads:
+            raise HandoffError("DATA_LOSS", f"block {meta.block_index}: KV heads [{meta.head_start}, "
+                                            f"{meta.head_end}) outside this model's {n_heads}")
+        return meta.head_start, meta.head_end
 
     @_locked
     def fail(self, request_id: str, code: str, message: str) -> bool:

@@ -65,3 +65,13 @@ class LLM:
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel rank processes, if any (also done when the LLM is collected)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

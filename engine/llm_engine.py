@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence as Seq
 
 from engine.block_manager import BlockManager, NoFreeBlocks
+from engine.parallel import RankFailure
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnector, LeasePolicy, Reservation
 from engine.logprobs import TokenLogprob, logprob_of
@@ -111,6 +112,18 @@ class LLMEngine:
                 return self.kv.fail(request_id, "ABORTED", f"request {request_id!r} was aborted")
             return self.kv.release(request_id)
 
+    def _fail_everything(self) -> None:
+        for rid in list(self.requests):
+            self.abort(rid)
+        for rid in list(self.kv.receiving):
+            self.kv.fail(rid, "UNAVAILABLE", "a tensor-parallel rank of this worker died")
+        for rid in list(self.kv.sending):
+            self.kv.release(rid)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks this engine started (idempotent; nothing else to release)."""
+        self.runner.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
@@ -139,6 +152,14 @@ class LLMEngine:
                 seq.in_flight = True
         try:
             tokens = self.runner.run(batch)
+        except RankFailure:
+            # A tensor-parallel rank died: this worker cannot step again. Free every request's
+            # blocks (nothing waits on them) and let the caller fail or restart the worker.
+            with self.lock:
+                for seq in batch.seqs:
+                    seq.in_flight = False
+                self._fail_everything()
+            raise
         finally:
             with self.lock:
                 for seq in batch.seqs:

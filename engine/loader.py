@@ -39,7 +39,7 @@ def _load_one(model: nn.Module, params: dict[str, nn.Parameter], packed: dict, n
     if name not in params:
         raise ValueError(f"unexpected checkpoint tensor {name!r}")
     owner = model.get_submodule(name.rsplit(".", 1)[0])
-    if isinstance(owner, Linear):
+    if callable(getattr(owner, "load", None)):   # Linear and the tensor-parallel layers take their slice
         owner.load(name.rsplit(".", 1)[1], tensor, None)
     else:
         param = params[name]

@@ -1,7 +1,9 @@
 """Runs the model on a scheduled batch: builds inputs and attention metadata, samples."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 from pathlib import Path
 
 import torch
@@ -16,7 +18,9 @@ from engine.layers.sampler import Sampler
 from engine.loader import load_weights
 from engine.model_config import ModelConfig
 from engine.models import MODEL_CLASSES
+from engine.parallel import TPGroup, TPLayout, check_divisible
 from engine.scheduler import ScheduledBatch
+from engine.step_plan import OP_READ_KV, OP_WRITE_KV, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -30,21 +34,49 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+    """Runs the model on this process's rank. With tensor_parallel_size > 1 the driver's runner
+    (group None) starts the other ranks (engine/tp_rank.py) and sends them each step's plan; a
+    rank's runner is built with its group and only executes plans."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, group: TPGroup | None = None) -> None:
         self.config = config
         self.model_config = model_config
+        tp_size = config.tensor_parallel_size
+        check_divisible(model_config.num_heads, model_config.num_kv_heads, tp_size)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
+        elif tp_size > 1:   # one thread per rank unless told otherwise: N ranks on N cores
+            torch.set_num_threads(1)
+        self.device = resolve_device(config.device) if group is None else group.device
+        if tp_size > 1 and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", 0)
         dtype_name = model_config.torch_dtype if config.dtype == "auto" else config.dtype
         self.dtype = TORCH_DTYPES.get(dtype_name, torch.float32)        # checkpoint / KV cache dtype
         self.compute_dtype = self._compute_dtype()
+        self.ranks = None   # engine.tp_rank.RankProcesses on a tensor-parallel driver
+        if group is None and tp_size > 1:   # the ranks compute in the dtype chosen here
+            from engine.tp_rank import RankProcesses   # (it is also the rank processes' __main__)
+            compute = str(self.compute_dtype).removeprefix("torch.")
+            self.ranks = RankProcesses(dataclasses.replace(config, compute_dtype=compute), self.device)
+            group = self.ranks.group
+        self.tp = group
+        self.layout = TPLayout(group.rank if group else 0, tp_size, model_config.num_heads, model_config.num_kv_heads)
+        self._pending_kv: list[tuple[list[int], torch.Tensor]] = []   # writes for the other ranks
+        self._pending_lock = threading.Lock()
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self) -> None:
+        config, model_config = self.config, self.model_config
         self.block_size = config.block_size
         self.model = self._load_model()
         self.num_kv_blocks = self._num_kv_blocks()
         # One spare block past the pool: CUDA graph padding rows write there, never into real KV.
         shape = (model_config.num_layers, 2, self.num_kv_blocks + 1, self.block_size,
-                 model_config.num_kv_heads, model_config.head_dim)
+                 self.layout.local_kv_heads, model_config.head_dim)
         if self.device.type == "cpu":
             self.kv_cache = hugepages.zeros(shape, self.dtype)
             cpu_features.log_once("transparent huge pages: %s (KV pool and weights %s)", hugepages.thp_mode(),
@@ -61,14 +93,20 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, native=self.backend.name == "native-cpu")
         self._gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # CUDA graphs would capture the NCCL collectives of one rank only: eager under tensor parallelism.
+        if self.device.type == "cuda" and not config.enforce_eager and self.layout.size == 1:
             self.graphs = DecodeGraphs(self, max_batch=config.max_num_seqs)
+
+    def close(self) -> None:
+        """Stop the other ranks (driver); idempotent."""
+        if self.ranks is not None:
+            self.ranks.stop()
 
     # ---- setup ----------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
         cls = MODEL_CLASSES[self.model_config.architecture]
         with torch.device(self.device):
-            model = cls(self.model_config)
+            model = cls(self.model_config, self.tp)
         load_weights(model, Path(self.config.model))
         if self.compute_dtype != self.dtype:   # a wider compute dtype sees the weights rounded to dtype
             for param in model.parameters():
@@ -111,8 +149,14 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one whole block (every KV head): what the hand-off carries per block."""
         mc = self.model_config
         return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+
+    @property
+    def local_kv_bytes_per_block(self) -> int:
+        """Bytes of one block in this rank's pool (its KV heads)."""
+        return self.kv_bytes_per_block // self.model_config.num_kv_heads * self.layout.local_kv_heads
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -122,19 +166,81 @@ class ModelRunner:
             budget = int(free * self.config.gpu_memory_utilization)
         else:
             budget = self.config.kv_cache_memory_bytes
-        blocks = budget // self.kv_bytes_per_block
+        blocks = budget // self.local_kv_bytes_per_block
         if blocks < 1:
-            raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of {self.kv_bytes_per_block} bytes")
+            raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of {self.local_kv_bytes_per_block} bytes")
+        if self.tp is not None:   # every rank's pool has the same blocks: the smallest budget decides
+            n = torch.tensor([blocks], dtype=torch.int64, device=self.tp.device)
+            blocks = int(self.tp.all_reduce(n, torch.distributed.ReduceOp.MIN).item())
         return blocks
 
     # ---- KV block access for the transports -------------------------------------
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[n, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous, on CPU."""
-        ids = torch.tensor(block_ids, device=self.device)
-        return self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+        """[n, num_layers, 2, block_size, num_kv_heads, head_dim] (every KV head), contiguous, on CPU."""
+        pieces = self.read_block_pieces(block_ids)
+        if len(pieces) == 1:
+            return pieces[0][2]
+        return torch.cat([data for _, _, data in pieces], dim=4)
 
-    def write_block(self, block_id: int, data: torch.Tensor) -> None:
-        self.kv_cache[:, :, block_id].copy_(data.to(self.device, self.dtype))
+    def read_block_pieces(self, block_ids: list[int]) -> list[tuple[int, int, torch.Tensor]]:
+        """The blocks' KV heads as the ranks hold them: (head_start, head_end, [n, L, 2, bs, heads, D])
+        per distinct rank slice, in head order, on CPU. One piece without tensor parallelism."""
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        if self.ranks is None:
+            return [(0, self.model_config.num_kv_heads, self._local_blocks(ids).cpu())]
+        with self.ranks.lock:
+            self._flush_kv_writes()
+            self.ranks.send([OP_READ_KV, len(block_ids)], ids)
+            parts = self.gather_blocks(ids)
+        pieces: list[tuple[int, int, torch.Tensor]] = []
+        for (start, end), data in zip(self.layout.kv_head_ranges(), parts):
+            if not pieces or pieces[-1][:2] != (start, end):   # replicated heads travel once
+                pieces.append((start, end, data.cpu()))
+        return pieces
+
+    def _local_blocks(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.kv_cache.index_select(2, ids.to(self.device)).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    def gather_blocks(self, ids: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank: its slice of the blocks, all-gathered (the driver gets them, in rank order)."""
+        return self.tp.gather_to_driver(self._local_blocks(ids))
+
+    def write_block(self, block_id: int, data: torch.Tensor, head_start: int = 0) -> None:
+        """Write KV heads [head_start, head_start + data.shape[3]) of one block ([L, 2, bs, heads, D]).
+        Each rank keeps the heads it holds; the other ranks' share is queued and written before the
+        next step or read (they only ever receive from this process, which sends in order)."""
+        entry = [block_id, head_start, head_start + data.shape[3]]
+        data = data.to(self.dtype)
+        self.apply_kv_writes(entry, data.reshape(-1))
+        others = self.layout.kv_head_ranges()[1:]
+        if self.ranks is not None and any(max(entry[1], a) < min(entry[2], b) for a, b in others):
+            with self._pending_lock:
+                self._pending_kv.append((entry, data.reshape(-1).clone()))
+
+    def apply_kv_writes(self, entries: list[int], data: torch.Tensor) -> None:
+        """Write the part of each (block, head range) entry this rank holds. data: the entries' KV
+        back to back, each [L, 2, bs, heads, D]."""
+        mc = self.model_config
+        k0, k1 = self.layout.kv_head_range
+        at = 0
+        for i in range(0, len(entries), 3):
+            block_id, h0, h1 = entries[i:i + 3]
+            n = mc.num_layers * 2 * self.block_size * (h1 - h0) * mc.head_dim
+            chunk = data[at:at + n].view(mc.num_layers, 2, self.block_size, h1 - h0, mc.head_dim)
+            at += n
+            lo, hi = max(h0, k0), min(h1, k1)
+            if lo < hi:
+                self.kv_cache[:, :, block_id, :, lo - k0:hi - k0].copy_(chunk[:, :, :, lo - h0:hi - h0])
+
+    def _flush_kv_writes(self) -> None:
+        """Driver, under ranks.lock: send the queued KV writes to the other ranks."""
+        with self._pending_lock:
+            pending, self._pending_kv = self._pending_kv, []
+        if not pending:
+            return
+        entries = [x for entry, _ in pending for x in entry]
+        data = torch.cat([d for _, d in pending])
+        self.ranks.send([OP_WRITE_KV, len(pending), data.numel()], torch.tensor(entries, dtype=torch.int64), data)
 
     @property
     def kv_dtype_name(self) -> str:
@@ -143,6 +249,7 @@ class ModelRunner:
 
     @property
     def block_shape(self) -> tuple[int, ...]:
+        """One whole block (every KV head), as read_blocks returns and the hand-off carries."""
         mc = self.model_config
         return (mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
 
@@ -151,58 +258,47 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """Computes the scheduled tokens; returns the sampled token per sequence, or None
         where the sequence is still mid-prefill."""
-        input_ids, positions, meta, sample_rows, sample_seqs = self.prepare(batch)
-        if self.graphs is not None and batch.num_decode_seqs == len(batch.seqs) and self.graphs.can_run(len(batch.seqs)):
-            hidden = self.graphs.run(input_ids, positions, meta)
+        plan = StepPlan.from_batch(batch, self.block_size)
+        if self.ranks is None:
+            logits = self.execute(plan)
         else:
-            hidden = self.model(input_ids, positions, meta)
+            with self.ranks.lock:
+                self._flush_kv_writes()
+                self.ranks.send(*plan.encode())
+                logits = self.execute(plan)
         results: list[int | None] = [None] * len(batch.seqs)
-        if sample_rows:
-            if len(sample_rows) == hidden.shape[0]:   # every row samples (decode steps): rows are in order
-                logits = self.model.compute_logits(hidden)
-            else:
-                logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-            seqs = [batch.seqs[i] for i in sample_seqs]
+        if logits is not None:
+            seqs = [batch.seqs[i] for i in plan.sample_seqs]
             tokens = self.sampler(logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs])
-            for i, tok in zip(sample_seqs, tokens):
+            for i, tok in zip(plan.sample_seqs, tokens):
                 results[i] = tok
         return results
 
-    def prepare(self, batch: ScheduledBatch):
-        bs = self.block_size
-        seqs, counts, nd = batch.seqs, batch.num_new_tokens, batch.num_decode_seqs
-        # Decode rows go shortest context first (any row order is valid: results map back through
-        # sample_seqs), so that rows of similar length form contiguous groups for attention.
-        order = sorted(range(nd), key=lambda i: seqs[i].num_computed_tokens) if nd > 1 else list(range(nd))
-        order.extend(range(nd, len(seqs)))
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[int] = []
-        for i in order:
-            seq, n = seqs[i], counts[i]
-            start = seq.num_computed_tokens
-            table = seq.block_table
-            if n == 1:
-                ids.append(seq.token_ids[start])
-                pos.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                ids.extend(seq.token_ids[start:start + n])
-                pos.extend(range(start, start + n))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if start + n == seq.num_tokens:
-                sample_rows.append(len(ids) - 1)
-                sample_seqs.append(i)
-        dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev))
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        """This rank's forward pass over the plan; the sampled rows' full-vocabulary logits (None
+        when no row samples). Under tensor parallelism every rank runs it, with the same plan."""
+        input_ids, positions, meta = self.prepare(plan)
+        if self.graphs is not None and plan.num_decode == len(plan.seqs) and self.graphs.can_run(len(plan.seqs)):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
+        rows = plan.sample_rows
+        if not rows:
+            return None
+        if len(rows) == hidden.shape[0]:   # every row samples (decode steps): rows are in order
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+
+    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        dev, nd = self.device, plan.num_decode
+        meta = AttentionMetadata(slot_mapping=torch.tensor(plan.slots, dtype=torch.int64, device=dev))
         if nd:
-            self._prepare_decodes([seqs[i] for i in order[:nd]], meta)
-        self._prepare_prefills([seqs[i] for i in order[nd:]], [counts[i] for i in order[nd:]], nd, meta)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        return input_ids, positions, meta, sample_rows, sample_seqs
+            self._prepare_decodes(plan.seqs[:nd], meta)
+        self._prepare_prefills(plan.seqs[nd:], plan.num_new_tokens[nd:], nd, meta)
+        input_ids = torch.tensor(plan.input_ids, dtype=torch.int64, device=dev)
+        positions = torch.tensor(plan.positions, dtype=torch.int64, device=dev)
+        return input_ids, positions, meta
 
     def _prepare_decodes(self, decode_seqs: list, meta: AttentionMetadata) -> None:
         meta.num_decode = len(decode_seqs)
@@ -216,7 +312,7 @@ class ModelRunner:
         if bufs is None or bufs[0].shape[0] < rows:
             mc = self.model_config
             rows = max(rows, int(1.25 * bufs[0].shape[0]) if bufs is not None else 0)
-            width = self.block_size * mc.num_kv_heads * mc.head_dim
+            width = self.block_size * self.layout.local_kv_heads * mc.head_dim
             self._gather_bufs = bufs = (torch.empty(rows, width, dtype=self.dtype, device=self.device),
                                         torch.empty(rows, width, dtype=self.dtype, device=self.device))
         return bufs

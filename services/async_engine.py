@@ -19,6 +19,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from engine.kv_connector import HandoffState, LeasePolicy
+from engine.parallel import RankFailure
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,9 @@ class StepResult:
     """One engine output, with exported KV blocks attached in the prefill role."""
 
     output: RequestOutput
-    blocks: torch.Tensor | None = None   # [len(output.ready_blocks), *block_shape], on CPU
+    # The ready blocks as (head_start, head_end, [len(output.ready_blocks), *block_shape with those
+    # KV heads]) per tensor-parallel slice (one piece, every head, without tensor parallelism); on CPU.
+    blocks: list[tuple[int, int, torch.Tensor]] | None = None
 
 
 class RequestStream:
@@ -63,6 +66,8 @@ class AsyncEngine:
         self.engine = LLMEngine(config, lease=lease)
         self.config = config
         self.on_step = on_step
+        # Called on the event loop when the engine can never step again (a tensor-parallel rank died).
+        self.on_fatal: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Event()
         self._stopping = False
@@ -82,6 +87,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        self.engine.close()   # the tensor-parallel ranks, if any
 
     # ---- requests ---------------------------------------------------------------------
     def add(self, request_id: str, prompt: Seq[int], params: SamplingParams,
@@ -199,6 +205,12 @@ class AsyncEngine:
                 continue
             try:
                 outputs = engine.step()
+            except RankFailure as exc:   # this worker cannot step again: fail everything, stop serving
+                log.error("engine failed: %s", exc)
+                self._fail_all()
+                if self.on_fatal is not None:
+                    self._call_soon(self.on_fatal)
+                continue
             except Exception:  # a failing step must not hang every caller
                 log.exception("engine step failed")
                 self._fail_all()
@@ -222,7 +234,7 @@ class AsyncEngine:
             for out in outputs:
                 blocks = None
                 if out.ready_blocks and out.request_id in self.engine.kv.sending:
-                    blocks = self.engine.kv.read_blocks(out.request_id, out.ready_blocks)
+                    blocks = self.engine.kv.read_block_pieces(out.request_id, out.ready_blocks)
                 results.append(StepResult(out, blocks))
         return results
 

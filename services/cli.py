@@ -223,7 +223,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if api_key:
         os.environ["PDSERVE_API_KEY"] = api_key   # the router reads it from its environment, never argv
     log_dir = args.log_dir or str(pdserve_home() / "logs" / f"up-{args.port or DEFAULT_PORT}")
-    spec = config_from_args(Deployment, args, model=engine.model,
+    spec = config_from_args(Deployment, args, model=engine.model, engine_tp=engine.tensor_parallel_size,
                             engine_args=config_to_argv(engine, exclude=ENGINE_FIXED),
                             worker_args=config_to_argv(config_from_args(WorkerConfig, args), exclude=("drain_timeout_s",)),
                             router_args=router_args, credentials=_credentials(args),

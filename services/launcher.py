@@ -64,6 +64,11 @@ class Deployment:
     pin_workers: bool = _f(True, "give each worker its own cores (one per torch thread) when the machine has "
                                  "enough for all of them; the router floats")
     drain_timeout_s: float = _f(30.0, "on SIGTERM, in-flight requests get this long to finish")
+    prefill_tp: int | None = _f(None, "tensor_parallel_size of the prefill workers (each starts its ranks); "
+                                      "none: --tensor-parallel-size")
+    decode_tp: int | None = _f(None, "tensor_parallel_size of the decode workers; none: --tensor-parallel-size "
+                                     "(any pair of layouts hands KV over)")
+    engine_tp: int = field(default=1, metadata={"cli": False})   # the engine's --tensor-parallel-size
     engine_args: list[str] = field(default_factory=list, metadata={"cli": False})   # forwarded to every worker
     worker_args: list[str] = field(default_factory=list, metadata={"cli": False})   # forwarded to every worker
     router_args: list[str] = field(default_factory=list, metadata={"cli": False})   # forwarded to the router
@@ -77,6 +82,9 @@ class Deployment:
             raise ValueError("a disaggregated deployment needs prefill_workers >= 1 and decode_workers >= 1")
         if self.threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
+        for name in ("prefill_tp", "decode_tp"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.metrics_port_base is not None:
             if not 1 <= self.metrics_port_base <= 65535 - self.num_workers:
                 raise ValueError(f"metrics_port_base must leave room for {self.num_workers + 1} ports below 65536, "
@@ -86,6 +94,11 @@ class Deployment:
     @property
     def num_workers(self) -> int:
         return self.colocated_workers or self.prefill_workers + self.decode_workers
+
+    def tp(self, role: str) -> int:
+        """The tensor_parallel_size of a role's workers."""
+        own = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
+        return own if own is not None else self.engine_tp
 
     def roles(self) -> list[tuple[str, int]]:
         """(role, count) in start order; metrics ports follow it."""
@@ -230,11 +243,15 @@ class Cluster:
         names = ([f"both-{i}" for i in range(s.colocated_workers)] if s.colocated_workers else
                  [*(f"prefill-{i}" for i in range(s.prefill_workers)), *(f"decode-{i}" for i in range(s.decode_workers))])
         cores = sorted(os.sched_getaffinity(0))
-        t = s.threads_per_worker
-        if len(names) * t > len(cores):
+        # A tensor-parallel worker's ranks pin themselves within its cores (engine/tp_rank.py).
+        widths = [s.threads_per_worker * s.tp(name.rsplit("-", 1)[0]) for name in names]
+        if sum(widths) > len(cores):
             return {}
-        pinned = {name: set(cores[i * t:(i + 1) * t]) for i, name in enumerate(names)}
-        spare = set(cores[len(names) * t:])
+        pinned, at = {}, 0
+        for name, width in zip(names, widths):
+            pinned[name] = set(cores[at:at + width])
+            at += width
+        spare = set(cores[at:])
         if not s.colocated_workers:
             pinned["router"] = pinned[names[-1]]
         elif spare:
@@ -283,8 +300,9 @@ class Cluster:
             groups: dict[str, list[str]] = {}
             for role, count in s.roles():
                 for i in range(count):
+                    tp = ["--tensor-parallel-size", str(s.tp(role))] if s.tp(role) != s.engine_tp else []
                     proc = self._process(f"{role}-{i}", ["worker", "--role", role, "--worker-id", f"{role}-{i}",
-                                                         *worker_args], free_port(s.host))
+                                                         *worker_args, *tp], free_port(s.host))
                     proc.start()
                     groups.setdefault(role, []).append(proc.address)
             workers = list(self.processes)

@@ -59,9 +59,11 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
                         out = res.output
                         if out.finish_reason == "abort":
                             await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
-                        if kv is not None and out.ready_blocks:
-                            await kv.send([KVBlock(rid, idx, hashes[idx], self.block_size, res.blocks[j])
-                                           for j, idx in enumerate(out.ready_blocks) if idx in needed])
+                        if kv is not None and out.ready_blocks:   # each block as its ranks' head ranges
+                            await kv.send([KVBlock(rid, idx, hashes[idx], self.block_size, data[j],
+                                                   head_start=start, head_end=end)
+                                           for j, idx in enumerate(out.ready_blocks) if idx in needed
+                                           for start, end, data in res.blocks])
                         if out.prefill_done:
                             break
                         if out.ready_blocks:

@@ -169,6 +169,7 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
           flush=True)
     stop = stop or asyncio.Event()
     stop_on_signals(stop)
+    aengine.on_fatal = stop.set   # a dead tensor-parallel rank: drain and exit (`pdserve up` restarts us)
     if on_start is not None:
         on_start(RunningWorker(aengine, info, server, metrics, sender))
     try:

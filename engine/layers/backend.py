@@ -121,6 +121,8 @@ class FusedDecode:
 
     @classmethod
     def build(cls, model) -> "FusedDecode | None":
+        if getattr(model, "tp_size", 1) > 1:   # the fused call has no all-reduce between layers
+            return None
         ptrs: list[int] = []
         for layer in model.model.layers:
             sa, mlp = layer.self_attn, layer.mlp

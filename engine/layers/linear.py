@@ -157,3 +157,66 @@ class Linear(nn.Module):
     def _forward_w8a16(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.qweight.to(x.dtype)) * self.scale
         return y if self.bias is None else y + self.bias
+
+
+# ---- tensor parallelism (engine/parallel.py) ------------------------------------------------
+class ColumnParallelLinear(Linear):
+    """Output rows split over the ranks. ``rows[i]`` is this rank's [start, end) of packed shard
+    i's checkpoint tensor, so a fused QKV or gate/up stays one matmul per rank; rows may repeat
+    across ranks (replicated KV heads)."""
+
+    def __init__(self, in_features: int, rows: list[tuple[int, int]], bias: bool = False) -> None:
+        super().__init__(in_features, [end - start for start, end in rows], bias)
+        self.rows = rows
+
+    def load(self, name: str, tensor: torch.Tensor, shard_id: int | None) -> None:
+        start, end = self.rows[shard_id or 0]
+        super().load(name, tensor[start:end], shard_id)
+
+
+class RowParallelLinear(Linear):
+    """Input columns split over the ranks; the partial products are summed by an all-reduce.
+    The bias is added once (rank 0). W8A16 scales come from the whole row (an all-reduce of the
+    absolute maxima), so the int8 weights equal the unsplit layer's."""
+
+    def __init__(self, in_features: int, out_features: int, cols: tuple[int, int], group, bias: bool = False) -> None:
+        super().__init__(cols[1] - cols[0], out_features, bias)
+        self.cols, self.group = cols, group
+
+    def load(self, name: str, tensor: torch.Tensor, shard_id: int | None) -> None:
+        if name == "bias":
+            if self.group.rank == 0:
+                super().load(name, tensor, shard_id)
+            return
+        super().load(name, tensor[:, self.cols[0]:self.cols[1]], shard_id)
+
+    def quantize_w8a16(self) -> None:
+        amax = self.weight.data.float().abs().amax(dim=1)
+        self.group.all_reduce(amax, torch.distributed.ReduceOp.MAX)
+        scale = amax.clamp(min=1e-12) / 127.0
+        self.qweight = torch.round(self.weight.data.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.scale = scale.to(self.weight.dtype)
+        self.weight = None  # type: ignore[assignment]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x))
+
+
+class ParallelLMHead(Linear):
+    """Vocabulary rows split over the ranks (padded to a multiple of the rank count); the logits
+    are all-gathered and trimmed to the vocabulary."""
+
+    def __init__(self, in_features: int, vocab_size: int, group) -> None:
+        from engine.parallel import padded_split
+        start, end, per = padded_split(vocab_size, group.rank, group.size)
+        super().__init__(in_features, per)
+        self.vocab_size, self.vocab_range, self.group = vocab_size, (start, end), group
+        self.weight.data.zero_()
+
+    def load(self, name: str, tensor: torch.Tensor, shard_id: int | None) -> None:
+        start, end = self.vocab_range
+        self.weight.data[:end - start].copy_(tensor[start:end])
+
+    def gather_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        parts = self.group.all_gather(self(hidden))
+        return torch.cat(parts, dim=-1)[..., :self.vocab_size]

@@ -10,26 +10,40 @@ from torch import nn
 
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.backend import TORCH, TorchBackend
-from engine.layers.linear import Linear
+from engine.layers.linear import ColumnParallelLinear, Linear, ParallelLMHead, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.vocab_embedding import VocabParallelEmbedding
 from engine.model_config import ModelConfig
+from engine.parallel import TPGroup, TPLayout, split_range
 
 
 class SelfAttention(nn.Module):
     backend: TorchBackend = TORCH
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        d = cfg.head_dim
+        if tp is None or tp.size == 1:
+            self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+            self.qkv_proj = Linear(cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d],
+                                   bias=cfg.attention_bias)
+            self.o_proj = Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.attention_bias)
+        else:   # this rank's query heads and the KV heads they read (engine/parallel.py)
+            layout = TPLayout(tp.rank, tp.size, cfg.num_heads, cfg.num_kv_heads)
+            self.num_heads, self.num_kv_heads = layout.local_heads, layout.local_kv_heads
+            (h0, h1), (k0, k1) = layout.head_range, layout.kv_head_range
+            self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [(h0 * d, h1 * d), (k0 * d, k1 * d), (k0 * d, k1 * d)],
+                                                 bias=cfg.attention_bias)
+            self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, (h0 * d, h1 * d), tp,
+                                            bias=cfg.attention_bias)
+        self.head_dim = d
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.backend.qkv_rope_store(self, self.qkv_proj(x), positions, meta)
@@ -40,11 +54,18 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     backend: TorchBackend = TORCH
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, [self.inter, self.inter], bias=cfg.mlp_bias)
-        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        if tp is None or tp.size == 1:
+            self.inter = cfg.intermediate_size
+            self.gate_up_proj = Linear(cfg.hidden_size, [self.inter, self.inter], bias=cfg.mlp_bias)
+            self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        else:
+            start, end = split_range(cfg.intermediate_size, tp.rank, tp.size)
+            self.inter = end - start
+            self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [(start, end), (start, end)], bias=cfg.mlp_bias)
+            self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, (start, end), tp,
+                                               bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x), self.inter))
@@ -53,12 +74,12 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     backend: TorchBackend = TORCH
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, rotary)
+        self.self_attn = SelfAttention(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,12 +99,13 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     backend: TorchBackend = TORCH
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None or tp.size == 1
+                             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                  cfg.rope_type, cfg.rope_scaling)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -104,11 +126,13 @@ class LlamaForCausalLM(nn.Module):
 
     backend: TorchBackend = TORCH
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.tp_size = 1 if tp is None else tp.size
+        self.model = LlamaModel(cfg, tp)
+        self.lm_head = (Linear(cfg.hidden_size, cfg.vocab_size) if self.tp_size == 1
+                        else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp))
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -120,6 +144,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits (under tensor parallelism every rank must call this: it gathers)."""
+        if isinstance(self.lm_head, ParallelLMHead):
+            return self.lm_head.gather_logits(hidden)
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:

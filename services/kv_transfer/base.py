@@ -67,6 +67,8 @@ class KVBlock:
     data: torch.Tensor
     layer_start: int = 0
     layer_end: int = 0
+    head_start: int = 0     # data holds KV heads [head_start, head_end); 0, 0: all (data.shape[3])
+    head_end: int = 0
 
     def encode(self) -> tuple[kv_pb2.KVBlockHeader, memoryview]:
         """The block's header (with its CRC-32) and a zero-copy view of its bytes."""
@@ -78,7 +80,8 @@ class KVBlock:
             request_id=self.request_id, block_index=self.block_index, block_hash=self.block_hash,
             num_tokens=self.num_tokens, layer_start=self.layer_start, layer_end=self.layer_end or tensor.shape[0],
             dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape), nbytes=payload.nbytes,
-            checksum=zlib.crc32(payload) & 0xFFFFFFFF)
+            checksum=zlib.crc32(payload) & 0xFFFFFFFF, head_start=self.head_start,
+            head_end=self.head_end or (self.head_start + tensor.shape[3] if tensor.dim() == 5 else 0))
         return header, payload
 
 
@@ -92,7 +95,7 @@ def block_meta(header: kv_pb2.KVBlockHeader) -> BlockMeta:
         raise HandoffError("DATA_LOSS", f"block {header.block_index}: nbytes {header.nbytes} != "
                                         f"{header.dtype}{list(shape)}")
     return BlockMeta(header.request_id, header.block_index, header.block_hash, header.dtype, shape, header.nbytes,
-                     header.checksum, header.layer_start, header.layer_end)
+                     header.checksum, header.layer_start, header.layer_end, header.head_start, header.head_end)
 
 
 class KVSink(Protocol):

@@ -1,0 +1,103 @@
+"""One step's model inputs as plain integers: what the driver computes from the scheduler's
+batch and what it broadcasts to the other tensor-parallel ranks (one fixed-size int64 header,
+then one int64 payload; nothing pickled).
+
+Rows are decodes first (shortest context first), then prefill segments. Every rank builds its
+attention metadata from a plan, so all ranks attend over the same blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+HEADER_LEN = 8
+# Header word 0: what the ranks do next.
+OP_STEP = 1        # [op, tokens, sample_rows, seqs, table_entries, num_decode]: run the model
+OP_STOP = 2        # leave the loop and exit
+OP_WRITE_KV = 3    # [op, entries, elements]: write received KV heads into the pool (engine/tp_rank.py)
+OP_READ_KV = 4     # [op, blocks]: all-gather these blocks' KV heads to the driver
+OP_PING = 5        # nothing (keeps an idle group's sockets checked)
+
+
+@dataclass(slots=True)
+class SeqView:
+    """What attention metadata needs of a sequence (a rank has no Sequence objects)."""
+
+    num_computed_tokens: int
+    block_table: list[int]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    sample_rows: list[int]          # rows whose hidden state is sampled, in row order
+    seqs: list                      # Sequence or SeqView per scheduled sequence, in row order
+    num_new_tokens: list[int]       # per entry of seqs
+    num_decode: int
+    sample_seqs: list[int] | None = None   # driver only: the batch index of each sampled row
+
+    @classmethod
+    def from_batch(cls, batch, block_size: int) -> "StepPlan":
+        bs = block_size
+        seqs, counts, nd = batch.seqs, batch.num_new_tokens, batch.num_decode_seqs
+        # Decode rows go shortest context first (any row order is valid: results map back through
+        # sample_seqs), so that rows of similar length form contiguous groups for attention.
+        order = sorted(range(nd), key=lambda i: seqs[i].num_computed_tokens) if nd > 1 else list(range(nd))
+        order.extend(range(nd, len(seqs)))
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[int] = []
+        for i in order:
+            seq, n = seqs[i], counts[i]
+            start = seq.num_computed_tokens
+            table = seq.block_table
+            if n == 1:
+                ids.append(seq.token_ids[start])
+                pos.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(seq.token_ids[start:start + n])
+                pos.extend(range(start, start + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if start + n == seq.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(i)
+        return cls(ids, pos, slots, sample_rows, [seqs[i] for i in order], [counts[i] for i in order], nd,
+                   sample_seqs)
+
+    # ---- wire form ----------------------------------------------------------------------
+    def encode(self) -> tuple[list[int], torch.Tensor]:
+        """(header words, int64 payload)."""
+        tables = [b for s in self.seqs for b in s.block_table]
+        header = [OP_STEP, len(self.input_ids), len(self.sample_rows), len(self.seqs), len(tables), self.num_decode]
+        payload = torch.tensor([*self.input_ids, *self.positions, *self.slots, *self.sample_rows,
+                                *(s.num_computed_tokens for s in self.seqs), *self.num_new_tokens,
+                                *(len(s.block_table) for s in self.seqs), *tables], dtype=torch.int64)
+        return header, payload
+
+    @staticmethod
+    def payload_len(header: list[int]) -> int:
+        _, t, s, b, entries = header[:5]
+        return 3 * t + s + 3 * b + entries
+
+    @classmethod
+    def decode(cls, header: list[int], payload: torch.Tensor) -> "StepPlan":
+        _, t, s, b, _, nd = header[:6]
+        values = payload.tolist()
+        cut = iter((t, t, t, s, b, b, b))
+        parts = []
+        at = 0
+        for n in cut:
+            parts.append(values[at:at + n])
+            at += n
+        ids, pos, slots, sample_rows, computed, counts, lens = parts
+        seqs = []
+        for c, n in zip(computed, lens):
+            seqs.append(SeqView(c, values[at:at + n]))
+            at += n
+        return cls(ids, pos, slots, sample_rows, seqs, counts, nd)
