@@ -66,6 +66,8 @@ def measure(port: int, args: argparse.Namespace, rate: float, seed: int, out_dir
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", required=True, help="the cost model `pdserve profile` wrote for --model")
+    p.add_argument("--profile-first", action="store_true",
+                   help="(re)make --profile first with `pdserve profile` (default sweep), on a quiet machine")
     p.add_argument("--model", default=None, help="checkpoint dir (default: the small model)")
     p.add_argument("--setups", default="colocated,1P1D")
     p.add_argument("--rates", default="2,4")
@@ -86,8 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     from planner.plan import Workload, simulate
     from services.launcher import free_port, wait_serving
 
-    cost = CostModel.load(args.profile)
     model = str(args.model or ensure_model("small"))
+    if args.profile_first:
+        load = wait_quiet(args.max_load, args.max_wait_s)
+        print(f"profiling (1-min load average {load:.2f})", flush=True)
+        subprocess.run(["nice", "-n", "10", sys.executable, "-m", "services.cli", "profile", "--model", model,
+                        "--threads", str(args.threads), "--out", args.profile], cwd=REPO_ROOT, check=True)
+    cost = CostModel.load(args.profile)
     rates = [float(r) for r in args.rates.split(",")]
     setups = [s for s in args.setups.split(",") if s]
     out_dir = Path(args.result_dir or f"/tmp/pdserve-planner-accuracy-{time.strftime('%Y%m%d-%H%M%S')}")
