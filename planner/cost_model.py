@@ -41,7 +41,8 @@ class StepSample:
     prefill_attention: float
     decode_seqs: int
     decode_context: float
-    seconds: float
+    seconds: float              # what the fit uses: the step's CPU time (profile --clock cpu) or wall time
+    wall_seconds: float = 0.0
 
     def features(self) -> dict[str, float]:
         return {"const": 1.0, "prefill_tokens": self.prefill_tokens, "prefill_seqs": self.prefill_seqs,

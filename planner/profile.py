@@ -44,6 +44,9 @@ class ProfileConfig:
     mixed_chunks: str = _f("64,256", "prefill chunk sizes measured beside running decodes")
     repeats: int = _f(2, "times the whole sweep runs (more samples, steadier fit)")
     kv_blocks: int = _f(16, "KV blocks copied to time the hand-off per block")
+    clock: str = _f("cpu", "what a step costs: cpu (the engine thread's CPU time: what the step needs from a "
+                           "core of its own, steady on a shared machine; for one torch thread) or wall",
+                    choices=("cpu", "wall"))
 
     def __post_init__(self) -> None:
         for name in ("max_context", "decode_steps", "repeats", "kv_blocks"):
@@ -69,8 +72,9 @@ def _ints(name: str, text: str) -> list[int]:
 class _Recorder:
     """Steps the engine and records every step as a sample."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, clock: str = "cpu") -> None:
         self.engine = engine
+        self.cpu_clock = clock == "cpu"
         self.samples: list[StepSample] = []
         self.seqs: dict[str, Any] = {}     # every sequence added, finished ones included
         self._rng = random.Random(0)
@@ -90,14 +94,16 @@ class _Recorder:
         context being its computed tokens before the step (after - n)."""
         engine = self.engine
         n_before = engine.num_steps
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         engine.step()
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
         if engine.num_steps == n_before or not record:
             return
         tr = engine.trace[-1]
         contexts = [max(0, self.seqs[rid].num_computed_tokens - n) for rid, n in zip(tr.request_ids, tr.num_tokens)]
-        self.samples.append(step_features(contexts, tr.num_tokens, tr.num_decode_seqs, dt))
+        sample = step_features(contexts, tr.num_tokens, tr.num_decode_seqs, cpu if self.cpu_clock else dt)
+        sample.wall_seconds = dt
+        self.samples.append(sample)
 
     def run_until_idle(self, record: bool = True) -> None:
         while self.engine.has_unfinished_requests():
@@ -123,7 +129,7 @@ def run_profile(engine_config, config: ProfileConfig, say: Callable[[str], None]
     t_start = time.perf_counter()
     engine = LLMEngine(dataclasses.replace(engine_config, schedule_policy="mixed"))
     budget = engine_config.max_num_batched_tokens
-    rec = _Recorder(engine)
+    rec = _Recorder(engine, config.clock)
     say(f"profiling {engine_config.model}: backend {getattr(engine.runner.backend, 'name', 'torch')}, compute "
         f"{str(engine.runner.compute_dtype).removeprefix('torch.')}, {torch.get_num_threads()} thread(s), "
         f"{engine.block_manager.num_blocks} KV blocks")
@@ -173,7 +179,8 @@ def run_profile(engine_config, config: ProfileConfig, say: Callable[[str], None]
                 rec.run_until_idle()
                 engine.config.max_num_batched_tokens = budget
         say(f"  [{rep + 1}/{config.repeats}] mixed: {len(rec.samples)} steps ({time.perf_counter() - t_start:.0f}s)")
-    export_s, transfer_s = _kv_block_costs(engine, config.kv_blocks)
+    export_s, transfer_s = _kv_block_costs(engine, config.kv_blocks,
+                                          time.thread_time if config.clock == "cpu" else time.perf_counter)
     model_json = json.loads((Path(engine_config.model) / "config.json").read_text())
     engine_fields = {f.name: getattr(engine_config, f.name) for f in dataclasses.fields(engine_config)}
     engine_fields["resolved_compute_dtype"] = str(engine.runner.compute_dtype).removeprefix("torch.")
@@ -183,14 +190,14 @@ def run_profile(engine_config, config: ProfileConfig, say: Callable[[str], None]
     machine = {"cpu_model": feats.model, "machine": feats.machine, "amx_bf16": feats.amx_bf16,
                "avx512": feats.avx512, "avx512_bf16": feats.avx512_bf16, "cpu_count": os.cpu_count(),
                "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
-               "loadavg_1m_start": None, "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "loadavg_1m": os.getloadavg()[0], "clock": config.clock, "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "seconds": round(time.perf_counter() - t_start, 1)}
     return CostModel.fit(rec.samples, kv_transfer_s_per_block=transfer_s, export_s_per_block=export_s,
                          kv_bytes_per_block=engine.runner.kv_bytes_per_block, engine=engine_fields,
                          model_config=model_json, machine=machine)
 
 
-def _kv_block_costs(engine, n: int) -> tuple[float, float]:
+def _kv_block_costs(engine, n: int, clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
     """(export s/block, transfer s/block): copy blocks out of the pool as a prefill worker does
     after a step; then checksum and write each into the pool as a decode worker does, plus the
     bytes' serialisation (one more copy), which is what the hand-off costs on one host."""
@@ -199,17 +206,17 @@ def _kv_block_costs(engine, n: int) -> tuple[float, float]:
     ids = list(range(n))
     runner.read_blocks(ids)   # warm
     reps = 5
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(reps):
         blocks = runner.read_blocks(ids)
-    export = (time.perf_counter() - t0) / (reps * n)
-    t0 = time.perf_counter()
+    export = (clock() - t0) / (reps * n)
+    t0 = clock()
     for _ in range(reps):
         for i in ids:
             payload = blocks[i].contiguous().view(-1).view(_u8()).numpy().tobytes()
             zlib.crc32(payload)
             runner.write_block(i, blocks[i])
-    transfer = (time.perf_counter() - t0) / (reps * n)
+    transfer = (clock() - t0) / (reps * n)
     return export, transfer
 
 
