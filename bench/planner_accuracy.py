@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-wait-s", type=float, default=600.0)
     p.add_argument("--predict-only", action="store_true", help="print the predictions, measure nothing")
     p.add_argument("--result-dir", default=None)
+    p.add_argument("--measured-dir", default=None,
+                   help="compare with the measurements of an earlier run (its --result-dir) instead of measuring")
     args = p.parse_args(argv)
 
     from bench.datasets import ensure_model
@@ -114,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{m['p50_ttft_ms']:.0f} ms, ITL p50 {m['p50_itl_ms']:.1f} ms", flush=True)
         measured: dict[float, dict[str, Any]] = {}
         loads: dict[float, float] = {}
-        if not args.predict_only:
+        if args.measured_dir:
+            prior = json.loads((Path(args.measured_dir) / "summary.json").read_text())
+            for r in prior["rows"]:
+                if r["setup"] == setup and r["rate"] in rates:
+                    measured[r["rate"]], loads[r["rate"]] = r["measured"], r["load"]
+        elif not args.predict_only:
             loads_start = wait_quiet(args.max_load, args.max_wait_s)
             port = free_port()
             popen = start_up(model, SETUPS[setup], port, args.threads, [], out_dir / f"{setup}-up.log")
