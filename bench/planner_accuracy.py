@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--predict-only", action="store_true", help="print the predictions, measure nothing")
     p.add_argument("--result-dir", default=None)
     p.add_argument("--measured-dir", default=None,
-                   help="compare with the measurements of an earlier run (its --result-dir) instead of measuring")
+                   help="compare with the measurements of earlier runs (their --result-dir, comma-separated) "
+                        "instead of measuring")
     args = p.parse_args(argv)
 
     from bench.datasets import ensure_model
@@ -117,10 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         measured: dict[float, dict[str, Any]] = {}
         loads: dict[float, float] = {}
         if args.measured_dir:
-            prior = json.loads((Path(args.measured_dir) / "summary.json").read_text())
-            for r in prior["rows"]:
-                if r["setup"] == setup and r["rate"] in rates:
-                    measured[r["rate"]], loads[r["rate"]] = r["measured"], r["load"]
+            for d in args.measured_dir.split(","):   # one or more earlier --result-dir: SETUP-RATE.json (+ .load)
+                for rate in rates:
+                    path = Path(d) / f"{setup}-{rate:g}.json"
+                    if path.is_file():
+                        measured[rate] = json.loads(path.read_text())
+                        load_file = path.with_suffix(".load")
+                        loads[rate] = float(load_file.read_text()) if load_file.is_file() else None
         elif not args.predict_only:
             loads_start = wait_quiet(args.max_load, args.max_wait_s)
             port = free_port()
@@ -133,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                                         os.getloadavg()[0])
                     print(f"[{setup} @ {rate:g}/s] measuring, 1-min load average {loads[rate]:.2f}", flush=True)
                     measured[rate] = measure(port, args, rate, args.seed + i, out_dir, f"{setup}-{rate:g}.json")
+                    (out_dir / f"{setup}-{rate:g}.load").write_text(f"{loads[rate]:.2f}\n")
             finally:
                 stop_up(popen)
         for rate in rates:
