@@ -56,13 +56,16 @@ class NoCapacity(RuntimeError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, trace_limit: int = 10_000, lease: LeasePolicy | None = None) -> None:
+    def __init__(self, config: EngineConfig, trace_limit: int = 10_000, lease: LeasePolicy | None = None,
+                 runner: ModelRunner | None = None, model_config: ModelConfig | None = None) -> None:
+        """runner, model_config: given by the planner's simulator (a runner that prices a step
+        instead of computing it, a model known from a profile); by default read from config.model."""
         self.config = config
-        self.model_config = ModelConfig.from_dir(config.model)
+        self.model_config = model_config or ModelConfig.from_dir(config.model)
         self.eos_token_ids = set(self.model_config.eos_token_ids) | _generation_eos(config.model)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        self.runner = ModelRunner(config, self.model_config)
+        self.runner = runner if runner is not None else ModelRunner(config, self.model_config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.kv = KVConnector(self, lease)

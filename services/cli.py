@@ -264,6 +264,26 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from engine.model_maker import pdserve_home
+    from planner.profile import ProfileConfig, run_profile
+    engine_kwargs = given(args, EngineConfig, ENGINE_FIXED)
+    engine_kwargs.setdefault("num_threads", 1)   # as each worker `pdserve up` starts
+    engine = EngineConfig(model=_model_dir(args), **engine_kwargs)
+    config = config_from_args(ProfileConfig, args)
+    model = run_profile(engine, config, say=lambda line: print(line, file=sys.stderr, flush=True))
+    out = config.out or str(pdserve_home() / "profiles" / f"{os.path.basename(os.path.normpath(engine.model))}.json")
+    path = model.save(out)
+    print(f"cost model ({len(model.samples)} steps in {model.machine['seconds']}s):\n{model.describe()}")
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from planner.plan import PlanConfig, run_plan
+    return run_plan(config_from_args(PlanConfig, args, slos=tuple(args.slo or ())))
+
+
 BENCH_HELP = """usage: pdserve bench {offline,serve} [FLAGS]
 
 benchmarks:
@@ -370,6 +390,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
     _add_security_args(p)
     p.set_defaults(func=cmd_health)
+
+    from planner.plan import PlanConfig
+    from planner.profile import ProfileConfig
+    p = sub.add_parser("profile", help="measure engine step costs on this machine and save a cost model",
+                       parents=[common])
+    _add_engine_args(p)
+    add_config_args(p.add_argument_group("profile"), ProfileConfig)
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("plan", help="simulate deployments on a profile's cost model and recommend one under SLOs",
+                       parents=[common])
+    add_config_args(p.add_argument_group("plan"), PlanConfig)
+    p.add_argument("--slo", action="append", metavar="METRIC:MS",
+                   help="a latency objective, repeatable: ttft, tpot or e2el in ms, e.g. --slo ttft:500 --slo tpot:50 "
+                        "(as `bench serve --goodput`)")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("bench", help="benchmarks: serving load test, offline throughput (`pdserve bench --help`)",
                        add_help=False, parents=[common])

@@ -1,0 +1,223 @@
+"""``pdserve plan``: which deployment serves a workload best per core, under latency SLOs.
+
+For every candidate within the core budget (colocated x K; xPyD), chunk budget
+(max_num_batched_tokens) and schedule policy, the simulator (planner/simulator.py: the real
+scheduler and block manager, step times from the profile's cost model) serves the same
+workload ``pdserve bench serve`` would send: bench/datasets.py's random dataset and
+bench/serve.py's Poisson arrivals, for the same seed. The metrics are bench/serve.py's own
+(``calculate_metrics``). The recommendation maximises goodput (requests meeting every SLO per
+second) per core; ties go to the lower TTFT p99.
+
+    pdserve plan --profile P.json --rate 2 --input-len 256 --output-len 128 --slo ttft:500 --slo tpot:50
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from planner.cost_model import CostModel
+from planner.simulator import Candidate, Overheads, Simulation
+
+SLO_METRICS = ("ttft", "tpot", "e2el")
+PERCENTILES = (50, 90, 99)
+
+
+def _f(default: Any, help: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass(slots=True)
+class Workload:
+    """bench serve's random dataset under Poisson (gamma) arrivals."""
+
+    rate: float
+    num_prompts: int = 200
+    input_len: int = 256
+    output_len: int = 128
+    range_ratio: float = 0.0
+    burstiness: float = 1.0
+    seed: int = 0
+
+    def requests(self, vocab_size: int, eos_token_id: int | None) -> tuple[list[list[int]], list[int], list[float]]:
+        from bench.datasets import DatasetOptions, sample_requests
+        from bench.serve import arrival_offsets
+        reqs = sample_requests(DatasetOptions("random", input_len=self.input_len, output_len=self.output_len,
+                                              range_ratio=self.range_ratio), self.num_prompts, vocab_size,
+                               seed=self.seed, eos_token_id=eos_token_id)
+        offsets = arrival_offsets(self.num_prompts, self.rate, self.burstiness, self.seed)
+        return [r.prompt for r in reqs], [r.expected_output_len for r in reqs], offsets  # type: ignore[misc]
+
+
+@dataclass(slots=True)
+class PlanConfig:
+    """`pdserve plan` settings (flags generated from these fields; --slo is added by the CLI)."""
+
+    profile: str | None = _f(None, "the cost model `pdserve profile` wrote (required)")
+    rate: float = _f(2.0, "requests per second (Poisson arrivals, as `bench serve --request-rate`)")
+    num_prompts: int = _f(200, "requests simulated (as `bench serve --num-prompts`)")
+    input_len: int = _f(256, "prompt tokens (as `bench serve --random-input-len`)")
+    output_len: int = _f(128, "output tokens (as `bench serve --random-output-len`, with --ignore-eos)")
+    range_ratio: float = _f(0.0, "length spread (as `bench serve --random-range-ratio`)")
+    burstiness: float = _f(1.0, "gamma shape of the arrival gaps; 1: Poisson")
+    seed: int = _f(0, "workload seed (as `bench serve --seed`)")
+    cores: int | None = _f(None, "core budget; none: this machine's cores")
+    chunk_budgets: str = _f("256,512,2048", "max_num_batched_tokens candidates, comma-separated")
+    policies: str = _f("mixed,prefill_first,interleave", "schedule policy candidates of colocated workers")
+    threads_per_worker: int = _f(1, "torch threads per worker (the profile's cost model is for its own count)")
+    router_overhead_ms: float = _f(2.0, "client -> router -> worker, per request (on TTFT)")
+    token_overhead_ms: float = _f(0.5, "a token's way back to the client")
+    handoff_overhead_ms: float = _f(2.0, "disaggregated: first token -> the decode worker's Decode call")
+    kv_ms_per_block: float | None = _f(None, "KV transfer time per block; none: the profile's")
+    out: str | None = _f(None, "also write every candidate's metrics to this JSON file")
+    slos: tuple[str, ...] = field(default=(), metadata={"cli": False})
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0:
+            raise ValueError(f"rate must be > 0, got {self.rate}")
+        for name in ("num_prompts", "input_len", "output_len", "threads_per_worker"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cores is not None and self.cores < 1:
+            raise ValueError(f"cores must be >= 1, got {self.cores}")
+        parse_slos(self.slos)
+
+    @property
+    def workload(self) -> Workload:
+        return Workload(self.rate, self.num_prompts, self.input_len, self.output_len, self.range_ratio,
+                        self.burstiness, self.seed)
+
+    @property
+    def overheads(self) -> Overheads:
+        return Overheads(self.router_overhead_ms / 1e3, self.token_overhead_ms / 1e3, self.handoff_overhead_ms / 1e3,
+                         None if self.kv_ms_per_block is None else self.kv_ms_per_block / 1e3)
+
+
+def parse_slos(items: Sequence[str]) -> dict[str, float]:
+    """["ttft:500", "tpot:50"] -> {"ttft": 500.0, "tpot": 50.0} (milliseconds, bench serve's --goodput keys)."""
+    out: dict[str, float] = {}
+    for item in items:
+        for part in str(item).split(","):
+            if not part.strip():
+                continue
+            key, sep, value = part.partition(":")
+            key = key.strip().lower()
+            if not sep or key not in SLO_METRICS:
+                raise ValueError(f"--slo takes METRIC:MS with METRIC one of {', '.join(SLO_METRICS)}, got {part!r}")
+            try:
+                ms = float(value)
+            except ValueError:
+                raise ValueError(f"--slo {part!r}: {value!r} is not a number of milliseconds") from None
+            if not ms > 0:
+                raise ValueError(f"--slo {part!r}: the limit must be > 0 ms")
+            out[key] = ms
+    return out
+
+
+def candidates(cores: int, chunk_budgets: Sequence[int], policies: Sequence[str], threads: int = 1
+               ) -> list[Candidate]:
+    """Every colocated x K and xPyD deployment that fits in cores, for each budget (and policy)."""
+    slots = cores // threads
+    out: list[Candidate] = []
+    for budget in chunk_budgets:
+        for k in range(1, slots + 1):
+            for policy in policies:
+                out.append(Candidate(colocated_workers=k, max_num_batched_tokens=budget, schedule_policy=policy,
+                                     threads_per_worker=threads))
+        for p in range(1, slots):
+            for d in range(1, slots - p + 1):
+                out.append(Candidate(prefill_workers=p, decode_workers=d, max_num_batched_tokens=budget,
+                                     threads_per_worker=threads))
+    return out
+
+
+def simulate(cost: CostModel, candidate: Candidate, workload: Workload, overheads: Overheads | None = None,
+             slos: dict[str, float] | None = None) -> dict[str, Any]:
+    """bench serve's metrics of candidate under workload, predicted; plus the simulation itself."""
+    from bench.serve import calculate_metrics
+    mc = cost.model_config
+    eos = mc.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    prompts, outs, offsets = workload.requests(int(mc["vocab_size"]), eos)
+    sim = Simulation(cost, candidate, overheads)
+    results = sim.run(prompts, outs, offsets)
+    done = [r for r in results if r.success]
+    duration = max((r.start_time + r.latency for r in done), default=0.0) - min((r.start_time for r in results),
+                                                                                default=0.0)
+    metrics = calculate_metrics(results, max(duration, 1e-9), PERCENTILES, slos or None)
+    metrics["slo_attainment"] = (metrics["request_goodput"] * duration / len(results)) if slos else None
+    metrics["cores"] = candidate.cores
+    metrics["goodput_per_core"] = (metrics["request_goodput"] or 0.0) / candidate.cores if slos else None
+    metrics["simulation"] = sim
+    return metrics
+
+
+def rank(rows: list[tuple[Candidate, dict[str, Any]]]) -> list[tuple[Candidate, dict[str, Any]]]:
+    """Best first: goodput per core (throughput per core without SLOs), then TTFT p99."""
+    def key(row: tuple[Candidate, dict[str, Any]]) -> tuple[float, float]:
+        _, m = row
+        per_core = m["goodput_per_core"] if m["goodput_per_core"] is not None else m["request_throughput"] / m["cores"]
+        return (-round(per_core, 6), m["p99_ttft_ms"])
+    return sorted(rows, key=key)
+
+
+def table(rows: Sequence[tuple[Candidate, dict[str, Any]]], slos: dict[str, float]) -> str:
+    head = ("| candidate | cores | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT p50 / p99 (ms) | req/s |"
+            + (" SLO met | goodput/core |" if slos else ""))
+    lines = [head, "|" + "---|" * (6 + (2 if slos else 0))]
+    for c, m in rows:
+        line = (f"| {c.name} | {c.cores} | {m['p50_ttft_ms']:.0f} / {m['p99_ttft_ms']:.0f} | "
+                f"{m['p50_itl_ms']:.1f} / {m['p99_itl_ms']:.1f} | {m['p50_tpot_ms']:.1f} / {m['p99_tpot_ms']:.1f} | "
+                f"{m['request_throughput']:.2f} |")
+        if slos:
+            line += f" {m['slo_attainment']:.0%} | {m['goodput_per_core']:.2f} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def run_plan(config: PlanConfig, out=None) -> int:
+    out = out or sys.stdout
+    if not config.profile:
+        raise ValueError("--profile is required: make one with `pdserve profile --model DIR`")
+    cost = CostModel.load(config.profile)
+    slos = parse_slos(config.slos)
+    cores = config.cores or os.cpu_count() or 1
+    budgets = [int(b) for b in config.chunk_budgets.split(",") if b.strip()]
+    policies = [p.strip() for p in config.policies.split(",") if p.strip()]
+    profiled_threads = cost.machine.get("torch_threads")
+    if profiled_threads and profiled_threads != config.threads_per_worker:
+        print(f"warning: the profile was measured with {profiled_threads} thread(s), the candidates use "
+              f"{config.threads_per_worker}", file=sys.stderr)
+    cands = candidates(cores, budgets, policies, config.threads_per_worker)
+    if not cands:
+        raise ValueError(f"no deployment fits in {cores} core(s) at {config.threads_per_worker} thread(s) per worker")
+    w = config.workload
+    print(f"pdserve plan: {len(cands)} candidates within {cores} core(s); {w.num_prompts} requests of {w.input_len} in / "
+          f"{w.output_len} out tokens at {w.rate:g} req/s (seed {w.seed}); SLOs "
+          f"{', '.join(f'{k} <= {v:g} ms' for k, v in slos.items()) or 'none'}", file=out, flush=True)
+    t0 = time.perf_counter()
+    rows = [(c, simulate(cost, c, w, config.overheads, slos)) for c in cands]
+    ranked = rank(rows)
+    print(table(ranked, slos), file=out)
+    best, m = ranked[0]
+    print(f"\nrecommended: {best.name} ({best.cores} core(s)): TTFT p50/p99 {m['p50_ttft_ms']:.0f}/{m['p99_ttft_ms']:.0f} ms,"
+          f" ITL p50/p99 {m['p50_itl_ms']:.1f}/{m['p99_itl_ms']:.1f} ms, TPOT p50/p99 {m['p50_tpot_ms']:.1f}/"
+          f"{m['p99_tpot_ms']:.1f} ms" + (f", {m['slo_attainment']:.0%} of requests within the SLOs, goodput "
+                                          f"{m['request_goodput']:.2f} req/s" if slos else ""), file=out)
+    print(f"deploy: pdserve up --model {cost.engine.get('model', 'MODEL')} {best.up_flags()}", file=out)
+    print(f"({len(cands)} simulations in {time.perf_counter() - t0:.1f}s)", file=out)
+    if config.out:
+        rows_json = [{"candidate": c.name, "up_flags": c.up_flags(),
+                      **{k: v for k, v in m.items() if not isinstance(v, (list, Simulation))}} for c, m in ranked]
+        with open(config.out, "w") as f:
+            json.dump({"workload": _fields(w), "slos": slos,
+                       "cores": cores, "candidates": rows_json}, f, indent=1)
+    return 0
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    import dataclasses
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}

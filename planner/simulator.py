@@ -1,0 +1,346 @@
+"""A discrete-event simulation of a pdserve deployment that runs the real engine code.
+
+Each simulated worker is a real ``LLMEngine`` (scheduler, block manager, KV connector, the
+step's bookkeeping) whose runner prices a step with the cost model instead of computing it:
+``SimRunner.run`` returns the token a real forward would sample (one for every sequence whose
+chunk reaches its last token, as ``ModelRunner.run``) and the step's duration. Time is
+simulated; nothing sleeps. What the services add around the engine is modelled by the same
+rules they follow:
+
+* colocated: the router gives a request to the worker with the fewest in-flight requests, then
+  the most free blocks (``WorkerPool.decode_candidates``);
+* disaggregated: requests wait in a FIFO admission queue until a decode worker (same order)
+  reserves blocks for the whole sequence (``LLMEngine.reserve``, real headroom rules); the
+  prefill worker with the fewest queued prompt tokens computes it (``pick_prefill``); after
+  each step its newly finished blocks travel to the decode worker (one stream per request, a
+  profiled time per block); the first token goes back at once; the decode worker admits the
+  request once every block arrived and the Decode call came (``LLMEngine.admit``); the prefill
+  worker's pinned blocks are released when the transfer ends.
+
+A worker's engine steps back to back while it has work; a request that arrives during a step
+joins the next one, as on the engine thread. One simplification: ``LLMEngine.step`` applies a
+step's results when it is scheduled (its duration is known only then), so blocks a step frees
+are visible to reservations made during that step; outputs are delivered at the step's end.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, NoCapacity, RequestOutput
+from engine.model_config import ModelConfig
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, StepTrace
+from planner.cost_model import CostModel, StepSample, step_features
+
+SIM_TOKEN = 2   # the token every simulated step samples: never EOS in pdserve's made models (ignore_eos anyway)
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One deployment to simulate: colocated_workers > 0, or prefill_workers + decode_workers."""
+
+    colocated_workers: int = 0
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    max_num_batched_tokens: int = 2048
+    schedule_policy: str = "auto"
+    threads_per_worker: int = 1
+
+    def __post_init__(self) -> None:
+        if self.colocated_workers < 0 or self.prefill_workers < 0 or self.decode_workers < 0:
+            raise ValueError("worker counts must be >= 0")
+        if not self.colocated_workers and (self.prefill_workers < 1 or self.decode_workers < 1):
+            raise ValueError("a disaggregated candidate needs prefill_workers >= 1 and decode_workers >= 1")
+
+    @property
+    def colocated(self) -> bool:
+        return self.colocated_workers > 0
+
+    @property
+    def num_workers(self) -> int:
+        return self.colocated_workers or self.prefill_workers + self.decode_workers
+
+    @property
+    def cores(self) -> int:
+        return self.num_workers * self.threads_per_worker
+
+    @property
+    def name(self) -> str:
+        shape = f"colocated x{self.colocated_workers}" if self.colocated else \
+            f"{self.prefill_workers}P{self.decode_workers}D"
+        return f"{shape}, budget {self.max_num_batched_tokens}, {self.schedule_policy}"
+
+    def up_flags(self) -> str:
+        """The `pdserve up` flags that deploy this candidate."""
+        shape = (f"--colocated-workers {self.colocated_workers}" if self.colocated else
+                 f"--prefill-workers {self.prefill_workers} --decode-workers {self.decode_workers}")
+        flags = f"{shape} --threads {self.threads_per_worker} --max-num-batched-tokens {self.max_num_batched_tokens}"
+        return flags + (f" --schedule-policy {self.schedule_policy}" if self.schedule_policy != "auto" else "")
+
+
+@dataclass(slots=True)
+class Overheads:
+    """Costs outside the engine steps, in seconds."""
+
+    router_s: float = 0.002        # client -> router -> worker (tokenized ids, RPCs), once per request
+    token_s: float = 0.0005        # a token's way back to the client
+    handoff_s: float = 0.002       # disaggregated: first token -> the decode worker's Decode call
+    kv_s_per_block: float | None = None   # None: the profile's
+
+
+@dataclass(slots=True)
+class SimRequest:
+    request_id: str
+    prompt: list[int]
+    output_len: int
+    send_time: float
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    # disaggregated hand-off
+    decode: "SimWorker | None" = None
+    prefill: "SimWorker | None" = None
+    needed: frozenset[int] = frozenset()
+    kv_free_at: float = 0.0
+    first_token: int | None = None
+
+
+class SimRunner:
+    """Stands in for ModelRunner: samples where the real one would, and prices the step."""
+
+    def __init__(self, cost: CostModel, num_kv_blocks: int) -> None:
+        self.cost = cost
+        self.num_kv_blocks = num_kv_blocks
+        self.kv_bytes_per_block = cost.kv_bytes_per_block
+        self.last: StepSample | None = None
+        self.last_seconds = 0.0
+
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        contexts = [s.num_computed_tokens for s in batch.seqs]
+        self.last = step_features(contexts, batch.num_new_tokens, batch.num_decode_seqs)
+        self.last_seconds = self.cost.step_seconds(self.last)
+        return [SIM_TOKEN if s.num_computed_tokens + n >= s.num_tokens else None
+                for s, n in zip(batch.seqs, batch.num_new_tokens)]
+
+
+@dataclass(slots=True)
+class SimStep:
+    start: float
+    seconds: float
+    trace: StepTrace
+
+
+class SimWorker:
+    def __init__(self, sim: "Simulation", name: str, config: EngineConfig, model_config: ModelConfig,
+                 cost: CostModel, num_kv_blocks: int) -> None:
+        self.sim = sim
+        self.name = name
+        self.role = config.role
+        self.runner = SimRunner(cost, num_kv_blocks)
+        self.engine = LLMEngine(config, runner=self.runner, model_config=model_config)  # type: ignore[arg-type]
+        self.export_s_per_block = cost.export_s_per_block if config.role == "prefill" else 0.0
+        self.busy = False
+        self.inflight = 0
+        self.inflight_prompt_tokens = 0
+        self.steps: list[SimStep] = []
+        self.busy_seconds = 0.0
+
+    @property
+    def free_blocks(self) -> int:
+        return self.engine.block_manager.num_free_blocks
+
+    def kick(self) -> None:
+        """Start a step now if idle with work (the engine thread wakes on new work)."""
+        if self.busy or not self.engine.has_unfinished_requests():
+            return
+        n = self.engine.num_steps
+        outputs = self.engine.step()
+        if self.engine.num_steps == n:
+            return   # nothing schedulable (no blocks): a release or a finish kicks it again
+        seconds = self.runner.last_seconds + self.export_s_per_block * sum(len(o.ready_blocks) for o in outputs)
+        self.steps.append(SimStep(self.sim.now, seconds, self.engine.trace[-1]))
+        self.busy_seconds += seconds
+        self.busy = True
+        self.sim.at(self.sim.now + seconds, self._end_step, outputs)
+
+    def _end_step(self, outputs: list[RequestOutput]) -> None:
+        self.busy = False
+        for out in outputs:
+            self.sim.on_output(self, out)
+        self.kick()
+        self.sim.on_change()
+
+
+class Simulation:
+    """One candidate deployment under one workload. ``run`` returns one RequestResult per request
+    (bench/serve.py's, so the metrics are computed by the same code as measurements)."""
+
+    def __init__(self, cost: CostModel, candidate: Candidate, overheads: Overheads | None = None) -> None:
+        self.cost = cost
+        self.candidate = candidate
+        self.overheads = overheads or Overheads()
+        self.kv_s_per_block = (self.overheads.kv_s_per_block if self.overheads.kv_s_per_block is not None
+                               else cost.kv_transfer_s_per_block)
+        self.model_config = ModelConfig.from_dict(cost.model_config)
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable, tuple]] = []
+        self._seq = itertools.count()
+        self.requests: dict[str, SimRequest] = {}
+        self.queue: list[SimRequest] = []      # disaggregated admission queue (FIFO)
+        eng = cost.engine
+        num_blocks = int(eng.get("num_kv_blocks") or eng.get("resolved_num_kv_blocks") or 0)
+        if num_blocks < 1:
+            raise ValueError("the profile does not say how many KV blocks the engine has")
+        base = {k: eng[k] for k in ("block_size", "max_num_seqs", "enable_prefix_caching", "max_model_len")
+                if eng.get(k) is not None}
+        base.update(num_kv_blocks=num_blocks, max_num_batched_tokens=candidate.max_num_batched_tokens,
+                    device="cpu", seed=eng.get("seed", 0))
+        model = str(eng.get("model", "simulated"))
+
+        def worker(role: str, i: int) -> SimWorker:
+            policy = candidate.schedule_policy if role == "both" else "auto"
+            config = EngineConfig(model=model, role=role, schedule_policy=policy, **base)
+            return SimWorker(self, f"{role}-{i}", config, self.model_config, cost, num_blocks)
+
+        if candidate.colocated:
+            self.colocated = [worker("both", i) for i in range(candidate.colocated_workers)]
+            self.prefill, self.decode = [], []
+        else:
+            self.colocated = []
+            self.prefill = [worker("prefill", i) for i in range(candidate.prefill_workers)]
+            self.decode = [worker("decode", i) for i in range(candidate.decode_workers)]
+
+    @property
+    def workers(self) -> list[SimWorker]:
+        return [*self.colocated, *self.prefill, *self.decode]
+
+    # ---- events -----------------------------------------------------------------------
+    def at(self, t: float, fn: Callable, *args: Any) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn, args))
+
+    def run(self, prompts: Sequence[list[int]], output_lens: Sequence[int], offsets: Sequence[float]) -> list[Any]:
+        from bench.serve import RequestResult
+        for i, (prompt, n_out, t) in enumerate(zip(prompts, output_lens, offsets)):
+            req = SimRequest(f"sim-{i}", list(prompt), int(n_out), float(t))
+            self.requests[req.request_id] = req
+            self.at(t + self.overheads.router_s, self._arrive, req)
+        while self._events:
+            t, _, fn, args = heapq.heappop(self._events)
+            self.now = t
+            fn(*args)
+        results = []
+        for req in self.requests.values():
+            res = RequestResult(prompt_len=len(req.prompt), start_time=req.send_time)
+            if req.finish_time is not None and req.token_times:
+                res.success = True
+                res.output_len = len(req.token_times)
+                res.ttft = req.token_times[0] - req.send_time
+                res.latency = req.token_times[-1] - req.send_time
+                res.itl = [b - a for a, b in zip(req.token_times, req.token_times[1:])]
+            else:
+                res.error = "did not finish in the simulation"
+            results.append(res)
+        return results
+
+    def _params(self, req: SimRequest) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
+
+    def _arrive(self, req: SimRequest) -> None:
+        if self.colocated:
+            w = min(self.colocated, key=lambda w: (w.inflight, -w.free_blocks))
+            w.inflight += 1
+            req.decode = w
+            w.engine.add_request(req.request_id, req.prompt, self._params(req))
+            w.kick()
+        else:
+            self.queue.append(req)
+            self._admit_queue()
+
+    def on_change(self) -> None:
+        if self.queue:
+            self._admit_queue()
+
+    def _admit_queue(self) -> None:
+        """The head of the admission queue reserves decode blocks when a worker has room."""
+        while self.queue:
+            req = self.queue[0]
+            for d in sorted(self.decode, key=lambda w: (w.inflight, -w.free_blocks)):
+                if d.free_blocks < d.engine.block_manager.blocks_needed(len(req.prompt)):
+                    continue
+                try:
+                    res = d.engine.reserve(req.request_id, req.prompt, self._params(req))
+                except NoCapacity:
+                    continue
+                break
+            else:
+                return
+            self.queue.pop(0)
+            d.inflight += 1
+            req.decode, req.needed = d, frozenset(res.needed_block_indices)
+            p = min(self.prefill, key=lambda w: w.inflight_prompt_tokens + w.engine.scheduler.num_queued_prompt_tokens)
+            p.inflight += 1
+            p.inflight_prompt_tokens += len(req.prompt)
+            req.prefill = p
+            p.engine.add_request(req.request_id, req.prompt, self._params(req))
+            p.kick()
+
+    # ---- outputs ----------------------------------------------------------------------
+    def on_output(self, worker: SimWorker, out: RequestOutput) -> None:
+        req = self.requests[out.request_id]
+        if worker.role == "prefill":
+            self._prefill_output(worker, req, out)
+            return
+        for _ in out.new_token_ids:
+            req.token_times.append(self.now + self.overheads.token_s)
+        if out.finished:
+            self._finish(req)
+
+    def _prefill_output(self, p: SimWorker, req: SimRequest, out: RequestOutput) -> None:
+        shipped = sum(1 for i in out.ready_blocks if i in req.needed)
+        if shipped:   # this step's finished blocks go out on the request's KV stream
+            req.kv_free_at = max(req.kv_free_at, self.now) + shipped * self.kv_s_per_block
+        if not out.prefill_done:
+            return
+        p.inflight_prompt_tokens -= len(req.prompt)
+        req.token_times.append(self.now + self.overheads.token_s)
+        req.first_token = out.new_token_ids[0]
+        kv_done = max(req.kv_free_at, self.now)
+        self.at(kv_done, self._kv_delivered, req)
+        if out.finished:   # the first token ends it: no decode needed (the router releases it)
+            return
+        self.at(max(kv_done, self.now + self.overheads.token_s + self.overheads.handoff_s), self._admit, req)
+
+    def _kv_delivered(self, req: SimRequest) -> None:
+        p, d = req.prefill, req.decode
+        assert p is not None and d is not None
+        p.inflight -= 1
+        p.engine.release(req.request_id)
+        handle = d.engine.kv.receiving.get(req.request_id)
+        if handle is not None:
+            handle.needed.clear()       # the bytes are not simulated: every block arrived and checked
+            d.engine.kv._ready(handle)
+        if req.output_len <= 1:
+            d.engine.abort(req.request_id)
+            self._finish(req)
+        p.kick()
+        self.on_change()
+
+    def _admit(self, req: SimRequest) -> None:
+        d = req.decode
+        assert d is not None and req.first_token is not None
+        reason = d.engine.admit(req.request_id, req.first_token)
+        if reason is not None:
+            self._finish(req)
+            return
+        d.kick()
+
+    def _finish(self, req: SimRequest) -> None:
+        if req.finish_time is not None:
+            return
+        req.finish_time = self.now
+        if req.decode is not None:
+            req.decode.inflight -= 1
+        self.on_change()
