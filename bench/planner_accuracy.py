@@ -3,7 +3,7 @@
 
 For each setup (colocated: ``pdserve up --colocated-workers 1``; 1P1D: ``--prefill-workers 1
 --decode-workers 1``; one torch thread per worker, engine defaults) and each request rate, it
-predicts bench serve's metrics with the simulator (planner/simulator.py on the profile's cost
+predicts bench serve's metrics with the simulator (services/planner/simulator.py on the profile's cost
 model) and measures them (``pdserve bench serve`` against a real ``pdserve up``, same dataset,
 seed and arrivals), then prints TTFT and ITL p50/p99 predicted / measured / error, and whether
 the planner ranks the setups in the order the measurements do. Before each measurement it
@@ -34,7 +34,7 @@ LOCK = Path("/tmp/pdserve-benchmark.lock")
 
 
 def candidate(setup: str, threads: int):
-    from planner.simulator import Candidate
+    from services.planner.simulator import Candidate
     if setup == "colocated":
         return Candidate(colocated_workers=1, threads_per_worker=threads)
     return Candidate(prefill_workers=1, decode_workers=1, threads_per_worker=threads)
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from bench.datasets import ensure_model
-    from planner.cost_model import CostModel
-    from planner.plan import Workload, simulate
+    from services.planner.cost_model import CostModel
+    from services.planner.plan import Workload, simulate
     from services.launcher import free_port, wait_serving
 
     model = str(args.model or ensure_model("small"))

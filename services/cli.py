@@ -266,7 +266,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from engine.model_maker import pdserve_home
-    from planner.profile import ProfileConfig, run_profile
+    from services.planner.profile import ProfileConfig, run_profile
     engine_kwargs = given(args, EngineConfig, ENGINE_FIXED)
     engine_kwargs.setdefault("num_threads", 1)   # as each worker `pdserve up` starts
     engine = EngineConfig(model=_model_dir(args), **engine_kwargs)
@@ -280,7 +280,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from planner.plan import PlanConfig, run_plan
+    from services.planner.plan import PlanConfig, run_plan
     return run_plan(config_from_args(PlanConfig, args, slos=tuple(args.slo or ())))
 
 
@@ -391,8 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_security_args(p)
     p.set_defaults(func=cmd_health)
 
-    from planner.plan import PlanConfig
-    from planner.profile import ProfileConfig
+    from services.planner.plan import PlanConfig
+    from services.planner.profile import ProfileConfig
     p = sub.add_parser("profile", help="measure engine step costs on this machine and save a cost model",
                        parents=[common])
     _add_engine_args(p)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from planner.cost_model import CostModel, KindFit, StepSample, fit_nonnegative, step_features
-from planner.plan import PlanConfig, Workload, candidates, parse_slos, rank, simulate
-from planner.simulator import Candidate, Overheads, Simulation
+from services.planner.cost_model import CostModel, KindFit, StepSample, fit_nonnegative, step_features
+from services.planner.plan import PlanConfig, Workload, candidates, parse_slos, rank, simulate
+from services.planner.simulator import Candidate, Overheads, Simulation
 from services.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from planner.cost_model import CostModel, StepSample, step_features
+from services.planner.cost_model import CostModel, StepSample, step_features
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:

@@ -1,7 +1,7 @@
 """``pdserve plan``: which deployment serves a workload best per core, under latency SLOs.
 
 For every candidate within the core budget (colocated x K; xPyD), chunk budget
-(max_num_batched_tokens) and schedule policy, the simulator (planner/simulator.py: the real
+(max_num_batched_tokens) and schedule policy, the simulator (services/planner/simulator.py: the real
 scheduler and block manager, step times from the profile's cost model) serves the same
 workload ``pdserve bench serve`` would send: bench/datasets.py's random dataset and
 bench/serve.py's Poisson arrivals, for the same seed. The metrics are bench/serve.py's own
@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from planner.cost_model import CostModel
-from planner.simulator import Candidate, Overheads, Simulation
+from services.planner.cost_model import CostModel
+from services.planner.simulator import Candidate, Overheads, Simulation
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 PERCENTILES = (50, 90, 99)

@@ -34,7 +34,7 @@ from engine.llm_engine import LLMEngine, NoCapacity, RequestOutput
 from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, StepTrace
-from planner.cost_model import CostModel, StepSample, step_features
+from services.planner.cost_model import CostModel, StepSample, step_features
 
 SIM_TOKEN = 2   # the token every simulated step samples: never EOS in pdserve's made models (ignore_eos anyway)
 
