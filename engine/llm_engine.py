@@ -26,11 +26,13 @@ from typing import Sequence as Seq
 from engine.block_manager import BlockManager, NoFreeBlocks
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnector, LeasePolicy, Reservation
+from engine.kv_events import KVEventBatch, KVEventLog
 from engine.logprobs import TokenLogprob, logprob_of
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, StepTrace
+from engine.step_cost import StepCost
 from engine.sequence import Sequence, SequenceStatus
 from engine.validation import validate_request
 
@@ -62,7 +64,10 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.runner = ModelRunner(config, self.model_config)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_events = KVEventLog()
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                          events=self.kv_events)
+        self.step_cost = StepCost()
         self.scheduler = Scheduler(config, self.block_manager)
         self.kv = KVConnector(self, lease)
         self.requests: dict[str, Sequence] = {}     # sequences the scheduler holds
@@ -128,6 +133,7 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         with self.lock:
             self.kv.expire()
             batch = self.scheduler.schedule()
@@ -146,7 +152,9 @@ class LLMEngine:
                     if seq.status is SequenceStatus.FINISHED:   # dropped while its step ran
                         self.block_manager.free(seq)
         with self.lock:
-            return self._apply(batch, tokens)
+            outputs = self._apply(batch, tokens)
+            self.step_cost.observe(batch.num_tokens, (time.perf_counter() - t0) * 1e3)
+            return outputs
 
     def _apply(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:
         now = time.monotonic()
@@ -244,6 +252,11 @@ class LLMEngine:
             return None
 
     # ---- introspection ----------------------------------------------------------
+    def read_kv_events(self, cursor: int | None) -> KVEventBatch:
+        """Prefix-cache keys stored / removed since cursor (None: a snapshot of every key)."""
+        with self.lock:
+            return self.kv_events.read(cursor, lambda: list(self.block_manager.hash_to_block))
+
     def stats(self) -> dict[str, int]:
         with self.lock:
             bm = self.block_manager

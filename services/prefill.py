@@ -45,6 +45,7 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
         kv = self.sender.open(target.address, rid, target.transfer_token) if needed else None
         hashes = transfer_block_hashes(tokens, self.block_size)
         delivered = False
+        last_sent = 0
         try:
             with self.state.track():
                 async with stream:
@@ -60,8 +61,10 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
                         if out.finish_reason == "abort":
                             await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
                         if kv is not None and out.ready_blocks:
-                            await kv.send([KVBlock(rid, idx, hashes[idx], self.block_size, res.blocks[j])
-                                           for j, idx in enumerate(out.ready_blocks) if idx in needed])
+                            batch = [KVBlock(rid, idx, hashes[idx], self.block_size, res.blocks[j])
+                                     for j, idx in enumerate(out.ready_blocks) if idx in needed]
+                            await kv.send(batch)
+                            last_sent = len(batch)   # the final send's blocks are the exposed ones
                         if out.prefill_done:
                             break
                         if out.ready_blocks:
@@ -89,7 +92,8 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
                     if self.metrics is not None:
                         self.metrics.kv_sent(nbytes, result.seconds)
                 yield worker_pb2.PrefillEvent(kv_delivered=worker_pb2.KVDelivered(
-                    blocks=blocks, bytes=nbytes, exposed_ms=(time.perf_counter() - sampled_at) * 1e3))
+                    blocks=blocks, bytes=nbytes, exposed_ms=(time.perf_counter() - sampled_at) * 1e3,
+                    exposed_blocks=last_sent if kv is not None else 0))
         finally:
             if kv is not None and not delivered:
                 await kv.cancel()
