@@ -67,7 +67,8 @@ class LLMEngine:
         self.kv_events = KVEventLog()
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           events=self.kv_events)
-        self.step_cost = StepCost()
+        self.step_cost = StepCost()          # every step, by tokens computed
+        self.decode_step_cost = StepCost()   # decode-only steps, by sequences
         self.scheduler = Scheduler(config, self.block_manager)
         self.kv = KVConnector(self, lease)
         self.requests: dict[str, Sequence] = {}     # sequences the scheduler holds
@@ -153,7 +154,10 @@ class LLMEngine:
                         self.block_manager.free(seq)
         with self.lock:
             outputs = self._apply(batch, tokens)
-            self.step_cost.observe(batch.num_tokens, (time.perf_counter() - t0) * 1e3)
+            ms = (time.perf_counter() - t0) * 1e3
+            self.step_cost.observe(batch.num_tokens, ms)
+            if batch.num_decode_seqs == len(batch.seqs):   # decodes only: the marginal cost of a sequence
+                self.decode_step_cost.observe(batch.num_decode_seqs, ms)
             return outputs
 
     def _apply(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:

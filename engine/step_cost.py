@@ -6,6 +6,10 @@ steps (prefill chunks of different sizes; decode batches that grow and shrink), 
 coefficients are identifiable; the fit is a least-squares line over exponentially decayed
 sums, so it follows a machine that gets slower or faster within ~``1 / (1 - decay)`` steps.
 
+Decode-only steps are also fitted on their own, by sequences (``decode_step_cost`` of the
+engine): a decode token costs far less than a prefill token (the weights are read once for the
+whole batch), so the cost one more running sequence adds to every step is that slope.
+
 The router turns these into the costs it routes by (services/cost_model.py): how long a
 prompt takes to prefill here, and how much a prompt chunk adds to the steps of the
 sequences decoding here (the inter-token latency inflation of a local prefill).

@@ -2,8 +2,9 @@
 
 Learned, never configured:
 
-* a worker's step cost, ``base + ms_per_token * tokens``: fitted by the worker from its own steps
-  (engine/step_cost.py) and published in its status. A worker that has not stepped yet borrows
+* a worker's step cost, ``base + ms_per_token * tokens``, and what one more decoding sequence adds
+  to a step, ``ms_per_seq``: fitted by the worker from its own steps (engine/step_cost.py) and
+  published in its status. A worker that has not stepped yet borrows
   the mean of those that have (same model, same kind of machine), else a small default;
 * the KV transfer time per block: from each remote prefill's ``KVDelivered`` (the blocks sent
   after the token was sampled, and how long they took to be acknowledged), a moving average;
@@ -13,7 +14,7 @@ Learned, never configured:
 The prefill of ``u`` uncached prompt tokens on a worker with ``q`` prompt tokens queued ahead,
 step budget ``B`` and ``R`` sequences decoding:
 
-    prefill_ms = ms_per_token * (q + u) + (base + ms_per_token * R) * (1 + (q + u) / B)
+    prefill_ms = ms_per_token * (q + u) + (base + ms_per_seq * R) * (1 + (q + u) / B)
 
 Conditional disaggregation compares, per request and decode worker D (best prefill worker P):
 
@@ -54,6 +55,7 @@ class StepCostView:
     ms_per_token: float
     budget: int          # tokens per step (prefill chunk)
     learned: bool        # from this worker's own steps
+    ms_per_seq: float    # what one more decoding sequence adds to a step
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,18 +87,25 @@ class CostModel:
     @staticmethod
     def step_cost(status: worker_pb2.WorkerStatus | None, peers: list[worker_pb2.WorkerStatus]) -> StepCostView:
         budget = status.max_num_batched_tokens if status is not None and status.max_num_batched_tokens else 2048
+        decoders = [p.decode_ms_per_seq for p in peers if p.decode_ms_per_seq > 0]
+        if status is not None and status.decode_ms_per_seq > 0:
+            per_seq = status.decode_ms_per_seq
+        else:   # not decoded yet here (or a prefill worker): its peers' mean, else the token cost
+            per_seq = sum(decoders) / len(decoders) if decoders else 0.0
         if status is not None and status.step_ms_per_token > 0:
-            return StepCostView(status.step_base_ms, status.step_ms_per_token, budget, True)
+            return StepCostView(status.step_base_ms, status.step_ms_per_token, budget, True,
+                                per_seq or status.step_ms_per_token)
         fitted = [p for p in peers if p.step_ms_per_token > 0]
         if fitted:
-            return StepCostView(sum(p.step_base_ms for p in fitted) / len(fitted),
-                                sum(p.step_ms_per_token for p in fitted) / len(fitted), budget, False)
-        return StepCostView(DEFAULT_BASE_MS, DEFAULT_MS_PER_TOKEN, budget, False)
+            per_token = sum(p.step_ms_per_token for p in fitted) / len(fitted)
+            return StepCostView(sum(p.step_base_ms for p in fitted) / len(fitted), per_token, budget, False,
+                                per_seq or per_token)
+        return StepCostView(DEFAULT_BASE_MS, DEFAULT_MS_PER_TOKEN, budget, False, per_seq or DEFAULT_MS_PER_TOKEN)
 
     @staticmethod
     def prefill_ms(cost: StepCostView, load: Load, uncached: int) -> float:
         tokens = load.queued_tokens + uncached
-        return cost.ms_per_token * tokens + (cost.base_ms + cost.ms_per_token * load.running) * (1 + tokens / cost.budget)
+        return cost.ms_per_token * tokens + (cost.base_ms + cost.ms_per_seq * load.running) * (1 + tokens / cost.budget)
 
     def itl_inflation_ms(self, cost: StepCostView, load: Load, uncached: int) -> float:
         """Delay a local prefill of uncached tokens adds to the running sequences, weighted."""
@@ -116,7 +125,7 @@ class CostModel:
         """Uncached prompt tokens up to which local prefill on decode is cheaper, when neither
         worker holds the prompt's prefix (math.inf: at any length; 0: never)."""
         def line(cost: StepCostView, load: Load, extra_slope: float, extra_const: float) -> tuple[float, float]:
-            per_step = cost.base_ms + cost.ms_per_token * load.running
+            per_step = cost.base_ms + cost.ms_per_seq * load.running
             slope = cost.ms_per_token + per_step / cost.budget + extra_slope
             const = cost.ms_per_token * load.queued_tokens + per_step * (1 + load.queued_tokens / cost.budget)
             return slope, const + extra_const

@@ -161,10 +161,10 @@ class Placement:
 
     def _decode_ms(self, peers: list[WorkerHandle], load: Load, max_tokens: int) -> float:
         """What the running sequences there add to this request's decode: its output tokens times
-        their per-token cost. The per-token cost is the peers' mean, so that noise between the fits
+        their cost per sequence in a decode step. That cost is the peers' mean, so that noise between the fits
         of identical workers cannot outweigh a cached prefix."""
-        per_token = sum(self.step_cost(w).ms_per_token for w in peers) / len(peers)
-        return max_tokens * per_token * load.running
+        per_seq = sum(self.step_cost(w).ms_per_seq for w in peers) / len(peers)
+        return max_tokens * per_seq * load.running
 
     def threshold_now(self, decode: WorkerHandle) -> float:
         """The decode worker's local-prefill threshold against the best prefill worker now (metrics)."""

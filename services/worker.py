@@ -89,6 +89,7 @@ class WorkerInfoServicer(worker_pb2_grpc.WorkerServicer):
         engine = self.aengine.engine
         mc = engine.model_config
         base_ms, ms_per_token = engine.step_cost.coefficients()
+        _, ms_per_seq = engine.decode_step_cost.coefficients()
         return worker_pb2.WorkerStatus(
             role=ROLE_ENUM[self.role], worker_id=self.worker_id, model_name=self.aengine.config.model,
             kv_address=self.kv_address,
@@ -99,6 +100,7 @@ class WorkerInfoServicer(worker_pb2_grpc.WorkerServicer):
             head_dim=mc.head_dim, kv_dtype=engine.runner.kv_dtype_name, max_model_len=engine.max_model_len,
             draining=self.state.draining, num_sending=stats["num_pinned"],
             step_base_ms=_round3(base_ms), step_ms_per_token=_round3(ms_per_token),
+            decode_ms_per_seq=_round3(ms_per_seq),
             max_num_batched_tokens=self.aengine.config.max_num_batched_tokens)
 
     async def GetStatus(self, request, context):

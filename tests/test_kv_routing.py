@@ -95,7 +95,7 @@ def test_step_cost_fit_recovers_base_and_slope() -> None:
 def test_threshold_is_where_local_and_remote_cost_the_same() -> None:
     model = CostModel(itl_weight=1.0)
     model.observe_transfer(4, 2.0)
-    decode, prefill = StepCostView(1.0, 0.05, 512, True), StepCostView(1.0, 0.05, 2048, True)
+    decode, prefill = StepCostView(1.0, 0.05, 512, True, 0.05), StepCostView(1.0, 0.05, 2048, True, 0.05)
     decode_load, prefill_load = Load(0, 3), Load(3000, 0)
     u = model.threshold_tokens(decode, decode_load, prefill, prefill_load, block_size=16)
     assert 0 < u < math.inf
@@ -105,7 +105,7 @@ def test_threshold_is_where_local_and_remote_cost_the_same() -> None:
     assert model.local_ms(decode, decode_load, round(u / 2)) < model.remote_ms(prefill, prefill_load, round(u / 2),
                                                                                round(u / 2) / 16)
     # a slower prefill worker raises the threshold; an idle one with an idle decode worker: never local
-    slow = model.threshold_tokens(decode, decode_load, StepCostView(1.0, 0.5, 2048, True), prefill_load, 16)
+    slow = model.threshold_tokens(decode, decode_load, StepCostView(1.0, 0.5, 2048, True, 0.05), prefill_load, 16)
     assert slow > u
     assert model.threshold_tokens(decode, decode_load, prefill, Load(0, 0), 16) == 0.0
     assert model.threshold_tokens(decode, Load(0, 0), prefill, Load(0, 0), 16) == math.inf
@@ -236,7 +236,7 @@ def test_stale_index_costs_a_miss_not_a_wrong_token(tiny_qwen3: str, offline) ->
     request's keys: its index says the prefix is there (stale, always). Routing acts on it, the
     decode worker's reservation says what it really lacks, every block is shipped, and the
     tokens are right."""
-    cluster = start_cluster(tiny_qwen3, prefill_workers=1, decode_workers=2,
+    cluster = start_cluster(tiny_qwen3, prefill_workers=1, decode_workers=1,
                             engine_args=[*ENGINE_ARGS, "--no-enable-prefix-caching"],
                             router_args=["--routing", "kv-aware", "--disaggregation", "always"])
     try:
@@ -264,7 +264,7 @@ def test_conditional_disaggregation_decides_both_ways(tiny_qwen3: str, offline) 
             async with AsyncClient(cluster.router_address, timeout=60) as client:
                 idle = await _one(client, short_prompt)          # nothing decodes: local costs no one
                 started = asyncio.Event()
-                runner = asyncio.create_task(_first_token_then(client, PREFIX_A, 400, started))
+                runner = asyncio.create_task(_first_token_then(client, PREFIX_A, 200, started))
                 await asyncio.wait_for(started.wait(), 30)
                 busy = await _one(client, long_prompt)           # a long local chunk would stall the runner
                 await runner
@@ -283,6 +283,6 @@ def test_conditional_disaggregation_decides_both_ways(tiny_qwen3: str, offline) 
         assert metric(samples, "pdserve:prefill_route_total") >= 3
         assert any(k.startswith("pdserve:router_local_prefill_threshold_tokens{") for k in samples)
         assert metric(samples, "pdserve:router_est_step_ms_per_token") > 0
-        assert len(runner_tokens) == 400
+        assert len(runner_tokens) == 200
     finally:
         cluster.stop()

@@ -24,7 +24,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("role", "worker_id", "model_name", "kv_address", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "num_queued_prompt_tokens", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_dtype", "max_model_len", "draining", "num_sending", "step_base_ms", "step_ms_per_token", "max_num_batched_tokens")
+    __slots__ = ("role", "worker_id", "model_name", "kv_address", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "num_queued_prompt_tokens", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_dtype", "max_model_len", "draining", "num_sending", "step_base_ms", "step_ms_per_token", "max_num_batched_tokens", "decode_ms_per_seq")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class WorkerStatus(_message.Message):
     STEP_BASE_MS_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_PER_SEQ_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     worker_id: str
     model_name: str
@@ -67,7 +68,8 @@ class WorkerStatus(_message.Message):
     step_base_ms: float
     step_ms_per_token: float
     max_num_batched_tokens: int
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., kv_address: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_queued_prompt_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_sending: _Optional[int] = ..., step_base_ms: _Optional[float] = ..., step_ms_per_token: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
+    decode_ms_per_seq: float
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., kv_address: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_queued_prompt_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_sending: _Optional[int] = ..., step_base_ms: _Optional[float] = ..., step_ms_per_token: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., decode_ms_per_seq: _Optional[float] = ...) -> None: ...
 
 class KVEvents(_message.Message):
     __slots__ = ("reset", "stored", "removed")
