@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import pytest
 
@@ -23,7 +24,7 @@ from services.client import AsyncClient
 from services.cost_model import CostModel, Load, StepCostView
 from services.kv_index import PrefixIndex
 from tests.conftest import random_prompts
-from tests.serving import metric, scrape, start_cluster
+from tests.serving import metric, scrape, start_cluster, worker_status, workers
 
 BS = 8
 ENGINE_ARGS = ["--block-size", str(BS), "--num-kv-blocks", "512", "--dtype", "float32"]
@@ -199,6 +200,17 @@ async def _first_token_then(client: AsyncClient, prompt: list[int], max_tokens: 
     return tokens
 
 
+def _wait_idle(cluster, timeout: float = 30.0) -> None:
+    """Every decode worker with nothing running or reserved, then a status interval more."""
+    deadline = time.monotonic() + timeout
+    while any(st.num_running or st.num_waiting or st.num_reserved
+              for st in (worker_status(cluster, a) for a in workers(cluster, "decode"))):
+        if time.monotonic() > deadline:
+            raise AssertionError("decode workers still busy")
+        time.sleep(0.02)
+    time.sleep(0.3)   # > the workers' status interval: the router has seen it
+
+
 def test_requests_follow_the_decode_worker_holding_their_prefix(tiny_qwen3: str, offline) -> None:
     cluster = start_cluster(tiny_qwen3, prefill_workers=1, decode_workers=2, engine_args=ENGINE_ARGS,
                             router_args=["--routing", "kv-aware"])
@@ -211,10 +223,13 @@ def test_requests_follow_the_decode_worker_holding_their_prefix(tiny_qwen3: str,
                 await asyncio.wait_for(started.wait(), 30)
                 b = await _one(client, PREFIX_B + SUFFIXES[1])
                 await a
-                # then, one at a time (both workers idle): each follows its prefix
-                follow = [await _one(client, p + s) for p, s in
-                          ((PREFIX_A, SUFFIXES[2]), (PREFIX_B, SUFFIXES[3]), (PREFIX_A, SUFFIXES[4]),
-                           (PREFIX_B, SUFFIXES[5]))]
+                # then, one at a time, each once both workers are idle in the router's view too (its
+                # status streams): each follows its prefix, whatever the learned costs say of load
+                follow = []
+                for p, s in ((PREFIX_A, SUFFIXES[2]), (PREFIX_B, SUFFIXES[3]), (PREFIX_A, SUFFIXES[4]),
+                             (PREFIX_B, SUFFIXES[5])):
+                    await asyncio.to_thread(_wait_idle, cluster)
+                    follow.append(await _one(client, p + s))
                 return b, follow
         b, follow = asyncio.run(run())
         prompts = [PREFIX_A + SUFFIXES[2], PREFIX_B + SUFFIXES[3], PREFIX_A + SUFFIXES[4], PREFIX_B + SUFFIXES[5]]
