@@ -13,9 +13,11 @@ Datasets (``--dataset-name``):
     ``--random-prefix-len P > 0`` every prompt starts with the same P random tokens (then the
     prompt is P + input length tokens, as in vLLM).
 ``shared-prefix``
-    One common prefix of ``--random-prefix-len`` tokens (256 when not given) + a random suffix
+    A common prefix of ``--random-prefix-len`` tokens (256 when not given) + a random suffix
     of ``--random-input-len`` tokens (range ratio applies) per request: exercises the prefix
-    cache, and in the disaggregated setup the skipped KV blocks.
+    cache, and in the disaggregated setup the skipped KV blocks. With
+    ``--shared-prefix-num-prefixes N`` there are N distinct prefixes, each request drawing one
+    uniformly (KV-aware routing: which worker holds which).
 ``mixed``
     The interference case: mostly short requests that decode for a while, and every
     ``round(1 / --mixed-long-fraction)``-th request (the 8th, 16th, ... by default) is a long
@@ -65,6 +67,7 @@ class DatasetOptions:
     mixed_long_input_len: int = 1024
     mixed_long_output_len: int = 16
     mixed_long_fraction: float = 0.125
+    num_prefixes: int = 1     # shared-prefix: distinct prefixes
 
 
 def length_range(length: int, ratio: float) -> tuple[int, int]:
@@ -105,8 +108,11 @@ def sample_requests(opts: DatasetOptions, num_prompts: int, vocab_size: int, see
             DEFAULT_SHARED_PREFIX_LEN if opts.name == "shared-prefix" else 0)
         if opts.name == "shared-prefix" and prefix_len < 1:
             raise ValueError("--dataset-name shared-prefix needs --random-prefix-len >= 1")
-        prefix = src.tokens(prefix_len)
+        if opts.num_prefixes < 1 or (opts.num_prefixes > 1 and opts.name != "shared-prefix"):
+            raise ValueError("--shared-prefix-num-prefixes must be >= 1, and > 1 only with shared-prefix")
+        prefixes = [src.tokens(prefix_len) for _ in range(opts.num_prefixes)]
         for _ in range(num_prompts):
+            prefix = prefixes[int(src.rng.integers(len(prefixes)))] if len(prefixes) > 1 else prefixes[0]
             n_in = src.length(opts.input_len, opts.range_ratio, minimum=0 if prefix_len else 1)
             n_out = src.length(opts.output_len, opts.range_ratio)
             ids = prefix + src.tokens(n_in)

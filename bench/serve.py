@@ -93,6 +93,10 @@ class RequestResult:
     finish_reason: str = ""
     kind: str = ""
     server_timings: dict[str, float] = field(default_factory=dict)   # the router's Timings, ms
+    token_ids: list[int] = field(default_factory=list)
+    prefill_route: str = ""               # the router's Timings: "remote" | "local" | "colocated"
+    decode_cached_tokens: int = 0         # prompt tokens the decode worker already held
+    kv_bytes: int = 0                     # KV bytes shipped to the decode worker
 
     @property
     def tpot(self) -> float | None:
@@ -211,12 +215,15 @@ async def send_request(client, req: SampleRequest, request_id: str, sampling: Sa
                     res.itl.append(now - last_token)
                 last_token = now
                 res.output_len += len(msg.token_ids)
+                res.token_ids.extend(msg.token_ids)
             if msg.finished:
                 finished = True
                 res.latency = now - st
                 res.finish_reason = msg.finish_reason
                 t = msg.timings
                 res.server_timings = {k: getattr(t, k) for k in SERVER_TIMINGS}
+                res.prefill_route, res.decode_cached_tokens, res.kv_bytes = (t.prefill_route, t.decode_cached_tokens,
+                                                                             t.kv_bytes)
                 if req.prompt_len < 0:
                     res.prompt_len = msg.usage.prompt_tokens
     except grpc.aio.AioRpcError as exc:
@@ -561,6 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--random-range-ratio", type=float, default=0.0)
     d.add_argument("--random-prefix-len", type=int, default=None,
                    help="shared prefix tokens (random: default 0; shared-prefix: default 256)")
+    d.add_argument("--shared-prefix-num-prefixes", type=int, default=1,
+                   help="shared-prefix: distinct prefixes, each request drawing one uniformly")
     d.add_argument("--mixed-short-input-len", type=int, default=64)
     d.add_argument("--mixed-long-input-len", type=int, default=1024)
     d.add_argument("--mixed-long-output-len", type=int, default=16)
@@ -600,7 +609,8 @@ def _dataset_options(args: argparse.Namespace) -> DatasetOptions:
                           prefix_len=args.random_prefix_len, mixed_short_input_len=args.mixed_short_input_len,
                           mixed_long_input_len=args.mixed_long_input_len,
                           mixed_long_output_len=args.mixed_long_output_len,
-                          mixed_long_fraction=args.mixed_long_fraction)
+                          mixed_long_fraction=args.mixed_long_fraction,
+                          num_prefixes=args.shared_prefix_num_prefixes)
 
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.kv_events import KVEventLog
 from engine.sequence import Sequence
 
 ROOT_HASH = 0
@@ -58,7 +59,8 @@ class NoFreeBlocks(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: KVEventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         self.block_size = block_size
@@ -68,6 +70,7 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.prefix_cache_queries = 0   # prompt tokens looked up
         self.prefix_cache_hits = 0      # prompt tokens found computed in the cache
+        self.events = events            # keys made findable / dropped, for routers (kv_events)
 
     # ---- pool -----------------------------------------------------------------
     @property
@@ -94,6 +97,8 @@ class BlockManager:
     def _forget_hash(self, block: Block) -> None:
         if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
             del self.hash_to_block[block.hash]
+            if self.events is not None:
+                self.events.removed(block.hash)
         block.hash = None
         block.token_ids = None
 
@@ -118,8 +123,10 @@ class BlockManager:
 
     def _register(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
         block.hash, block.token_ids = block_hash, token_ids
-        if self.enable_prefix_caching:
-            self.hash_to_block.setdefault(block_hash, block.block_id)
+        if self.enable_prefix_caching and block_hash not in self.hash_to_block:
+            self.hash_to_block[block_hash] = block.block_id
+            if self.events is not None:
+                self.events.stored(block_hash)
 
     # ---- sequences ------------------------------------------------------------
     def allocate(self, seq: Sequence, max_cached_tokens: int | None = None, *, receiving: bool = False,

@@ -27,11 +27,13 @@ from engine.block_manager import BlockManager, NoFreeBlocks
 from engine.parallel import RankFailure
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnector, LeasePolicy, Reservation
+from engine.kv_events import KVEventBatch, KVEventLog
 from engine.logprobs import TokenLogprob, logprob_of
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, StepTrace
+from engine.step_cost import StepCost
 from engine.sequence import Sequence, SequenceStatus
 from engine.validation import validate_request
 
@@ -66,7 +68,11 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.runner = runner if runner is not None else ModelRunner(config, self.model_config)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_events = KVEventLog()
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                          events=self.kv_events)
+        self.step_cost = StepCost()          # every step, by tokens computed
+        self.decode_step_cost = StepCost()   # decode-only steps, by sequences
         self.scheduler = Scheduler(config, self.block_manager)
         self.kv = KVConnector(self, lease)
         self.requests: dict[str, Sequence] = {}     # sequences the scheduler holds
@@ -144,6 +150,7 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         with self.lock:
             self.kv.expire()
             batch = self.scheduler.schedule()
@@ -170,7 +177,12 @@ class LLMEngine:
                     if seq.status is SequenceStatus.FINISHED:   # dropped while its step ran
                         self.block_manager.free(seq)
         with self.lock:
-            return self._apply(batch, tokens)
+            outputs = self._apply(batch, tokens)
+            ms = (time.perf_counter() - t0) * 1e3
+            self.step_cost.observe(batch.num_tokens, ms)
+            if batch.num_decode_seqs == len(batch.seqs):   # decodes only: the marginal cost of a sequence
+                self.decode_step_cost.observe(batch.num_decode_seqs, ms)
+            return outputs
 
     def _apply(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:
         now = time.monotonic()
@@ -268,6 +280,11 @@ class LLMEngine:
             return None
 
     # ---- introspection ----------------------------------------------------------
+    def read_kv_events(self, cursor: int | None) -> KVEventBatch:
+        """Prefix-cache keys stored / removed since cursor (None: a snapshot of every key)."""
+        with self.lock:
+            return self.kv_events.read(cursor, lambda: list(self.block_manager.hash_to_block))
+
     def stats(self) -> dict[str, int]:
         with self.lock:
             bm = self.block_manager

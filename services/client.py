@@ -25,7 +25,7 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     usage: dict[str, int] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float | str | None] = field(default_factory=dict)   # the router's Timings
 
     def add(self, msg: router_pb2.GenerateResponse) -> None:
         self.request_id = msg.request_id
@@ -38,7 +38,11 @@ class Completion:
             t = msg.timings
             self.timings = {"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "kv_transfer_ms": t.kv_transfer_ms,
                             "first_decode_step_ms": t.first_decode_step_ms, "ttft_ms": t.ttft_ms, "e2e_ms": t.e2e_ms,
-                            "migrations": t.migrations}
+                            "migrations": t.migrations, "prefill_route": t.prefill_route,
+                            "estimated_local_ms": t.estimated_local_ms, "estimated_remote_ms": t.estimated_remote_ms,
+                            "local_prefill_threshold_tokens": (t.local_prefill_threshold_tokens
+                                                               if t.HasField("local_prefill_threshold_tokens") else None),
+                            "decode_cached_tokens": t.decode_cached_tokens, "kv_bytes": t.kv_bytes}
 
 
 def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_tokens: int | None = None,

@@ -1,6 +1,10 @@
-"""Colocated ("both") role: prefill and decode in one engine, no KV transfer. The baseline."""
+"""Colocated ("both") role: prefill and decode in one engine, no KV transfer. The baseline.
+
+``generate_local`` also serves a decode worker's ``Generate`` (conditional disaggregation: the
+router has it prefill a prompt itself, as chunks of its mixed steps)."""
 from __future__ import annotations
 
+import contextlib
 from typing import AsyncIterator
 
 import grpc
@@ -18,39 +22,47 @@ class ColocatedHandler(worker_pb2_grpc.ColocatedWorkerServicer):
 
     async def Generate(self, request: worker_pb2.GenerateLocalRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[worker_pb2.GenerateLocalEvent]:
-        await self.state.refuse_if_draining(context)
-        try:
-            stream = self.aengine.add(request.request_id, request.prompt_token_ids, params_from_proto(request.params),
-                                      request.output_token_ids)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        with self.state.track():
-            async with stream:
-                first = True
-                while True:
-                    out = (await stream.get()).output
-                    if out.finish_reason == "abort":
-                        event = worker_pb2.DecodeEvent(finished=True, finish_reason="abort")
-                        yield worker_pb2.GenerateLocalEvent(decode=event)
-                        return
-                    if first:
-                        first = False
-                        token = worker_pb2.FirstToken(token_id=out.new_token_ids[0],
-                                                      num_cached_tokens=out.num_cached_tokens,
-                                                      queue_ms=(out.queue_s or 0.0) * 1e3,
-                                                      prefill_ms=(out.prefill_s or 0.0) * 1e3)
-                        if out.finish_reason is not None:
-                            token.finish_reason = out.finish_reason
-                        if out.logprobs:
-                            token.logprob.CopyFrom(logprobs_to_proto(out.logprobs)[0])
-                        yield worker_pb2.GenerateLocalEvent(first_token=token)
-                        if out.finished:
-                            return
-                        continue
-                    event = worker_pb2.DecodeEvent(token_ids=out.new_token_ids, finished=out.finished,
-                                                   logprobs=logprobs_to_proto(out.logprobs))
-                    if out.finish_reason is not None:
-                        event.finish_reason = out.finish_reason
+        async with contextlib.aclosing(generate_local(self.aengine, self.state, request, context)) as events:
+            async for event in events:
+                yield event
+
+
+async def generate_local(aengine: AsyncEngine, state: WorkerState, request: worker_pb2.GenerateLocalRequest,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateLocalEvent]:
+    """Prefill the prompt on this engine and decode it: one FirstToken, then DecodeEvents."""
+    await state.refuse_if_draining(context)
+    try:
+        stream = aengine.add(request.request_id, request.prompt_token_ids, params_from_proto(request.params),
+                             request.output_token_ids)
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    with state.track():
+        async with stream:
+            first = True
+            while True:
+                out = (await stream.get()).output
+                if out.finish_reason == "abort":
+                    event = worker_pb2.DecodeEvent(finished=True, finish_reason="abort")
                     yield worker_pb2.GenerateLocalEvent(decode=event)
+                    return
+                if first:
+                    first = False
+                    token = worker_pb2.FirstToken(token_id=out.new_token_ids[0],
+                                                  num_cached_tokens=out.num_cached_tokens,
+                                                  queue_ms=(out.queue_s or 0.0) * 1e3,
+                                                  prefill_ms=(out.prefill_s or 0.0) * 1e3)
+                    if out.finish_reason is not None:
+                        token.finish_reason = out.finish_reason
+                    if out.logprobs:
+                        token.logprob.CopyFrom(logprobs_to_proto(out.logprobs)[0])
+                    yield worker_pb2.GenerateLocalEvent(first_token=token)
                     if out.finished:
                         return
+                    continue
+                event = worker_pb2.DecodeEvent(token_ids=out.new_token_ids, finished=out.finished,
+                                               logprobs=logprobs_to_proto(out.logprobs))
+                if out.finish_reason is not None:
+                    event.finish_reason = out.finish_reason
+                yield worker_pb2.GenerateLocalEvent(decode=event)
+                if out.finished:
+                    return

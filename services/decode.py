@@ -2,6 +2,7 @@
 once the KV connector has every block verified, and decode it with continuous batching."""
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import AsyncIterator
 
@@ -11,6 +12,7 @@ from engine import NoCapacity
 from engine.kv_connector import HandoffError, HandoffState
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.async_engine import AsyncEngine
+from services.colocated import generate_local
 from services.convert import logprobs_to_proto, params_from_proto
 from services.worker_state import WorkerState
 
@@ -45,6 +47,13 @@ class DecodeHandler(worker_pb2_grpc.DecodeWorkerServicer):
         found = self.aengine.engine.kv.fail(request.request_id, "UNAVAILABLE",
                                              f"the prefill worker could not deliver the KV: {request.reason[:512]}")
         return common_pb2.AbortResponse(found=found)
+
+    async def Generate(self, request: worker_pb2.GenerateLocalRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[worker_pb2.GenerateLocalEvent]:
+        """Conditional disaggregation: prefill the prompt here, in the mixed steps, and decode it."""
+        async with contextlib.aclosing(generate_local(self.aengine, self.state, request, context)) as events:
+            async for event in events:
+                yield event
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[worker_pb2.DecodeEvent]:

@@ -6,6 +6,10 @@ the sampled token at once → that token goes to the client (TTFT) while the las
 still in flight, and the decode worker is asked to continue from it → tokens stream back.
 Colocated: one worker does both.
 
+Placement (services/routing.py): the decode worker, the prefill worker and the route (remote
+prefill, or local prefill on the decode worker with conditional disaggregation) are chosen by
+their estimated cost to serve, from the workers' prefix-cache keys and step costs.
+
 Faults: every worker stream runs under a progress watchdog (``stall_timeout_s`` without an
 event) and the channels under gRPC keepalive. When a worker dies, stalls or loses the KV, the
 request *migrates*: the prompt plus every token already sent is prefilled again elsewhere
@@ -17,6 +21,7 @@ the last cause.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,8 +33,11 @@ from engine import SamplingParams
 from pdserve.v1 import common_pb2, worker_pb2
 from services.admission import AdmissionQueue
 from services.convert import params_to_proto
+from services.cost_model import CostModel
 from services.errors import RouterError, WorkerFailure
+from services.kv_index import DEFAULT_MAX_KEYS, request_keys
 from services.metrics import RouterMetrics
+from services.routing import DISAGGREGATION_MODES, ROUTING_POLICIES, Placement, Route
 from services.worker_pool import NoWorker, WorkerHandle, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -53,8 +61,29 @@ class GenerationOptions:
         "help": "idle KV lease asked for each reservation (0: the decode worker's default)"})
     worker_wait_s: float = field(default=5.0, metadata={
         "help": "with no healthy worker of a role, wait this long for one (a restart) before failing"})
+    routing: str = field(default="kv-aware", metadata={
+        "help": "how workers are chosen: kv-aware (by estimated cost to serve: uncached prompt tokens, from the "
+                "workers' prefix-cache events, queue and running load, KV blocks to ship) or load (fewest in "
+                "flight / queued prompt tokens)", "choices": ROUTING_POLICIES})
+    disaggregation: str = field(default="always", metadata={
+        "help": "always: every prompt is prefilled on a prefill worker; conditional: on the chosen decode worker "
+                "instead when the learned costs say it is cheaper (see /metrics and the response timings)",
+        "choices": DISAGGREGATION_MODES})
+    itl_weight: float = field(default=1.0, metadata={
+        "help": "conditional disaggregation: ms of time to first token worth one ms of delay added to each "
+                "sequence decoding on the worker that would prefill locally"})
+    kv_index_max_keys: int = field(default=DEFAULT_MAX_KEYS, metadata={
+        "help": "kv-aware routing: prefix-cache keys remembered per worker (least recently seen dropped)"})
 
     def __post_init__(self) -> None:
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        if self.disaggregation not in DISAGGREGATION_MODES:
+            raise ValueError(f"disaggregation must be one of {DISAGGREGATION_MODES}, got {self.disaggregation!r}")
+        if self.itl_weight < 0:
+            raise ValueError(f"itl_weight must be >= 0, got {self.itl_weight}")
+        if self.kv_index_max_keys < 1:
+            raise ValueError(f"kv_index_max_keys must be >= 1, got {self.kv_index_max_keys}")
         for name in ("migration_limit", "max_queued_requests", "kv_lease_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -74,6 +103,12 @@ class Timing:
     first_decode_step_ms: float = 0.0
     cached_tokens: int = 0
     migrations: int = 0
+    prefill_route: str = ""             # "remote" | "local" | "colocated"
+    estimated_local_ms: float = 0.0
+    estimated_remote_ms: float = 0.0
+    threshold_tokens: float | None = None
+    decode_cached_tokens: int = 0
+    kv_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -109,6 +144,7 @@ class Generator:
         self.options = options
         self.metrics = metrics
         self.admission = AdmissionQueue(options.max_queued_requests)
+        self.placement = Placement(pool, options.routing, options.disaggregation, CostModel(options.itl_weight))
         self.active: dict[str, Generation] = {}
         self._background: set[asyncio.Task] = set()   # prefill followers and aborts in flight
 
@@ -163,12 +199,34 @@ class Generator:
     def _attempt(self, gen: Generation) -> AsyncIterator[Chunk]:
         return self._colocated(gen) if self.pool.colocated else self._disaggregated(gen)
 
+    def _keys(self, gen: Generation) -> list[int]:
+        """The chain keys of the request's full blocks (what the workers' prefix caches hold)."""
+        bs = self.placement.block_size
+        return request_keys([*gen.prompt, *gen.generated], bs) if bs and self.placement.kv_aware else []
+
     async def _disaggregated(self, gen: Generation) -> AsyncIterator[Chunk]:
-        decode, reservation = await self._reserve(gen)
+        keys = self._keys(gen)
+        n_tokens = len(gen.prompt) + len(gen.generated)
+        decode, route, reservation, routed_at = await self._reserve(gen, keys)
+        t = gen.timing
+        if not gen.generated:
+            t.prefill_route = "local" if route.local else "remote"
+            t.estimated_local_ms, t.estimated_remote_ms = route.local_ms, route.remote_ms
+            t.threshold_tokens = route.threshold_tokens
+        self.metrics.count_route("local" if route.local else "remote")
+        decode.index.note_routed(keys)
+        if route.local:
+            async for chunk in self._local(gen, decode, decode.decode.Generate, routed_at,
+                                           self.placement.uncached(decode, keys, n_tokens)):
+                yield chunk
+            return
+        if not gen.generated:
+            t.decode_cached_tokens = len(reservation.held_block_hashes) * (self.placement.block_size or 0)
         with self.pool.placed(decode):
-            prefill = await self._pick(lambda: self.pool.pick_prefill(gen.failed))
+            prefill, _ = await self._pick(lambda: self.placement.pick_prefill(keys, n_tokens, gen.failed))
+            prefill.index.note_routed(keys)
             gen.workers.add(prefill)
-            with self.pool.placed(prefill, len(gen.prompt) + len(gen.generated)):
+            with self.pool.placed(prefill, self.placement.uncached(prefill, keys, n_tokens)):
                 call = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
                     request_id=gen.worker_request_id, prompt_token_ids=gen.prompt, output_token_ids=gen.generated,
                     params=params_to_proto(gen.params),
@@ -178,9 +236,7 @@ class Generator:
                 follow = self._spawn(self._follow_prefill(call, prefill, decode, gen, first_token))
                 try:
                     first = await first_token
-                    t = gen.timing
-                    if not gen.generated:
-                        t.queue_ms, t.prefill_ms, t.cached_tokens = first.queue_ms, first.prefill_ms, first.num_cached_tokens
+                    self._first_token(gen, first, "remote", routed_at)
                     first_logprobs = [first.logprob] if first.HasField("logprob") else None
                     if first.HasField("finish_reason"):   # the first token ends it: no decode needed
                         await self._release(gen)
@@ -210,6 +266,15 @@ class Generator:
                     if not first_token.done():
                         first_token.cancel()
 
+    def _first_token(self, gen: Generation, first: worker_pb2.FirstToken, route: str, routed_at: float) -> None:
+        """Record the first token's worker-side breakdown, and learn the route's overhead from it."""
+        if gen.generated:
+            return
+        t = gen.timing
+        t.queue_ms, t.prefill_ms, t.cached_tokens = first.queue_ms, first.prefill_ms, first.num_cached_tokens
+        self.placement.costs.observe_overhead(route, (time.perf_counter() - routed_at) * 1e3,
+                                              first.queue_ms + first.prefill_ms)
+
     async def _follow_prefill(self, call, prefill: WorkerHandle, decode: WorkerHandle, gen: Generation,
                               first_token: asyncio.Future) -> None:
         """The whole prefill stream: the sampled token resolves first_token, KVDelivered gives the
@@ -220,7 +285,10 @@ class Generator:
                 if event.HasField("first_token") and not first_token.done():
                     first_token.set_result(event.first_token)
                 elif event.HasField("kv_delivered") and not gen.timing.kv_transfer_ms:
-                    gen.timing.kv_transfer_ms = event.kv_delivered.exposed_ms
+                    delivered = event.kv_delivered
+                    gen.timing.kv_transfer_ms = delivered.exposed_ms
+                    gen.timing.kv_bytes += delivered.bytes
+                    self.placement.costs.observe_transfer(delivered.exposed_blocks, delivered.exposed_ms)
             if not first_token.done():
                 raise WorkerFailure(prefill.address, "UNAVAILABLE", "prefill ended without a token")
         except (WorkerFailure, RouterError) as exc:
@@ -240,18 +308,36 @@ class Generator:
     async def _colocated(self, gen: Generation) -> AsyncIterator[Chunk]:
         if sum(w.status.num_waiting for w in self.pool.healthy("both") if w.status) > self.options.max_queued_requests:
             raise self.admission.full_error()
-        worker = (await self._pick(lambda: self.pool.decode_candidates(gen.failed)))[0]
+        keys = self._keys(gen)
+        n_tokens = len(gen.prompt) + len(gen.generated)
+        route = (await self._pick(lambda: self.placement.decode_routes(keys, n_tokens, gen.params.max_tokens,
+                                                                       gen.failed)))[0]
+        worker = route.decode
         gen.workers.add(worker)
-        with self.pool.placed(worker, len(gen.prompt)):
-            call = worker.colocated.Generate(worker_pb2.GenerateLocalRequest(
+        if not gen.generated:
+            gen.timing.prefill_route = "colocated"
+        worker.index.note_routed(keys)
+        async for chunk in self._local(gen, worker, worker.colocated.Generate, time.perf_counter(),
+                                       self.placement.uncached(worker, keys, n_tokens)):
+            yield chunk
+
+    async def _local(self, gen: Generation, worker: WorkerHandle, rpc, routed_at: float,
+                     uncached: int) -> AsyncIterator[Chunk]:
+        """Prefill and decode on one worker (a colocated one, or a decode worker prefilling
+        locally): rpc is its Generate. uncached counts as queued prompt tokens there until the
+        first token."""
+        with self.pool.placed(worker), contextlib.ExitStack() as queued:
+            queued.enter_context(self.pool.placed(worker, uncached, count=False))
+            call = rpc(worker_pb2.GenerateLocalRequest(
                 request_id=gen.worker_request_id, prompt_token_ids=gen.prompt, output_token_ids=gen.generated,
                 params=params_to_proto(gen.params)))
             async for event in self._events(call, worker, gen):
                 if event.HasField("first_token"):
                     first = event.first_token
-                    if not gen.generated:
-                        t = gen.timing
-                        t.queue_ms, t.prefill_ms, t.cached_tokens = first.queue_ms, first.prefill_ms, first.num_cached_tokens
+                    queued.close()
+                    self._first_token(gen, first, "local", routed_at)
+                    if not gen.generated and gen.timing.prefill_route == "local":
+                        gen.timing.decode_cached_tokens = first.num_cached_tokens
                     yield Chunk([first.token_id], first.finish_reason if first.HasField("finish_reason") else None,
                                 [first.logprob] if first.HasField("logprob") else None)
                     if first.HasField("finish_reason"):
@@ -272,9 +358,12 @@ class Generator:
             raise WorkerFailure(worker.address, "ABORTED", "the worker aborted the request")
         return Chunk(list(event.token_ids), event.finish_reason if event.finished else None,
                      list(event.logprobs) or None)
-    async def _reserve(self, gen: Generation) -> tuple[WorkerHandle, worker_pb2.ReserveResponse]:
-        """Decode blocks for the whole sequence, waiting in the admission queue while every
-        decode worker is full."""
+
+    async def _reserve(self, gen: Generation, keys: list[int]
+                       ) -> tuple[WorkerHandle, Route, worker_pb2.ReserveResponse | None, float]:
+        """The decode worker and route, waiting in the admission queue while every decode worker
+        is full. A remote route reserves blocks for the whole sequence there (the response); a
+        local one needs no reservation (None). Also returns when the route was chosen."""
         request = worker_pb2.ReserveRequest(request_id=gen.worker_request_id, prompt_token_ids=gen.prompt,
                                             output_token_ids=gen.generated, params=params_to_proto(gen.params),
                                             lease_ms=self.options.kv_lease_ms)
@@ -284,24 +373,29 @@ class Generator:
         t0 = time.perf_counter()
         async with self.admission.turn(self.options.queue_timeout_s):
             while True:
-                candidates = await self._pick(lambda: self.pool.decode_candidates(gen.failed))
-                for worker in candidates:
+                routes = await self._pick(lambda: self.placement.decode_routes(keys, n_tokens, gen.params.max_tokens,
+                                                                               gen.failed))
+                for route in routes:
+                    worker = route.decode
                     bs = worker.status.block_size if worker.status and worker.status.block_size else 1
                     if worker.status is not None and worker.free_blocks < -(-n_tokens // bs):
                         continue   # cannot fit: do not ask
-                    try:
-                        response = await worker.decode.Reserve(request, timeout=RPC_TIMEOUT_S)
-                    except grpc.aio.AioRpcError as exc:
-                        code = exc.code().name
-                        if code in REQUEST_ERRORS:
-                            raise RouterError(code, exc.details() or code) from None
-                        if code != "RESOURCE_EXHAUSTED":
-                            self.pool.mark_down(worker)
-                        continue
+                    routed_at = time.perf_counter()
+                    response = None
+                    if not route.local:
+                        try:
+                            response = await worker.decode.Reserve(request, timeout=RPC_TIMEOUT_S)
+                        except grpc.aio.AioRpcError as exc:
+                            code = exc.code().name
+                            if code in REQUEST_ERRORS:
+                                raise RouterError(code, exc.details() or code) from None
+                            if code != "RESOURCE_EXHAUSTED":
+                                self.pool.mark_down(worker)
+                            continue
                     gen.workers.add(worker)
                     if not gen.generated:
                         self.metrics.request_queue_time_seconds.observe(time.perf_counter() - t0)
-                    return worker, response
+                    return worker, route, response, routed_at
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     raise RouterError("RESOURCE_EXHAUSTED", f"no decode capacity for {n_tokens} tokens within "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import math
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -13,6 +14,7 @@ from prometheus_client.exposition import choose_encoder
 
 if TYPE_CHECKING:
     from engine import LLMEngine, RequestOutput
+    from services.routing import Placement
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -116,6 +118,46 @@ class RouterMetrics(_Metrics):
         self.request_queue_time_seconds = self.histogram("request_queue_time_seconds", "Time queued before prefill")
         self.kv_transfer_seconds = self.histogram("kv_transfer_seconds", "Exposed KV transfer time per request")
         self.migrations = self.counter("request_migrations", "Requests moved to another worker after a fault")
+        self._prefill_routes = Counter("pdserve:prefill_route", "Requests by where their prompt was prefilled: "
+                                       "remote (a prefill worker) or local (the decode worker)", (*LABELS, "route"),
+                                       registry=self.registry)
+
+    def count_route(self, route: str) -> None:
+        self._prefill_routes.labels(**self.labels, route=route).inc()
+
+    def attach_routing(self, placement: "Placement") -> None:
+        """The estimates the router routes by, read when scraped: each worker's learned step cost
+        (labelled with that worker's role and id), each decode worker's ITL inflation per locally
+        prefilled token and its local-prefill threshold now (+Inf: local at any length), the KV
+        transfer time per block and each route's overhead."""
+        def worker_gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pdserve:{name}", doc, LABELS, registry=self.registry)
+        base = worker_gauge("router_est_step_base_ms", "Fixed cost of one step on the worker (learned), ms")
+        per_token = worker_gauge("router_est_step_ms_per_token",
+                                 "Cost of one more token in a step on the worker (learned): prefill time per "
+                                 "uncached token, ms")
+        inflation = worker_gauge("router_est_itl_inflation_ms_per_prompt_token",
+                                 "Decode workers: delay one locally prefilled prompt token adds to the steps of the "
+                                 "sequences decoding there, summed over them, ms")
+        threshold = worker_gauge("router_local_prefill_threshold_tokens",
+                                 "Decode workers (conditional disaggregation): uncached prompt tokens up to which "
+                                 "prefilling on this worker is cheaper than remotely, now")
+        for w in placement.pool.workers:
+            labels = {"model_name": self.labels["model_name"], "role": w.role,
+                      "worker": w.status.worker_id if w.status is not None and w.status.worker_id else w.address}
+            base.labels(**labels).set_function(lambda w=w: placement.step_cost(w).base_ms)
+            per_token.labels(**labels).set_function(lambda w=w: placement.step_cost(w).ms_per_token)
+            if w.role == "decode":
+                inflation.labels(**labels).set_function(
+                    lambda w=w: placement.load(w).running * placement.step_cost(w).ms_per_token)
+                threshold.labels(**labels).set_function(
+                    lambda w=w: placement.threshold_now(w) if placement.conditional else math.nan)
+        self.gauge("router_est_kv_transfer_ms_per_block", "KV transfer time per block (learned from the exposed "
+                   "part of each hand-off), ms").set_function(lambda: placement.costs.transfer_ms_per_block.value)
+        overhead = Gauge("pdserve:router_est_route_overhead_ms", "Fixed cost of a route beyond the worker's queue and "
+                         "prefill time (RPC hops; learned), ms", (*LABELS, "route"), registry=self.registry)
+        for route, ewma in placement.costs.overhead_ms.items():
+            overhead.labels(**self.labels, route=route).set_function(lambda e=ewma: e.value)
 
     def observe_tpot(self, ttft_at: float | None, finished_at: float, output_tokens: int) -> None:
         """A finished request's time per output token after the first (vLLM's TPOT)."""

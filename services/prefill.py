@@ -45,6 +45,7 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
         kv = self.sender.open(target.address, rid, target.transfer_token) if needed else None
         hashes = transfer_block_hashes(tokens, self.block_size)
         delivered = False
+        last_sent = 0
         try:
             with self.state.track():
                 async with stream:
@@ -64,6 +65,8 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
                                                    head_start=start, head_end=end)
                                            for j, idx in enumerate(out.ready_blocks) if idx in needed
                                            for start, end, data in res.blocks])
+                            # the final send's blocks are the exposed ones
+                            last_sent = sum(1 for idx in out.ready_blocks if idx in needed)
                         if out.prefill_done:
                             break
                         if out.ready_blocks:
@@ -91,7 +94,8 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
                     if self.metrics is not None:
                         self.metrics.kv_sent(nbytes, result.seconds)
                 yield worker_pb2.PrefillEvent(kv_delivered=worker_pb2.KVDelivered(
-                    blocks=blocks, bytes=nbytes, exposed_ms=(time.perf_counter() - sampled_at) * 1e3))
+                    blocks=blocks, bytes=nbytes, exposed_ms=(time.perf_counter() - sampled_at) * 1e3,
+                    exposed_blocks=last_sent if kv is not None else 0))
         finally:
             if kv is not None and not delivered:
                 await kv.cancel()

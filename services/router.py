@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -217,10 +218,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 def timings(gen: Generation, now: float) -> router_pb2.Timings:
     t = gen.timing
-    return router_pb2.Timings(queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, kv_transfer_ms=t.kv_transfer_ms,
-                              first_decode_step_ms=t.first_decode_step_ms,
-                              ttft_ms=((t.first_token or now) - t.start) * 1e3, e2e_ms=(now - t.start) * 1e3,
-                              migrations=t.migrations)
+    out = router_pb2.Timings(queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, kv_transfer_ms=t.kv_transfer_ms,
+                             first_decode_step_ms=t.first_decode_step_ms,
+                             ttft_ms=((t.first_token or now) - t.start) * 1e3, e2e_ms=(now - t.start) * 1e3,
+                             migrations=t.migrations, prefill_route=t.prefill_route,
+                             estimated_local_ms=t.estimated_local_ms, estimated_remote_ms=t.estimated_remote_ms,
+                             decode_cached_tokens=t.decode_cached_tokens, kv_bytes=t.kv_bytes)
+    if t.threshold_tokens is not None and math.isfinite(t.threshold_tokens):
+        out.local_prefill_threshold_tokens = min(int(t.threshold_tokens), 2**32 - 1)
+    return out
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
@@ -239,12 +245,16 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
 
     credentials = credentials or Credentials()
     check_port_free(host, port)
-    pool = WorkerPool(options.prefill, options.decode, options.colocated, credentials, resolver=resolver)
+    gen_options = options.generation
+    pool = WorkerPool(options.prefill, options.decode, options.colocated, credentials, resolver=resolver,
+                      watch_kv=gen_options.routing == "kv-aware", kv_index_max_keys=gen_options.kv_index_max_keys)
     pool.start()
     try:
         await pool.wait_ready(options.config.ready_timeout_s)
         metrics = RouterMetrics(model_name=options.model)
         servicer = RouterServicer(options, pool, metrics)
+        metrics.attach_routing(servicer.generator.placement)
+        log.info("placement: %s", servicer.generator.placement.describe())
         http = None
         if options.config.http_port is not None:   # on this loop, before gRPC says SERVING
             from services.openai_api import start_http

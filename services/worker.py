@@ -30,6 +30,12 @@ ROLE_ENUM = {"prefill": worker_pb2.WORKER_ROLE_PREFILL, "decode": worker_pb2.WOR
              "both": worker_pb2.WORKER_ROLE_BOTH}
 STATUS_HEARTBEAT_S = 1.0     # WatchStatus sends the status at least this often
 STATUS_MIN_INTERVAL_S = 0.01  # and at most once per this interval
+MAX_KEYS_PER_MESSAGE = 16384  # WatchKVEvents: prefix-cache keys in one message (128 KiB)
+
+
+def _round3(x: float) -> float:
+    """3 significant digits: a published estimate changes the status only when it really moves."""
+    return float(f"{x:.3g}")
 
 
 @dataclass(slots=True)
@@ -82,6 +88,8 @@ class WorkerInfoServicer(worker_pb2_grpc.WorkerServicer):
         stats = self.aengine.engine.stats()
         engine = self.aengine.engine
         mc = engine.model_config
+        base_ms, ms_per_token = engine.step_cost.coefficients()
+        _, ms_per_seq = engine.decode_step_cost.coefficients()
         return worker_pb2.WorkerStatus(
             role=ROLE_ENUM[self.role], worker_id=self.worker_id, model_name=self.aengine.config.model,
             kv_address=self.kv_address,
@@ -90,7 +98,10 @@ class WorkerInfoServicer(worker_pb2_grpc.WorkerServicer):
             num_reserved=stats["num_reserved"], num_queued_prompt_tokens=stats["num_queued_prompt_tokens"],
             block_size=self.aengine.config.block_size, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim, kv_dtype=engine.runner.kv_dtype_name, max_model_len=engine.max_model_len,
-            draining=self.state.draining, num_sending=stats["num_pinned"])
+            draining=self.state.draining, num_sending=stats["num_pinned"],
+            step_base_ms=_round3(base_ms), step_ms_per_token=_round3(ms_per_token),
+            decode_ms_per_seq=_round3(ms_per_seq),
+            max_num_batched_tokens=self.aengine.config.max_num_batched_tokens)
 
     async def GetStatus(self, request, context):
         return self.status()
@@ -108,6 +119,24 @@ class WorkerInfoServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
         return common_pb2.AbortResponse(found=self.aengine.abort(request.request_id))
+
+    async def WatchKVEvents(self, request, context) -> AsyncIterator[worker_pb2.KVEvents]:
+        """A snapshot of the prefix-cache keys, then their net changes, woken by the same
+        notifications as WatchStatus (every step, admission, abort) and batched as densely."""
+        cursor = None
+        while True:
+            batch = self.aengine.engine.read_kv_events(cursor)
+            cursor = batch.cursor
+            if batch:
+                reset = batch.reset
+                stored, removed = batch.stored, batch.removed
+                while reset or stored or removed:
+                    n_removed = min(len(removed), MAX_KEYS_PER_MESSAGE)
+                    n_stored = min(len(stored), MAX_KEYS_PER_MESSAGE - n_removed)
+                    yield worker_pb2.KVEvents(reset=reset, stored=stored[:n_stored], removed=removed[:n_removed])
+                    stored, removed, reset = stored[n_stored:], removed[n_removed:], False
+            await self.aengine.wait_status_change(STATUS_HEARTBEAT_S)
+            await asyncio.sleep(STATUS_MIN_INTERVAL_S)
 
 
 @dataclass(eq=False)

@@ -6,6 +6,10 @@ stream silent for ``stale_s`` counts as a frozen worker) and it is not draining.
 stream is retried at once and then every ``retry_s``, so a restarted worker is used again
 within a second; a resolver (Ray) may supply a restarted worker's new address. Every status
 change wakes ``changed`` waiters: the admission queue and the router's health.
+
+With ``watch_kv`` each worker's prefix-cache keys stream in too (``WatchKVEvents``) and keep
+its ``index`` (services/kv_index.py) for KV-aware routing; a broken stream empties the index
+(the worker may have restarted with an empty cache) until the next snapshot arrives.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Awaitable, Callable, Iterator
 import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from services.kv_index import DEFAULT_MAX_KEYS, PrefixIndex
 from services.security import Credentials
 from services.server import options as channel_options
 
@@ -37,6 +42,7 @@ class WorkerHandle:
     inflight: int = 0                          # requests the router has on it now
     inflight_prompt_tokens: int = 0
     last_seen: float = 0.0
+    index: PrefixIndex = field(default_factory=PrefixIndex, repr=False)   # its prefix-cache keys, as last heard
 
     def __post_init__(self) -> None:
         self._connect(self.address)
@@ -75,7 +81,8 @@ class NoWorker(RuntimeError):
 class WorkerPool:
     def __init__(self, prefill: list[str], decode: list[str], colocated: list[str],
                  credentials: Credentials | None = None, *, stale_s: float = 3.0, retry_s: float = 0.25,
-                 resolver: Callable[[WorkerHandle], Awaitable[str | None]] | None = None) -> None:
+                 resolver: Callable[[WorkerHandle], Awaitable[str | None]] | None = None,
+                 watch_kv: bool = False, kv_index_max_keys: int = DEFAULT_MAX_KEYS) -> None:
         creds = credentials or Credentials()
         self.workers = ([WorkerHandle(a, "prefill", creds) for a in prefill]
                         + [WorkerHandle(a, "decode", creds) for a in decode]
@@ -89,6 +96,9 @@ class WorkerPool:
         self.stale_s = stale_s
         self.retry_s = retry_s
         self.resolver = resolver   # the current address of an unreachable worker (e.g. a restarted Ray actor)
+        self.watch_kv = watch_kv
+        for w in self.workers:
+            w.index = PrefixIndex(kv_index_max_keys)
         self._tasks: list[asyncio.Task] = []
         self._waiters: list[asyncio.Future[None]] = []
 
@@ -111,6 +121,28 @@ class WorkerPool:
     # ---- status streams -----------------------------------------------------------------
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._watch(w), name=f"watch {w.address}") for w in self.workers]
+        if self.watch_kv:
+            self._tasks += [asyncio.create_task(self._watch_kv(w), name=f"kv events {w.address}") for w in self.workers]
+
+    async def _watch_kv(self, worker: WorkerHandle) -> None:
+        """Keep worker.index from its KV events; retried like the status stream. A worker that
+        does not publish them (UNIMPLEMENTED) is routed by load alone."""
+        while True:
+            call = worker.info.WatchKVEvents(worker_pb2.StatusRequest())
+            try:
+                async for events in call:
+                    worker.index.apply(events.reset, events.stored, events.removed)
+                raise ConnectionError("KV event stream ended")
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            except (grpc.aio.AioRpcError, ConnectionError) as exc:
+                call.cancel()
+                worker.index.clear()
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.warning("worker %s publishes no KV events: routed by load", worker.address)
+                    return
+                await asyncio.sleep(self.retry_s)
 
     async def _watch(self, worker: WorkerHandle) -> None:
         while True:
@@ -186,14 +218,16 @@ class WorkerPool:
 
     # ---- placement --------------------------------------------------------------------------
     @contextlib.contextmanager
-    def placed(self, worker: WorkerHandle, prompt_tokens: int = 0) -> Iterator[WorkerHandle]:
-        """Count a request on worker for as long as the block runs."""
-        worker.inflight += 1
+    def placed(self, worker: WorkerHandle, prompt_tokens: int = 0, count: bool = True) -> Iterator[WorkerHandle]:
+        """Count a request (unless count is False) and prompt_tokens to compute on worker for as long
+        as the block runs."""
+        n = 1 if count else 0
+        worker.inflight += n
         worker.inflight_prompt_tokens += prompt_tokens
         try:
             yield worker
         finally:
-            worker.inflight -= 1
+            worker.inflight -= n
             worker.inflight_prompt_tokens -= prompt_tokens
 
     def decode_candidates(self, exclude: set[str] = frozenset()) -> list[WorkerHandle]:
@@ -204,11 +238,3 @@ class WorkerPool:
         if not healthy:
             raise NoWorker(f"no healthy {role} worker")
         return sorted(healthy, key=lambda w: (w.inflight, -w.free_blocks))
-
-    def pick_prefill(self, exclude: set[str] = frozenset()) -> WorkerHandle:
-        """The prefill worker with the fewest queued prompt tokens (the router's count plus its own)."""
-        healthy = [w for w in self.healthy("prefill") if w.address not in exclude] or self.healthy("prefill")
-        if not healthy:
-            raise NoWorker("no healthy prefill worker")
-        return min(healthy, key=lambda w: w.inflight_prompt_tokens + (w.status.num_queued_prompt_tokens
-                                                                      if w.status else 0))

@@ -36,7 +36,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "kv_transfer_ms", "first_decode_step_ms", "ttft_ms", "e2e_ms", "migrations")
+    __slots__ = ("queue_ms", "prefill_ms", "kv_transfer_ms", "first_decode_step_ms", "ttft_ms", "e2e_ms", "migrations", "prefill_route", "estimated_local_ms", "estimated_remote_ms", "local_prefill_threshold_tokens", "decode_cached_tokens", "kv_bytes")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,12 @@ class Timings(_message.Message):
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     E2E_MS_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ROUTE_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_LOCAL_MS_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_REMOTE_MS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_THRESHOLD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     kv_transfer_ms: float
@@ -51,7 +57,13 @@ class Timings(_message.Message):
     ttft_ms: float
     e2e_ms: float
     migrations: int
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., first_decode_step_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., migrations: _Optional[int] = ...) -> None: ...
+    prefill_route: str
+    estimated_local_ms: float
+    estimated_remote_ms: float
+    local_prefill_threshold_tokens: int
+    decode_cached_tokens: int
+    kv_bytes: int
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., first_decode_step_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., migrations: _Optional[int] = ..., prefill_route: _Optional[str] = ..., estimated_local_ms: _Optional[float] = ..., estimated_remote_ms: _Optional[float] = ..., local_prefill_threshold_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "finished", "logprobs")

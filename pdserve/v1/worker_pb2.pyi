@@ -24,7 +24,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("role", "worker_id", "model_name", "kv_address", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "num_queued_prompt_tokens", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_dtype", "max_model_len", "draining", "num_sending")
+    __slots__ = ("role", "worker_id", "model_name", "kv_address", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "num_queued_prompt_tokens", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_dtype", "max_model_len", "draining", "num_sending", "step_base_ms", "step_ms_per_token", "max_num_batched_tokens", "decode_ms_per_seq")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,10 @@ class WorkerStatus(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     NUM_SENDING_FIELD_NUMBER: _ClassVar[int]
+    STEP_BASE_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_PER_SEQ_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     worker_id: str
     model_name: str
@@ -61,7 +65,21 @@ class WorkerStatus(_message.Message):
     max_model_len: int
     draining: bool
     num_sending: int
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., kv_address: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_queued_prompt_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_sending: _Optional[int] = ...) -> None: ...
+    step_base_ms: float
+    step_ms_per_token: float
+    max_num_batched_tokens: int
+    decode_ms_per_seq: float
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., kv_address: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_queued_prompt_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_sending: _Optional[int] = ..., step_base_ms: _Optional[float] = ..., step_ms_per_token: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., decode_ms_per_seq: _Optional[float] = ...) -> None: ...
+
+class KVEvents(_message.Message):
+    __slots__ = ("reset", "stored", "removed")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reset: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("address", "transfer_token", "needed_block_indices")
@@ -104,14 +122,16 @@ class FirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class KVDelivered(_message.Message):
-    __slots__ = ("blocks", "bytes", "exposed_ms")
+    __slots__ = ("blocks", "bytes", "exposed_ms", "exposed_blocks")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     EXPOSED_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPOSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     blocks: int
     bytes: int
     exposed_ms: float
-    def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., exposed_ms: _Optional[float] = ...) -> None: ...
+    exposed_blocks: int
+    def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., exposed_ms: _Optional[float] = ..., exposed_blocks: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("computed_tokens",)

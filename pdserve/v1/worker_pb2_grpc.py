@@ -51,6 +51,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.WatchKVEvents = channel.unary_stream(
+                '/pdserve.v1.Worker/WatchKVEvents',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.KVEvents.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -78,6 +83,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKVEvents(self, request, context):
+        """The prefix-cache keys (block chain hashes) this worker holds: a snapshot first (reset),
+        then the net changes as they happen, batched, at most MAX_KEYS_PER_MESSAGE keys a
+        message. The router's KV-aware routing index; a lost or stale key costs a cache miss.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +109,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=pdserve_dot_v1_dot_common__pb2.AbortRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
+            ),
+            'WatchKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKVEvents,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.StatusRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.KVEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +198,33 @@ class Worker:
             '/pdserve.v1.Worker/Abort',
             pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
             pdserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Worker/WatchKVEvents',
+            pdserve_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.KVEvents.FromString,
             options,
             channel_credentials,
             insecure,
@@ -292,6 +338,11 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.FailTransferRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/pdserve.v1.DecodeWorker/Generate',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.GenerateLocalRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.GenerateLocalEvent.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -320,6 +371,15 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """Conditional disaggregation: prefill the prompt here (as chunks of the decode batch's mixed
+        steps, sharing this worker's prefix cache), then decode it. No reservation, no KV transfer.
+        Streams one FirstToken, then DecodeEvents, as ColocatedWorker.Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -337,6 +397,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.FailTransfer,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.FailTransferRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.GenerateLocalRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.GenerateLocalEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -421,6 +486,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/FailTransfer',
             pdserve_dot_v1_dot_worker__pb2.FailTransferRequest.SerializeToString,
             pdserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/Generate',
+            pdserve_dot_v1_dot_worker__pb2.GenerateLocalRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.GenerateLocalEvent.FromString,
             options,
             channel_credentials,
             insecure,

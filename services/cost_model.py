@@ -1,0 +1,138 @@
+"""The costs the router routes by, in milliseconds, from online estimates.
+
+Learned, never configured:
+
+* a worker's step cost, ``base + ms_per_token * tokens``, and what one more decoding sequence adds
+  to a step, ``ms_per_seq``: fitted by the worker from its own steps (engine/step_cost.py) and
+  published in its status. A worker that has not stepped yet borrows
+  the mean of those that have (same model, same kind of machine), else a small default;
+* the KV transfer time per block: from each remote prefill's ``KVDelivered`` (the blocks sent
+  after the token was sampled, and how long they took to be acknowledged), a moving average;
+* each route's fixed overhead: the router's own TTFT minus what the worker reports as queue +
+  prefill time (RPC hops, Reserve, the first token's relay), a moving average per route.
+
+The prefill of ``u`` uncached prompt tokens on a worker with ``q`` prompt tokens queued ahead,
+step budget ``B`` and ``R`` sequences decoding:
+
+    prefill_ms = ms_per_token * (q + u) + (base + ms_per_seq * R) * (1 + (q + u) / B)
+
+Conditional disaggregation compares, per request and decode worker D (best prefill worker P):
+
+    remote = prefill_ms(P) + overhead_remote + transfer_ms_per_block * blocks D lacks
+    local  = prefill_ms(D) + overhead_local  + itl_weight * R_D * ms_per_token_D * u_D
+
+the last term being the delay a local chunk of u_D tokens adds to the steps of D's R_D
+running sequences (the inter-token latency inflation). Local wins when it is smaller. With no
+prefix cached anywhere (u the same on both) this is a threshold on u: ``threshold_tokens``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pdserve.v1 import worker_pb2
+
+DEFAULT_MS_PER_TOKEN = 0.1       # before any worker has stepped
+DEFAULT_BASE_MS = 1.0
+DEFAULT_TRANSFER_MS_PER_BLOCK = 0.1
+EWMA_ALPHA = 0.1
+ROUTES = ("remote", "local")
+
+
+@dataclass(slots=True)
+class Ewma:
+    value: float
+    samples: int = 0
+
+    def observe(self, x: float) -> None:
+        self.value = x if not self.samples else self.value + EWMA_ALPHA * (x - self.value)
+        self.samples += 1
+
+
+@dataclass(slots=True, frozen=True)
+class StepCostView:
+    base_ms: float
+    ms_per_token: float
+    budget: int          # tokens per step (prefill chunk)
+    learned: bool        # from this worker's own steps
+    ms_per_seq: float    # what one more decoding sequence adds to a step
+
+
+@dataclass(slots=True, frozen=True)
+class Load:
+    """What is ahead of a new prompt on a worker."""
+
+    queued_tokens: int   # prompt tokens waiting or mid-prefill
+    running: int         # sequences decoding (their tokens share every step)
+
+
+class CostModel:
+    def __init__(self, itl_weight: float = 1.0) -> None:
+        if itl_weight < 0:
+            raise ValueError(f"itl_weight must be >= 0, got {itl_weight}")
+        self.itl_weight = itl_weight
+        self.transfer_ms_per_block = Ewma(DEFAULT_TRANSFER_MS_PER_BLOCK)
+        self.overhead_ms = {route: Ewma(0.0) for route in ROUTES}
+
+    # ---- learning ---------------------------------------------------------------------
+    def observe_transfer(self, blocks: int, ms: float) -> None:
+        if blocks > 0 and ms >= 0:
+            self.transfer_ms_per_block.observe(ms / blocks)
+
+    def observe_overhead(self, route: str, ttft_ms: float, worker_ms: float) -> None:
+        if route in self.overhead_ms:
+            self.overhead_ms[route].observe(max(0.0, ttft_ms - worker_ms))
+
+    # ---- estimates --------------------------------------------------------------------
+    @staticmethod
+    def step_cost(status: worker_pb2.WorkerStatus | None, peers: list[worker_pb2.WorkerStatus]) -> StepCostView:
+        budget = status.max_num_batched_tokens if status is not None and status.max_num_batched_tokens else 2048
+        decoders = [p.decode_ms_per_seq for p in peers if p.decode_ms_per_seq > 0]
+        if status is not None and status.decode_ms_per_seq > 0:
+            per_seq = status.decode_ms_per_seq
+        else:   # not decoded yet here (or a prefill worker): its peers' mean, else the token cost
+            per_seq = sum(decoders) / len(decoders) if decoders else 0.0
+        if status is not None and status.step_ms_per_token > 0:
+            return StepCostView(status.step_base_ms, status.step_ms_per_token, budget, True,
+                                per_seq or status.step_ms_per_token)
+        fitted = [p for p in peers if p.step_ms_per_token > 0]
+        if fitted:
+            per_token = sum(p.step_ms_per_token for p in fitted) / len(fitted)
+            return StepCostView(sum(p.step_base_ms for p in fitted) / len(fitted), per_token, budget, False,
+                                per_seq or per_token)
+        return StepCostView(DEFAULT_BASE_MS, DEFAULT_MS_PER_TOKEN, budget, False, per_seq or DEFAULT_MS_PER_TOKEN)
+
+    @staticmethod
+    def prefill_ms(cost: StepCostView, load: Load, uncached: int) -> float:
+        tokens = load.queued_tokens + uncached
+        return cost.ms_per_token * tokens + (cost.base_ms + cost.ms_per_seq * load.running) * (1 + tokens / cost.budget)
+
+    def itl_inflation_ms(self, cost: StepCostView, load: Load, uncached: int) -> float:
+        """Delay a local prefill of uncached tokens adds to the running sequences, weighted."""
+        return self.itl_weight * load.running * cost.ms_per_token * uncached
+
+    def remote_ms(self, prefill: StepCostView, prefill_load: Load, prefill_uncached: int,
+                  shipped_blocks: int) -> float:
+        return (self.prefill_ms(prefill, prefill_load, prefill_uncached) + self.overhead_ms["remote"].value
+                + self.transfer_ms_per_block.value * shipped_blocks)
+
+    def local_ms(self, decode: StepCostView, decode_load: Load, decode_uncached: int) -> float:
+        return (self.prefill_ms(decode, decode_load, decode_uncached) + self.overhead_ms["local"].value
+                + self.itl_inflation_ms(decode, decode_load, decode_uncached))
+
+    def threshold_tokens(self, decode: StepCostView, decode_load: Load, prefill: StepCostView,
+                         prefill_load: Load, block_size: int) -> float:
+        """Uncached prompt tokens up to which local prefill on decode is cheaper, when neither
+        worker holds the prompt's prefix (math.inf: at any length; 0: never)."""
+        def line(cost: StepCostView, load: Load, extra_slope: float, extra_const: float) -> tuple[float, float]:
+            per_step = cost.base_ms + cost.ms_per_seq * load.running
+            slope = cost.ms_per_token + per_step / cost.budget + extra_slope
+            const = cost.ms_per_token * load.queued_tokens + per_step * (1 + load.queued_tokens / cost.budget)
+            return slope, const + extra_const
+        slope_l, const_l = line(decode, decode_load, self.itl_weight * decode_load.running * decode.ms_per_token,
+                                self.overhead_ms["local"].value)
+        slope_r, const_r = line(prefill, prefill_load, self.transfer_ms_per_block.value / block_size,
+                                self.overhead_ms["remote"].value)
+        if slope_l <= slope_r:
+            return math.inf if const_l <= const_r else 0.0
+        return max(0.0, (const_r - const_l) / (slope_l - slope_r))
