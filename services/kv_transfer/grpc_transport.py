@@ -75,22 +75,26 @@ def encode_shm_frames(blocks: Sequence[KVBlock]) -> tuple[list[bytes], list[str]
     frame, up to MAX_SEGMENT_BYTES each); returns the frames and the segments' names."""
     frames, names = [], []
     group: list[tuple[kv_pb2.KVBlockHeader, memoryview]] = []
+    group_bytes = 0
 
     def flush() -> None:
+        nonlocal group_bytes
         if not group:
             return
         name = shared_memory.write_segment([p for _, p in group])
         names.append(name)
-        shm = kv_pb2.KVSharedMemory(name=name, size=sum(p.nbytes for _, p in group)).SerializeToString()
+        shm = kv_pb2.KVSharedMemory(name=name, size=group_bytes).SerializeToString()
         parts = [x for h, _ in group for x in _field(_HEADER, h.SerializeToString())]
         frames.append(b"".join([*parts, *_field(_SHM, shm)]))
         group.clear()
+        group_bytes = 0
 
     for block in blocks:
         header, payload = block.encode()
-        if group and sum(p.nbytes for _, p in group) + payload.nbytes > MAX_SEGMENT_BYTES:
+        if group and group_bytes + payload.nbytes > MAX_SEGMENT_BYTES:
             flush()
         group.append((header, payload))
+        group_bytes += payload.nbytes
     flush()
     return frames, names
 
