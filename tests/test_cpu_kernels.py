@@ -29,14 +29,20 @@ def _reference_decode(q, k_cache, v_cache, tables, lens, scale):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_matches_sdpa(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("h,hkv,d,bs", [(8, 4, 64, 16), (4, 4, 64, 16), (8, 2, 64, 16), (8, 1, 128, 16),
+                                        (6, 3, 64, 5), (4, 2, 80, 16)])
+def test_decode_attention_matches_sdpa(dtype: torch.dtype, h: int, hkv: int, d: int, bs: int) -> None:
+    """Every GQA group size the vectorized kernels specialise (1, 2, 4, 8), head dims 64 and 128,
+    a block size that is not a multiple of 8, and shapes they leave to the generic kernel (G 2 at
+    D 80); context lengths inside a block, on its boundary and across several blocks."""
     g = torch.Generator().manual_seed(0)
-    blocks, bs, hkv, h, d = 40, 16, 4, 8, 64
+    blocks = 40
     k_cache = torch.randn(blocks, bs, hkv, d, generator=g).to(dtype)
     v_cache = torch.randn(blocks, bs, hkv, d, generator=g).to(dtype)
-    lens = torch.tensor([1, 17, 70, 5], dtype=torch.int32)
-    tables = torch.stack([torch.randperm(blocks, generator=g)[:5] for _ in range(4)])
-    q = torch.randn(4, h, d, generator=g)
+    lens = torch.tensor([1, 17, 70, 5, 2 * bs, 8 * bs + 3], dtype=torch.int32)
+    per_row = max(-(-int(n) // bs) for n in lens)
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:per_row] for _ in range(len(lens))])
+    q = torch.randn(len(lens), h, d, generator=g)
     got = cpu_kernels.decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5)
     want = _reference_decode(q, k_cache, v_cache, tables, lens, d ** -0.5)
     torch.testing.assert_close(got.float(), want, rtol=1e-4, atol=1e-4)

@@ -10,6 +10,12 @@
 #include "pd_common.h"
 
 using namespace pd;
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T1
+#endif
+#ifndef PD
+#define PD 3   // blocks of prefetch distance (into L2: PF_HINT)
+#endif
 static inline float load(float x) { return x; }
 static inline float load(uint16_t x) { return to_f32(x); }
 
@@ -159,12 +165,6 @@ static inline __m512 reduce16(const __m512* a) {
 // [bs, HKV, D] contiguous), prefetching the next block meanwhile. Scores are kept per KV head as
 // [L][G] (token-major), so 16 / G tokens' scores for the G query heads of a KV head come out of
 // one reduce16 and one store.
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T1
-#endif
-#ifndef PD
-#define PD 3   // blocks of prefetch distance (into L2: PF_HINT)
-#endif
 template <typename Q, typename T, int D, int G>
 static void decode_attn_avx512(const Q* q, int64_t q_stride, const T* kc, const T* vc, const int64_t* tables,
                                const int32_t* lens, Q* out, int64_t HKV, int64_t bs,
@@ -297,52 +297,128 @@ static bool try_avx512_g(int64_t G, const Q* q, int64_t qs, const T* kc, const T
 #endif
 
 #if defined(PD_AVX2) && !defined(PD_AVX512)
-static inline float hsum8(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const bf16* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
-// float32 q and cache through 256-bit registers, one query head at a time: its D values stay in
-// registers while the scores pass walks its KV head's tokens, then the softmaxed scores weight
-// the V rows into D/8 register accumulators (the query heads of one KV head re-read its rows,
-// from L2 after the first). Measured 1.5-1.8x the generic kernel at 64 rows x 400 tokens, D 64,
-// G 2 (AVX2-only EPYC); sharing each loaded K row between the G heads measured no faster.
-template <int D>
-static void decode_attn_avx2(const float* q, int64_t q_stride, const float* kc, const float* vc,
-                             const int64_t* tables, const int32_t* lens, float* out, int64_t H, int64_t HKV,
-                             int64_t bs, int64_t max_blocks, float scale, int64_t r0, int64_t r1) {
+// [sum of a[0]'s lanes, ..., sum of a[7]'s lanes].
+static inline __m256 reduce8(const __m256* a) {
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67);   // [a0..a3 low | a0..a3 high]
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+// float32 q over a float32 or bf16 cache through 256-bit registers. Like the AVX-512 kernel, both
+// passes walk the row's blocks in order and, inside a block, every KV head, prefetching the
+// blocks PD ahead (the whole call's K/V block stream), so the cache is read once, in order. The
+// scores pass takes 8 tokens at a time per query head: 8 independent FMA chains over D, then one
+// transpose-add (reduce8) gives the 8 scores; the G query heads of a KV head re-read the same 8 K
+// rows from L1. The values pass keeps a query head's output (D/8 registers per 64 values) in
+// registers over the block's tokens.
+template <typename T, int D, int G>
+static void decode_attn_avx2(const float* q, int64_t q_stride, const T* kc, const T* vc, const int64_t* tables,
+                             const int32_t* lens, float* out, int64_t HKV, int64_t bs, int64_t max_blocks,
+                             float scale, int64_t r0, int64_t r1) {
     constexpr int V = D / 8;
-    const int64_t G = H / HKV;
-    std::vector<float> scores;
+    static_assert(V % 8 == 0, "D must be a multiple of 64");
+    const int64_t H = HKV * G, tok_stride = HKV * D;
+    const int64_t block_bytes = bs * tok_stride * int64_t(sizeof(T));
+    std::vector<float> scores, qs(H * D);
+    std::vector<__m256> o(H * V);
+    std::vector<const char*> stream;   // every block this call reads, in reading order
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t nb = (lens[r] + bs - 1) / bs;
+        for (int64_t j = 0; j < nb; j++) stream.push_back(reinterpret_cast<const char*>(kc + tables[r * max_blocks + j] * bs * tok_stride));
+        for (int64_t j = 0; j < nb; j++) stream.push_back(reinterpret_cast<const char*>(vc + tables[r * max_blocks + j] * bs * tok_stride));
+    }
+    const int64_t nstream = int64_t(stream.size());
+    int64_t gi = 0;   // index in stream of the block being read
+    for (int64_t j = 0; j < PD && j < nstream; j++)
+        for (int64_t off = 0; off < block_bytes; off += 64) _mm_prefetch(stream[j] + off, PF_HINT);
+    // A quarter (1 / HKV) of block stream[gi + PD] per KV head of the block being read.
+    auto prefetch_part = [&](const char* nxt, int64_t h) {
+        if (!nxt) return;
+        const int64_t lo = block_bytes * h / HKV, hi = block_bytes * (h + 1) / HKV;
+        for (int64_t off = lo / 64 * 64; off < hi; off += 64) _mm_prefetch(nxt + off, PF_HINT);
+    };
     for (int64_t r = r0; r < r1; r++) {
         const int64_t L = lens[r];
+        const int64_t nblocks = (L + bs - 1) / bs;
         const int64_t* table = tables + r * max_blocks;
-        scores.resize(L);
-        for (int64_t hq = 0; hq < H; hq++) {
-            const int64_t h = hq / G;
-            __m256 qv[V];
-            for (int c = 0; c < V; c++) qv[c] = _mm256_loadu_ps(q + r * q_stride + hq * D + 8 * c);
-            for (int64_t t = 0; t < L; t++) {
-                const float* k = kc + ((table[t / bs] * bs + t % bs) * HKV + h) * D;
-                __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k)), a1 = _mm256_setzero_ps();
-                for (int c = 1; c < V; c += 2) {
-                    a1 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k + 8 * c), a1);
-                    if (c + 1 < V) a0 = _mm256_fmadd_ps(qv[c + 1], _mm256_loadu_ps(k + 8 * (c + 1)), a0);
+        const int64_t stride = nblocks * bs + 8;   // per query head; a chunk of 8 may run past the block's end
+        scores.resize(H * stride);
+        float* sc = scores.data();
+        for (int64_t i = 0; i < H * D; i++) qs[i] = q[r * q_stride + i] * scale;
+        // Pass 1: scores. A chunk past the last valid token reads the block's last slot (it exists);
+        // those scores are overwritten by the next block's or never used.
+        for (int64_t j = 0; j < nblocks; j++) {
+            const T* kb = kc + table[j] * bs * tok_stride;
+            const char* nxt = gi + PD < nstream ? stream[gi + PD] : nullptr;
+            gi++;
+            const int64_t t0 = j * bs, n = L - t0 < bs ? L - t0 : bs;
+            for (int64_t h = 0; h < HKV; h++) {
+                prefetch_part(nxt, h);
+                for (int64_t i = 0; i < n; i += 8) {
+                    const T* rows[8];
+                    for (int tt = 0; tt < 8; tt++) rows[tt] = kb + (i + tt < bs ? i + tt : bs - 1) * tok_stride + h * D;
+                    for (int g = 0; g < G; g++) {
+                        const float* qg = qs.data() + (h * G + g) * D;
+                        __m256 acc[8];
+                        const __m256 q0 = _mm256_loadu_ps(qg);
+                        for (int tt = 0; tt < 8; tt++) acc[tt] = _mm256_mul_ps(q0, load8(rows[tt]));
+                        for (int c = 1; c < V; c++) {
+                            const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
+                            for (int tt = 0; tt < 8; tt++) acc[tt] = _mm256_fmadd_ps(qc, load8(rows[tt] + 8 * c), acc[tt]);
+                        }
+                        _mm256_storeu_ps(sc + (h * G + g) * stride + t0 + i, reduce8(acc));
+                    }
                 }
-                scores[t] = hsum8(_mm256_add_ps(a0, a1)) * scale;
             }
-            softmax(scores.data(), L);
-            __m256 acc[V];
-            for (int c = 0; c < V; c++) acc[c] = _mm256_setzero_ps();
-            for (int64_t t = 0; t < L; t++) {
-                const float* v = vc + ((table[t / bs] * bs + t % bs) * HKV + h) * D;
-                const __m256 p = _mm256_set1_ps(scores[t]);
-                for (int c = 0; c < V; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
-            }
-            for (int c = 0; c < V; c++) _mm256_storeu_ps(out + (r * H + hq) * D + 8 * c, acc[c]);
         }
+        for (int64_t hq = 0; hq < H; hq++) softmax(sc + hq * stride, L);
+        // Pass 2: out = P @ V.
+        for (auto& x : o) x = _mm256_setzero_ps();
+        for (int64_t j = 0; j < nblocks; j++) {
+            const T* vb = vc + table[j] * bs * tok_stride;
+            const char* nxt = gi + PD < nstream ? stream[gi + PD] : nullptr;
+            gi++;
+            const int64_t t0 = j * bs, n = L - t0 < bs ? L - t0 : bs;
+            for (int64_t h = 0; h < HKV; h++) {
+                prefetch_part(nxt, h);
+                const T* vh = vb + h * D;
+                for (int g = 0; g < G; g++) {
+                    const float* p = sc + (h * G + g) * stride + t0;
+                    __m256* oh = o.data() + (h * G + g) * V;
+                    for (int c0 = 0; c0 < V; c0 += 8) {
+                        __m256 acc[8];
+                        for (int k = 0; k < 8; k++) acc[k] = oh[c0 + k];
+                        for (int64_t t = 0; t < n; t++) {
+                            const __m256 pt = _mm256_set1_ps(p[t]);
+                            const T* row = vh + t * tok_stride + 8 * c0;
+                            for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(pt, load8(row + 8 * k), acc[k]);
+                        }
+                        for (int k = 0; k < 8; k++) oh[c0 + k] = acc[k];
+                    }
+                }
+            }
+        }
+        for (int64_t hq = 0; hq < H; hq++)
+            for (int c = 0; c < V; c++) _mm256_storeu_ps(out + (r * H + hq) * D + 8 * c, o[hq * V + c]);
+    }
+}
+
+template <typename T, int D>
+static bool try_avx2_g(int64_t G, const float* q, int64_t qs, const T* kc, const T* vc, const int64_t* tables,
+                       const int32_t* lens, float* out, int64_t HKV, int64_t bs, int64_t max_blocks, float scale,
+                       int64_t r0, int64_t r1) {
+    switch (G) {
+        case 1: decode_attn_avx2<T, D, 1>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
+        case 2: decode_attn_avx2<T, D, 2>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
+        case 4: decode_attn_avx2<T, D, 4>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
+        case 8: decode_attn_avx2<T, D, 8>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
+        default: return false;
     }
 }
 #endif
@@ -356,11 +432,10 @@ static void dispatch(const Q* q, int64_t qs, const T* kc, const T* vc, const int
     if (D == 64 && try_avx512_g<Q, T, 64>(G, q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1)) return;
     if (D == 128 && try_avx512_g<Q, T, 128>(G, q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1)) return;
 #elif defined(PD_AVX2)
-    if constexpr (std::is_same_v<Q, float> && std::is_same_v<T, float>) {
-        if (D == 64)
-            return decode_attn_avx2<64>(q, qs, kc, vc, tables, lens, out, H, HKV, bs, max_blocks, scale, r0, r1);
-        if (D == 128)
-            return decode_attn_avx2<128>(q, qs, kc, vc, tables, lens, out, H, HKV, bs, max_blocks, scale, r0, r1);
+    if constexpr (std::is_same_v<Q, float>) {
+        const int64_t G = H / HKV;
+        if (D == 64 && try_avx2_g<T, 64>(G, q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1)) return;
+        if (D == 128 && try_avx2_g<T, 128>(G, q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1)) return;
     }
 #endif
     decode_attn_generic<Q, T>(q, qs, kc, vc, tables, lens, out, H, HKV, D, bs, max_blocks, scale, r0, r1);
