@@ -9,6 +9,7 @@ ROLES = ("both", "prefill", "decode")
 SCHEDULE_POLICIES = ("prefill_first", "interleave", "mixed")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "w8a16")
+TP_TIMEOUT_RANGE_S = (0.5, 3600.0)   # tp_collective_timeout_s: above the slowest step, below "hung"
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
@@ -45,6 +46,10 @@ class EngineConfig:
     tensor_parallel_size: int = _f(1, "ranks one worker splits the model over (heads, MLP, vocabulary); "
                                       "the engine starts and stops the other ranks' processes (gloo on CPU, "
                                       "NCCL on CUDA: one GPU per rank)")
+    tp_collective_timeout_s: float = _f(60.0, "tensor parallelism: seconds a collective may wait for the other "
+                                              "ranks before the worker fails (a rank died or stalled) and frees "
+                                              "every request's blocks; must exceed the longest step "
+                                              f"(range {TP_TIMEOUT_RANGE_S[0]:g} to {TP_TIMEOUT_RANGE_S[1]:g})")
 
     def __post_init__(self) -> None:
         _check_choice("role", self.role, ROLES)
@@ -63,6 +68,11 @@ class EngineConfig:
             _check_int("num_kv_blocks", self.num_kv_blocks, 1)
         if self.num_threads is not None:
             _check_int("num_threads", self.num_threads, 1)
+        low, high = TP_TIMEOUT_RANGE_S
+        if isinstance(self.tp_collective_timeout_s, bool) or not isinstance(self.tp_collective_timeout_s, (int, float)) \
+                or not low <= self.tp_collective_timeout_s <= high:
+            raise ValueError(f"tp_collective_timeout_s must be a number of seconds in [{low:g}, {high:g}], "
+                             f"got {self.tp_collective_timeout_s!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -129,6 +129,16 @@ class LLMEngine:
         for rid in list(self.kv.sending):
             self.kv.release(rid)
 
+    def check_ranks(self) -> None:
+        """Between steps: raise RankFailure, after failing every request and freeing its blocks, if a
+        tensor-parallel rank process died (a step would raise it too; this notices it while idle)."""
+        try:
+            self.runner.check_ranks()
+        except RankFailure:
+            with self.lock:
+                self._fail_everything()
+            raise
+
     def close(self) -> None:
         """Stop the tensor-parallel ranks this engine started (idempotent; nothing else to release)."""
         self.runner.close()

@@ -102,6 +102,11 @@ class ModelRunner:
         if self.ranks is not None:
             self.ranks.stop()
 
+    def check_ranks(self) -> None:
+        """Raise RankFailure if a rank process of this driver has exited (a cheap poll, no collective)."""
+        if self.ranks is not None:
+            self.ranks.check_alive()
+
     # ---- setup ----------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
         cls = MODEL_CLASSES[self.model_config.architecture]

@@ -13,7 +13,8 @@ Every rank holds a slice of every weight and of the paged KV pool, with the same
 
 The process group is built directly on a TCP store (no ``init_process_group``), so several
 engines, each with its own group, can live in one process (tests, a colocated pair).
-Collectives run with a timeout: a dead rank fails the step instead of hanging it.
+Collectives run with a timeout (``EngineConfig.tp_collective_timeout_s`` on the driver): a dead
+or stalled rank fails the step instead of hanging it.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 120.0   # the group's rendezvous (gloo: also its default; every wait has its own timeout)
 
 
 class RankFailure(RuntimeError):
@@ -104,16 +105,17 @@ def padded_split(total: int, rank: int, size: int) -> tuple[int, int, int]:
 class TPGroup:
     """The collectives of one tensor-parallel group (gloo on CPU, NCCL on CUDA)."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
+        """timeout_s: how long one collective may wait for the other ranks."""
         self.rank, self.size, self.device = rank, size, device
         timeout = datetime.timedelta(seconds=timeout_s)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout   # NCCL's watchdog aborts a collective stuck this long
             self.pg = dist.ProcessGroupNCCL(store, rank, size, options)
-        else:
-            self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        else:   # a short collective timeout must not cut the rendezvous of a rank still starting
+            connect = datetime.timedelta(seconds=max(timeout_s, CONNECT_TIMEOUT_S))
+            self.pg = dist.ProcessGroupGloo(store, rank, size, connect)
         self.timeout = timeout
         self.broken = False
 

@@ -9,8 +9,9 @@ collectives in the same order.
 
 Lifecycle: the driver stops its ranks (``RankProcesses.stop``: a STOP header, then SIGKILL after
 a timeout); a rank dies with its driver (PR_SET_PDEATHSIG when started from the driver's main
-thread, and a parent-pid watchdog either way). A rank that dies makes the driver's next
-collective fail (``RankFailure``) instead of hanging it: every wait has a timeout.
+thread, and a parent-pid watchdog either way). A rank that dies or stalls makes the driver's next
+collective fail (``RankFailure``) instead of hanging it: every wait has a timeout
+(``EngineConfig.tp_collective_timeout_s``), and a failed group's ranks are killed at once.
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ class RankProcesses:
         size = config.tensor_parallel_size
         self.size = size
         self.lock = threading.RLock()
+        self.group: TPGroup | None = None
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
@@ -88,7 +90,8 @@ class RankProcesses:
         self._finalizer = weakref.finalize(self, _kill_all, list(self.procs))
         try:
             self._wait_started()
-            self.group = TPGroup(dist.PrefixStore("tp", self.store), 0, size, device)
+            self.group = TPGroup(dist.PrefixStore("tp", self.store), 0, size, device,
+                                 timeout_s=config.tp_collective_timeout_s)
         except BaseException:
             self._finalizer()
             raise
@@ -103,9 +106,12 @@ class RankProcesses:
             time.sleep(0.02)
 
     def check_alive(self) -> None:
+        """Raise RankFailure if a rank process has exited (the group is then failed for good)."""
         for rank, proc in enumerate(self.procs, start=1):
             code = proc.poll()
             if code is not None:
+                if self.group is not None:
+                    self.group.broken = True
                 raise RankFailure(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}")
 
     @property
@@ -123,21 +129,24 @@ class RankProcesses:
             self.group.broadcast(t.to(dev))
 
     def stop(self) -> None:
-        """Tell the ranks to exit; kill any that has not within STOP_TIMEOUT_S."""
+        """Tell the ranks to exit; kill any that has not within STOP_TIMEOUT_S. A failed group (a
+        rank died or stalled) cannot pass the message on: its ranks are killed at once."""
         if not self._finalizer.alive:
             return
-        try:
-            with self.lock:
-                if not self.group.broken and all(p.poll() is None for p in self.procs):
-                    self.send([OP_STOP])
-        except Exception:   # a dead rank: kill the rest below
-            pass
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for proc in self.procs:
+        healthy = not self.group.broken and all(p.poll() is None for p in self.procs)
+        if healthy:
             try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+                with self.lock:
+                    self.send([OP_STOP])
+            except Exception:   # a rank died meanwhile: kill them all below
+                healthy = False
+        if healthy:
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            for proc in self.procs:
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
         self._finalizer()
         self.group.shutdown()
 

@@ -66,8 +66,10 @@ class AsyncEngine:
         self.engine = LLMEngine(config, lease=lease)
         self.config = config
         self.on_step = on_step
-        # Called on the event loop when the engine can never step again (a tensor-parallel rank died).
+        # Called on the event loop when the engine can never step again (a tensor-parallel rank died);
+        # failure then holds why.
         self.on_fatal: Callable[[], None] | None = None
+        self.failure: RankFailure | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Event()
         self._stopping = False
@@ -202,14 +204,16 @@ class AsyncEngine:
                 with engine.lock:
                     if engine.kv.expire():
                         self._call_soon(self.status_changed)
+                if self.failure is None:
+                    try:
+                        engine.check_ranks()   # a rank that dies while idle fails the worker now
+                    except RankFailure as exc:
+                        self._fatal(exc)
                 continue
             try:
                 outputs = engine.step()
             except RankFailure as exc:   # this worker cannot step again: fail everything, stop serving
-                log.error("engine failed: %s", exc)
-                self._fail_all()
-                if self.on_fatal is not None:
-                    self._call_soon(self.on_fatal)
+                self._fatal(exc)
                 continue
             except Exception:  # a failing step must not hang every caller
                 log.exception("engine step failed")
@@ -219,6 +223,15 @@ class AsyncEngine:
             self._call_soon(self._deliver, results)
             if self.on_step is not None:
                 self.on_step(engine, outputs)
+
+    def _fatal(self, exc: RankFailure) -> None:
+        """The engine can never step again: fail every request; the first time, tell on_fatal."""
+        self._fail_all()
+        if self.failure is None:
+            log.error("engine failed: %s", exc)
+            self.failure = exc
+            if self.on_fatal is not None:
+                self._call_soon(self.on_fatal)
 
     def _call_soon(self, fn: Callable, *args) -> None:
         assert self._loop is not None

@@ -184,6 +184,7 @@ def _router_error(address: str, exc) -> str:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from engine.parallel import RankFailure
     from services.worker import WorkerOptions, serve_worker
     engine_kwargs = given(args, EngineConfig, ENGINE_FIXED)
     engine_kwargs.setdefault("num_threads", 1)
@@ -192,7 +193,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     options = WorkerOptions(host=args.host, port=args.port, worker_id=args.worker_id, metrics_port=args.metrics_port,
                             credentials=_credentials(args), config=config_from_args(WorkerConfig, args))
-    asyncio.run(serve_worker(config, options))
+    try:
+        asyncio.run(serve_worker(config, options))
+    except RankFailure as exc:   # exit 1: `pdserve up` restarts the worker
+        raise RuntimeFailure(f"{args.role} worker {args.worker_id or ''}: {exc}".replace(" :", ":")) from None
     return 0
 
 

@@ -152,7 +152,9 @@ class RunningWorker:
 
 async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: asyncio.Event | None = None,
                        on_start: Callable[[RunningWorker], None] | None = None) -> None:
-    """Run one worker until stop is set (or SIGINT/SIGTERM), then drain. on_start runs once serving."""
+    """Run one worker until stop is set (or SIGINT/SIGTERM), then drain. on_start runs once serving.
+    Raises RankFailure, after draining, when a tensor-parallel rank died: the worker cannot step
+    again, and its supervisor (`pdserve up`, Ray) restarts it."""
     from services.metrics import WorkerMetrics, start_metrics_server
 
     worker_id = options.worker_id or f"{config.role}-{uuid.uuid4().hex[:8]}"
@@ -198,7 +200,7 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
           flush=True)
     stop = stop or asyncio.Event()
     stop_on_signals(stop)
-    aengine.on_fatal = stop.set   # a dead tensor-parallel rank: drain and exit (`pdserve up` restarts us)
+    aengine.on_fatal = stop.set   # a dead tensor-parallel rank: drain, then raise aengine.failure
     if on_start is not None:
         on_start(RunningWorker(aengine, info, server, metrics, sender))
     try:
@@ -213,4 +215,6 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
         if sender is not None:
             await sender.close()
         aengine.stop()
+    if aengine.failure is not None:
+        raise aengine.failure
 

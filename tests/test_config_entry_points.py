@@ -118,6 +118,29 @@ def test_ray_up_hands_actors_argv_parsed_like_the_cli() -> None:
     assert spec.ready_timeout_s == 99
 
 
+def test_ray_up_takes_per_role_tp_and_sizes_each_workers_bundle_by_its_ranks() -> None:
+    """`pdserve ray up --prefill-tp/--decode-tp` as `pdserve up`; a worker's bundle holds all its ranks."""
+    from services.ray_deploy.cli import ray_spec
+    from services.ray_deploy.deploy import HEAD_RESOURCE, PIN, resolve_cpus
+
+    spec = ray_spec(build_parser().parse_args(["ray", "up", "--tensor-parallel-size", "2", "--decode-tp", "1"]), "/m")
+    assert (spec.tp("prefill"), spec.tp("decode"), spec.num_ranks) == (2, 1, 3)
+    assert spec.worker_bundle("prefill", 0.5, 0) == {"CPU": 1.0, HEAD_RESOURCE: PIN}   # loopback: on the head
+    assert spec.worker_bundle("decode", 0.5, 0) == {"CPU": 0.5, HEAD_RESOURCE: PIN}
+    assert spec.worker_bundle("prefill", 2, 1)["GPU"] == 2                              # one GPU per rank
+    spec = ray_spec(build_parser().parse_args(["ray", "up", "--prefill-tp", "2", "--worker-host", "node-ip"]), "/m")
+    assert (spec.tp("prefill"), spec.tp("decode")) == (2, 1)
+    assert spec.worker_bundle("prefill", 1, 0) == {"CPU": 2}
+    # unset CPUs on a head that holds everything: equal shares per rank (2 + 1) and the router
+    spec = ray_spec(build_parser().parse_args(["ray", "up", "--prefill-tp", "2"]), "/m")
+    assert resolve_cpus(spec, 2.0) == (0.5, 0.5)
+    with pytest.raises(ValueError, match="decode_tp must be an integer >= 1"):
+        RayDeployment(model="/m", decode_tp=0).validate()
+    with pytest.raises(ValueError, match="worker_gpus must be a whole number"):
+        RayDeployment(model="/m", decode_tp=2, worker_gpus=0.5).validate()
+    RayDeployment(model="/m", decode_tp=2, worker_gpus=1).validate()
+
+
 def test_environment_variables_are_documented() -> None:
     from pathlib import Path
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()

@@ -15,6 +15,7 @@ import ipaddress
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -95,8 +96,8 @@ async def _generate_all(address: str, prompts: list[list[int]], timeout: float =
                                       for p in prompts))
 
 
-def _tokens(address: str, timeout: float = 60.0) -> list[list[int]]:
-    return [o.token_ids for o in asyncio.run(_generate_all(address, PROMPTS, timeout))]
+def _tokens(address: str, timeout: float = 60.0, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    return [o.token_ids for o in asyncio.run(_generate_all(address, prompts, timeout))]
 
 
 def _actor(name: str):
@@ -401,3 +402,55 @@ def test_2p2d_matches_offline_and_survives_a_decode_kill(ray_cluster, tiny_qwen3
             time.sleep(0.2)
     finally:
         _teardown(name)
+
+
+# ---- tensor parallelism: any prefill layout feeds any decode layout through the object store ------
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_tp_layouts_through_the_object_store_match_offline(ray_cluster, tiny_qwen3, offline_reference,
+                                                           prefill_tp, decode_tp) -> None:
+    """1P(TP=2) -> 1D(TP=1) and 1P(TP=1) -> 1D(TP=2), KV through the object store, give the
+    offline engine's tokens. Each worker's bundle holds the CPUs of all its ranks (0.5 per rank);
+    the TP=2 worker's actor starts its rank process itself. Then that rank is killed: the worker
+    fails, its actor exits, Ray restarts it (with a new rank), and the next requests are exact."""
+    import ray
+
+    name = f"tp{prefill_tp}{decode_tp}"
+    prompts, want = PROMPTS[:2], offline_reference[:2]
+    info = _deploy(tiny_qwen3, name, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    ranks: list[int] = []
+    try:
+        table = ray.util.placement_group_table(ray.util.get_placement_group(f"{name}-workers"))
+        # bundle 0 is the router's, then the prefill worker's and the decode worker's
+        assert [b["CPU"] for _, b in sorted(table["bundles"].items())] == [0.5, 0.5 * prefill_tp, 0.5 * decode_tp]
+        tps = {"prefill": prefill_tp, "decode": decode_tp}
+        for role, tp in tps.items():
+            worker = _info(f"{name}-{role}-0")
+            assert worker["tensor_parallel_size"] == tp and len(worker["rank_pids"]) == tp - 1
+            ranks += worker["rank_pids"]
+        assert _tokens(info.router_address, prompts=prompts) == want
+        assert _info(f"{name}-decode-0")["ray_receiver"]["blocks_received"] > 0
+
+        parallel = f"{name}-{'prefill' if prefill_tp == 2 else 'decode'}-0"
+        before = _info(parallel)
+        os.kill(before["rank_pids"][0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not _gone(before["pid"]):   # the worker noticed (while idle), drained and exited
+            assert time.monotonic() < deadline, f"{parallel} did not exit after its rank died"
+            time.sleep(0.1)
+        assert _tokens(info.router_address, timeout=90, prompts=prompts) == want
+        after = _info(parallel)
+        assert after["pid"] != before["pid"] and len(after["rank_pids"]) == 1
+        ranks += after["rank_pids"]
+    finally:
+        _teardown(name)
+    deadline = time.monotonic() + 10   # ranks die with their actor
+    while not all(_gone(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(p) for p in ranks)

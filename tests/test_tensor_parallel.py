@@ -1,7 +1,14 @@
 """Tensor parallelism (engine/parallel.py, engine/tp_rank.py): TP=2 over gloo, in real rank
-processes, gives Hugging Face's greedy tokens; a dead rank fails the engine without a hang."""
+processes, gives Hugging Face's greedy tokens; a dead or stalled rank fails the engine (and its
+worker) without a hang and frees its blocks.
+
+Starting a TP=2 engine (a rank process that imports torch and loads the model) is most of what
+these tests cost, so the tiny Qwen3 checks share one module-wide TP=2 engine (``tp2_llm``) whose
+settings make every path run at once: a 16-token budget chunks prompts, 32 blocks force
+preemption, and it is the TP=2 receiving side of a hand-off."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import signal
@@ -16,9 +23,13 @@ from engine.parallel import RankFailure, TPLayout, check_divisible
 from engine.step_plan import SeqView, StepPlan
 from tests.conftest import assert_no_leak, hf_greedy, random_prompts
 
-MAX_NEW = 12
+MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 PROMPTS = random_prompts(6, 3, 60, seed=11)
+# The shared TP=2 engine: prompts chunked by a 16-token budget, decodes beside the chunks (mixed),
+# and a pool small enough that 8 long prompts preempt.
+SHARED = dict(tensor_parallel_size=2, max_num_batched_tokens=16, schedule_policy="mixed", num_kv_blocks=32)
+TIMEOUT_S = 2.0   # the collective timeout of the failure tests (production default: 60 s)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -41,6 +52,16 @@ def make_llm(model: str, **overrides) -> LLM:
     kwargs = dict(dtype="float32", block_size=8, num_kv_blocks=128, max_num_batched_tokens=256, max_num_seqs=16)
     kwargs.update(overrides)
     return LLM(model, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tp2_llm(tiny_qwen3: str):
+    """One TP=2 engine of tiny Qwen3 for the module (SHARED settings); each test leaves it empty."""
+    llm = make_llm(tiny_qwen3, **SHARED)
+    pids = llm.engine.runner.ranks.pids
+    yield llm
+    llm.close()
+    assert all(gone(p) for p in pids)
 
 
 def gone(pid: int) -> bool:
@@ -94,11 +115,17 @@ def test_step_plan_round_trip() -> None:
     ("qwen3", "tiny-kv1"), ("qwen3", "tiny"), ("qwen3", "tiny-kv4"),
     ("llama", "tiny-kv1"), ("llama", "tiny"), ("llama", "tiny-kv4"),
 ])
-def test_tp2_matches_tp1_and_hf(model_root: Path, arch: str, preset: str) -> None:
-    """KV heads 1 (< 2 ranks, replicated), 2 (= ranks), 4 (> ranks)."""
+def test_tp2_matches_tp1_and_hf(request: pytest.FixtureRequest, model_root: Path, arch: str, preset: str) -> None:
+    """KV heads 1 (< 2 ranks, replicated), 2 (= ranks), 4 (> ranks). Tiny Qwen3 runs on the shared
+    engine (chunked, mixed steps); the others on an engine of their own, at default settings."""
     model = tiny(model_root, preset, arch)
     want = hf_greedy(model, PROMPTS, MAX_NEW)
     assert [o.token_ids for o in make_llm(model).generate(PROMPTS, GREEDY)] == want
+    if (arch, preset) == ("qwen3", "tiny"):
+        llm = request.getfixturevalue("tp2_llm")
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+        assert_no_leak(llm)
+        return
     with make_llm(model, tensor_parallel_size=2) as llm:
         pids = llm.engine.runner.ranks.pids
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
@@ -106,29 +133,31 @@ def test_tp2_matches_tp1_and_hf(model_root: Path, arch: str, preset: str) -> Non
     assert all(gone(p) for p in pids)
 
 
-def test_tp2_chunked_prefill_and_prefix_hits(tiny_qwen3: str) -> None:
+def test_tp2_chunked_prefill_and_prefix_hits(tp2_llm: LLM, tiny_qwen3: str) -> None:
     prefix = random_prompts(1, 40, 40, seed=7)[0]
     shared = [prefix + t for t in random_prompts(3, 2, 9, seed=8)]
     # a budget of 16 tokens splits every longer prompt; mixed steps carry decodes beside chunks
-    with make_llm(tiny_qwen3, tensor_parallel_size=2, max_num_batched_tokens=16, schedule_policy="mixed") as llm:
-        outs = llm.generate(PROMPTS, GREEDY)
-        assert any(t.num_prefill_tokens == 16 for t in llm.engine.trace)
-        first = llm.generate(shared[:1], GREEDY)
-        rest = llm.generate(shared[1:], GREEDY)
-        assert all(o.num_cached_tokens == 40 for o in rest)
-        assert [o.token_ids for o in outs] == hf_greedy(tiny_qwen3, PROMPTS, MAX_NEW)
-        assert [o.token_ids for o in first + rest] == hf_greedy(tiny_qwen3, shared, MAX_NEW)
-        assert_no_leak(llm)
+    last = tp2_llm.engine.num_steps
+    outs = tp2_llm.generate(PROMPTS, GREEDY)
+    trace = [t for t in tp2_llm.engine.trace if t.step > last]
+    assert any(t.num_prefill_tokens == 16 for t in trace)
+    assert any(t.num_prefill_tokens and t.num_decode_seqs for t in trace)
+    first = tp2_llm.generate(shared[:1], GREEDY)
+    rest = tp2_llm.generate(shared[1:], GREEDY)
+    assert all(o.num_cached_tokens == 40 for o in rest)
+    assert [o.token_ids for o in outs] == hf_greedy(tiny_qwen3, PROMPTS, MAX_NEW)
+    assert [o.token_ids for o in first + rest] == hf_greedy(tiny_qwen3, shared, MAX_NEW)
+    assert_no_leak(tp2_llm)
 
 
-def test_tp2_preemption_keeps_output(tiny_qwen3: str) -> None:
-    # 8 prompts of up to 70 + 20 tokens in blocks of 8 need far more than 24 blocks at once
-    prompts, params = random_prompts(8, 3, 70, seed=1), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    with make_llm(tiny_qwen3, tensor_parallel_size=2, num_kv_blocks=24) as llm:
-        outs = llm.generate(prompts, params)
-        assert llm.stats()["num_preemptions"] > 0
-        assert [o.token_ids for o in outs] == hf_greedy(tiny_qwen3, prompts, 20)
-        assert_no_leak(llm)
+def test_tp2_preemption_keeps_output(tp2_llm: LLM, tiny_qwen3: str) -> None:
+    # 8 prompts of 40 to 70 + 20 tokens in blocks of 8 need far more than 32 blocks at once
+    prompts, params = random_prompts(8, 40, 70, seed=1), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    before = tp2_llm.stats()["num_preemptions"]
+    outs = tp2_llm.generate(prompts, params)
+    assert tp2_llm.stats()["num_preemptions"] > before
+    assert [o.token_ids for o in outs] == hf_greedy(tiny_qwen3, prompts, 20)
+    assert_no_leak(tp2_llm)
 
 
 def test_tp2_w8a16_matches_tp1_w8a16(tiny_qwen3: str) -> None:
@@ -137,22 +166,67 @@ def test_tp2_w8a16_matches_tp1_w8a16(tiny_qwen3: str) -> None:
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
 
 
-def test_killed_rank_fails_the_engine_and_frees_blocks(tiny_qwen3: str) -> None:
-    llm = make_llm(tiny_qwen3, tensor_parallel_size=2)
+def test_stalled_rank_fails_the_engine_within_the_timeout(tiny_qwen3: str) -> None:
+    """A rank that stops answering (SIGSTOP): the step's collective gives up after
+    tp_collective_timeout_s, every request fails and frees its blocks, the engine stays failed,
+    and close() kills the ranks at once (a failed group cannot be told to stop)."""
+    llm = make_llm(tiny_qwen3, tensor_parallel_size=2, tp_collective_timeout_s=TIMEOUT_S)
+    [pid] = llm.engine.runner.ranks.pids
     try:
         assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids == hf_greedy(tiny_qwen3, PROMPTS[:1], MAX_NEW)[0]
-        [pid] = llm.engine.runner.ranks.pids
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGSTOP)
         start = time.monotonic()
-        with pytest.raises(RankFailure):
+        with pytest.raises(RankFailure, match="collective"):
             llm.generate(PROMPTS, GREEDY)
-        assert time.monotonic() - start < 10
+        assert TIMEOUT_S - 0.2 < time.monotonic() - start < TIMEOUT_S + 8
         assert_no_leak(llm)
         with pytest.raises(RankFailure):   # and it stays failed
             llm.generate(PROMPTS[:1], GREEDY)
+        start = time.monotonic()
+        llm.close()
+        assert time.monotonic() - start < 3
     finally:
         llm.close()
     assert gone(pid)
+
+
+def test_worker_with_a_killed_rank_fails_and_frees_its_blocks(tiny_qwen3: str) -> None:
+    """serve_worker, what `pdserve up` and the Ray actors run: a rank killed while a request decodes
+    and another request's blocks are reserved for its KV fails both and frees every block; the
+    worker drains and raises RankFailure (its supervisor restarts it) instead of hanging."""
+    from engine import EngineConfig
+    from engine.kv_connector import HandoffState
+    from services.worker import WorkerOptions, serve_worker
+
+    config = EngineConfig(model=tiny_qwen3, role="decode", dtype="float32", block_size=8, num_kv_blocks=64,
+                          tensor_parallel_size=2, tp_collective_timeout_s=TIMEOUT_S)
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def run() -> int:
+        started: asyncio.Future = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(serve_worker(config, WorkerOptions(worker_id="tp-kill"),
+                                                on_start=started.set_result))
+        done, _ = await asyncio.wait({started, task}, timeout=120, return_when=asyncio.FIRST_COMPLETED)
+        assert started in done, task.result() if task.done() else "the worker did not start"
+        aengine = started.result().aengine
+        engine = aengine.engine
+        [pid] = engine.runner.ranks.pids
+        engine.reserve("handoff", PROMPTS[0], GREEDY)
+        async with aengine.add("decoding", PROMPTS[1], long) as stream:
+            assert (await stream.get(timeout=60)).output.new_token_ids   # it runs
+            os.kill(pid, signal.SIGKILL)
+            start = time.monotonic()
+            while not (res := await stream.get(timeout=30)).output.finished:
+                pass
+            assert res.output.finish_reason == "abort"
+        with pytest.raises(RankFailure):
+            await asyncio.wait_for(task, 30)
+        assert time.monotonic() - start < 15
+        assert engine.kv.state("handoff") in (HandoffState.FAILED, None)
+        assert_no_leak(engine)
+        return pid
+
+    assert gone(asyncio.run(run()))
 
 
 def test_rank_dies_with_a_dead_driver(tiny_qwen3: str, tmp_path: Path) -> None:
@@ -160,11 +234,13 @@ def test_rank_dies_with_a_dead_driver(tiny_qwen3: str, tmp_path: Path) -> None:
     import subprocess
     import sys
     script = tmp_path / "driver.py"
-    script.write_text(
-        "import sys, time\n"
-        "from engine import LLM\n"
-        f"llm = LLM({tiny_qwen3!r}, dtype='float32', num_kv_blocks=16, tensor_parallel_size=2)\n"
-        "print(llm.engine.runner.ranks.pids[0], flush=True)\n"
+    script.write_text(   # only what starts the ranks: the driver need not load the model
+        "import time, torch\n"
+        "from engine.config import EngineConfig\n"
+        "from engine.tp_rank import RankProcesses\n"
+        f"ranks = RankProcesses(EngineConfig({tiny_qwen3!r}, dtype='float32', num_kv_blocks=16, "
+        "tensor_parallel_size=2), torch.device('cpu'))\n"
+        "print(ranks.pids[0], flush=True)\n"
         "time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                             cwd=Path(__file__).resolve().parent.parent)
@@ -179,64 +255,83 @@ def test_rank_dies_with_a_dead_driver(tiny_qwen3: str, tmp_path: Path) -> None:
     assert gone(rank_pid)
 
 
+def test_tp_collective_timeout_is_a_validated_engine_flag() -> None:
+    from engine import EngineConfig
+    from services.cli import ENGINE_FIXED, build_parser
+    from services.config_cli import given
+
+    for bad in (0.1, 3601, True, "5"):
+        with pytest.raises(ValueError, match=r"tp_collective_timeout_s must be .*\[0\.5, 3600\]"):
+            EngineConfig(model="m", tp_collective_timeout_s=bad)
+    args = build_parser().parse_args(["worker", "--role", "decode", "--tp-collective-timeout-s", "2.5"])
+    assert EngineConfig(model="m", **given(args, EngineConfig, ENGINE_FIXED)).tp_collective_timeout_s == 2.5
+    assert EngineConfig(model="m").tp_collective_timeout_s == 60
+
+
 def test_tp_size_must_divide_heads(tiny_qwen3: str) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         make_llm(tiny_qwen3, tensor_parallel_size=3)
 
 
 # ---- heterogeneous layouts across the hand-off (engine/kv_connector.py) --------------------------
-def _prefill_then_decode(model: str, prefill_tp: int, decode_tp: int, prompts: list[list[int]]) -> list[list[int]]:
+def _prefill_then_decode(prefill, decode, prompts: list[list[int]]) -> list[list[int]]:
     """Prefill in one engine, each block's head ranges as their own wire pieces (header + bytes, as
     a transport sends them), decode in another engine with another layout."""
-    from engine import EngineConfig, LLMEngine
     from engine.block_manager import transfer_block_hashes
     from services.kv_transfer import KVBlock, block_meta
 
-    kw = dict(dtype="float32", block_size=8, num_kv_blocks=64, max_num_batched_tokens=16)
-    prefill = LLMEngine(EngineConfig(model=model, role="prefill", tensor_parallel_size=prefill_tp, **kw))
-    decode = LLMEngine(EngineConfig(model=model, role="decode", tensor_parallel_size=decode_tp, **kw))
-    try:
-        reservations = {f"r{i}": decode.reserve(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)}
-        firsts: dict[str, int] = {}
-        for i, p in enumerate(prompts):
-            prefill.add_request(f"r{i}", p, GREEDY)
-        pieces_seen = set()
-        while prefill.has_unfinished_requests():
-            for out in prefill.step():
-                rid = out.request_id
-                if not out.ready_blocks:
-                    continue
-                hashes = transfer_block_hashes(prompts[int(rid[1:])], 8)
-                for j, idx in enumerate(out.ready_blocks):
-                    for start, end, data in prefill.kv.read_block_pieces(rid, out.ready_blocks):
-                        pieces_seen.add((start, end))
-                        header, payload = KVBlock(rid, idx, hashes[idx], 8, data[j], head_start=start,
-                                                  head_end=end).encode()
-                        decode.kv.accept(block_meta(header), reservations[rid].transfer_token, payload)
-                if out.prefill_done:
-                    firsts[rid] = out.new_token_ids[0]
-                    prefill.release(rid)
-        n_heads = prefill.model_config.num_kv_heads
-        assert len(pieces_seen) == (min(prefill_tp, n_heads) if prefill_tp > 1 else 1)
-        outs: dict[str, list[int]] = {}
-        for rid, tok in firsts.items():
-            assert decode.admit(rid, tok) is None
-            outs[rid] = [tok]
-        while decode.has_unfinished_requests():
-            for out in decode.step():
-                outs[out.request_id].extend(out.new_token_ids)
-        assert_no_leak(prefill)
-        assert_no_leak(decode)
-        return [outs[f"r{i}"] for i in range(len(prompts))]
-    finally:
-        prefill.close()
-        decode.close()
+    bs = prefill.config.block_size
+    reservations = {f"h{i}": decode.reserve(f"h{i}", p, GREEDY) for i, p in enumerate(prompts)}
+    firsts: dict[str, int] = {}
+    for i, p in enumerate(prompts):
+        prefill.add_request(f"h{i}", p, GREEDY)
+    pieces_seen = set()
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            rid = out.request_id
+            if out.ready_blocks:
+                res = reservations[rid]
+                hashes = transfer_block_hashes(prompts[int(rid[1:])], bs)
+                for start, end, data in prefill.kv.read_block_pieces(rid, out.ready_blocks):
+                    pieces_seen.add((start, end))
+                    for j, idx in enumerate(out.ready_blocks):
+                        if idx in res.needed_block_indices:
+                            header, payload = KVBlock(rid, idx, hashes[idx], bs, data[j], head_start=start,
+                                                      head_end=end).encode()
+                            decode.kv.accept(block_meta(header), res.transfer_token, payload)
+            if out.prefill_done:
+                firsts[rid] = out.new_token_ids[0]
+                prefill.release(rid)
+    n_heads, tp = prefill.model_config.num_kv_heads, prefill.config.tensor_parallel_size
+    assert len(pieces_seen) == (min(tp, n_heads) if tp > 1 else 1)
+    outs: dict[str, list[int]] = {}
+    for rid, tok in firsts.items():
+        assert decode.admit(rid, tok) is None
+        outs[rid] = [tok]
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            outs[out.request_id].extend(out.new_token_ids)
+    assert_no_leak(prefill)
+    assert_no_leak(decode)
+    return [outs[f"h{i}"] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
-def test_handoff_between_layouts_matches_hf(tiny_qwen3: str, prefill_tp: int, decode_tp: int) -> None:
-    prompts = PROMPTS[:3]
-    assert _prefill_then_decode(tiny_qwen3, prefill_tp, decode_tp, prompts) == hf_greedy(tiny_qwen3, prompts, MAX_NEW)
+def test_handoff_between_layouts_matches_hf(request: pytest.FixtureRequest, tiny_qwen3: str, prefill_tp: int,
+                                            decode_tp: int) -> None:
+    """TP=2 -> TP=1 and TP=1 -> TP=2 (the shared engine receives)."""
+    from engine import EngineConfig, LLMEngine
+
+    prompts = random_prompts(3, 3, 60, seed=12)
+    kw = dict(dtype="float32", block_size=8, num_kv_blocks=64, max_num_batched_tokens=16)
+    prefill = LLMEngine(EngineConfig(model=tiny_qwen3, role="prefill", tensor_parallel_size=prefill_tp, **kw))
+    try:
+        decode = (request.getfixturevalue("tp2_llm").engine if decode_tp == 2
+                  else LLMEngine(EngineConfig(model=tiny_qwen3, role="decode", **kw)))
+        assert decode.config.tensor_parallel_size == decode_tp
+        assert _prefill_then_decode(prefill, decode, prompts) == hf_greedy(tiny_qwen3, prompts, MAX_NEW)
+    finally:
+        prefill.close()
 
 
 def test_head_ranges_are_checked(tiny_qwen3: str) -> None:

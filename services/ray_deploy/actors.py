@@ -10,7 +10,7 @@ child processes. They expose:
 
 * ``address()``: the gRPC address the server listens on;
 * ``info()``: a JSON-able dict (role, address, KV address, model path, pid, node,
-  transport counters);
+  tensor-parallel size and rank pids, transport counters);
 * decode workers: ``push_blocks(headers, refs)``, the receiving end of the
   object-store KV transport (``services.kv_transfer.ray_transport``).
 
@@ -61,10 +61,12 @@ async def _until_started(started: asyncio.Future, task: asyncio.Task) -> Any:
 
 
 def _crash_if_unexpected(stop: asyncio.Event, name: str):
+    """Exit the actor's process (Ray restarts it) when its server ends unasked, or with an error
+    (a worker whose tensor-parallel rank died drains, then raises)."""
     def on_done(task: asyncio.Task) -> None:
-        if stop.is_set():
-            return
         exc = None if task.cancelled() else task.exception()
+        if stop.is_set() and exc is None:
+            return
         log.error("pdserve server of %s ended unexpectedly (%r); exiting so that Ray restarts the actor", name, exc)
         os._exit(1)
     return on_done
@@ -147,8 +149,10 @@ class WorkerActor:
 
     async def info(self) -> dict[str, Any]:
         receiver = self.receiver
+        runner = self.running.aengine.engine.runner
         return {"name": self.name, "role": self.role, "address": self._address, "kv_address": self.kv_address,
                 "kv_transport": self.spec["kv_transport"], "model": self.model, **_node_info(),
+                "tensor_parallel_size": runner.layout.size, "rank_pids": runner.ranks.pids if runner.ranks else [],
                 "ray_receiver": ({"blocks_received": receiver.blocks_received, "bytes_received": receiver.bytes_received}
                                  if receiver is not None else None),
                 "metrics": self._metrics()}

@@ -5,7 +5,11 @@ the command that created it):
 
 * placement group ``NAME-workers``: one bundle per worker, prefill and decode
   interleaved, strategy SPREAD by default (prefill and decode workers land on
-  different nodes when the cluster has them);
+  different nodes when the cluster has them). A worker with tensor parallelism N
+  (``prefill_tp`` / ``decode_tp``, else the engine's ``tensor_parallel_size``) is one
+  actor that starts its N-1 rank processes itself, so its bundle holds the CPUs and
+  GPUs of all N ranks (N x ``worker_cpus``, N x ``worker_gpus``): they are placed
+  together, on one node, or not at all;
 * actors ``NAME-prefill-<i>`` / ``NAME-decode-<i>`` (``WorkerActor``), one per
   bundle, each ``num_cpus`` / ``num_gpus`` of its bundle;
 * actor ``NAME-router`` (``RouterActor``), on the head node by default (where
@@ -58,6 +62,10 @@ class RayDeployment:
     model: str = field(metadata={"help": "model directory: a path every node has, or the one to ship"})
     prefill_workers: int = _f(1, "prefill worker actors")
     decode_workers: int = _f(1, "decode worker actors")
+    prefill_tp: int | None = _f(None, "tensor_parallel_size of the prefill workers (each reserves the CPUs/GPUs "
+                                      "of all its ranks in one bundle); none: --tensor-parallel-size")
+    decode_tp: int | None = _f(None, "tensor_parallel_size of the decode workers; none: --tensor-parallel-size "
+                                     "(any pair of layouts hands KV over)")
     name: str = _f("pdserve", "deployment name (actor name prefix)", cli=False)
     namespace: str = _f("pdserve", "Ray namespace of the actors", cli=False)
     host: str = _f("127.0.0.1", "router bind address (node-ip: the head node's cluster IP)")
@@ -70,9 +78,11 @@ class RayDeployment:
     engine_args: list[str] = field(default_factory=list, metadata={"cli": False})  # EngineConfig flags, every worker
     worker_args: list[str] = field(default_factory=list, metadata={"cli": False})  # WorkerConfig flags
     router_args: list[str] = field(default_factory=list, metadata={"cli": False})  # router's config flags
-    worker_cpus: float | None = _f(None, "CPUs per worker actor; none: 1, or an equal share that fits the head "
-                                         "node when every actor runs there (e.g. 0.66 on a 2-CPU head)")
-    worker_gpus: float | None = _f(None, "GPUs per worker actor; none: 1 if the cluster has GPUs, else 0")
+    worker_cpus: float | None = _f(None, "CPUs per worker rank (a worker with tensor parallelism N reserves N "
+                                         "times this); none: 1, or an equal share that fits the head node when "
+                                         "every actor runs there (e.g. 0.66 on a 2-CPU head)")
+    worker_gpus: float | None = _f(None, "GPUs per worker rank (tensor parallelism needs a whole GPU per rank); "
+                                         "none: 1 if the cluster has GPUs, else 0")
     router_cpus: float | None = _f(None, "CPUs of the router actor; none: 1, or the share of the head node "
                                          "that fits (as --worker-cpus)")
     placement_strategy: str = _f("SPREAD", "strategy of the deployment's placement group", choices=STRATEGIES)
@@ -91,6 +101,10 @@ class RayDeployment:
     def validate(self) -> None:
         if self.prefill_workers < 1 or self.decode_workers < 1:
             raise ValueError("need at least one prefill and one decode worker")
+        for what in ("prefill_tp", "decode_tp"):
+            value = getattr(self, what)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}")
         if self.placement_strategy not in STRATEGIES:
@@ -99,6 +113,11 @@ class RayDeployment:
             value = getattr(self, what)
             if value is not None and value <= 0:
                 raise ValueError(f"{what} must be > 0")
+        gpus, tp = self.worker_gpus, max(self.tp("prefill"), self.tp("decode"))
+        if gpus and tp > 1 and (gpus < 1 or gpus != int(gpus)):
+            raise ValueError(f"worker_gpus must be a whole number of GPUs per rank with tensor parallelism "
+                             f"(NCCL: one GPU per rank), got {gpus:g} with --prefill-tp {self.tp('prefill')} "
+                             f"--decode-tp {self.tp('decode')}")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.name):
             raise ValueError(f"bad deployment name {self.name!r}")
         if "://" not in self.model and not Path(self.model, "config.json").exists() and self.ship_model:
@@ -107,6 +126,16 @@ class RayDeployment:
     @property
     def num_workers(self) -> int:
         return self.prefill_workers + self.decode_workers
+
+    def tp(self, role: str) -> int:
+        """The tensor_parallel_size of a role's workers."""
+        own = {"prefill": self.prefill_tp, "decode": self.decode_tp}[role]
+        return own if own is not None else self.engine_config().tensor_parallel_size
+
+    @property
+    def num_ranks(self) -> int:
+        """Engine processes of all workers together (what worker_cpus / worker_gpus are per)."""
+        return self.prefill_workers * self.tp("prefill") + self.decode_workers * self.tp("decode")
 
     @property
     def loopback_workers(self) -> bool:
@@ -118,15 +147,27 @@ class RayDeployment:
                 "decode": [f"{self.name}-decode-{i}" for i in range(self.decode_workers)],
                 "router": [f"{self.name}-router"]}
 
-    def role_argv(self, worker_cpus: float) -> tuple[list[str], list[str], list[str]]:
-        """(engine, worker, router) argv for the actors: the one serialised form of their settings."""
+    def _engine_argv(self) -> list[str]:
         from engine.config import EngineConfig
-        from services.config_cli import config_to_argv, configs_from_argv
+        from services.config_cli import config_to_argv
 
         engine = list(self.engine_args)
         if self.engine:
             engine = config_to_argv(EngineConfig(model="-", **self.engine), exclude=("model", "role")) + engine
-        configs_from_argv(engine, (EngineConfig, ("model", "role")), model="-")   # a bad setting fails here
+        return engine
+
+    def engine_config(self):
+        """The workers' EngineConfig (model "-", role both) as the actors parse it; a bad setting raises."""
+        from engine.config import EngineConfig
+        from services.config_cli import configs_from_argv
+
+        return configs_from_argv(self._engine_argv(), (EngineConfig, ("model", "role")), model="-")[0]
+
+    def role_argv(self, worker_cpus: float) -> tuple[list[str], list[str], list[str]]:
+        """(engine, worker, router) argv for the actors: the one serialised form of their settings.
+        worker_cpus: per rank (each rank runs that many torch threads)."""
+        engine = self._engine_argv()
+        self.engine_config()   # a bad setting fails here
         if "--num-threads" not in engine and "--threads" not in engine:
             engine += ["--num-threads", str(max(1, int(worker_cpus)))]
         router = list(self.router_args)
@@ -135,6 +176,13 @@ class RayDeployment:
         if "--ready-timeout-s" not in router:
             router = ["--ready-timeout-s", f"{self.ready_timeout_s:g}", *router]
         return engine, list(self.worker_args), router
+
+    def worker_bundle(self, role: str, worker_cpus: float, worker_gpus: float) -> dict[str, float]:
+        """The placement-group bundle of one worker of role: the resources of all its ranks."""
+        tp = self.tp(role)
+        pin = {HEAD_RESOURCE: PIN} if self.loopback_workers else {}
+        gpus = {"GPU": round(worker_gpus * tp, 4)} if worker_gpus else {}
+        return {"CPU": round(worker_cpus * tp, 4), **gpus, **pin}
 
 
 @dataclass(slots=True)
@@ -227,15 +275,17 @@ def _head_resources() -> dict[str, float]:
 
 
 def resolve_cpus(spec: RayDeployment, head_cpus: float | None) -> tuple[float, float]:
-    """(worker_cpus, router_cpus): as given; an unset one is 1 CPU, or, when every actor runs on the
-    head node (loopback workers) and 1 each would not fit, an equal share of what the given ones leave."""
+    """(worker_cpus per rank, router_cpus): as given; an unset one is 1 CPU, or, when every actor runs
+    on the head node (loopback workers) and 1 each would not fit, an equal share (per rank of every
+    worker, and the router) of what the given ones leave."""
     worker, router = spec.worker_cpus, spec.router_cpus
     if worker is not None and router is not None:
         return worker, router
     if not spec.loopback_workers or head_cpus is None:
         return worker or 1.0, router or min(1.0, worker or 1.0)
-    fixed = (spec.num_workers * worker if worker is not None else 0.0) + (router or 0.0)
-    shares = (spec.num_workers if worker is None else 0) + (1 if router is None else 0)
+    ranks = spec.num_ranks
+    fixed = (ranks * worker if worker is not None else 0.0) + (router or 0.0)
+    shares = (ranks if worker is None else 0) + (1 if router is None else 0)
     share = min(1.0, max(0.01, (head_cpus - fixed) / shares))
     share = int(share * 100) / 100   # down to a hundredth, so that the shares fit
     return (worker if worker is not None else share), (router if router is not None else share)
@@ -256,11 +306,10 @@ def _deploy(spec: RayDeployment) -> DeploymentInfo:
                               "remove it first (pdserve ray down), or pass --if-exists keep|replace")
     names = spec.actor_names()
     gpus = _gpus(spec)
+    tps = {role: spec.tp(role) for role in ("prefill", "decode")}
     head = _head_resources()
     worker_cpus, router_cpus = resolve_cpus(spec, head.get("CPU"))
     engine_args, worker_args, router_args = spec.role_argv(worker_cpus)
-    pin = {HEAD_RESOURCE: PIN} if spec.loopback_workers else {}
-    bundle = {"CPU": worker_cpus, **({"GPU": gpus} if gpus else {}), **pin}
     router_pin = spec.router_on_head or spec.loopback_workers
     router_bundle = {"CPU": router_cpus, **({HEAD_RESOURCE: PIN} if router_pin else {})}
     # The router takes bundle 0 of the group, so the whole deployment is placed at once or not at
@@ -269,6 +318,7 @@ def _deploy(spec: RayDeployment) -> DeploymentInfo:
     order = []   # interleave prefill and decode over the bundles
     for i in range(max(spec.prefill_workers, spec.decode_workers)):
         order += [(role, names[role][i]) for role in ("prefill", "decode") if i < len(names[role])]
+    worker_bundles = [spec.worker_bundle(role, worker_cpus, gpus) for role, _ in order]
     base = {"namespace": spec.namespace, "kv_transport": spec.kv_transport, "host": spec.worker_host,
             "model": spec.model, "ship_model": spec.ship_model, "engine_args": engine_args,
             "worker_args": worker_args}
@@ -277,27 +327,30 @@ def _deploy(spec: RayDeployment) -> DeploymentInfo:
     if os.environ.get("PDSERVE_LOG_LEVEL"):
         env["PDSERVE_LOG_LEVEL"] = os.environ["PDSERVE_LOG_LEVEL"]
     runtime_env = {"env_vars": env}
-    if pin:
-        _check_head_fits(spec, head, bundle, len(order), router_cpus)
-    bundles = ([dict(router_bundle)] if router_in_group else []) + [dict(bundle) for _ in order]
+    if spec.loopback_workers:
+        _check_head_fits(spec, head, worker_bundles, router_cpus)
+    bundles = ([dict(router_bundle)] if router_in_group else []) + [dict(b) for b in worker_bundles]
     first_worker = 1 if router_in_group else 0
     try:
         if spec.placement_timeout_s is None:
-            _check_cluster_fits(spec, bundles, bundle, router_bundle, len(order))
+            _check_cluster_fits(spec, bundles, worker_bundles, router_bundle)
         pg = ray.util.placement_group(bundles, strategy=spec.placement_strategy, name=_pg_name(spec.name),
                                       lifetime="detached")
         try:
             ray.get(pg.ready(), timeout=spec.placement_timeout_s or DEFAULT_PLACEMENT_WAIT_S)
         except ray.exceptions.GetTimeoutError:
-            raise DeploymentError(_unplaceable(spec, bundle, router_bundle, len(order))) from None
+            raise DeploymentError(_unplaceable(spec, worker_bundles, router_bundle)) from None
         workers = []
         for index, (role, actor_name) in enumerate(order):
+            # The actor takes its whole bundle: its own rank's share and its rank processes'.
+            bundle = worker_bundles[index]
             workers.append(WorkerActor.options(
                 name=actor_name, namespace=spec.namespace, lifetime="detached", max_restarts=spec.max_restarts,
-                num_cpus=worker_cpus, num_gpus=gpus, runtime_env=runtime_env,
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), runtime_env=runtime_env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=first_worker + index),
-            ).remote(json.dumps({**base, "name": actor_name, "role": role})))
+            ).remote(json.dumps({**base, "engine_args": [*engine_args, "--tensor-parallel-size", str(tps[role])],
+                                 "name": actor_name, "role": role})))
         router_spec = {**base, "name": names["router"][0], "host": spec.host, "port": spec.port,
                        "prefill": names["prefill"], "decode": names["decode"], "router_args": router_args}
         placement = ({"scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -325,6 +378,7 @@ def _deploy(spec: RayDeployment) -> DeploymentInfo:
 
 FIXES = ("lower --worker-cpus / --router-cpus (fractions are fine, e.g. 0.5), deploy fewer "
          "--prefill-workers / --decode-workers, or give the cluster more CPUs (--address local: --local-num-cpus)")
+TP_NOTE = " (a worker of tensor parallelism N reserves N x --worker-cpus / --worker-gpus, on one node)"
 
 
 def _fmt(resources: dict[str, float]) -> str:
@@ -332,8 +386,20 @@ def _fmt(resources: dict[str, float]) -> str:
                            and k not in ("memory", "object_store_memory")) + "}"
 
 
-def _check_cluster_fits(spec: RayDeployment, bundles: list[dict], bundle: dict, router_bundle: dict,
-                        n: int) -> None:
+def _workers_text(worker_bundles: list[dict]) -> str:
+    """'2 worker(s) of {CPU: 1}', or per kind of bundle: '1 worker(s) of {CPU: 2} + 1 worker(s) of {CPU: 1}'."""
+    counts: dict[str, int] = {}
+    for b in worker_bundles:
+        counts[_fmt(b)] = counts.get(_fmt(b), 0) + 1
+    return " + ".join(f"{n} worker(s) of {text}" for text, n in counts.items())
+
+
+def _fixes(spec: RayDeployment) -> str:
+    return FIXES + (TP_NOTE if spec.tp("prefill") > 1 or spec.tp("decode") > 1 else "")
+
+
+def _check_cluster_fits(spec: RayDeployment, bundles: list[dict], worker_bundles: list[dict],
+                        router_bundle: dict) -> None:
     """Fail at once when the alive nodes, empty, could not hold every bundle (first fit, largest
     first; STRICT_SPREAD: each on its own node): waiting would not help a cluster that does not grow."""
     import ray
@@ -352,32 +418,36 @@ def _check_cluster_fits(spec: RayDeployment, bundles: list[dict], bundle: dict, 
             break
         else:
             raise DeploymentError(
-                f"the cluster can never place the deployment: it needs {n} worker(s) of {_fmt(bundle)} and a "
+                f"the cluster can never place the deployment: it needs {_workers_text(worker_bundles)} and a "
                 f"router of {_fmt(router_bundle)}, but its nodes have {', '.join(_fmt(nd['Resources']) for nd in ray.nodes() if nd.get('Alive'))}; "
-                f"{FIXES} (an autoscaling cluster: give --placement-timeout-s to wait for new nodes)")
+                f"{_fixes(spec)} (an autoscaling cluster: give --placement-timeout-s to wait for new nodes)")
 
 
-def _unplaceable(spec: RayDeployment, bundle: dict, router_bundle: dict, n: int) -> str:
+def _unplaceable(spec: RayDeployment, worker_bundles: list[dict], router_bundle: dict) -> str:
     import ray
 
     return (f"the cluster could not place the deployment within {spec.placement_timeout_s or DEFAULT_PLACEMENT_WAIT_S:g}s "
-            f"(--placement-timeout-s): it needs {n} worker(s) of {_fmt(bundle)} and a router of "
+            f"(--placement-timeout-s): it needs {_workers_text(worker_bundles)} and a router of "
             f"{_fmt(router_bundle)}; the cluster has {_fmt(ray.cluster_resources())}, free "
-            f"{_fmt(ray.available_resources())}; {FIXES}")
+            f"{_fmt(ray.available_resources())}; {_fixes(spec)}")
 
 
-def _check_head_fits(spec: RayDeployment, head: dict[str, float], bundle: dict[str, float], n: int,
+def _check_head_fits(spec: RayDeployment, head: dict[str, float], worker_bundles: list[dict[str, float]],
                      router_cpus: float) -> None:
     """Loopback workers all go to the head node: fail at once when it can never hold them."""
     if not head:
         return
-    need = {k: v * n for k, v in bundle.items() if k != HEAD_RESOURCE}
+    need: dict[str, float] = {}
+    for bundle in worker_bundles:
+        for k, v in bundle.items():
+            if k != HEAD_RESOURCE:
+                need[k] = need.get(k, 0) + v
     need["CPU"] = need.get("CPU", 0) + router_cpus
     short = {k: (v, head.get(k, 0)) for k, v in need.items() if head.get(k, 0) + 1e-9 < v}
     if short:
         detail = ", ".join(f"{k}: need {v:g}, head has {have:g}" for k, (v, have) in short.items())
         raise DeploymentError(f"with --worker-host {spec.worker_host} every actor runs on the head node, which "
-                              f"is too small ({detail}); {FIXES}, or --worker-host node-ip to spread workers "
+                              f"is too small ({detail}); {_fixes(spec)}, or --worker-host node-ip to spread workers "
                               f"over nodes")
 
 
