@@ -33,7 +33,7 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, StepTrace
-from engine.step_cost import StepCost
+from engine.step_cost import DECODE_FIT_DECAY, MIN_SPREAD_SEQS, StepCost
 from engine.sequence import Sequence, SequenceStatus
 from engine.validation import validate_request
 
@@ -71,8 +71,9 @@ class LLMEngine:
         self.kv_events = KVEventLog()
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           events=self.kv_events)
-        self.step_cost = StepCost()          # every step, by tokens computed
-        self.decode_step_cost = StepCost()   # decode-only steps, by sequences
+        self.step_cost = StepCost()          # steps that compute prompt tokens, by tokens computed
+        # decode-only steps, by sequences: a slope over a spread of a sequence or two needs more steps
+        self.decode_step_cost = StepCost(decay=DECODE_FIT_DECAY, min_spread=MIN_SPREAD_SEQS)
         self.scheduler = Scheduler(config, self.block_manager)
         self.kv = KVConnector(self, lease)
         self.requests: dict[str, Sequence] = {}     # sequences the scheduler holds
@@ -179,9 +180,10 @@ class LLMEngine:
         with self.lock:
             outputs = self._apply(batch, tokens)
             ms = (time.perf_counter() - t0) * 1e3
-            self.step_cost.observe(batch.num_tokens, ms)
             if batch.num_decode_seqs == len(batch.seqs):   # decodes only: the marginal cost of a sequence
                 self.decode_step_cost.observe(batch.num_decode_seqs, ms)
+            else:
+                self.step_cost.observe(batch.num_tokens, ms)
             return outputs
 
     def _apply(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:

@@ -90,17 +90,21 @@ class CostModel:
         decoders = [p.decode_ms_per_seq for p in peers if p.decode_ms_per_seq > 0]
         if status is not None and status.decode_ms_per_seq > 0:
             per_seq = status.decode_ms_per_seq
-        else:   # not decoded yet here (or a prefill worker): its peers' mean, else the token cost
+        else:   # not identified here (or a prefill worker): its peers' mean, else the token cost
             per_seq = sum(decoders) / len(decoders) if decoders else 0.0
         if status is not None and status.step_ms_per_token > 0:
             return StepCostView(status.step_base_ms, status.step_ms_per_token, budget, True,
                                 per_seq or status.step_ms_per_token)
+        # No prompt computed here yet (a decode worker that has only decoded): a prompt token costs
+        # what it costs its peers (same model, same kind of machine); the fixed part of a step is
+        # its own when its decode steps gave one.
         fitted = [p for p in peers if p.step_ms_per_token > 0]
-        if fitted:
-            per_token = sum(p.step_ms_per_token for p in fitted) / len(fitted)
-            return StepCostView(sum(p.step_base_ms for p in fitted) / len(fitted), per_token, budget, False,
-                                per_seq or per_token)
-        return StepCostView(DEFAULT_BASE_MS, DEFAULT_MS_PER_TOKEN, budget, False, per_seq or DEFAULT_MS_PER_TOKEN)
+        per_token = sum(p.step_ms_per_token for p in fitted) / len(fitted) if fitted else DEFAULT_MS_PER_TOKEN
+        if status is not None and status.step_base_ms > 0:
+            base = status.step_base_ms
+        else:
+            base = sum(p.step_base_ms for p in fitted) / len(fitted) if fitted else DEFAULT_BASE_MS
+        return StepCostView(base, per_token, budget, False, per_seq or per_token)
 
     @staticmethod
     def prefill_ms(cost: StepCostView, load: Load, uncached: int) -> float:
