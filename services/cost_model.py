@@ -30,11 +30,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.step_cost import StepCost
 from pdserve.v1 import worker_pb2
 
 DEFAULT_MS_PER_TOKEN = 0.1       # before any worker has stepped
 DEFAULT_BASE_MS = 1.0
 DEFAULT_TRANSFER_MS_PER_BLOCK = 0.1
+TRANSFER_DECAY = 0.95            # the transfer fit follows the last ~20 hand-offs
+TRANSFER_MIN_SPREAD_BLOCKS = 1.0
 EWMA_ALPHA = 0.1
 ROUTES = ("remote", "local")
 
@@ -67,17 +70,30 @@ class Load:
 
 
 class CostModel:
-    def __init__(self, itl_weight: float = 1.0) -> None:
+    def __init__(self, itl_weight: float = 1.0, affinity_weight: float = 1.0) -> None:
         if itl_weight < 0:
             raise ValueError(f"itl_weight must be >= 0, got {itl_weight}")
+        if affinity_weight < 0:
+            raise ValueError(f"affinity_weight must be >= 0, got {affinity_weight}")
         self.itl_weight = itl_weight
-        self.transfer_ms_per_block = Ewma(DEFAULT_TRANSFER_MS_PER_BLOCK)
+        self.affinity_weight = affinity_weight
+        self.transfer = StepCost(decay=TRANSFER_DECAY, min_spread=TRANSFER_MIN_SPREAD_BLOCKS)
         self.overhead_ms = {route: Ewma(0.0) for route in ROUTES}
 
     # ---- learning ---------------------------------------------------------------------
     def observe_transfer(self, blocks: int, ms: float) -> None:
+        """One hand-off's exposed part: blocks sent after the token was sampled, and the time to
+        their acknowledgement (a fixed part, the last send's round trip, plus a part per block)."""
         if blocks > 0 and ms >= 0:
-            self.transfer_ms_per_block.observe(ms / blocks)
+            self.transfer.observe(blocks, ms)
+
+    @property
+    def transfer_ms_per_block(self) -> float:
+        return self.transfer.coefficients()[1] if self.transfer.fitted else DEFAULT_TRANSFER_MS_PER_BLOCK
+
+    @property
+    def transfer_base_ms(self) -> float:
+        return self.transfer.coefficients()[0]
 
     def observe_overhead(self, route: str, ttft_ms: float, worker_ms: float) -> None:
         if route in self.overhead_ms:
@@ -118,7 +134,16 @@ class CostModel:
     def remote_ms(self, prefill: StepCostView, prefill_load: Load, prefill_uncached: int,
                   shipped_blocks: int) -> float:
         return (self.prefill_ms(prefill, prefill_load, prefill_uncached) + self.overhead_ms["remote"].value
-                + self.transfer_ms_per_block.value * shipped_blocks)
+                + self.transfer_ms(shipped_blocks))
+
+    def transfer_ms(self, blocks: int) -> float:
+        """Exposed transfer of a hand-off that ships blocks (none: no transfer at all)."""
+        return self.transfer_base_ms + self.transfer_ms_per_block * blocks if blocks > 0 else 0.0
+
+    def affinity_ms(self, prefill: StepCostView, block_size: int, blocks_held_elsewhere: int) -> float:
+        """What serving a request away from the decode worker holding its prefix costs beyond the
+        transfer: the prefill time of the blocks another decode worker holds and this one lacks."""
+        return self.affinity_weight * prefill.ms_per_token * block_size * blocks_held_elsewhere
 
     def local_ms(self, decode: StepCostView, decode_load: Load, decode_uncached: int) -> float:
         return (self.prefill_ms(decode, decode_load, decode_uncached) + self.overhead_ms["local"].value
@@ -135,8 +160,8 @@ class CostModel:
             return slope, const + extra_const
         slope_l, const_l = line(decode, decode_load, self.itl_weight * decode_load.running * decode.ms_per_token,
                                 self.overhead_ms["local"].value)
-        slope_r, const_r = line(prefill, prefill_load, self.transfer_ms_per_block.value / block_size,
-                                self.overhead_ms["remote"].value)
+        slope_r, const_r = line(prefill, prefill_load, self.transfer_ms_per_block / block_size,
+                                self.overhead_ms["remote"].value + self.transfer_base_ms)
         if slope_l <= slope_r:
             return math.inf if const_l <= const_r else 0.0
         return max(0.0, (const_r - const_l) / (slope_l - slope_r))

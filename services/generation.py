@@ -72,6 +72,10 @@ class GenerationOptions:
     itl_weight: float = field(default=1.0, metadata={
         "help": "conditional disaggregation: ms of time to first token worth one ms of delay added to each "
                 "sequence decoding on the worker that would prefill locally"})
+    cache_affinity_weight: float = field(default=1.0, metadata={
+        "help": "kv-aware routing: ms of cost per ms of prefill time of the prefix blocks another decode worker "
+                "holds and the candidate lacks (0: only the transfer counts; 1: a prefix leaves its worker only "
+                "when that worker's extra decode load costs more than computing the prefix again)"})
     kv_index_max_keys: int = field(default=DEFAULT_MAX_KEYS, metadata={
         "help": "kv-aware routing: prefix-cache keys remembered per worker (least recently seen dropped)"})
 
@@ -82,6 +86,8 @@ class GenerationOptions:
             raise ValueError(f"disaggregation must be one of {DISAGGREGATION_MODES}, got {self.disaggregation!r}")
         if self.itl_weight < 0:
             raise ValueError(f"itl_weight must be >= 0, got {self.itl_weight}")
+        if self.cache_affinity_weight < 0:
+            raise ValueError(f"cache_affinity_weight must be >= 0, got {self.cache_affinity_weight}")
         if self.kv_index_max_keys < 1:
             raise ValueError(f"kv_index_max_keys must be >= 1, got {self.kv_index_max_keys}")
         for name in ("migration_limit", "max_queued_requests", "kv_lease_ms"):
@@ -144,7 +150,8 @@ class Generator:
         self.options = options
         self.metrics = metrics
         self.admission = AdmissionQueue(options.max_queued_requests)
-        self.placement = Placement(pool, options.routing, options.disaggregation, CostModel(options.itl_weight))
+        costs = CostModel(options.itl_weight, options.cache_affinity_weight)
+        self.placement = Placement(pool, options.routing, options.disaggregation, costs, self._tokens_left)
         self.active: dict[str, Generation] = {}
         self._background: set[asyncio.Task] = set()   # prefill followers and aborts in flight
 
@@ -194,6 +201,10 @@ class Generator:
         gen.aborted = True
         await self._release(gen)
         return True
+
+    def _tokens_left(self, worker: WorkerHandle) -> list[int]:
+        """Output tokens still to come of each request placed on worker (routing's decode load)."""
+        return [gen.params.max_tokens - len(gen.generated) for gen in self.active.values() if worker in gen.workers]
 
     # ---- one attempt ----------------------------------------------------------------------
     def _attempt(self, gen: Generation) -> AsyncIterator[Chunk]:
@@ -395,6 +406,12 @@ class Generator:
                     gen.workers.add(worker)
                     if not gen.generated:
                         self.metrics.request_queue_time_seconds.observe(time.perf_counter() - t0)
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug("route %s: %s", gen.request_id, "; ".join(
+                            f"{r.decode.address}{'*' if r is route else ''} {'local' if r.local else 'remote'} "
+                            f"held={r.decode_cached_blocks} local={r.local_ms:.1f} remote={r.remote_ms:.1f} "
+                            f"cost={r.cost:.1f} running={self.placement.load(r.decode).running} "
+                            f"free={r.decode.free_blocks}" for r in routes))
                     return worker, route, response, routed_at
                 remaining = deadline - loop.time()
                 if remaining <= 0:
