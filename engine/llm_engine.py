@@ -285,7 +285,7 @@ class LLMEngine:
     def read_kv_events(self, cursor: int | None) -> KVEventBatch:
         """Prefix-cache keys stored / removed since cursor (None: a snapshot of every key)."""
         with self.lock:
-            return self.kv_events.read(cursor, lambda: list(self.block_manager.hash_to_block))
+            return self.kv_events.read(cursor, self.block_manager.computed_keys)
 
     def stats(self) -> dict[str, int]:
         with self.lock:

@@ -118,6 +118,8 @@ class RouterMetrics(_Metrics):
         self.request_queue_time_seconds = self.histogram("request_queue_time_seconds", "Time queued before prefill")
         self.kv_transfer_seconds = self.histogram("kv_transfer_seconds", "Exposed KV transfer time per request")
         self.migrations = self.counter("request_migrations", "Requests moved to another worker after a fault")
+        self.prefix_waits = self.counter("router_prefix_waits", "Requests that waited for their prefix to be computed "
+                                         "or received on their worker by another request routed there before")
         self._prefill_routes = Counter("pdserve:prefill_route", "Requests by where their prompt was prefilled: "
                                        "remote (a prefill worker) or local (the decode worker)", (*LABELS, "route"),
                                        registry=self.registry)

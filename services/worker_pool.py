@@ -132,6 +132,7 @@ class WorkerPool:
             try:
                 async for events in call:
                     worker.index.apply(events.reset, events.stored, events.removed)
+                    self._notify()   # a request waiting for a prefix in flight there may go on
                 raise ConnectionError("KV event stream ended")
             except asyncio.CancelledError:
                 call.cancel()

@@ -49,16 +49,21 @@ def test_event_log_net_changes_and_snapshot_after_a_gap() -> None:
     assert not log.read(late.cursor, lambda: [])
 
 
-def test_block_manager_reports_keys_stored_and_evicted() -> None:
+def test_block_manager_reports_keys_stored_when_computed_and_evicted() -> None:
     log = KVEventLog()
     bm = BlockManager(num_blocks=4, block_size=2, events=log)
     seq = Sequence("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1), num_prompt_tokens=5)
     bm.allocate(seq)
     keys = prompt_block_hashes(seq.token_ids, 2)
-    batch = log.read(0, lambda: [])
-    assert batch.stored == keys and not batch.removed
+    assert not log.read(0, lambda: [])        # registered, not computed: a router must not count on them
+    assert bm.computed_keys() == []
+    seq.num_computed_tokens = 2
+    bm.mark_computed(seq)
+    assert log.read(0, lambda: []).stored == keys[:1]
     seq.num_computed_tokens = 5
     bm.mark_computed(seq)
+    batch = log.read(0, lambda: [])
+    assert batch.stored == keys and not batch.removed and bm.computed_keys() == keys
     bm.free(seq)                              # freed computed blocks stay findable
     assert not log.read(batch.cursor, lambda: [])
     other = Sequence("b", [9] * 8, SamplingParams(max_tokens=1), num_prompt_tokens=8)
