@@ -75,6 +75,7 @@ class LLMEngine:
         # decode-only steps, by sequences: a slope over a spread of a sequence or two needs more steps
         self.decode_step_cost = StepCost(decay=DECODE_FIT_DECAY, min_spread=MIN_SPREAD_SEQS)
         self.scheduler = Scheduler(config, self.block_manager)
+        self._learn_prompt_chunk = config.prompt_tokens_with_decodes is None and config.role == "decode"
         self.kv = KVConnector(self, lease)
         self.requests: dict[str, Sequence] = {}     # sequences the scheduler holds
         self.trace: deque[StepTrace] = deque(maxlen=trace_limit)
@@ -149,11 +150,26 @@ class LLMEngine:
         if not seq.in_flight:
             self.block_manager.free(seq)
 
+    def prompt_chunk_with_decodes(self) -> int:
+        """A decode worker's prompt chunk while sequences decode (a prompt the router had it
+        prefill locally): as many prompt tokens as one decode step takes time, by its learned
+        step costs, so the chunk at most doubles the step each decoding sequence waits for. One
+        block until it has both decoded and computed a prompt."""
+        bs = self.config.block_size
+        if not (self.step_cost.fitted and self.decode_step_cost.fitted):
+            return bs
+        base_ms, ms_per_seq = self.decode_step_cost.coefficients()
+        _, ms_per_token = self.step_cost.coefficients()
+        decode_step_ms = base_ms + ms_per_seq * max(1, len(self.scheduler.running))
+        return max(bs, int(decode_step_ms / ms_per_token))
+
     # ---- the step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         with self.lock:
             self.kv.expire()
+            if self._learn_prompt_chunk:
+                self.scheduler.prompt_tokens_with_decodes = self.prompt_chunk_with_decodes()
             batch = self.scheduler.schedule()
             if batch is None:
                 return []

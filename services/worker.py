@@ -46,6 +46,14 @@ def step_cost_fields(engine) -> tuple[float, float, float]:
     return base_ms, ms_per_token, ms_per_seq
 
 
+def prompt_chunk_tokens(engine) -> int:
+    """Prompt tokens one step computes here (the router's estimate of a prompt's steps): the step
+    budget, or less while sequences decode (a decode worker prefilling a prompt locally)."""
+    budget = engine.config.max_num_batched_tokens
+    chunk = engine.scheduler.prompt_tokens_with_decodes
+    return budget if chunk is None or engine.config.role != "decode" else min(budget, chunk)
+
+
 def _round3(x: float) -> float:
     """3 significant digits: a published estimate changes the status only when it really moves."""
     return float(f"{x:.3g}")
@@ -113,7 +121,7 @@ class WorkerInfoServicer(worker_pb2_grpc.WorkerServicer):
             draining=self.state.draining, num_sending=stats["num_pinned"],
             step_base_ms=_round3(base_ms), step_ms_per_token=_round3(ms_per_token),
             decode_ms_per_seq=_round3(ms_per_seq),
-            max_num_batched_tokens=self.aengine.config.max_num_batched_tokens)
+            max_num_batched_tokens=prompt_chunk_tokens(engine))
 
     async def GetStatus(self, request, context):
         return self.status()
