@@ -161,7 +161,7 @@ class LLMEngine:
         base_ms, ms_per_seq = self.decode_step_cost.coefficients()
         _, ms_per_token = self.step_cost.coefficients()
         decode_step_ms = base_ms + ms_per_seq * max(1, len(self.scheduler.running))
-        return max(bs, int(decode_step_ms / ms_per_token))
+        return max(bs, round(decode_step_ms / ms_per_token))
 
     # ---- the step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -257,7 +257,7 @@ class Generator:
                 async for chunk in chunks:
                     yield chunk
         finally:
-            decode.index.settle(keys)
+            self.pool.settle(decode, keys)
 
     async def _disaggregated_on(self, gen: Generation, keys: list[int], n_tokens: int, decode: WorkerHandle,
                                 route: Route, reservation: worker_pb2.ReserveResponse | None, routed_at: float
@@ -303,7 +303,7 @@ class Generator:
                     first_event = True
                     async for event in self._events(decode_call, decode, gen):
                         if first_event:
-                            decode.index.settle(keys)   # admitted: every block of the prompt is held there
+                            self.pool.settle(decode, keys)   # admitted: every block of the prompt is held there
                             if not t.first_decode_step_ms:
                                 t.first_decode_step_ms = event.first_decode_step_ms
                         first_event = False
@@ -321,7 +321,7 @@ class Generator:
                     # prefill worker is not cancelled mid-acknowledgement.
                     if not first_token.done():
                         first_token.cancel()
-                    prefill.index.settle(keys)
+                    self.pool.settle(prefill, keys)
 
     def _first_token(self, gen: Generation, first: worker_pb2.FirstToken, route: str, routed_at: float) -> None:
         """Record the first token's worker-side breakdown, and learn the route's overhead from it."""
@@ -385,7 +385,7 @@ class Generator:
                                            self.placement.uncached(worker, keys, n_tokens), keys):
                 yield chunk
         finally:
-            worker.index.settle(keys)
+            self.pool.settle(worker, keys)
 
     async def _local(self, gen: Generation, worker: WorkerHandle, rpc, routed_at: float,
                      uncached: int, keys: list[int]) -> AsyncIterator[Chunk]:
@@ -401,7 +401,7 @@ class Generator:
                 if event.HasField("first_token"):
                     first = event.first_token
                     queued.close()
-                    worker.index.settle(keys)
+                    self.pool.settle(worker, keys)
                     self._first_token(gen, first, "local", routed_at)
                     if not gen.generated and gen.timing.prefill_route == "local":
                         gen.timing.decode_cached_tokens = first.num_cached_tokens

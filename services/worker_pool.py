@@ -198,6 +198,12 @@ class WorkerPool:
         for w in self.workers:
             await w.channel.close()
 
+    def settle(self, worker: WorkerHandle, keys: list[int]) -> None:
+        """The request that noted these prefix keys on worker has its KV in place there, or is
+        gone: stop expecting them (PrefixIndex.settle), and wake requests waiting for them."""
+        worker.index.settle(keys)
+        self._notify()
+
     # ---- change notification --------------------------------------------------------------
     def _notify(self) -> None:
         waiters, self._waiters = self._waiters, []
