@@ -2,12 +2,14 @@
 
 Learned, never configured:
 
-* a worker's step cost, ``base + ms_per_token * tokens``, and what one more decoding sequence adds
-  to a step, ``ms_per_seq``: fitted by the worker from its own steps (engine/step_cost.py) and
-  published in its status. A worker that has not stepped yet borrows
-  the mean of those that have (same model, same kind of machine), else a small default;
-* the KV transfer time per block: from each remote prefill's ``KVDelivered`` (the blocks sent
-  after the token was sampled, and how long they took to be acknowledged), a moving average;
+* a worker's step cost, ``base + ms_per_token * tokens`` (steps that compute prompt tokens), and
+  what one more decoding sequence adds to a step, ``ms_per_seq`` (decode-only steps): fitted by
+  the worker from its own steps (engine/step_cost.py) and published in its status. A worker that
+  has not computed a prompt yet borrows the per-token cost of those that have (same model, same
+  kind of machine), else a small default;
+* the KV transfer's exposed time: from each remote prefill's ``KVDelivered`` (the blocks sent
+  after the token was sampled, and how long they took to be acknowledged), fitted as a fixed
+  part (the last send's round trip) plus a part per block;
 * each route's fixed overhead: the router's own TTFT minus what the worker reports as queue +
   prefill time (RPC hops, Reserve, the first token's relay), a moving average per route.
 
@@ -18,12 +20,15 @@ step budget ``B`` and ``R`` sequences decoding:
 
 Conditional disaggregation compares, per request and decode worker D (best prefill worker P):
 
-    remote = prefill_ms(P) + overhead_remote + transfer_ms_per_block * blocks D lacks
+    remote = prefill_ms(P) + overhead_remote + transfer_ms(blocks D lacks)
     local  = prefill_ms(D) + overhead_local  + itl_weight * R_D * ms_per_token_D * u_D
 
 the last term being the delay a local chunk of u_D tokens adds to the steps of D's R_D
 running sequences (the inter-token latency inflation). Local wins when it is smaller. With no
 prefix cached anywhere (u the same on both) this is a threshold on u: ``threshold_tokens``.
+
+KV-aware routing adds to a decode worker's cost the prefill time (at P's speed) of the prompt's
+blocks another decode worker holds and it lacks, times ``affinity_weight``: ``affinity_ms``.
 """
 from __future__ import annotations
 

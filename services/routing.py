@@ -4,9 +4,11 @@ prefilled remotely (KV shipped) or locally on the decode worker.
 ``kv-aware`` (the default) scores candidates by their cost to serve, in estimated milliseconds
 (services/cost_model.py): the uncached prompt tokens each would compute (from the prefix index
 the workers' KV events keep, services/kv_index.py), the prompt tokens queued ahead and the
-sequences running there, the KV blocks a decode worker lacks and would be shipped, and its
-decode load over the request's output. ``load`` is the policy before it: decode workers by
-fewest requests in flight then most free blocks, prefill workers by fewest queued prompt tokens.
+sequences running there, the KV blocks a decode worker lacks and would be shipped, its decode
+load over the request's output, and cache affinity: the prefill time of the prefix blocks
+another decode worker holds and it lacks (a prefix stays where it is until that worker's extra
+load costs more than the prefix). ``load`` is the policy before it: decode workers by fewest
+requests in flight then most free blocks, prefill workers by fewest queued prompt tokens.
 
 Disaggregation ``always`` prefills every prompt on a prefill worker; ``conditional`` prefills it
 on the chosen decode worker when that is cheaper (the rule and its threshold: cost_model.py).
@@ -79,7 +81,7 @@ class Placement:
         if self.conditional:
             text += (f": prefill on the decode worker D when prefill_ms(D) + overhead_local + "
                      f"{self.costs.itl_weight:g} * running(D) * ms_per_token(D) * uncached(D) < prefill_ms(P) + "
-                     f"overhead_remote + transfer_ms_per_block * blocks D lacks")
+                     f"overhead_remote + transfer_ms(blocks D lacks)")
         return text
 
     # ---- estimates of one worker ----------------------------------------------------------
