@@ -40,7 +40,7 @@ class EngineConfig:
         None, "prompt tokens one step may compute while sequences decode in it (a prompt chunk delays each of "
               "them by its time, as Sarathi-Serve sizes chunks for the inter-token latency); none: decode workers "
               "(which run prompts only when the router has them prefill locally) size it from their learned step "
-              "costs so that a chunk adds at most one decode step's time, other roles use the step budget")
+              "costs so that a chunk adds about half a decode step's time, other roles use the step budget")
     role: str = _f("both", "both (colocated), prefill or decode", choices=ROLES)
     num_threads: int | None = _f(None, "torch intra-op threads; none: torch's choice", aliases=("--threads",))
     enforce_eager: bool = _f(False, "CUDA: no graph capture for decode")

@@ -344,8 +344,8 @@ def test_a_decode_worker_sizes_its_prompt_chunk_from_its_learned_step_costs(tiny
             engine.decode_step_cost.observe(seqs, 10.0 + 2.0 * seqs)
         for tokens in [16, 64] * 50:
             engine.step_cost.observe(tokens, 5.0 + 0.25 * tokens)
-        # one decode step (10 + 2 x 1 sequence = 12 ms) of 0.25 ms prompt tokens
-        assert engine.prompt_chunk_with_decodes() == 48
+        # half a decode step (10 + 2 x 1 sequence = 12 ms) of 0.25 ms prompt tokens
+        assert engine.prompt_chunk_with_decodes() == 24
         both = LLMEngine(EngineConfig.from_kwargs(tiny_qwen3, dtype="float32", block_size=8, num_kv_blocks=64))
         both.step()
         assert both.scheduler.prompt_tokens_with_decodes is None  # colocated: the whole step budget
