@@ -5,7 +5,8 @@
    decode workers: ``--routing kv-aware`` against ``--routing load`` (same disaggregation mode).
    Reports the decode-side prefix-hit rate (prompt tokens the chosen decode worker already held,
    so not shipped) against the ideal (every prefix after its first use), the KV bytes shipped,
-   TTFT p50/p99, and whether both runs produced the same greedy tokens.
+   TTFT p50/p99, how many requests waited for their prefix in flight on their decode worker,
+   and whether both runs produced the same greedy tokens.
 2. ``mixed`` (short prompts decoding while every 8th is a long prompt) over 1 prefill + 1 decode
    worker: ``--disaggregation conditional`` against ``always`` (both kv-aware). Reports TTFT
    p50/p99 of the short prompts, ITL p50/p99, how many prompts were prefilled locally, and the
@@ -43,6 +44,7 @@ from services.launcher import Cluster, Deployment, free_port  # noqa: E402
 from tests.serving import scrape  # noqa: E402
 
 THRESHOLD_METRIC = "pdserve:router_local_prefill_threshold_tokens"
+PREFIX_WAITS_METRIC = "pdserve:router_prefix_waits_total"
 
 
 @dataclass(slots=True)
@@ -128,6 +130,7 @@ def shared_prefix_row(name: str, out: Outcome, requests: list[SampleRequest], id
             "hit rate": f"{hits / prompt_tokens:.1%}", "of ideal": f"{hits / ideal:.0%}" if ideal else "-",
             "KV MB shipped": f"{sum(r.kv_bytes for r in ok) / 1e6:.1f}",
             "local": sum(r.prefill_route == "local" for r in ok),
+            "prefix waits": int(sum(v for k, v in out.router_metrics.items() if k.startswith(PREFIX_WAITS_METRIC))),
             "TTFT p50 ms": f"{_pct([r.ttft for r in ok], 50):.0f}", "TTFT p99 ms": f"{_pct([r.ttft for r in ok], 99):.0f}",
             "ITL p99 ms": f"{_pct([g for r in ok for g in r.itl], 99):.1f}"}
 

@@ -70,7 +70,7 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.prefix_cache_queries = 0   # prompt tokens looked up
         self.prefix_cache_hits = 0      # prompt tokens found computed in the cache
-        self.events = events            # keys made findable / dropped, for routers (kv_events)
+        self.events = events            # keys held computed / dropped, for routers (kv_events)
 
     # ---- pool -----------------------------------------------------------------
     @property
@@ -125,8 +125,15 @@ class BlockManager:
         block.hash, block.token_ids = block_hash, token_ids
         if self.enable_prefix_caching and block_hash not in self.hash_to_block:
             self.hash_to_block[block_hash] = block.block_id
-            if self.events is not None:
-                self.events.stored(block_hash)
+            if block.computed:
+                self._publish(block)
+
+    def _publish(self, block: Block) -> None:
+        """Tell routers (kv_events) a key is held: when its block is computed, not when it is
+        registered, since a sequence that finds a block still being computed recomputes it."""
+        if self.events is not None and block.hash is not None and \
+                self.hash_to_block.get(block.hash) == block.block_id:
+            self.events.stored(block.hash)
 
     # ---- sequences ------------------------------------------------------------
     def allocate(self, seq: Sequence, max_cached_tokens: int | None = None, *, receiving: bool = False,
@@ -201,6 +208,7 @@ class BlockManager:
             if block.computed:
                 continue
             block.computed = True
+            self._publish(block)
         while seq.num_hashed_blocks < n_done:
             i = seq.num_hashed_blocks
             parent = seq.block_hashes[i - 1] if i else ROOT_HASH
@@ -211,6 +219,10 @@ class BlockManager:
                 self._register(block, h, tokens)
             seq.block_hashes.append(h)
             seq.num_hashed_blocks += 1
+
+    def computed_keys(self) -> list[int]:
+        """Every key a lookup finds computed (what routers are told is held)."""
+        return [h for h, b in self.hash_to_block.items() if self.blocks[b].computed]
 
     def computed_prefix_blocks(self, token_ids: list[int]) -> list[int]:
         """Hashes of the leading full blocks of token_ids this pool holds computed."""

@@ -37,6 +37,11 @@ class EngineConfig:
                                       "prefill step while prompts wait), mixed (decodes and prefill chunks in "
                                       "one step); auto: mixed where decodes run (the best ITL tail, as vLLM "
                                       "does), prefill_first on prefill workers", choices=("auto", *SCHEDULE_POLICIES))
+    prompt_tokens_with_decodes: int | None = _f(
+        None, "prompt tokens one step may compute while sequences decode in it (a prompt chunk delays each of "
+              "them by its time, as Sarathi-Serve sizes chunks for the inter-token latency); none: decode workers "
+              "(which run prompts only when the router has them prefill locally) size it from their learned step "
+              "costs so that a chunk adds about half a decode step's time, other roles use the step budget")
     role: str = _f("both", "both (colocated), prefill or decode", choices=ROLES)
     num_threads: int | None = _f(None, "torch intra-op threads; none: torch's choice", aliases=("--threads",))
     enforce_eager: bool = _f(False, "CUDA: no graph capture for decode")
@@ -73,6 +78,8 @@ class EngineConfig:
                 or not low <= self.tp_collective_timeout_s <= high:
             raise ValueError(f"tp_collective_timeout_s must be a number of seconds in [{low:g}, {high:g}], "
                              f"got {self.tp_collective_timeout_s!r}")
+        if self.prompt_tokens_with_decodes is not None:
+            _check_int("prompt_tokens_with_decodes", self.prompt_tokens_with_decodes, 1)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -1,6 +1,6 @@
 """Prefix-cache key changes, for publishing to routers (KV-aware routing).
 
-The block manager reports every key it makes findable (``stored``) and every key it drops
+The block manager reports every key it holds computed (``stored``) and every key it drops
 (``removed``: the block was reused or freed uncomputed). The log is a bounded window of those
 events with sequence numbers, read by any number of readers, each with its own cursor: a
 reader that fell out of the window (or a new one) gets a snapshot of every key instead, so

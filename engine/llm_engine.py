@@ -33,7 +33,7 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, StepTrace
-from engine.step_cost import StepCost
+from engine.step_cost import DECODE_FIT_DECAY, MIN_SPREAD_SEQS, StepCost
 from engine.sequence import Sequence, SequenceStatus
 from engine.validation import validate_request
 
@@ -57,6 +57,11 @@ class NoCapacity(RuntimeError):
     """The decode pool cannot reserve blocks for this sequence now."""
 
 
+# A decode worker's prompt chunk (a local prefill) may lengthen a decode step by this share:
+# the inter-token gaps it makes stay below the tail that decoding alone has (p99 ~2x p50 here).
+PROMPT_CHUNK_STEP_SHARE = 0.5
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, trace_limit: int = 10_000, lease: LeasePolicy | None = None,
                  runner: ModelRunner | None = None, model_config: ModelConfig | None = None) -> None:
@@ -71,9 +76,11 @@ class LLMEngine:
         self.kv_events = KVEventLog()
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           events=self.kv_events)
-        self.step_cost = StepCost()          # every step, by tokens computed
-        self.decode_step_cost = StepCost()   # decode-only steps, by sequences
+        self.step_cost = StepCost()          # steps that compute prompt tokens, by tokens computed
+        # decode-only steps, by sequences: a slope over a spread of a sequence or two needs more steps
+        self.decode_step_cost = StepCost(decay=DECODE_FIT_DECAY, min_spread=MIN_SPREAD_SEQS)
         self.scheduler = Scheduler(config, self.block_manager)
+        self._learn_prompt_chunk = config.prompt_tokens_with_decodes is None and config.role == "decode"
         self.kv = KVConnector(self, lease)
         self.requests: dict[str, Sequence] = {}     # sequences the scheduler holds
         self.trace: deque[StepTrace] = deque(maxlen=trace_limit)
@@ -158,11 +165,27 @@ class LLMEngine:
         if not seq.in_flight:
             self.block_manager.free(seq)
 
+    def prompt_chunk_with_decodes(self) -> int:
+        """A decode worker's prompt chunk while sequences decode (a prompt the router had it
+        prefill locally): as many prompt tokens as take PROMPT_CHUNK_STEP_SHARE of a decode
+        step's time, by its learned step costs, so a chunk lengthens the step each decoding
+        sequence waits for by about that share. At least one block; one block until it has both
+        decoded and computed a prompt."""
+        bs = self.config.block_size
+        if not (self.step_cost.fitted and self.decode_step_cost.fitted):
+            return bs
+        base_ms, ms_per_seq = self.decode_step_cost.coefficients()
+        _, ms_per_token = self.step_cost.coefficients()
+        decode_step_ms = base_ms + ms_per_seq * max(1, len(self.scheduler.running))
+        return max(bs, round(PROMPT_CHUNK_STEP_SHARE * decode_step_ms / ms_per_token))
+
     # ---- the step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         with self.lock:
             self.kv.expire()
+            if self._learn_prompt_chunk:
+                self.scheduler.prompt_tokens_with_decodes = self.prompt_chunk_with_decodes()
             batch = self.scheduler.schedule()
             if batch is None:
                 return []
@@ -189,9 +212,10 @@ class LLMEngine:
         with self.lock:
             outputs = self._apply(batch, tokens)
             ms = (time.perf_counter() - t0) * 1e3
-            self.step_cost.observe(batch.num_tokens, ms)
             if batch.num_decode_seqs == len(batch.seqs):   # decodes only: the marginal cost of a sequence
                 self.decode_step_cost.observe(batch.num_decode_seqs, ms)
+            else:
+                self.step_cost.observe(batch.num_tokens, ms)
             return outputs
 
     def _apply(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:
@@ -293,7 +317,7 @@ class LLMEngine:
     def read_kv_events(self, cursor: int | None) -> KVEventBatch:
         """Prefix-cache keys stored / removed since cursor (None: a snapshot of every key)."""
         with self.lock:
-            return self.kv_events.read(cursor, lambda: list(self.block_manager.hash_to_block))
+            return self.kv_events.read(cursor, self.block_manager.computed_keys)
 
     def stats(self) -> dict[str, int]:
         with self.lock:

@@ -62,6 +62,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._preempted_this_step: list[str] = []
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
+        # Prompt tokens a step that also decodes may hold (None: the step budget). The engine
+        # updates it from its learned step costs where the config leaves it to the role.
+        self.prompt_tokens_with_decodes = config.prompt_tokens_with_decodes
 
     # ---- queue management -------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -115,6 +118,8 @@ class Scheduler:
             budget = self._schedule_decodes(seqs, counts, budget)
         n_decode = len(seqs)
         if prefill:
+            if n_decode and self.prompt_tokens_with_decodes is not None:
+                budget = min(budget, self.prompt_tokens_with_decodes)
             self._schedule_prefills(seqs, counts, budget)
         if not seqs:
             return None

@@ -6,9 +6,12 @@ steps (prefill chunks of different sizes; decode batches that grow and shrink), 
 coefficients are identifiable; the fit is a least-squares line over exponentially decayed
 sums, so it follows a machine that gets slower or faster within ~``1 / (1 - decay)`` steps.
 
-Decode-only steps are also fitted on their own, by sequences (``decode_step_cost`` of the
-engine): a decode token costs far less than a prefill token (the weights are read once for the
-whole batch), so the cost one more running sequence adds to every step is that slope.
+Decode-only steps are fitted on their own, by sequences (``decode_step_cost`` of the engine),
+and only steps that compute prompt tokens are fitted by tokens (``step_cost``): a decode step's
+cost is mostly its fixed part (the weights are read once for the whole batch), so one more
+running sequence adds that fit's slope to every step, and a decode worker that has only decoded
+knows nothing of what a prompt token costs it (fitting its decode steps by tokens, through the
+origin, prices a prompt token at a whole step per sequence, 5-10x too high).
 
 The router turns these into the costs it routes by (services/cost_model.py): how long a
 prompt takes to prefill here, and how much a prompt chunk adds to the steps of the
@@ -19,11 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MIN_SPREAD_TOKENS = 4.0   # below this spread of step sizes, the slope is not trusted: fit through the origin
+MIN_SPREAD_SEQS = 1.0     # decode-only steps, by sequences: a batch that grows and shrinks by one or two
+DECODE_FIT_DECAY = 0.995  # ... over ~200 steps (a few seconds of decoding): noise on a shared machine
 
 
 @dataclass(slots=True)
 class StepCost:
     decay: float = 0.98
+    min_spread: float = MIN_SPREAD_TOKENS   # standard deviation of step sizes needed to trust a slope
     steps: int = 0
     _w: float = 0.0
     _sx: float = 0.0
@@ -50,14 +56,23 @@ class StepCost:
     def fitted(self) -> bool:
         return self.steps > 0
 
-    def coefficients(self) -> tuple[float, float]:
-        """(base_ms, ms_per_token); (0, 0) before the first step."""
+    def line(self) -> tuple[float, float] | None:
+        """(base_ms, ms_per_token) when the steps identify both: sizes spread by at least
+        min_spread, a positive slope and a non-negative base. None otherwise."""
         if not self._w:
-            return 0.0, 0.0
+            return None
         mx, my = self._sx / self._w, self._sy / self._w
         var = self._sxx / self._w - mx * mx
-        if var >= MIN_SPREAD_TOKENS ** 2:
+        if var >= self.min_spread ** 2:
             slope = (self._sxy / self._w - mx * my) / var
             if slope > 0 and my - slope * mx >= 0:
                 return my - slope * mx, slope
-        return 0.0, my / mx     # too little spread, or a fit with a negative part: all cost per token
+        return None
+
+    def coefficients(self) -> tuple[float, float]:
+        """(base_ms, ms_per_token); (0, 0) before the first step. Without an identified line, all
+        cost per token (through the origin): an upper bound on the slope, close to it only when
+        steps are large against their fixed cost (prefill chunks; never decode batches)."""
+        if not self._w:
+            return 0.0, 0.0
+        return self.line() or (0.0, self._sy / self._sx)

@@ -72,6 +72,10 @@ class GenerationOptions:
     itl_weight: float = field(default=1.0, metadata={
         "help": "conditional disaggregation: ms of time to first token worth one ms of delay added to each "
                 "sequence decoding on the worker that would prefill locally"})
+    cache_affinity_weight: float = field(default=1.0, metadata={
+        "help": "kv-aware routing: ms of cost per ms of prefill time of the prefix blocks another decode worker "
+                "holds and the candidate lacks (0: only the transfer counts; 1: a prefix leaves its worker only "
+                "when that worker's extra decode load costs more than computing the prefix again)"})
     kv_index_max_keys: int = field(default=DEFAULT_MAX_KEYS, metadata={
         "help": "kv-aware routing: prefix-cache keys remembered per worker (least recently seen dropped)"})
 
@@ -82,6 +86,8 @@ class GenerationOptions:
             raise ValueError(f"disaggregation must be one of {DISAGGREGATION_MODES}, got {self.disaggregation!r}")
         if self.itl_weight < 0:
             raise ValueError(f"itl_weight must be >= 0, got {self.itl_weight}")
+        if self.cache_affinity_weight < 0:
+            raise ValueError(f"cache_affinity_weight must be >= 0, got {self.cache_affinity_weight}")
         if self.kv_index_max_keys < 1:
             raise ValueError(f"kv_index_max_keys must be >= 1, got {self.kv_index_max_keys}")
         for name in ("migration_limit", "max_queued_requests", "kv_lease_ms"):
@@ -144,7 +150,8 @@ class Generator:
         self.options = options
         self.metrics = metrics
         self.admission = AdmissionQueue(options.max_queued_requests)
-        self.placement = Placement(pool, options.routing, options.disaggregation, CostModel(options.itl_weight))
+        costs = CostModel(options.itl_weight, options.cache_affinity_weight)
+        self.placement = Placement(pool, options.routing, options.disaggregation, costs, self._tokens_left)
         self.active: dict[str, Generation] = {}
         self._background: set[asyncio.Task] = set()   # prefill followers and aborts in flight
 
@@ -195,6 +202,10 @@ class Generator:
         await self._release(gen)
         return True
 
+    def _tokens_left(self, worker: WorkerHandle) -> list[int]:
+        """Output tokens still to come of each request placed on worker (routing's decode load)."""
+        return [gen.params.max_tokens - len(gen.generated) for gen in self.active.values() if worker in gen.workers]
+
     # ---- one attempt ----------------------------------------------------------------------
     def _attempt(self, gen: Generation) -> AsyncIterator[Chunk]:
         return self._colocated(gen) if self.pool.colocated else self._disaggregated(gen)
@@ -204,10 +215,53 @@ class Generator:
         bs = self.placement.block_size
         return request_keys([*gen.prompt, *gen.generated], bs) if bs and self.placement.kv_aware else []
 
+    def _prefix_in_flight(self, route: Route, keys: list[int]) -> bool:
+        """The route's worker has this prompt's prefix only in flight: an earlier request routed
+        there is still computing or receiving those blocks, and a sequence cannot share blocks
+        that are not computed yet (they would be shipped or computed a second time, and a burst
+        sharing a new prefix would never hit)."""
+        return bool(keys) and self.placement.kv_aware and bool(self.placement.costs.affinity_weight) \
+            and route.decode.index.pending_blocks(keys) > 0
+
+    async def _await_prefix_in_flight(self, gen: Generation, keys: list[int], n_tokens: int, deadline: float) -> None:
+        """Wait until the best route's worker holds the prefix it has in flight, or the request
+        computing it there has its KV in place or is gone (PrefixIndex.settle), or deadline (loop
+        time). A remote prefill would queue behind that request at the prefill worker anyway."""
+        loop = asyncio.get_running_loop()
+        while loop.time() < deadline:
+            try:
+                route = self.placement.decode_routes(keys, n_tokens, gen.params.max_tokens, gen.failed)[0]
+            except NoWorker:
+                return
+            if not self._prefix_in_flight(route, keys):
+                return
+            await self.pool.wait_changed(deadline - loop.time())
+
     async def _disaggregated(self, gen: Generation) -> AsyncIterator[Chunk]:
         keys = self._keys(gen)
         n_tokens = len(gen.prompt) + len(gen.generated)
-        decode, route, reservation, routed_at = await self._reserve(gen, keys)
+        loop = asyncio.get_running_loop()
+        wait_until = None   # for a prefix in flight on the chosen worker: at most the stall timeout
+        while True:
+            picked = await self._reserve(gen, keys, wait_for_prefix=wait_until is None or loop.time() < wait_until)
+            if picked is not None:
+                break
+            if wait_until is None:
+                wait_until = loop.time() + self.options.stall_timeout_s
+                self.metrics.prefix_waits.inc()
+            await self._await_prefix_in_flight(gen, keys, n_tokens, wait_until)
+        decode, route, reservation, routed_at = picked
+        try:
+            async with contextlib.aclosing(self._disaggregated_on(gen, keys, n_tokens, decode, route, reservation,
+                                                                  routed_at)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self.pool.settle(decode, keys)
+
+    async def _disaggregated_on(self, gen: Generation, keys: list[int], n_tokens: int, decode: WorkerHandle,
+                                route: Route, reservation: worker_pb2.ReserveResponse | None, routed_at: float
+                                ) -> AsyncIterator[Chunk]:
         t = gen.timing
         if not gen.generated:
             t.prefill_route = "local" if route.local else "remote"
@@ -217,7 +271,7 @@ class Generator:
         decode.index.note_routed(keys)
         if route.local:
             async for chunk in self._local(gen, decode, decode.decode.Generate, routed_at,
-                                           self.placement.uncached(decode, keys, n_tokens)):
+                                           self.placement.uncached(decode, keys, n_tokens), keys):
                 yield chunk
             return
         if not gen.generated:
@@ -248,8 +302,10 @@ class Generator:
                         kv_wait_ms=int(self.options.stall_timeout_s * 1e3)))
                     first_event = True
                     async for event in self._events(decode_call, decode, gen):
-                        if first_event and not t.first_decode_step_ms:
-                            t.first_decode_step_ms = event.first_decode_step_ms
+                        if first_event:
+                            self.pool.settle(decode, keys)   # admitted: every block of the prompt is held there
+                            if not t.first_decode_step_ms:
+                                t.first_decode_step_ms = event.first_decode_step_ms
                         first_event = False
                         yield self._chunk(event, decode, gen)
                         if event.finished:
@@ -265,6 +321,7 @@ class Generator:
                     # prefill worker is not cancelled mid-acknowledgement.
                     if not first_token.done():
                         first_token.cancel()
+                    self.pool.settle(prefill, keys)
 
     def _first_token(self, gen: Generation, first: worker_pb2.FirstToken, route: str, routed_at: float) -> None:
         """Record the first token's worker-side breakdown, and learn the route's overhead from it."""
@@ -312,20 +369,29 @@ class Generator:
         n_tokens = len(gen.prompt) + len(gen.generated)
         route = (await self._pick(lambda: self.placement.decode_routes(keys, n_tokens, gen.params.max_tokens,
                                                                        gen.failed)))[0]
+        if self._prefix_in_flight(route, keys):
+            self.metrics.prefix_waits.inc()
+            await self._await_prefix_in_flight(gen, keys, n_tokens,
+                                               asyncio.get_running_loop().time() + self.options.stall_timeout_s)
+            route = (await self._pick(lambda: self.placement.decode_routes(keys, n_tokens, gen.params.max_tokens,
+                                                                           gen.failed)))[0]
         worker = route.decode
         gen.workers.add(worker)
         if not gen.generated:
             gen.timing.prefill_route = "colocated"
         worker.index.note_routed(keys)
-        async for chunk in self._local(gen, worker, worker.colocated.Generate, time.perf_counter(),
-                                       self.placement.uncached(worker, keys, n_tokens)):
-            yield chunk
+        try:
+            async for chunk in self._local(gen, worker, worker.colocated.Generate, time.perf_counter(),
+                                           self.placement.uncached(worker, keys, n_tokens), keys):
+                yield chunk
+        finally:
+            self.pool.settle(worker, keys)
 
     async def _local(self, gen: Generation, worker: WorkerHandle, rpc, routed_at: float,
-                     uncached: int) -> AsyncIterator[Chunk]:
+                     uncached: int, keys: list[int]) -> AsyncIterator[Chunk]:
         """Prefill and decode on one worker (a colocated one, or a decode worker prefilling
         locally): rpc is its Generate. uncached counts as queued prompt tokens there until the
-        first token."""
+        first token; then the prompt's blocks (keys) are held there."""
         with self.pool.placed(worker), contextlib.ExitStack() as queued:
             queued.enter_context(self.pool.placed(worker, uncached, count=False))
             call = rpc(worker_pb2.GenerateLocalRequest(
@@ -335,6 +401,7 @@ class Generator:
                 if event.HasField("first_token"):
                     first = event.first_token
                     queued.close()
+                    self.pool.settle(worker, keys)
                     self._first_token(gen, first, "local", routed_at)
                     if not gen.generated and gen.timing.prefill_route == "local":
                         gen.timing.decode_cached_tokens = first.num_cached_tokens
@@ -359,11 +426,13 @@ class Generator:
         return Chunk(list(event.token_ids), event.finish_reason if event.finished else None,
                      list(event.logprobs) or None)
 
-    async def _reserve(self, gen: Generation, keys: list[int]
-                       ) -> tuple[WorkerHandle, Route, worker_pb2.ReserveResponse | None, float]:
+    async def _reserve(self, gen: Generation, keys: list[int], wait_for_prefix: bool
+                       ) -> tuple[WorkerHandle, Route, worker_pb2.ReserveResponse | None, float] | None:
         """The decode worker and route, waiting in the admission queue while every decode worker
         is full. A remote route reserves blocks for the whole sequence there (the response); a
-        local one needs no reservation (None). Also returns when the route was chosen."""
+        local one needs no reservation (None). Also returns when the route was chosen. None (with
+        wait_for_prefix) when the chosen worker has the prompt's prefix only in flight: the caller
+        waits for it out of the queue, and asks again."""
         request = worker_pb2.ReserveRequest(request_id=gen.worker_request_id, prompt_token_ids=gen.prompt,
                                             output_token_ids=gen.generated, params=params_to_proto(gen.params),
                                             lease_ms=self.options.kv_lease_ms)
@@ -380,6 +449,8 @@ class Generator:
                     bs = worker.status.block_size if worker.status and worker.status.block_size else 1
                     if worker.status is not None and worker.free_blocks < -(-n_tokens // bs):
                         continue   # cannot fit: do not ask
+                    if wait_for_prefix and self._prefix_in_flight(route, keys):
+                        return None
                     routed_at = time.perf_counter()
                     response = None
                     if not route.local:
@@ -395,6 +466,12 @@ class Generator:
                     gen.workers.add(worker)
                     if not gen.generated:
                         self.metrics.request_queue_time_seconds.observe(time.perf_counter() - t0)
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug("route %s: %s", gen.request_id, "; ".join(
+                            f"{r.decode.address}{'*' if r is route else ''} {'local' if r.local else 'remote'} "
+                            f"held={r.decode_cached_blocks} local={r.local_ms:.1f} remote={r.remote_ms:.1f} "
+                            f"cost={r.cost:.1f} running={self.placement.load(r.decode).running} "
+                            f"free={r.decode.free_blocks}" for r in routes))
                     return worker, route, response, routed_at
                 remaining = deadline - loop.time()
                 if remaining <= 0:

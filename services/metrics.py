@@ -118,6 +118,8 @@ class RouterMetrics(_Metrics):
         self.request_queue_time_seconds = self.histogram("request_queue_time_seconds", "Time queued before prefill")
         self.kv_transfer_seconds = self.histogram("kv_transfer_seconds", "Exposed KV transfer time per request")
         self.migrations = self.counter("request_migrations", "Requests moved to another worker after a fault")
+        self.prefix_waits = self.counter("router_prefix_waits", "Requests that waited for their prefix to be computed "
+                                         "or received on their worker by another request routed there before")
         self._prefill_routes = Counter("pdserve:prefill_route", "Requests by where their prompt was prefilled: "
                                        "remote (a prefill worker) or local (the decode worker)", (*LABELS, "route"),
                                        registry=self.registry)
@@ -139,6 +141,9 @@ class RouterMetrics(_Metrics):
         inflation = worker_gauge("router_est_itl_inflation_ms_per_prompt_token",
                                  "Decode workers: delay one locally prefilled prompt token adds to the steps of the "
                                  "sequences decoding there, summed over them, ms")
+        per_seq = worker_gauge("router_est_decode_ms_per_seq",
+                               "Cost one more decoding sequence adds to every step on the worker (learned from its "
+                               "decode-only steps, else its peers'), ms")
         threshold = worker_gauge("router_local_prefill_threshold_tokens",
                                  "Decode workers (conditional disaggregation): uncached prompt tokens up to which "
                                  "prefilling on this worker is cheaper than remotely, now")
@@ -147,13 +152,17 @@ class RouterMetrics(_Metrics):
                       "worker": w.status.worker_id if w.status is not None and w.status.worker_id else w.address}
             base.labels(**labels).set_function(lambda w=w: placement.step_cost(w).base_ms)
             per_token.labels(**labels).set_function(lambda w=w: placement.step_cost(w).ms_per_token)
+            if w.role in ("decode", "both"):
+                per_seq.labels(**labels).set_function(lambda w=w: placement.step_cost(w).ms_per_seq)
             if w.role == "decode":
                 inflation.labels(**labels).set_function(
                     lambda w=w: placement.load(w).running * placement.step_cost(w).ms_per_token)
                 threshold.labels(**labels).set_function(
                     lambda w=w: placement.threshold_now(w) if placement.conditional else math.nan)
         self.gauge("router_est_kv_transfer_ms_per_block", "KV transfer time per block (learned from the exposed "
-                   "part of each hand-off), ms").set_function(lambda: placement.costs.transfer_ms_per_block.value)
+                   "part of each hand-off), ms").set_function(lambda: placement.costs.transfer_ms_per_block)
+        self.gauge("router_est_kv_transfer_base_ms", "Fixed part of a KV hand-off's exposed time (learned), ms"
+                   ).set_function(lambda: placement.costs.transfer_base_ms)
         overhead = Gauge("pdserve:router_est_route_overhead_ms", "Fixed cost of a route beyond the worker's queue and "
                          "prefill time (RPC hops; learned), ms", (*LABELS, "route"), registry=self.registry)
         for route, ewma in placement.costs.overhead_ms.items():

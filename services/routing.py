@@ -4,9 +4,11 @@ prefilled remotely (KV shipped) or locally on the decode worker.
 ``kv-aware`` (the default) scores candidates by their cost to serve, in estimated milliseconds
 (services/cost_model.py): the uncached prompt tokens each would compute (from the prefix index
 the workers' KV events keep, services/kv_index.py), the prompt tokens queued ahead and the
-sequences running there, the KV blocks a decode worker lacks and would be shipped, and its
-decode load over the request's output. ``load`` is the policy before it: decode workers by
-fewest requests in flight then most free blocks, prefill workers by fewest queued prompt tokens.
+sequences running there, the KV blocks a decode worker lacks and would be shipped, its decode
+load over the request's output, and cache affinity: the prefill time of the prefix blocks
+another decode worker holds and it lacks (a prefix stays where it is until that worker's extra
+load costs more than the prefix). ``load`` is the policy before it: decode workers by fewest
+requests in flight then most free blocks, prefill workers by fewest queued prompt tokens.
 
 Disaggregation ``always`` prefills every prompt on a prefill worker; ``conditional`` prefills it
 on the chosen decode worker when that is cheaper (the rule and its threshold: cost_model.py).
@@ -17,7 +19,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from services.cost_model import CostModel, Load, StepCostView
 from services.worker_pool import NoWorker, WorkerHandle, WorkerPool
@@ -44,7 +46,10 @@ class Route:
 
 class Placement:
     def __init__(self, pool: WorkerPool, routing: str = "kv-aware", disaggregation: str = "always",
-                 cost_model: CostModel | None = None) -> None:
+                 cost_model: CostModel | None = None,
+                 tokens_left: Callable[[WorkerHandle], list[int]] = lambda worker: []) -> None:
+        """tokens_left(worker): output tokens still to come of each request this router has placed
+        on a decode (or colocated) worker."""
         if routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {routing!r}")
         if disaggregation not in DISAGGREGATION_MODES:
@@ -53,6 +58,7 @@ class Placement:
         self.routing = routing
         self.disaggregation = disaggregation
         self.costs = cost_model or CostModel()
+        self.tokens_left = tokens_left
         self._threshold_logged: dict[str, tuple[float, float]] = {}   # worker -> (threshold, when)
 
     @property
@@ -75,7 +81,7 @@ class Placement:
         if self.conditional:
             text += (f": prefill on the decode worker D when prefill_ms(D) + overhead_local + "
                      f"{self.costs.itl_weight:g} * running(D) * ms_per_token(D) * uncached(D) < prefill_ms(P) + "
-                     f"overhead_remote + transfer_ms_per_block * blocks D lacks")
+                     f"overhead_remote + transfer_ms(blocks D lacks)")
         return text
 
     # ---- estimates of one worker ----------------------------------------------------------
@@ -126,7 +132,7 @@ class Placement:
                 if self.kv_aware:
                     step, load = self.step_cost(w), self.load(w)
                     cost = (self.costs.prefill_ms(step, load, self.uncached(w, keys, n_tokens))
-                        + self._decode_ms(candidates, load, max_tokens))
+                        + self._decode_ms(candidates, w, load, max_tokens))
                 routes.append(Route(w, True, self._matched(w, keys), 0.0, 0.0, None, cost))
             routes.sort(key=lambda r: (r.cost, -r.decode.free_blocks))
             return routes
@@ -136,11 +142,13 @@ class Placement:
             prefill, prefill_ms = None, math.inf
         bs = self.block_size or 1
         n_blocks = -(-n_tokens // bs)
+        held_by = {d.address: self._matched(d, keys) for d in candidates}
+        most_held = max(held_by.values(), default=0)
+        prefill_cost = self.step_cost(prefill) if prefill is not None else None
         routes = []
         for i, d in enumerate(candidates):
-            held = self._matched(d, keys)
-            remote = prefill_ms + self.costs.overhead_ms["remote"].value + \
-                self.costs.transfer_ms_per_block.value * (n_blocks - held)
+            held = held_by[d.address]
+            remote = prefill_ms + self.costs.overhead_ms["remote"].value + self.costs.transfer_ms(n_blocks - held)
             local, threshold = 0.0, None
             cost_d = self.step_cost(d)
             load_d = self.load(d)
@@ -152,19 +160,25 @@ class Placement:
                     self._log_threshold(d, threshold, cost_d, load_d)
             is_local = self.conditional and local < remote
             if self.kv_aware:
-                cost = (local if is_local else remote) + self._decode_ms(candidates, load_d, max_tokens)
+                cost = (local if is_local else remote) + self._decode_ms(candidates, d, load_d, max_tokens)
+                if prefill_cost is not None:
+                    cost += self.costs.affinity_ms(prefill_cost, bs, most_held - held)
             else:
                 cost = float(i)
             routes.append(Route(d, is_local, held, local, remote if math.isfinite(remote) else 0.0, threshold, cost))
         routes.sort(key=lambda r: (r.cost, -r.decode.free_blocks))
         return routes
 
-    def _decode_ms(self, peers: list[WorkerHandle], load: Load, max_tokens: int) -> float:
-        """What the running sequences there add to this request's decode: its output tokens times
-        their cost per sequence in a decode step. That cost is the peers' mean, so that noise between the fits
-        of identical workers cannot outweigh a cached prefix."""
+    def _decode_ms(self, peers: list[WorkerHandle], worker: WorkerHandle, load: Load, max_tokens: int) -> float:
+        """What the sequences decoding there add to this request's decode: the decode steps they
+        share with it (each runs until its own output ends: the router knows the tokens left of
+        those it placed, and counts any other running one for the whole output) times their cost
+        per sequence in a step. That cost is the peers' mean, so that noise between the fits of
+        identical workers cannot outweigh a cached prefix."""
         per_seq = sum(self.step_cost(w).ms_per_seq for w in peers) / len(peers)
-        return max_tokens * per_seq * load.running
+        known = [min(left, max_tokens) for left in self.tokens_left(worker)]
+        shared_steps = sum(known) + max(0, load.running - len(known)) * max_tokens
+        return per_seq * shared_steps
 
     def threshold_now(self, decode: WorkerHandle) -> float:
         """The decode worker's local-prefill threshold against the best prefill worker now (metrics)."""
@@ -190,5 +204,5 @@ class Placement:
                  "%d running, %d queued; transfer %.3g ms/block; overhead local %.3g ms, remote %.3g ms)",
                  worker.address, "unbounded" if math.isinf(threshold) else f"{threshold:.0f}", cost.base_ms,
                  cost.ms_per_token, "" if cost.learned else " (borrowed)", load.running, load.queued_tokens,
-                 self.costs.transfer_ms_per_block.value, self.costs.overhead_ms["local"].value,
+                 self.costs.transfer_ms_per_block, self.costs.overhead_ms["local"].value,
                  self.costs.overhead_ms["remote"].value)

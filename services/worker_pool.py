@@ -132,6 +132,7 @@ class WorkerPool:
             try:
                 async for events in call:
                     worker.index.apply(events.reset, events.stored, events.removed)
+                    self._notify()   # a request waiting for a prefix in flight there may go on
                 raise ConnectionError("KV event stream ended")
             except asyncio.CancelledError:
                 call.cancel()
@@ -196,6 +197,12 @@ class WorkerPool:
             task.cancel()
         for w in self.workers:
             await w.channel.close()
+
+    def settle(self, worker: WorkerHandle, keys: list[int]) -> None:
+        """The request that noted these prefix keys on worker has its KV in place there, or is
+        gone: stop expecting them (PrefixIndex.settle), and wake requests waiting for them."""
+        worker.index.settle(keys)
+        self._notify()
 
     # ---- change notification --------------------------------------------------------------
     def _notify(self) -> None:
