@@ -809,6 +809,12 @@ class SSEResponse(Response):
 
 # ---- the server ------------------------------------------------------------------------------
 
+# How long an idle keep-alive connection stays open. Longer than the idle timeout of client pools
+# (aiohttp 15-60 s, httpx 5 s): a client that reuses a connection the server is closing at that
+# moment gets "Server disconnected" for a request the server never saw, so the client must be the
+# side that gives up first. uvicorn's default is 5 s. Bounded, so idle sockets cannot pile up.
+HTTP_KEEP_ALIVE_S = 75
+
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn on a loop it does not own: the router handles signals (and drains)."""
 
@@ -855,7 +861,8 @@ async def start_http(servicer, host: str, port: int, served_model_name: str, api
     sock.setblocking(False)
     ssl_files = {"ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key)} if tls is not None else {}
     config = uvicorn.Config(api.asgi(), log_config=None, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=2, server_header=False, **ssl_files)
+                            timeout_graceful_shutdown=2, server_header=False,
+                            timeout_keep_alive=HTTP_KEEP_ALIVE_S, **ssl_files)
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:

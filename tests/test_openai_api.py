@@ -510,6 +510,28 @@ def test_models_health_version_metrics(served: Served) -> None:
     assert status == 200 and b"pdserve:generation_tokens_total" in body
 
 
+def test_idle_keep_alive_connection_is_reused_after_client_pool_timeouts(disagg: Served) -> None:
+    """A connection left idle for longer than a typical client pool's idle timeout (httpx 5 s,
+    uvicorn's own default) still serves the next request: the client, not the server, closes
+    idle connections, so a reuse never races the server's close ("Server disconnected")."""
+
+    host, port = disagg.base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        for attempt in range(2):
+            conn.request("GET", "/health")
+            resp = conn.getresponse()
+            resp.read()
+            assert resp.status == 200, attempt
+            assert resp.getheader("connection", "").lower() != "close"
+            if attempt == 0:
+                sock = conn.sock
+                time.sleep(6.0)
+        assert conn.sock is sock    # the same TCP connection served both requests
+    finally:
+        conn.close()
+
+
 def test_api_key(disagg: Served) -> None:
     with pytest.raises(openai.AuthenticationError) as info:
         openai.OpenAI(base_url=f"{disagg.base}/v1", api_key="wrong-key-0123456789", max_retries=0).completions.create(
