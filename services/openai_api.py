@@ -815,6 +815,7 @@ class SSEResponse(Response):
 # side that gives up first. uvicorn's default is 5 s. Bounded, so idle sockets cannot pile up.
 HTTP_KEEP_ALIVE_S = 75
 
+
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn on a loop it does not own: the router handles signals (and drains)."""
 
