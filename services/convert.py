@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from engine import SamplingParams
-from pdserve.v1 import common_pb2
+from pdserve.v1 import common_pb2, worker_pb2
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -47,3 +47,14 @@ def logprobs_to_proto(logprobs) -> list[common_pb2.TokenLogprob]:
     """engine TokenLogprobs (or None) -> proto messages."""
     return [common_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
             for lp in logprobs or ()]
+
+
+def first_token_proto(out) -> worker_pb2.FirstToken:
+    """The first sampled token of an engine RequestOutput, with its worker-side timings."""
+    token = worker_pb2.FirstToken(token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens,
+                                  queue_ms=(out.queue_s or 0.0) * 1e3, prefill_ms=(out.prefill_s or 0.0) * 1e3)
+    if out.finish_reason is not None:
+        token.finish_reason = out.finish_reason
+    if out.logprobs:
+        token.logprob.CopyFrom(logprobs_to_proto(out.logprobs)[0])
+    return token

@@ -11,7 +11,7 @@ import grpc
 from engine.block_manager import transfer_block_hashes
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.async_engine import AsyncEngine
-from services.convert import logprobs_to_proto, params_from_proto
+from services.convert import first_token_proto, params_from_proto
 from services.kv_transfer import KVBlock, KVSender, KVTransferError
 from services.worker_state import WorkerState
 
@@ -72,14 +72,7 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
                         if out.ready_blocks:
                             yield worker_pb2.PrefillEvent(progress=worker_pb2.Progress())
                 sampled_at = time.perf_counter()
-                token = worker_pb2.FirstToken(token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens,
-                                              queue_ms=(out.queue_s or 0.0) * 1e3,
-                                              prefill_ms=(out.prefill_s or 0.0) * 1e3)
-                if out.finish_reason is not None:
-                    token.finish_reason = out.finish_reason
-                if out.logprobs:
-                    token.logprob.CopyFrom(logprobs_to_proto(out.logprobs)[0])
-                yield worker_pb2.PrefillEvent(first_token=token)
+                yield worker_pb2.PrefillEvent(first_token=first_token_proto(out))
                 blocks = nbytes = 0
                 if kv is not None:
                     try:
