@@ -1,6 +1,12 @@
-"""Python clients for the router: blocking (Client) and asyncio (AsyncClient)."""
+"""Python clients for the router: blocking (Client) and asyncio (AsyncClient).
+
+Every call first waits, up to connect_timeout, for the channel to be connected: a fail-fast gRPC
+call on a channel that is still connecting, or in reconnect backoff after one failed attempt,
+fails at once with UNAVAILABLE although the router is up. A router that cannot be reached
+within connect_timeout fails the call with UNAVAILABLE ("no connection ... within N s")."""
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
@@ -10,6 +16,22 @@ import grpc
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.security import API_KEY_ENV, API_KEY_HEADER, metadata_interceptors
 from services.server import options as channel_options
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+class RouterUnreachable(grpc.RpcError):
+    """No connection to the router within the connect timeout (code UNAVAILABLE, like any RpcError)."""
+
+    def __init__(self, address: str, timeout: float) -> None:
+        super().__init__(f"no connection to the router at {address} within {timeout:g}s")
+        self._details = str(self)
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
 
 
 def _api_key_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
@@ -68,8 +90,10 @@ class Client:
     api_key: the router's API key (default: $PDSERVE_API_KEY, if set)."""
 
     def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None,
-                 root_certificates: bytes | None = None) -> None:
-        """root_certificates: the CA (PEM) of a router serving TLS; None: plaintext."""
+                 root_certificates: bytes | None = None, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
+        """root_certificates: the CA (PEM) of a router serving TLS; None: plaintext. timeout: of
+        each call; connect_timeout: the longest wait for a connection before a call."""
+        self.address, self.connect_timeout = address, connect_timeout
         self.channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates),
                                             options=channel_options())
                         if root_certificates else grpc.insecure_channel(address, options=channel_options()))
@@ -77,7 +101,16 @@ class Client:
         self.stub = router_pb2_grpc.RouterStub(self.channel)
         self.timeout = timeout
 
+    def _connected(self) -> None:
+        ready = grpc.channel_ready_future(self.channel)
+        try:
+            ready.result(timeout=self.connect_timeout)
+        except grpc.FutureTimeoutError:
+            ready.cancel()
+            raise RouterUnreachable(self.address, self.connect_timeout) from None
+
     def generate_stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[router_pb2.GenerateResponse]:
+        self._connected()
         yield from self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout, metadata=self.metadata)
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Completion:
@@ -87,9 +120,11 @@ class Client:
         return out
 
     def abort(self, request_id: str) -> bool:
+        self._connected()
         return self.stub.Abort(common_pb2.AbortRequest(request_id=request_id), metadata=self.metadata).found
 
     def model_info(self) -> router_pb2.ModelInfo:
+        self._connected()
         return self.stub.GetModelInfo(router_pb2.ModelInfoRequest(), metadata=self.metadata)
 
     def close(self) -> None:
@@ -106,7 +141,8 @@ class AsyncClient:
     """asyncio client for load tests: same calls, awaited."""
 
     def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None,
-                 root_certificates: bytes | None = None) -> None:
+                 root_certificates: bytes | None = None, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
+        self.address, self.connect_timeout = address, connect_timeout
         metadata = _api_key_metadata(api_key)
         interceptors = metadata_interceptors(metadata) if metadata else None
         self.channel = (grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates),
@@ -116,7 +152,15 @@ class AsyncClient:
         self.stub = router_pb2_grpc.RouterStub(self.channel)
         self.timeout = timeout
 
+    async def _connected(self) -> None:
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), self.connect_timeout)
+        except asyncio.TimeoutError:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details=str(RouterUnreachable(self.address, self.connect_timeout))) from None
+
     async def generate_stream(self, prompt: str | Sequence[int], **kwargs) -> AsyncIterator[router_pb2.GenerateResponse]:
+        await self._connected()
         async for msg in self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout):
             yield msg
 
@@ -127,9 +171,11 @@ class AsyncClient:
         return out
 
     async def abort(self, request_id: str) -> bool:
+        await self._connected()
         return (await self.stub.Abort(common_pb2.AbortRequest(request_id=request_id))).found
 
     async def model_info(self) -> router_pb2.ModelInfo:
+        await self._connected()
         return await self.stub.GetModelInfo(router_pb2.ModelInfoRequest())
 
     async def close(self) -> None:
