@@ -6,10 +6,14 @@ For each setup (colocated: ``pdserve up --colocated-workers 1``; 1P1D: ``--prefi
 predicts bench serve's metrics with the simulator (services/planner/simulator.py on the profile's cost
 model) and measures them (``pdserve bench serve`` against a real ``pdserve up``, same dataset,
 seed and arrivals), then prints TTFT and ITL p50/p99 predicted / measured / error, and whether
-the planner ranks the setups in the order the measurements do. Before each measurement it
-waits (up to --max-wait-s) until the 1-minute load average is below --max-load and reports it.
+the planner ranks the setups in the order the measurements do. With --slo it also prints SLO
+attainment against rate (the share of requests meeting every SLO, as DistServe plots it),
+predicted and measured, and with --plot draws those curves. Before each measurement it waits
+(up to --max-wait-s) until the 1-minute load average is below --max-load and reports it.
 
     PYTHONPATH=. python bench/planner_accuracy.py --profile $PDSERVE_HOME/profiles/small.json --rates 2,4
+    PYTHONPATH=. python bench/planner_accuracy.py --profile P.json --rates 1,2,3,4 --slo ttft:1000,tpot:100 \
+        --plot slo.png
 """
 from __future__ import annotations
 
@@ -63,6 +67,58 @@ def measure(port: int, args: argparse.Namespace, rate: float, seed: int, out_dir
     return json.loads((out_dir / name).read_text())
 
 
+def measured_attainment(result: dict[str, Any], slos: dict[str, float]) -> float:
+    """Share of a bench serve run's requests meeting every SLO (failed requests miss), by bench
+    serve's own goodput rule (calculate_metrics)."""
+    from bench.serve import RequestResult, calculate_metrics
+    requests = [RequestResult(success=not err, output_len=n, ttft=ttft, latency=e2el)
+                for err, n, ttft, e2el in zip(result["errors"], result["output_lens"], result["ttfts"], result["e2els"])]
+    if not requests:
+        return float("nan")
+    duration = float(result["duration"])
+    return calculate_metrics(requests, duration, (50,), slos)["request_goodput"] * duration / len(requests)
+
+
+def attainment_table(rows: list[dict[str, Any]], slos: dict[str, float]) -> str:
+    setups = list(dict.fromkeys(r["setup"] for r in rows))
+    slo_text = ", ".join(f"{k} <= {v:g} ms" for k, v in slos.items())
+    lines = [f"SLO attainment ({slo_text}), predicted / measured", "",
+             "| rate (req/s) | " + " | ".join(setups) + " |", "|---|" + "---|" * len(setups)]
+    for rate in sorted({r["rate"] for r in rows}):
+        cells = []
+        for setup in setups:
+            r = next((r for r in rows if r["setup"] == setup and r["rate"] == rate), None)
+            pred, meas = (r["attainment"] if r else (None, None))
+            cells.append(f"{pred:.0%} / " + ("-" if meas is None else f"{meas:.0%}") if pred is not None else "-")
+        lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_attainment(rows: list[dict[str, Any]], slos: dict[str, float], path: Path, commit: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, setup in enumerate(dict.fromkeys(r["setup"] for r in rows)):
+        rs = sorted((r for r in rows if r["setup"] == setup), key=lambda r: r["rate"])
+        color = f"C{i}"
+        ax.plot([r["rate"] for r in rs], [100 * r["attainment"][0] for r in rs], "--", color=color,
+                label=f"{setup} predicted")
+        meas = [r for r in rs if r["attainment"][1] is not None]
+        if meas:
+            ax.plot([r["rate"] for r in meas], [100 * r["attainment"][1] for r in meas], "o-", color=color,
+                    label=f"{setup} measured")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("SLO attainment (%)")
+    ax.set_ylim(-5, 105)
+    ax.set_title(", ".join(f"{k} <= {v:g} ms" for k, v in slos.items()) + f" ({commit[:7]})", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", required=True, help="the cost model `pdserve profile` wrote for --model")
@@ -79,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-load", type=float, default=1.0)
     p.add_argument("--max-wait-s", type=float, default=600.0)
+    p.add_argument("--slo", action="append", default=[], metavar="METRIC:MS",
+                   help="SLO for the attainment curve, e.g. ttft:1000,tpot:100 (repeatable; as `pdserve plan --slo`)")
+    p.add_argument("--plot", default=None, help="with --slo: draw SLO attainment against rate into this PNG")
     p.add_argument("--predict-only", action="store_true", help="print the predictions, measure nothing")
     p.add_argument("--result-dir", default=None)
     p.add_argument("--measured-dir", default=None,
@@ -88,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.datasets import ensure_model
     from services.planner.cost_model import CostModel
-    from services.planner.plan import Workload, simulate
+    from services.planner.plan import Workload, parse_slos, simulate
     from services.launcher import free_port, wait_serving
 
     model = str(args.model or ensure_model("small"))
@@ -97,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"profiling (1-min load average {load:.2f})", flush=True)
         subprocess.run(["nice", "-n", "10", sys.executable, "-m", "services.cli", "profile", "--model", model,
                         "--threads", str(args.threads), "--out", args.profile], cwd=REPO_ROOT, check=True)
+    slos = parse_slos(args.slo)
+    if args.plot and not slos:
+        p.error("--plot draws SLO attainment: give --slo")
     cost = CostModel.load(args.profile)
     rates = [float(r) for r in args.rates.split(",")]
     setups = [s for s in args.setups.split(",") if s]
@@ -111,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         predicted = {}
         for i, rate in enumerate(rates):
             t0 = time.perf_counter()
-            m = simulate(cost, cand, Workload(rate, args.num_prompts, args.input_len, args.output_len, seed=args.seed + i))
+            m = simulate(cost, cand, Workload(rate, args.num_prompts, args.input_len, args.output_len, seed=args.seed + i),
+                         slos=slos or None)
             predicted[rate] = {k: v for k, v in m.items() if not isinstance(v, list) and k != "simulation"}
             print(f"[{setup} @ {rate:g}/s] predicted in {time.perf_counter() - t0:.1f}s: TTFT p50 "
                   f"{m['p50_ttft_ms']:.0f} ms, ITL p50 {m['p50_itl_ms']:.1f} ms", flush=True)
@@ -141,9 +204,18 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 stop_up(popen)
         for rate in rates:
-            rows.append({"setup": setup, "rate": rate, "load": loads.get(rate), "predicted": predicted[rate],
-                         "measured": {k: v for k, v in measured.get(rate, {}).items() if not isinstance(v, list)}})
+            row = {"setup": setup, "rate": rate, "load": loads.get(rate), "predicted": predicted[rate],
+                   "measured": {k: v for k, v in measured.get(rate, {}).items() if not isinstance(v, list)}}
+            if slos:
+                row["attainment"] = (predicted[rate]["slo_attainment"],
+                                     measured_attainment(measured[rate], slos) if rate in measured else None)
+            rows.append(row)
     print("\n" + table(rows, commit))
+    if slos:
+        print("\n" + attainment_table(rows, slos))
+        if args.plot:
+            plot_attainment(rows, slos, Path(args.plot), commit)
+            print(f"wrote {args.plot}")
     (out_dir / "summary.json").write_text(json.dumps({"commit": commit, "args": vars(args), "rows": rows}, indent=1))
     print(f"\nwrote {out_dir / 'summary.json'}")
     return 0

@@ -190,3 +190,33 @@ def test_profile_cli_end_to_end(tiny_qwen3: str, tmp_path: Path) -> None:
     # and it plans
     sim = simulate(model, Candidate(colocated_workers=1), Workload(rate=2.0, num_prompts=5, input_len=32, output_len=4))
     assert sim["completed"] == 5
+
+
+def test_planner_accuracy_slo_attainment_curve(cost: CostModel, tmp_path: Path, capsys) -> None:
+    """bench/planner_accuracy.py --slo: measured attainment by bench serve's goodput rule (a failed
+    request misses), predicted from the simulator, a table per rate and the curves as a PNG."""
+    from bench.planner_accuracy import main as accuracy_main, measured_attainment
+
+    slos = {"ttft": 500.0, "tpot": 50.0}
+    # good; TTFT too late; TPOT too slow ((2.0 - 0.1) / 9 s per token); failed
+    result = {"errors": ["", "", "", "UNAVAILABLE: x"], "output_lens": [10, 10, 10, 0],
+              "ttfts": [0.2, 0.6, 0.1, 0.0], "e2els": [0.5, 0.9, 2.0, 0.0], "duration": 4.0}
+    assert measured_attainment(result, slos) == 0.25
+    assert measured_attainment(result, {"ttft": 1000.0}) == 0.75
+
+    profile = cost.save(tmp_path / "profile.json")
+    measured_dir = tmp_path / "measured"
+    measured_dir.mkdir()
+    (measured_dir / "colocated-2.json").write_text(json.dumps({**result, "p50_ttft_ms": 150.0}))
+    png = tmp_path / "slo.png"
+    code = accuracy_main(["--profile", str(profile), "--setups", "colocated,1P1D", "--rates", "1,2",
+                          "--num-prompts", "12", "--input-len", "64", "--output-len", "8", "--slo", "ttft:500,tpot:50",
+                          "--measured-dir", str(measured_dir), "--plot", str(png), "--result-dir", str(tmp_path / "r")])
+    out = capsys.readouterr().out
+    assert code == 0
+    table = out[out.index("SLO attainment (ttft <= 500 ms, tpot <= 50 ms), predicted / measured"):]
+    rows = [line for line in table.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2
+    assert rows[0].count("%") == 2 and rows[0].count("/ -") == 2          # rate 1: nothing measured
+    assert rows[1].split("|")[2].strip().endswith("/ 25%")                 # colocated at 2 req/s: measured
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
