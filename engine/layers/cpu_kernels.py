@@ -276,26 +276,43 @@ def _prefill_attention_f32(lib, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
             q.data_ptr() + a * qs * size, qs, k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), start + a,
             b - a, out.data_ptr() + a * h * d * size, h, hkv, d, bs, scale, h0, h1, _code(k_cache))
 
-    parts = _prefill_parts(n, start, h, hkv, torch.get_num_threads())
-    futures = [_executor().submit(call, *p) for p in parts[1:]]
-    rc = max([call(*parts[0])] + [fut.result() for fut in futures])
+    threads = torch.get_num_threads()
+    parts = iter(_prefill_parts(n, start, h, hkv, threads))
+    lock = threading.Lock()
+
+    def worker() -> int:   # parts are taken as threads free up: one slowed by a busy core takes fewer
+        rc = 0
+        while True:
+            with lock:
+                part = next(parts, None)
+            if part is None:
+                return rc
+            rc = max(rc, call(*part))
+
+    futures = [_executor().submit(worker) for _ in range(threads - 1)]
+    rc = max([worker()] + [fut.result() for fut in futures])
     if rc:
         raise RuntimeError("AVX2 prefill attention kernel refused its inputs")
 
 
 def _prefill_parts(n: int, start: int, h: int, hkv: int, threads: int) -> list[tuple[int, int, int, int]]:
-    """(h0, h1, a, b) per thread: whole KV-head groups where there are as many as threads, else
-    query rows [a, b) of about equal causal work (row i sees start + i + 1 keys), all heads."""
-    g = h // hkv
-    if threads >= 2 and hkv >= threads:
-        bounds = [hkv * i // threads * g for i in range(threads + 1)]
-        return [(a, b, 0, n) for a, b in zip(bounds, bounds[1:])]
-    threads = min(threads, n // PREFILL_MIN_ROWS)
+    """(h0, h1, a, b): query heads [h0, h1) at query rows [a, b), about 2 parts per thread (so
+    that threads balance dynamically) of about equal work: groups of whole KV heads where there
+    are at least as many as threads, else query rows of equal causal work (row i sees start + i + 1
+    keys) for all heads."""
     if threads <= 1:
+        return [(0, h, 0, n)]
+    g = h // hkv
+    if hkv >= threads:
+        pieces = min(hkv, 2 * threads)
+        bounds = [hkv * i // pieces * g for i in range(pieces + 1)]
+        return [(a, b, 0, n) for a, b in zip(bounds, bounds[1:])]
+    pieces = min(2 * threads, n // PREFILL_MIN_ROWS)
+    if pieces <= 1:
         return [(0, h, 0, n)]
     c = start + 0.5   # work of rows [0, x): x * c + x^2 / 2
     total = n * c + n * n / 2
-    cuts = [0] + [round(math.sqrt(c * c + 2 * total * i / threads) - c) for i in range(1, threads)] + [n]
+    cuts = [0] + [round(math.sqrt(c * c + 2 * total * i / pieces) - c) for i in range(1, pieces)] + [n]
     return [(0, h, a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
