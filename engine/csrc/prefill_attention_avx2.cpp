@@ -139,13 +139,13 @@ void attend_group(const float* q, int64_t q_stride, int64_t n, int64_t start, co
         for (int64_t g = g0; g < g1; g++) {
             QueryTile<D>& t = tiles[g - g0];
             for (int r = 0; r < MR; r++) {
-                const float* qr = q + (q0 + r) * q_stride + g * D;
-                for (int d = 0; d < D; d++) t.q[r][d] = r < rows ? qr[d] * scale : 0.f;
+                for (int d = 0; d < D; d++) t.q[r][d] = r < rows ? q[(q0 + r) * q_stride + g * D + d] * scale : 0.f;
                 std::fill(t.o[r], t.o[r] + D, 0.f);
             }
-            std::fill(t.m, t.m + 8, 0.f);
-            std::fill(t.l, t.l + 8, 0.f);
-            std::fill(t.m, t.m + MR, -INFINITY);
+            for (int i = 0; i < 8; i++) {
+                t.m[i] = i < MR ? -INFINITY : 0.f;
+                t.l[i] = 0.f;
+            }
         }
         for (int64_t k0 = 0; k0 <= limit[MR - 1]; k0 += KB) {   // blocks above the diagonal: skipped
             const int nk = int(std::min<int64_t>(KB, (limit[MR - 1] - k0) / KC * KC + KC));

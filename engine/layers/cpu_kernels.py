@@ -277,8 +277,8 @@ def _prefill_attention_f32(lib, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
             b - a, out.data_ptr() + a * h * d * size, h, hkv, d, bs, scale, h0, h1, _code(k_cache))
 
     threads = torch.get_num_threads()
-    parts = iter(_prefill_parts(n, start, h, hkv, threads))
-    lock = threading.Lock()
+    todo = _prefill_parts(n, start, h, hkv, threads)
+    parts, lock = iter(todo), threading.Lock()
 
     def worker() -> int:   # parts are taken as threads free up: one slowed by a busy core takes fewer
         rc = 0
@@ -289,7 +289,7 @@ def _prefill_attention_f32(lib, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                 return rc
             rc = max(rc, call(*part))
 
-    futures = [_executor().submit(worker) for _ in range(threads - 1)]
+    futures = [_executor().submit(worker) for _ in range(min(threads, len(todo)) - 1)]
     rc = max([worker()] + [fut.result() for fut in futures])
     if rc:
         raise RuntimeError("AVX2 prefill attention kernel refused its inputs")
