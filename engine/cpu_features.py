@@ -47,6 +47,10 @@ class CpuFeatures:
         return "avx512_bf16" in self.flags
 
     @property
+    def avx2_fma(self) -> bool:
+        return {"avx2", "fma"} <= self.flags
+
+    @property
     def avx512(self) -> bool:
         return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= self.flags
 

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 Arch = Literal["qwen3", "llama"]
-PresetName = Literal["tiny", "tiny-kv1", "tiny-kv4", "small"]
+PresetName = Literal["tiny", "tiny-kv1", "tiny-kv4", "tiny-d64", "small"]
 
 EOS_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|bos|>"
@@ -125,11 +125,14 @@ PRESETS: dict[str, Preset] = {
 # Tensor-parallel tests: the tiny shape with fewer (1) and more (4) KV heads than 2 ranks.
 PRESETS["tiny-kv1"] = dataclasses.replace(PRESETS["tiny"], num_key_value_heads=1)
 PRESETS["tiny-kv4"] = dataclasses.replace(PRESETS["tiny"], num_key_value_heads=4)
+# Native prefill attention tests: the head dim its kernels take (64), four query heads per KV head.
+PRESETS["tiny-d64"] = dataclasses.replace(PRESETS["tiny"], head_dim=64, num_key_value_heads=1)
 
 # Per-(preset, arch) deviations: tiny llama exercises the untied lm_head and a
 # different rope base.
 _ARCH_OVERRIDES: dict[tuple[str, str], dict[str, object]] = {
-    (tiny, "llama"): {"tie_word_embeddings": False, "rope_theta": 10_000.0} for tiny in ("tiny", "tiny-kv1", "tiny-kv4")
+    (tiny, "llama"): {"tie_word_embeddings": False, "rope_theta": 10_000.0}
+    for tiny in ("tiny", "tiny-kv1", "tiny-kv4", "tiny-d64")
 }
 
 

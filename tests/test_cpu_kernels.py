@@ -6,11 +6,15 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
+from engine.cpu_features import CpuFeatures, detect
 from engine.layers import cpu_kernels
 from engine.layers.backend import TorchBackend
+from engine.model_maker import make_model
 from tests.conftest import hf_greedy, random_prompts
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler: torch paths only")
+needs_avx2 = pytest.mark.skipif(cpu_kernels.load() is None or not detect().avx2_fma,
+                                reason="no C++ compiler or no AVX2 + FMA on this CPU")
 
 
 def _reference_decode(q, k_cache, v_cache, tables, lens, scale):
@@ -238,6 +242,137 @@ def test_prefill_attention_matches_sdpa(start: int, n: int, d: int) -> None:
                                           values.transpose(0, 1)[None], attn_mask=allowed, scale=d ** -0.5,
                                           enable_gqa=True)[0].transpose(0, 1)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def _reference_prefill(q, k_cache, v_cache, table, start, scale):
+    """Causal attention over the paged cache in float64: [n, H, D]."""
+    n, h, d = q.shape
+    hkv = k_cache.shape[2]
+    ctx = start + n
+    keys = k_cache[table].reshape(-1, hkv, d)[:ctx].double().repeat_interleave(h // hkv, 1)
+    values = v_cache[table].reshape(-1, hkv, d)[:ctx].double().repeat_interleave(h // hkv, 1)
+    scores = torch.einsum("nhd,khd->hnk", q.double(), keys) * scale
+    future = torch.arange(ctx)[None, :] > torch.arange(start, ctx)[:, None]
+    return torch.einsum("hnk,khd->nhd", scores.masked_fill(future, float("-inf")).softmax(-1), values)
+
+
+@needs_avx2
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("d", [64, 128])
+def test_avx2_prefill_attention_matches_reference(d: int, group: int, cache_dtype: torch.dtype,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 q over a float32 / bf16 cache on AVX2 + FMA, 2 threads (split over KV heads with 2 of
+    them, over query rows with 1): no cached prefix and a cached one, query counts off the tile
+    sizes (6 queries, 16 and 64 keys), block sizes 8 and 16, q rows strided inside fused qkv rows."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert cpu_kernels.prefill_attention_supported(torch.float32, torch.empty(0, dtype=cache_dtype), d)
+    g = torch.Generator().manual_seed(10 + d + group)
+    hkv = 1 if group == 4 else 2
+    h = hkv * group
+    for start, n in [(0, 1), (0, 5), (0, 67), (0, 200), (21, 50), (64, 64), (100, 3), (37, 131)]:
+        for bs in (8, 16):
+            ctx = start + n
+            blocks = -(-ctx // bs) + 4
+            k_cache = torch.randn(blocks, bs, hkv, d, generator=g).to(cache_dtype)
+            v_cache = torch.randn(blocks, bs, hkv, d, generator=g).to(cache_dtype)
+            table = torch.randperm(blocks, generator=g)[:-(-ctx // bs)]
+            qkv = torch.randn(n, (h + 2 * hkv) * d, generator=g)
+            q = qkv[:, :h * d].view(n, h, d)
+            out = torch.full((n, h, d), float("nan"))
+            cpu_kernels.prefill_attention(q, k_cache, v_cache, table, start, d ** -0.5, out)
+            want = _reference_prefill(q, k_cache, v_cache, table, start, d ** -0.5)
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5, msg=f"start {start}, n {n}, bs {bs}")
+
+
+def test_prefill_parts_cover_every_row_and_head() -> None:
+    for n, start, h, hkv, threads in [(2048, 0, 8, 4, 2), (2048, 0, 8, 1, 2), (512, 1024, 8, 2, 4), (10, 0, 4, 1, 2),
+                                      (100, 5, 4, 4, 3)]:
+        parts = cpu_kernels._prefill_parts(n, start, h, hkv, threads)
+        assert 1 <= len(parts) <= 2 * threads
+        covered = torch.zeros(n, h, dtype=torch.int64)
+        for h0, h1, a, b in parts:
+            assert h0 % (h // hkv) == 0 and h1 % (h // hkv) == 0
+            covered[a:b, h0:h1] += 1
+        assert bool((covered == 1).all()), (n, start, h, hkv, threads)
+
+
+@needs_kernels
+def test_prefill_attention_supported_follows_cpu_features(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 q runs natively exactly where the CPU has AVX2 and FMA; bf16 q only on AMX."""
+    import engine.cpu_features as features
+    bf16, f32 = torch.empty(0, dtype=torch.bfloat16), torch.empty(0)
+    for flags, want in [({"avx2", "fma"}, True), ({"avx2"}, False), (set(), False)]:
+        monkeypatch.setattr(features, "detect", lambda: CpuFeatures("test", frozenset(flags)))
+        monkeypatch.setattr(cpu_kernels, "_avx2_prefill", None)
+        assert cpu_kernels.prefill_attention_supported(torch.float32, bf16, 64) == want
+        assert cpu_kernels.prefill_attention_supported(torch.float32, f32, 128) == want
+        assert not cpu_kernels.prefill_attention_supported(torch.float32, bf16, 80)
+    monkeypatch.setattr(cpu_kernels, "_avx2_prefill", None)
+    monkeypatch.undo()
+    assert cpu_kernels.prefill_attention_supported(torch.float32, bf16, 64) == detect().avx2_fma
+    assert cpu_kernels.prefill_attention_supported(torch.bfloat16, bf16, 64) == cpu_kernels.amx_available()
+
+
+@pytest.fixture(scope="module")
+def tiny_d64(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_model(tmp_path_factory.mktemp("models") / "tiny-d64", preset="tiny-d64", arch="qwen3"))
+
+
+def _count_prefill_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    starts: list[int] = []
+    real = cpu_kernels.prefill_attention
+
+    def spy(q, k_cache, v_cache, table, start, scale, out):
+        starts.append(start)
+        real(q, k_cache, v_cache, table, start, scale, out)
+
+    monkeypatch.setattr(cpu_kernels, "prefill_attention", spy)
+    return starts
+
+
+@needs_avx2
+def test_native_prefill_attention_greedy_matches_hf(tiny_d64: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 compute and cache: the engine's prefills (whole prompts, chunked ones and prompts
+    after a cached prefix) go through the native kernel and greedy tokens equal HF's."""
+    prefix = random_prompts(1, 40, 40, seed=21)[0]
+    prompts = random_prompts(4, 3, 90, seed=20) + [prefix + t for t in random_prompts(3, 2, 30, seed=22)]
+    llm = LLM(tiny_d64, dtype="float32", block_size=8, num_kv_blocks=256, max_num_batched_tokens=64)
+    assert llm.engine.runner.backend.name == "native-cpu"
+    starts = _count_prefill_calls(monkeypatch)
+    outs = llm.generate(prompts[:5], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    outs += llm.generate(prompts[5:], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_greedy(tiny_d64, prompts, 12)
+    assert 0 in starts and any(s > 0 for s in starts)
+    assert all(o.num_cached_tokens == 40 for o in outs[5:])
+
+
+@needs_avx2
+def test_native_prefill_attention_over_bf16_cache_matches_torch_backend(tiny_d64: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 compute over a bf16 cache (the small model's setting here): the native prefill
+    attention and sdpa see the same bf16-rounded K/V and agree to float32 rounding, but a later
+    layer's K/V may round to the neighbouring bf16 value: same greedy tokens, logits within 1%."""
+    prompts = random_prompts(3, 20, 70, seed=23)
+    logits, tokens = [], []
+    for native in (True, False):
+        llm = LLM(tiny_d64, dtype="bfloat16", compute_dtype="float32", block_size=8, num_kv_blocks=64,
+                  max_num_batched_tokens=48)
+        runner = llm.engine.runner
+        assert runner.backend.name == "native-cpu"
+        starts = _count_prefill_calls(monkeypatch)
+        if not native:
+            monkeypatch.setattr(cpu_kernels, "prefill_attention_supported", lambda *args: False)
+        captured = []
+        real = runner.model.compute_logits
+        runner.model.compute_logits = lambda x: captured.append(real(x).float()) or captured[-1]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        tokens.append([o.token_ids for o in outs])
+        logits.append(torch.cat(captured))
+        assert bool(starts) == native
+        monkeypatch.undo()
+    assert tokens[0] == tokens[1]
+    assert (logits[0] - logits[1]).abs().max() <= 0.01 * logits[1].abs().max()
 
 
 @needs_kernels

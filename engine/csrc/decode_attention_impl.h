@@ -297,19 +297,6 @@ static bool try_avx512_g(int64_t G, const Q* q, int64_t qs, const T* kc, const T
 #endif
 
 #if defined(PD_AVX2) && !defined(PD_AVX512)
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const bf16* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
-// [sum of a[0]'s lanes, ..., sum of a[7]'s lanes].
-static inline __m256 reduce8(const __m256* a) {
-    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67);   // [a0..a3 low | a0..a3 high]
-    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
-}
-
 // float32 q over a float32 or bf16 cache through 256-bit registers. Like the AVX-512 kernel, both
 // passes walk the row's blocks in order and, inside a block, every KV head, prefetching the
 // blocks PD ahead (the whole call's K/V block stream), so the cache is read once, in order. The

@@ -1,7 +1,7 @@
-// Shared helpers of pdserve's CPU kernels: bfloat16 conversion, AVX-512 loads/stores of
-// float32 and bfloat16 rows, and a fast exp. Every kernel has a scalar path, so the library
-// builds and runs on any x86-64 or ARM CPU; the AVX-512 paths are compiled in where the
-// build machine (-march=native) has AVX-512.
+// Shared helpers of pdserve's CPU kernels: bfloat16 conversion, AVX-512 and AVX2 loads/stores
+// of float32 and bfloat16 rows, horizontal reductions and a fast exp. Every kernel has a scalar
+// path, so the library builds and runs on any x86-64 or ARM CPU; the AVX-512 (AVX2) paths are
+// compiled in where the build machine (-march=native) has AVX-512 (AVX2 and FMA).
 #pragma once
 
 #include <cmath>
@@ -109,7 +109,32 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
-#if defined(PD_AVX2) && !defined(PD_AVX512)
+#ifdef PD_AVX2
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const bf16* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// [sum of a[0]'s lanes, ..., sum of a[7]'s lanes].
+static inline __m256 reduce8(const __m256* a) {
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67);   // [a0..a3 low | a0..a3 high]
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
 // exp(x) over 8 lanes, as exp16: x*log2(e) = k + f, 2^f by the same degree-6 polynomial, 2^k
 // built in the exponent bits (k clamped to [-126, 127]: results below 2^-126 flush to 0, as the
 // softmax and SiLU uses here need no denormals). Relative error ~2e-7.

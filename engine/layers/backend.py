@@ -225,9 +225,9 @@ class NativeCpuBackend(TorchBackend):
         if nd:
             out[:nd] = cpu_kernels.decode_attention(q[:nd], attn.k_cache, attn.v_cache, meta.decode_block_tables,
                                                     meta.decode_context_lens, attn.scale)
-        amx = cpu_kernels.prefill_attention_supported(q.dtype, attn.k_cache, attn.head_dim)
+        native = cpu_kernels.prefill_attention_supported(q.dtype, attn.k_cache, attn.head_dim)
         for seg in meta.prefills:
-            if amx:   # straight from the cache blocks, cached prefix or not
+            if native:   # straight from the cache blocks, cached prefix or not
                 n = seg.token_end - seg.token_start
                 cpu_kernels.prefill_attention(q[seg.token_start:seg.token_end], attn.k_cache, attn.v_cache,
                                               seg.block_table, seg.context_len - n, attn.scale,

@@ -8,19 +8,21 @@ compiler, the build fails, or ``PDSERVE_CPU_KERNELS=0``, ``load()`` returns None
 keeps its torch paths (``engine.layers.backend`` decides once, at model load).
 
 Kernels (sources in engine/csrc):
-  decode_attention*.cpp  decode attention straight from the paged cache (float32 or bf16 q / cache)
-  prefill_attention.cpp  causal prefill attention from the paged bf16 cache on AMX tiles
-  elementwise.cpp        RMSNorm, residual add + RMSNorm, SiLU-and-mul, q/k norm + rotary + KV store
-  amx_linear.cpp         bf16 (or w8a16 int8) weights x bf16 rows on AMX tiles: decode-step GEMMs
-  linear_bf16w.cpp       float32 rows x bf16 weights (float32 compute over a bf16 checkpoint)
-  sampler.cpp            greedy / temperature sampling by the inverse CDF
-  decode_forward.cpp     a whole decode step (all layers) in one call, from the kernels above
+  decode_attention*.cpp       decode attention straight from the paged cache (float32 or bf16 q / cache)
+  prefill_attention.cpp       causal prefill attention from the paged bf16 cache on AMX tiles (bf16 q)
+  prefill_attention_avx2.cpp  the same for float32 q over a float32 or bf16 cache, on AVX2 + FMA
+  elementwise.cpp             RMSNorm, residual add + RMSNorm, SiLU-and-mul, q/k norm + rotary + KV store
+  amx_linear.cpp              bf16 (or w8a16 int8) weights x bf16 rows on AMX tiles: decode-step GEMMs
+  linear_bf16w.cpp            float32 rows x bf16 weights (float32 compute over a bf16 checkpoint)
+  sampler.cpp                 greedy / temperature sampling by the inverse CDF
+  decode_forward.cpp          a whole decode step (all layers) in one call, from the kernels above
 All accumulate in float32 and round where the torch reference path rounds.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import platform
 import threading
@@ -32,8 +34,9 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = ["decode_attention.cpp", "decode_attention_bf16.cpp", "decode_attention_f32.cpp", "prefill_attention.cpp", "elementwise.cpp", "linear_bf16w.cpp", "amx_linear.cpp",
-           "sampler.cpp", "decode_forward.cpp"]
+SOURCES = ["decode_attention.cpp", "decode_attention_bf16.cpp", "decode_attention_f32.cpp", "prefill_attention.cpp",
+           "prefill_attention_avx2.cpp", "elementwise.cpp", "linear_bf16w.cpp", "amx_linear.cpp", "sampler.cpp",
+           "decode_forward.cpp"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-ffp-contract=off",
          "-shared", "-fPIC", "-std=c++17"]
 
@@ -45,6 +48,10 @@ _SIGNATURES: dict[str, list] = {
     "pd_decode_attention": [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64, _I32, _I32],
     # q, q_stride, k_cache, v_cache, table, start, n, out, H, HKV, D, block_size, scale, h0, h1
     "pd_prefill_attention": [_P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32, _I64, _I64],
+    # the same, float32 q and out, then cache_dtype
+    "pd_prefill_attention_f32": [_P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32, _I64, _I64,
+                                 _I32],
+    "pd_prefill_attention_avx2": [],
     # x, x_stride, w, out, out_stride, r0, r1, dim, eps, dtype
     "pd_rms_norm": [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _F32, _I32],
     # x, x_stride, residual, w, out, r0, r1, dim, eps, dtype
@@ -203,20 +210,41 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def prefill_attention_supported(q_dtype: torch.dtype, cache: torch.Tensor, head_dim: int) -> bool:
-    return (q_dtype == torch.bfloat16 and cache.dtype == torch.bfloat16 and head_dim in (64, 128)
+    """bf16 q over a bf16 cache on AMX; float32 q over a float32 or bf16 cache on AVX2 + FMA."""
+    if head_dim not in (64, 128):
+        return False
+    if q_dtype == torch.float32:
+        return cache.dtype in DTYPE_CODES and cache.is_contiguous() and avx2_prefill_available()
+    return (q_dtype == torch.bfloat16 and cache.dtype == torch.bfloat16
             and cache.numel() < 2**32 and amx_available())   # int32 dword offsets into one layer's cache
+
+
+_avx2_prefill: bool | None = None
+
+
+def avx2_prefill_available() -> bool:
+    """This CPU has AVX2 and FMA and the library was built with the AVX2 prefill attention."""
+    global _avx2_prefill
+    if _avx2_prefill is None:
+        from engine.cpu_features import detect
+        lib = load()
+        _avx2_prefill = lib is not None and detect().avx2_fma and bool(lib.pd_prefill_attention_avx2())
+    return _avx2_prefill
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                       start: int, scale: float, out: torch.Tensor) -> None:
     """Causal attention of one sequence's queries at positions [start, start + n) over its cache
-    (the new K/V already stored): q [n, H, D] bf16 (rows may be strided), block_table int64 (the
-    sequence's blocks), out [n, H, D] bf16 contiguous, written in place. AMX only: callers check
-    prefill_attention_supported() first."""
+    (the new K/V already stored): q [n, H, D] bf16 (AMX) or float32 (AVX2) (rows may be strided),
+    block_table int64 (the sequence's blocks), out [n, H, D] in q's dtype, contiguous, written in
+    place. Callers check prefill_attention_supported() first."""
     n, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     table = block_table.contiguous()
     lib = load()
+    if q.dtype == torch.float32:
+        _prefill_attention_f32(lib, q, k_cache, v_cache, table, start, scale, out)
+        return
     args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), start, n,
             out.data_ptr(), h, hkv, d, bs, scale)
     groups, g = hkv, h // hkv
@@ -230,6 +258,62 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         rc = max([rc] + [fut.result() for fut in futures])
     if rc:
         raise RuntimeError("AMX prefill attention kernel refused its inputs")
+
+
+PREFILL_MIN_ROWS = 32   # fewer query rows per thread: not worth splitting the queries
+
+
+def _prefill_attention_f32(lib, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                           start: int, scale: float, out: torch.Tensor) -> None:
+    n, h, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    qs, size = q.stride(0), q.element_size()
+
+    def call(h0: int, h1: int, a: int, b: int) -> int:   # query heads [h0, h1), query rows [a, b)
+        return lib.pd_prefill_attention_f32(
+            q.data_ptr() + a * qs * size, qs, k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), start + a,
+            b - a, out.data_ptr() + a * h * d * size, h, hkv, d, bs, scale, h0, h1, _code(k_cache))
+
+    threads = torch.get_num_threads()
+    todo = _prefill_parts(n, start, h, hkv, threads)
+    parts, lock = iter(todo), threading.Lock()
+
+    def worker() -> int:   # parts are taken as threads free up: one slowed by a busy core takes fewer
+        rc = 0
+        while True:
+            with lock:
+                part = next(parts, None)
+            if part is None:
+                return rc
+            rc = max(rc, call(*part))
+
+    futures = [_executor().submit(worker) for _ in range(min(threads, len(todo)) - 1)]
+    rc = max([worker()] + [fut.result() for fut in futures])
+    if rc:
+        raise RuntimeError("AVX2 prefill attention kernel refused its inputs")
+
+
+def _prefill_parts(n: int, start: int, h: int, hkv: int, threads: int) -> list[tuple[int, int, int, int]]:
+    """(h0, h1, a, b): query heads [h0, h1) at query rows [a, b), about 2 parts per thread (so
+    that threads balance dynamically) of about equal work: groups of whole KV heads where there
+    are at least as many as threads, else query rows of equal causal work (row i sees start + i + 1
+    keys) for all heads."""
+    if threads <= 1:
+        return [(0, h, 0, n)]
+    g = h // hkv
+    if hkv >= threads:
+        pieces = min(hkv, 2 * threads)
+        bounds = [hkv * i // pieces * g for i in range(pieces + 1)]
+        return [(a, b, 0, n) for a, b in zip(bounds, bounds[1:])]
+    pieces = min(2 * threads, n // PREFILL_MIN_ROWS)
+    if pieces <= 1:
+        return [(0, h, 0, n)]
+    c = start + 0.5   # work of rows [0, x): x * c + x^2 / 2
+    total = n * c + n * n / 2
+    cuts = [0] + [round(math.sqrt(c * c + 2 * total * i / pieces) - c) for i in range(1, pieces)] + [n]
+    return [(0, h, a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 # ---- bf16-weight linear -----------------------------------------------------------------------
