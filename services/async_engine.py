@@ -220,9 +220,9 @@ class AsyncEngine:
                 self._fail_all()
                 continue
             results = self._collect(outputs)
-            self._call_soon(self._deliver, results)
-            if self.on_step is not None:
+            if self.on_step is not None:   # before delivery: a caller that got its tokens finds them counted
                 self.on_step(engine, outputs)
+            self._call_soon(self._deliver, results)
 
     def _fatal(self, exc: RankFailure) -> None:
         """The engine can never step again: fail every request; the first time, tell on_fatal."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.security import API_KEY_ENV, API_KEY_HEADER, metadata_interceptors
@@ -102,12 +103,14 @@ class Client:
         self.timeout = timeout
 
     def _connected(self) -> None:
-        ready = grpc.channel_ready_future(self.channel)
+        """A health check that waits for the connection (grpc.channel_ready_future would leave a
+        polling thread behind that fails when the channel closes): any answer means connected."""
         try:
-            ready.result(timeout=self.connect_timeout)
-        except grpc.FutureTimeoutError:
-            ready.cancel()
-            raise RouterUnreachable(self.address, self.connect_timeout) from None
+            health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), wait_for_ready=True,
+                                                           timeout=self.connect_timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise RouterUnreachable(self.address, self.connect_timeout) from None
 
     def generate_stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[router_pb2.GenerateResponse]:
         self._connected()
