@@ -165,6 +165,12 @@ def _rss_kb(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_a_huge_text_prompt_is_refused_fast_without_memory_growth_or_stalls(cluster) -> None:
     router_pid = next(p.popen.pid for p in cluster.processes if p.name == "router")
     gaps: list[float] = []
@@ -180,27 +186,23 @@ def test_a_huge_text_prompt_is_refused_fast_without_memory_growth_or_stalls(clus
     other = threading.Thread(target=steady_stream)
     other.start()
     time.sleep(0.3)
+    huge = router_pb2.GenerateRequest(text="word " * (12 << 20))
     before = _rss_kb(router_pid)
-    t0 = time.monotonic()
+    cpu_before = _cpu_seconds(router_pid)
     with grpc.insecure_channel(cluster.router_address, options=[("grpc.max_send_message_length", 128 << 20)]) as ch:
         with pytest.raises(grpc.RpcError) as err:
-            list(router_pb2_grpc.RouterStub(ch).Generate(router_pb2.GenerateRequest(text="word " * (12 << 20)),
-                                                         timeout=30))
-    refused_in = time.monotonic() - t0
+            list(router_pb2_grpc.RouterStub(ch).Generate(huge, timeout=30))
+    # The router's own work, not the wall clock (which also counts this process building and
+    # sending 60 MB): refusing by size costs it a few ms; tokenizing 12M words would cost seconds.
+    router_cpu = _cpu_seconds(router_pid) - cpu_before
     other.join(60)
     assert err.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
-    assert refused_in < 1.0, refused_in
+    assert router_cpu < 0.5, router_cpu
     assert _rss_kb(router_pid) - before < 50 * 1024
     assert len(gaps) == 150 and max(gaps[1:]) < 1.0, max(gaps[1:])
 
 
 # ---- the admission queue ------------------------------------------------------------------------
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_waiting_requests_cost_nothing_and_a_full_queue_answers_at_once(tiny_qwen3: str) -> None:
     """Decode capacity is held (by reservations the test makes as a member of the plane): requests
     queue at the router without polling anyone; one more than the queue holds is refused at once
@@ -236,7 +238,7 @@ def test_waiting_requests_cost_nothing_and_a_full_queue_answers_at_once(tiny_qwe
                 t0 = time.monotonic()
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await client.generate(PROMPT, max_tokens=4, **GREEDY)
-                assert time.monotonic() - t0 < 1.0
+                assert time.monotonic() - t0 < 5.0   # refused, not queued (queued would wait for capacity)
                 assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.value.details()
                 retry_ms = dict(err.value.trailing_metadata())[RETRY_AFTER_KEY]
                 assert int(retry_ms) >= 1000
