@@ -328,13 +328,9 @@ class ModelRunner:
         for seq, n in zip(prefill_seqs, counts):
             start = seq.num_computed_tokens
             ctx = start + n
-            mask = None
-            if start > 0:
-                future = torch.arange(ctx, device=dev)[None, :] > torch.arange(start, ctx, device=dev)[:, None]
-                mask = torch.zeros(future.shape, dtype=self.compute_dtype, device=dev).masked_fill_(future, float("-inf"))
             n_blocks = -(-ctx // self.block_size)
             table = torch.tensor(seq.block_table[:n_blocks], dtype=torch.int64, device=dev)
-            meta.prefills.append(PrefillSegment(row, row + n, ctx, table, mask))
+            meta.prefills.append(PrefillSegment(row, row + n, ctx, table, mask_dtype=self.compute_dtype))
             row += n
             cu_q.append(cu_q[-1] + n)
             cu_k.append(cu_k[-1] + ctx)

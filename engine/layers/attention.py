@@ -32,7 +32,27 @@ class PrefillSegment:
     token_end: int
     context_len: int                   # tokens of this sequence with KV after the step
     block_table: torch.Tensor          # [num_blocks_of_seq] int64
-    mask: torch.Tensor | None          # [n, context_len] bool or additive float; None: causal from position 0
+    mask_dtype: torch.dtype = torch.float32
+    _mask: torch.Tensor | None = None
+
+    @property
+    def cached_len(self) -> int:
+        """Tokens of the sequence already in the cache before this segment."""
+        return self.context_len - (self.token_end - self.token_start)
+
+    def causal_mask(self) -> torch.Tensor | None:
+        """Additive [n, context_len] mask (0 / -inf) of a segment after a cached prefix; None when
+        the segment starts the sequence (causal from position 0). Built on first use and kept for
+        the step's other layers: only the sdpa path reads it."""
+        start = self.cached_len
+        if start == 0:
+            return None
+        if self._mask is None:
+            dev = self.block_table.device
+            future = (torch.arange(self.context_len, device=dev)[None, :]
+                      > torch.arange(start, self.context_len, device=dev)[:, None])
+            self._mask = torch.zeros(future.shape, dtype=self.mask_dtype, device=dev).masked_fill_(future, float("-inf"))
+        return self._mask
 
 
 @dataclass(slots=True)
@@ -134,7 +154,8 @@ class Attention(nn.Module):
         hkv, d = self.num_kv_heads, self.head_dim
         dtype, cache_dtype = q.dtype, self.k_cache.dtype
         qs = q[seg.token_start:seg.token_end].transpose(0, 1).unsqueeze(0)
-        if seg.mask is None:   # no cached prefix: attend within the segment's own K/V
+        mask = seg.causal_mask()
+        if mask is None:   # no cached prefix: attend within the segment's own K/V
             keys = k[seg.token_start:seg.token_end]
             values = v[seg.token_start:seg.token_end]
             if cache_dtype != dtype:
@@ -144,7 +165,7 @@ class Attention(nn.Module):
             values = self._gather(self.v_cache, seg.block_table, None).view(-1, hkv, d)[:seg.context_len].to(dtype)
         out = F.scaled_dot_product_attention(
             qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
-            attn_mask=seg.mask, is_causal=seg.mask is None, scale=self.scale, enable_gqa=hkv != self.num_heads)
+            attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=hkv != self.num_heads)
         return out.squeeze(0).transpose(0, 1)
 
     def _flash(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -228,9 +228,8 @@ class NativeCpuBackend(TorchBackend):
         native = cpu_kernels.prefill_attention_supported(q.dtype, attn.k_cache, attn.head_dim)
         for seg in meta.prefills:
             if native:   # straight from the cache blocks, cached prefix or not
-                n = seg.token_end - seg.token_start
                 cpu_kernels.prefill_attention(q[seg.token_start:seg.token_end], attn.k_cache, attn.v_cache,
-                                              seg.block_table, seg.context_len - n, attn.scale,
+                                              seg.block_table, seg.cached_len, attn.scale,
                                               out[seg.token_start:seg.token_end])
             else:
                 out[seg.token_start:seg.token_end] = attn.prefill_sdpa(q, k, v, seg)
