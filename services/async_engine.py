@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
@@ -24,6 +25,15 @@ from engine.parallel import RankFailure
 log = logging.getLogger(__name__)
 
 IDLE_WAKE_S = 0.05   # an idle engine thread still wakes this often to expire leases
+
+
+@dataclass(slots=True)
+class StepTime:
+    """One engine step as the engine thread lived it: wall seconds (what the batch waited) and the
+    thread's CPU seconds (what it computed; less when other threads held its core)."""
+
+    wall_s: float
+    cpu_s: float
 
 
 @dataclass(slots=True)
@@ -62,7 +72,7 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, lease: LeasePolicy | None = None,
-                 on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None) -> None:
+                 on_step: Callable[[LLMEngine, list[RequestOutput], StepTime], None] | None = None) -> None:
         self.engine = LLMEngine(config, lease=lease)
         self.config = config
         self.on_step = on_step
@@ -210,6 +220,7 @@ class AsyncEngine:
                     except RankFailure as exc:
                         self._fatal(exc)
                 continue
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 outputs = engine.step()
             except RankFailure as exc:   # this worker cannot step again: fail everything, stop serving
@@ -221,7 +232,7 @@ class AsyncEngine:
                 continue
             results = self._collect(outputs)
             if self.on_step is not None:   # before delivery: a caller that got its tokens finds them counted
-                self.on_step(engine, outputs)
+                self.on_step(engine, outputs, StepTime(time.perf_counter() - t0, time.thread_time() - c0))
             self._call_soon(self._deliver, results)
 
     def _fatal(self, exc: RankFailure) -> None:

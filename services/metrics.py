@@ -9,11 +9,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import math
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 
 if TYPE_CHECKING:
     from engine import LLMEngine, RequestOutput
+    from services.async_engine import StepTime
     from services.routing import Placement
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -25,6 +26,7 @@ METRICS_PATH = "/metrics"
 class _Metrics:
     def __init__(self, role: str, worker_id: str, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)   # process_cpu_seconds_total, memory, open fds (as vLLM)
         self.labels = {"model_name": model_name, "role": role, "worker": worker_id}
 
     def counter(self, name: str, doc: str) -> Counter:
@@ -56,6 +58,10 @@ class WorkerMetrics(_Metrics):
         self.kv_transfer_seconds = self.histogram("kv_transfer_seconds", "Seconds per KV send of a chunk's blocks")
         self.kv_transfer_failures = self.counter("kv_transfer_failures", "KV blocks refused or failed to send")
         self.request_queue_time_seconds = self.histogram("request_queue_time_seconds", "Arrival to first scheduled")
+        self.engine_step_seconds = self.histogram("engine_step_seconds", "Wall time of each engine step")
+        self.engine_step_cpu_seconds = self.counter(
+            "engine_step_cpu_seconds", "CPU time the engine thread spent in steps (the rest of the process's CPU "
+            "time is serving around the engine: RPCs, token delivery, KV receive)")
         self._last = {"queries": 0, "hits": 0, "preemptions": 0}
         self._attached = False
 
@@ -68,7 +74,10 @@ class WorkerMetrics(_Metrics):
         self.kv_cache_usage_perc.set_function(bm.usage)
         self._attached = True
 
-    def on_step(self, engine: "LLMEngine", outputs: list["RequestOutput"]) -> None:
+    def on_step(self, engine: "LLMEngine", outputs: list["RequestOutput"], timing: "StepTime | None" = None) -> None:
+        if timing is not None:
+            self.engine_step_seconds.observe(timing.wall_s)
+            self.engine_step_cpu_seconds.inc(timing.cpu_s)
         bm = engine.block_manager
         sched = engine.scheduler
         if not self._attached:

@@ -124,6 +124,14 @@ def test_counters_disaggregated(cluster_1p1d) -> None:
     assert _delta(pre_a, pre_b, "pdserve:request_queue_time_seconds_count") == n
     assert metric(rt_a, "pdserve:num_requests_running") == 0
 
+    # engine time: decode took at least MAX_TOKENS - 1 steps; the engine thread's CPU time in steps
+    # is part of (below) its process's, and every process reports its CPU time
+    assert _delta(dec_a, dec_b, "pdserve:engine_step_seconds_count") >= MAX_TOKENS - 1
+    for a, b in ((pre_a, pre_b), (dec_a, dec_b)):
+        engine_cpu = _delta(a, b, "pdserve:engine_step_cpu_seconds_total")
+        assert 0 < engine_cpu < _delta(a, b, "process_cpu_seconds_total") + 0.02
+    assert _delta(rt_a, rt_b, "process_cpu_seconds_total") > 0
+
 
 def test_prefix_hit_moves_cache_counters_and_sends_fewer_bytes(cluster_1p1d) -> None:
     decode_addr = next(p.address for p in cluster_1p1d.processes if p.name == "decode-0")

@@ -2,6 +2,7 @@
 and block manager in simulated time; `pdserve plan` ranks deployments under SLOs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 from services.planner.cost_model import CostModel, KindFit, StepSample, fit_nonnegative, step_features
 from services.planner.plan import PlanConfig, Workload, candidates, parse_slos, rank, simulate
+from services.planner.serving_costs import ServingCosts
 from services.planner.simulator import Candidate, Overheads, Simulation
 from services.cli import main
 
@@ -54,9 +56,16 @@ def test_cost_model_fit_recovers_coefficients_and_round_trips(tmp_path: Path) ->
             s.seconds = truth["const"] + truth["decode_seqs"] * b + truth["decode_context"] * s.decode_context
             samples.append(s)
     model = CostModel.fit(samples)
-    dec = model.fits["decode"].coefficients
-    assert dec["decode_seqs"] == pytest.approx(truth["decode_seqs"], rel=1e-3)
-    assert dec["decode_context"] == pytest.approx(truth["decode_context"], rel=1e-3)
+    dec = model.fits["decode"]
+    assert dec.knots == [1, 4, 16, 32]   # decode: piecewise linear in the batch size, a knot per profiled size
+    for b in dec.knots:
+        assert dec.coefficients[f"decode_seqs={b:g}"] == pytest.approx(truth["const"] + truth["decode_seqs"] * b,
+                                                                        rel=1e-3)
+    assert dec.coefficients["decode_context"] == pytest.approx(truth["decode_context"], rel=1e-3)
+    for b in (2, 9, 48):   # between knots and beyond the last: the truth is linear, so exact
+        probe = step_features([300] * b, [1] * b, b)
+        want = truth["const"] + truth["decode_seqs"] * b + truth["decode_context"] * probe.decode_context
+        assert model.step_seconds(probe) == pytest.approx(want, rel=1e-3)
     assert model.fits["prefill"].coefficients["prefill_tokens"] == pytest.approx(truth["prefill_tokens"], rel=1e-3)
     again = CostModel.load(model.save(tmp_path / "p.json"))
     probe = step_features([100, 200], [1, 1], 2)
@@ -67,6 +76,26 @@ def test_cost_model_fit_recovers_coefficients_and_round_trips(tmp_path: Path) ->
     x = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
     coef = fit_nonnegative(x, np.array([3.0, 2.0, 1.0]), np.ones(3))
     assert (coef >= 0).all()
+
+
+def test_decode_cost_follows_a_kernel_switch_between_batch_sizes() -> None:
+    """A decode step's GEMMs change kernels with the row count: 10 ms up to 4 sequences, 24 ms at 5
+    (measured so on the AVX2 EPYC before the bf16 kernel took more rows). One line through every
+    batch size misses both sides; the piecewise fit predicts each profiled size."""
+    def truth(b: int) -> float:
+        return 0.010 if b <= 4 else 0.024 + 0.001 * (b - 5)
+    samples = []
+    for b in (1, 2, 4, 5, 8, 16):
+        for ctx in (64, 512):
+            s = step_features([ctx] * b, [1] * b, b)
+            s.seconds = truth(b) + 0.002 * s.decode_context
+            samples.append(s)
+    model = CostModel.fit(samples)
+    for b in (1, 2, 4, 5, 8, 16):
+        probe = step_features([200] * b, [1] * b, b)
+        assert model.step_seconds(probe) == pytest.approx(truth(b) + 0.002 * probe.decode_context, rel=1e-3)
+    assert model.step_seconds(step_features([200] * 12, [1] * 12, 12)) == pytest.approx(
+        truth(12) + 0.002 * 2.4, rel=1e-3)   # between knots 8 and 16: on the line through both
 
 
 def test_simulated_steps_are_the_real_schedulers_chunked_prefill(cost: CostModel) -> None:
@@ -108,6 +137,31 @@ def test_disaggregated_roles_and_kv_handoff(cost: CostModel) -> None:
     slow = simulate(cost, Candidate(prefill_workers=1, decode_workers=1, max_num_batched_tokens=64), w,
                     Overheads(kv_s_per_block=0.05))
     assert slow["mean_itl_ms"] > m["mean_itl_ms"]
+
+
+def test_serving_cpu_is_charged_to_the_core_it_runs_on(cost: CostModel) -> None:
+    """The profile's serving costs are CPU time taken from a worker's core: each token a worker
+    emits costs its event loop worker_s_per_token, and the router's per-token cost lands on the
+    same core unless `pdserve up` gives the router a spare one (colocated workers on fewer cores
+    than the machine has). One request alone: every decode gap grows by exactly that."""
+    serving = ServingCosts(worker_s_per_token=0.001, router_s_per_token={"colocated": 0.002, "disaggregated": 0.004})
+    prompt, n_out = [list(range(2, 42))], [8]
+
+    def gaps(model: CostModel, candidate: Candidate, overheads: Overheads | None = None) -> list[float]:
+        return Simulation(model, candidate, overheads or Overheads()).run(prompt, n_out, [0.0])[0].itl
+
+    one = Candidate(colocated_workers=1)
+    base = gaps(cost, one)
+    shared = dataclasses.replace(cost, serving=serving, machine={**cost.machine, "cpu_count": 1})
+    spare = dataclasses.replace(cost, serving=serving, machine={**cost.machine, "cpu_count": 2})
+    assert gaps(shared, one) == pytest.approx([g + 0.003 for g in base])   # worker + router on its core
+    assert gaps(spare, one) == pytest.approx([g + 0.001 for g in base])    # the router on the spare core
+    assert gaps(shared, one, Overheads(serving_cpu=False)) == pytest.approx(base)
+    # disaggregated: the decode worker emits every token after the first; the router sits beside it
+    pd = Candidate(prefill_workers=1, decode_workers=1)
+    base_pd = gaps(cost, pd)
+    with_cpu = gaps(dataclasses.replace(cost, serving=serving), pd)
+    assert with_cpu[2:] == pytest.approx([g + 0.005 for g in base_pd[2:]])
 
 
 def test_simulation_is_deterministic_for_a_seed(cost: CostModel) -> None:
@@ -177,7 +231,7 @@ def test_profile_cli_end_to_end(tiny_qwen3: str, tmp_path: Path) -> None:
                            "--chunk-sizes", "16,64", "--max-context", "128", "--decode-batches", "1,4",
                            "--decode-contexts", "32,96", "--decode-steps", "3", "--mixed-chunks", "16",
                            "--repeats", "1", "--kv-blocks", "2", "--num-kv-blocks", "256"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "wrote" in proc.stdout
     model = CostModel.load(out)
@@ -187,6 +241,13 @@ def test_profile_cli_end_to_end(tiny_qwen3: str, tmp_path: Path) -> None:
     assert model.engine["resolved_num_kv_blocks"] == 256 and model.engine["num_threads"] == 1
     assert model.kv_transfer_s_per_block > 0 and model.kv_bytes_per_block > 0
     assert model.step_seconds(StepSample("decode", 0, 0, 0.0, 4, 0.2, 0.0)) > 0
+    # serving costs, measured through a real `pdserve up` (colocated and 1P1D) and its /metrics
+    sv = model.serving
+    assert sv.worker_s_per_token > 0 and sv.router(True) > 0 and sv.router(False) > 0
+    assert sv.prefill_s_per_request + sv.prefill_s_per_block_sent > 0
+    assert sv.decode_s_per_request + sv.decode_s_per_block_received > 0
+    assert set(sv.measured) == {"colocated", "disaggregated"} and "pdserve is up" in (
+        tmp_path / "serving-disaggregated.log").read_text()
     # and it plans
     sim = simulate(model, Candidate(colocated_workers=1), Workload(rate=2.0, num_prompts=5, input_len=32, output_len=4))
     assert sim["completed"] == 5

@@ -10,8 +10,13 @@ decode only, mixed), since the CPU backend runs pure decode steps through a diff
 
 prefill_attention = sum over chunks of n * (context + n / 2) / 1000 (causal attention work),
 decode_context = sum of the decode sequences' context lengths / 1000 (KV read per step).
+A decode-only step's cost is not linear in its batch size: the GEMMs change kernels with the row
+count (the bf16-weight kernel up to 32 rows on AVX2, AMX tiles up to 64, oneDNN beyond), so
+its fit is piecewise linear in decode_seqs, with knots at the profiled batch sizes (a basis of
+interpolation weights, ``batch_basis``), plus c_dc * decode_context.
 The profile JSON (``pdserve profile``) holds the coefficients, the raw samples they were
-fitted on, the engine settings, the model's config and this machine's CPU.
+fitted on, the serving costs around the engine (``serving_costs``), the engine settings, the
+model's config and this machine's CPU.
 """
 from __future__ import annotations
 
@@ -22,13 +27,15 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from services.planner.serving_costs import ServingCosts
+
 FEATURES = ("const", "prefill_tokens", "prefill_seqs", "prefill_attention", "decode_seqs", "decode_context")
 KIND_FEATURES = {
     "prefill": ("const", "prefill_tokens", "prefill_seqs", "prefill_attention"),
     "decode": ("const", "decode_seqs", "decode_context"),
     "mixed": FEATURES,
 }
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass(slots=True)
@@ -67,6 +74,36 @@ def step_features(contexts: Sequence[int], counts: Sequence[int], num_decode: in
     return StepSample(kind, pt, ps, pa, num_decode, dc, seconds)
 
 
+def batch_basis(b: float, knots: Sequence[float]) -> list[float]:
+    """Weights of batch size b on the piecewise-linear basis over knots (ascending): linear
+    interpolation between the two knots around b, linear extrapolation beyond either end. A fit's
+    coefficients on these are the step's cost at each knot."""
+    w = [0.0] * len(knots)
+    if len(knots) == 1:
+        w[0] = b / knots[0]
+        return w
+    i = 0
+    while i < len(knots) - 2 and b > knots[i + 1]:
+        i += 1
+    t = (b - knots[i]) / (knots[i + 1] - knots[i])
+    w[i], w[i + 1] = 1.0 - t, t
+    return w
+
+
+def decode_knots(batch_sizes: Sequence[int], min_samples: int = 2, min_ratio: float = 1.15) -> list[float]:
+    """The knots of the decode fit: batch sizes with at least min_samples steps, each at least
+    min_ratio above the previous knot (the profile's sizes, not the size one less that a batch
+    runs at after its first sequence finished)."""
+    counts: dict[int, int] = {}
+    for b in batch_sizes:
+        counts[b] = counts.get(b, 0) + 1
+    knots: list[float] = []
+    for b in sorted(counts):
+        if counts[b] >= min_samples and (not knots or b >= knots[-1] * min_ratio):
+            knots.append(float(b))
+    return knots
+
+
 def fit_nonnegative(x: np.ndarray, y: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Weighted least squares with non-negative coefficients (drop the most negative column and
     refit until none is negative: enough for a handful of features)."""
@@ -85,9 +122,25 @@ def fit_nonnegative(x: np.ndarray, y: np.ndarray, weights: np.ndarray) -> np.nda
 
 @dataclass(slots=True)
 class KindFit:
-    coefficients: dict[str, float]
+    coefficients: dict[str, float]    # feature -> seconds per unit; with knots, "decode_seqs=K" -> seconds at K
     num_samples: int
     median_abs_rel_error: float
+    knots: list[float] = field(default_factory=list)   # decode batch sizes of a piecewise-linear fit
+
+    def design(self, step: "StepSample") -> dict[str, float]:
+        f = step.features()
+        if self.knots:
+            for k, w in zip(self.knots, batch_basis(step.decode_seqs, self.knots)):
+                f[_knot_name(k)] = w
+        return f
+
+    def predict(self, step: "StepSample") -> float:
+        f = self.design(step)
+        return max(0.0, sum(c * f[name] for name, c in self.coefficients.items()))
+
+
+def _knot_name(k: float) -> str:
+    return f"decode_seqs={k:g}"
 
 
 @dataclass(slots=True)
@@ -98,23 +151,30 @@ class CostModel:
     kv_transfer_s_per_block: float = 0.0    # shipping one KV block prefill -> decode worker
     export_s_per_block: float = 0.0         # prefill worker: copying a finished block out of the pool
     kv_bytes_per_block: int = 0
+    serving: ServingCosts = field(default_factory=ServingCosts)  # CPU around the engine while serving
     engine: dict[str, Any] = field(default_factory=dict)        # the profiled EngineConfig's fields
     model_config: dict[str, Any] = field(default_factory=dict)  # the checkpoint's config.json
     machine: dict[str, Any] = field(default_factory=dict)
     samples: list[StepSample] = field(default_factory=list)
 
     def step_seconds(self, step: StepSample) -> float:
-        fit = self.fits.get(step.kind) or self.fits["mixed"]
-        f = step.features()
-        return max(0.0, sum(c * f[name] for name, c in fit.coefficients.items()))
+        return (self.fits.get(step.kind) or self.fits["mixed"]).predict(step)
 
     def scaled(self, factor: float) -> "CostModel":
         """The same machine, every cost times factor (what-if; tests: a faster machine)."""
-        fits = {k: KindFit({n: c * factor for n, c in v.coefficients.items()}, v.num_samples, v.median_abs_rel_error)
-                for k, v in self.fits.items()}
+        fits = {k: KindFit({n: c * factor for n, c in v.coefficients.items()}, v.num_samples, v.median_abs_rel_error,
+                           list(v.knots)) for k, v in self.fits.items()}
+        sv = self.serving
+        serving = ServingCosts(
+            worker_s_per_token=sv.worker_s_per_token * factor,
+            decode_s_per_block_received=sv.decode_s_per_block_received * factor,
+            decode_s_per_request=sv.decode_s_per_request * factor,
+            prefill_s_per_block_sent=sv.prefill_s_per_block_sent * factor,
+            prefill_s_per_request=sv.prefill_s_per_request * factor,
+            router_s_per_token={k: v * factor for k, v in sv.router_s_per_token.items()}, measured=dict(sv.measured))
         return CostModel(fits, self.kv_transfer_s_per_block * factor, self.export_s_per_block * factor,
-                         self.kv_bytes_per_block, dict(self.engine), dict(self.model_config), dict(self.machine),
-                         list(self.samples))
+                         self.kv_bytes_per_block, serving, dict(self.engine), dict(self.model_config),
+                         dict(self.machine), list(self.samples))
 
     # ---- fitting ------------------------------------------------------------------------
     @classmethod
@@ -125,12 +185,19 @@ class CostModel:
         for kind in ("mixed", "prefill", "decode"):   # mixed first: the fallback of a kind with few samples
             names = KIND_FEATURES[kind]
             mine = [s for s in samples if s.kind == kind]
+            knots: list[float] = []
+            if kind == "decode":
+                knots = decode_knots([s.decode_seqs for s in mine])
+                if len(knots) >= 2:   # piecewise linear in the batch size, a knot per profiled size
+                    names = (*(_knot_name(k) for k in knots), "decode_context")
+                else:
+                    knots = []
             if len(mine) < len(names) + 2:
                 if kind == "mixed":
                     mine = list(samples)
                 else:
                     continue
-            fits[kind] = _fit_kind(mine, names)
+            fits[kind] = _fit_kind(mine, names, knots)
         return cls(fits, samples=list(samples), **kwargs)
 
     # ---- JSON ---------------------------------------------------------------------------
@@ -139,7 +206,7 @@ class CostModel:
                 "fits": {k: asdict(v) for k, v in self.fits.items()},
                 "kv_transfer_s_per_block": self.kv_transfer_s_per_block,
                 "export_s_per_block": self.export_s_per_block, "kv_bytes_per_block": self.kv_bytes_per_block,
-                "engine": self.engine, "model_config": self.model_config, "machine": self.machine,
+                "serving": self.serving.to_json(), "engine": self.engine, "model_config": self.model_config, "machine": self.machine,
                 "samples": [asdict(s) for s in self.samples]}
 
     @classmethod
@@ -148,7 +215,8 @@ class CostModel:
             raise ValueError(f"profile format {obj.get('format_version')!r} is not {FORMAT_VERSION}: run "
                              f"`pdserve profile` again")
         return cls({k: KindFit(**v) for k, v in obj["fits"].items()}, obj.get("kv_transfer_s_per_block", 0.0),
-                   obj.get("export_s_per_block", 0.0), obj.get("kv_bytes_per_block", 0), obj.get("engine", {}),
+                   obj.get("export_s_per_block", 0.0), obj.get("kv_bytes_per_block", 0),
+                   ServingCosts.from_json(obj.get("serving")), obj.get("engine", {}),
                    obj.get("model_config", {}), obj.get("machine", {}),
                    [StepSample(**s) for s in obj.get("samples", [])])
 
@@ -176,12 +244,14 @@ class CostModel:
                          f"ms = {terms}")
         lines.append(f"  KV transfer {self.kv_transfer_s_per_block * 1e3:.3f} ms/block, export "
                      f"{self.export_s_per_block * 1e3:.3f} ms/block ({self.kv_bytes_per_block} bytes/block)")
+        lines.append(self.serving.describe())
         return "\n".join(lines)
 
 
-def _fit_kind(samples: Iterable[StepSample], names: Sequence[str]) -> KindFit:
+def _fit_kind(samples: Iterable[StepSample], names: Sequence[str], knots: Sequence[float] = ()) -> KindFit:
     rows = list(samples)
-    x = np.array([[s.features()[n] for n in names] for s in rows], dtype=np.float64)
+    shape = KindFit({}, 0, 0.0, list(knots))
+    x = np.array([[shape.design(s)[n] for n in names] for s in rows], dtype=np.float64)
     y = np.array([s.seconds for s in rows], dtype=np.float64)
     weights = 1.0 / np.maximum(y, 1e-4) ** 2          # relative error: small steps count as much as big ones
     coef = fit_nonnegative(x, y, weights)
@@ -190,4 +260,4 @@ def _fit_kind(samples: Iterable[StepSample], names: Sequence[str]) -> KindFit:
     if keep.sum() >= len(names) + 1 and not keep.all():
         coef = fit_nonnegative(x[keep], y[keep], weights[keep])
         rel = np.abs(x @ coef - y) / np.maximum(y, 1e-4)
-    return KindFit({n: float(c) for n, c in zip(names, coef)}, len(rows), float(np.median(rel)))
+    return KindFit({n: float(c) for n, c in zip(names, coef)}, len(rows), float(np.median(rel)), list(knots))

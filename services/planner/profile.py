@@ -24,7 +24,9 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from engine.model_maker import pdserve_home
 from services.planner.cost_model import CostModel, StepSample, step_features
+from services.planner.serving_costs import ServingCosts
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
@@ -38,12 +40,15 @@ class ProfileConfig:
     out: str | None = _f(None, "where to write the profile JSON; none: $PDSERVE_HOME/profiles/MODEL.json")
     chunk_sizes: str = _f("32,128,512,1024", "prefill chunk sizes (tokens per step), comma-separated")
     max_context: int = _f(1024, "prefill: the longest prompt chunked at each chunk size")
-    decode_batches: str = _f("1,4,16,48", "decode batch sizes (sequences per step), comma-separated")
+    decode_batches: str = _f("1,2,4,8,16,24,32,48", "decode batch sizes (sequences per step), comma-separated: "
+                             "the knots of the decode step's piecewise-linear cost in the batch size")
     decode_contexts: str = _f("64,512", "decode context lengths, comma-separated")
     decode_steps: int = _f(6, "decode steps measured per batch size and context")
     mixed_chunks: str = _f("64,256", "prefill chunk sizes measured beside running decodes")
     repeats: int = _f(2, "times the whole sweep runs (more samples, steadier fit)")
     kv_blocks: int = _f(16, "KV blocks copied to time the hand-off per block")
+    serving: bool = _f(True, "also measure the CPU serving costs around the engine (event loops, router) in a real "
+                             "`pdserve up`, colocated and 1P1D (about a minute)")
     clock: str = _f("cpu", "what a step costs: cpu (the engine thread's CPU time: what the step needs from a "
                            "core of its own, steady on a shared machine; for one torch thread) or wall",
                     choices=("cpu", "wall"))
@@ -182,6 +187,16 @@ def run_profile(engine_config, config: ProfileConfig, say: Callable[[str], None]
     export_s, transfer_s = _kv_block_costs(engine, config.kv_blocks,
                                           time.thread_time if config.clock == "cpu" else time.perf_counter)
     model_json = json.loads((Path(engine_config.model) / "config.json").read_text())
+    serving = ServingCosts()
+    if config.serving:
+        from services.cli import ENGINE_FIXED, UP_PER_PROCESS
+        from services.config_cli import config_to_argv
+        from services.planner import serving_costs
+        up_args = [*config_to_argv(engine_config, exclude=(*ENGINE_FIXED, *UP_PER_PROCESS)),
+                   "--threads", str(engine_config.num_threads or 1)]
+        log_dir = Path(config.out).parent if config.out else Path(pdserve_home()) / "profiles"
+        serving = serving_costs.measure(engine_config.model, up_args, engine.runner.kv_bytes_per_block,
+                                        engine.model_config.vocab_size, log_dir, say=say)
     engine_fields = {f.name: getattr(engine_config, f.name) for f in dataclasses.fields(engine_config)}
     engine_fields["resolved_compute_dtype"] = str(engine.runner.compute_dtype).removeprefix("torch.")
     engine_fields["resolved_num_kv_blocks"] = engine.block_manager.num_blocks
@@ -194,7 +209,7 @@ def run_profile(engine_config, config: ProfileConfig, say: Callable[[str], None]
                "seconds": round(time.perf_counter() - t_start, 1)}
     return CostModel.fit(rec.samples, kv_transfer_s_per_block=transfer_s, export_s_per_block=export_s,
                          kv_bytes_per_block=engine.runner.kv_bytes_per_block, engine=engine_fields,
-                         model_config=model_json, machine=machine)
+                         model_config=model_json, machine=machine, serving=serving)
 
 
 def _kv_block_costs(engine, n: int, clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:

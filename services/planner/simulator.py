@@ -18,7 +18,10 @@ rules they follow:
   worker's pinned blocks are released when the transfer ends.
 
 A worker's engine steps back to back while it has work; a request that arrives during a step
-joins the next one, as on the engine thread. One simplification: ``LLMEngine.step`` applies a
+joins the next one, as on the engine thread. The CPU the services spend around the engine (the
+profile's ``serving`` costs: a worker's event loop per token, per request and per KV block, the
+router per token on the core `pdserve up` pins it to) runs on the same core as some worker's
+engine thread, so it lengthens that worker's next step (``SimWorker.core_debt_s``). One simplification: ``LLMEngine.step`` applies a
 step's results when it is scheduled (its duration is known only then), so blocks a step frees
 are visible to reservations made during that step; outputs are delivered at the step's end.
 """
@@ -84,12 +87,16 @@ class Candidate:
 
 @dataclass(slots=True)
 class Overheads:
-    """Costs outside the engine steps, in seconds."""
+    """Costs outside the engine steps, in seconds. Latencies (router_s, token_s, handoff_s, the KV
+    transfer) delay a request; CPU costs (the profile's ``serving``: a worker's event loop per
+    token and per KV block, the router per token) take time from the core they run on, so they
+    lengthen that worker's next step."""
 
     router_s: float = 0.002        # client -> router -> worker (tokenized ids, RPCs), once per request
     token_s: float = 0.0005        # a token's way back to the client
     handoff_s: float = 0.002       # disaggregated: first token -> the decode worker's Decode call
     kv_s_per_block: float | None = None   # None: the profile's
+    serving_cpu: bool = True       # charge the profile's serving CPU costs to the workers' cores
 
 
 @dataclass(slots=True)
@@ -147,6 +154,11 @@ class SimWorker:
         self.inflight_prompt_tokens = 0
         self.steps: list[SimStep] = []
         self.busy_seconds = 0.0
+        # CPU seconds other threads on this worker's core owe (its event loop, a router pinned
+        # beside it): they run while its next step does, so that step ends this much later;
+        # what they owe is paid first out of the time the core then sits idle.
+        self.core_debt_s = 0.0
+        self.idle_since = 0.0
 
     @property
     def free_blocks(self) -> int:
@@ -156,11 +168,14 @@ class SimWorker:
         """Start a step now if idle with work (the engine thread wakes on new work)."""
         if self.busy or not self.engine.has_unfinished_requests():
             return
+        self.core_debt_s = max(0.0, self.core_debt_s - (self.sim.now - self.idle_since))
         n = self.engine.num_steps
         outputs = self.engine.step()
         if self.engine.num_steps == n:
             return   # nothing schedulable (no blocks): a release or a finish kicks it again
-        seconds = self.runner.last_seconds + self.export_s_per_block * sum(len(o.ready_blocks) for o in outputs)
+        seconds = (self.runner.last_seconds + self.export_s_per_block * sum(len(o.ready_blocks) for o in outputs)
+                   + self.core_debt_s)
+        self.core_debt_s = 0.0
         self.steps.append(SimStep(self.sim.now, seconds, self.engine.trace[-1]))
         self.busy_seconds += seconds
         self.busy = True
@@ -168,6 +183,7 @@ class SimWorker:
 
     def _end_step(self, outputs: list[RequestOutput]) -> None:
         self.busy = False
+        self.idle_since = self.sim.now
         for out in outputs:
             self.sim.on_output(self, out)
         self.kick()
@@ -212,6 +228,28 @@ class Simulation:
             self.colocated = []
             self.prefill = [worker("prefill", i) for i in range(candidate.prefill_workers)]
             self.decode = [worker("decode", i) for i in range(candidate.decode_workers)]
+        sv = cost.serving
+        on = self.overheads.serving_cpu
+        self.worker_s_per_token = sv.worker_s_per_token if on else 0.0
+        self.router_s_per_token = sv.router(candidate.colocated) if on else 0.0
+        self.decode_s_per_block = sv.decode_s_per_block_received if on else 0.0
+        self.decode_s_per_request = sv.decode_s_per_request if on else 0.0
+        self.prefill_s_per_block = sv.prefill_s_per_block_sent if on else 0.0
+        self.prefill_s_per_request = sv.prefill_s_per_request if on else 0.0
+        # Where the router runs, as `pdserve up` pins it (Launcher._cores): beside the last decode
+        # worker when disaggregated; on a spare core when colocated workers leave one (None: off
+        # the workers' cores), else unpinned, beside whichever worker served the token.
+        cores = int(cost.machine.get("cpu_count") or candidate.cores)
+        self.router_core: SimWorker | None = None
+        self.router_spare = candidate.colocated and candidate.cores < cores
+        if not candidate.colocated:
+            self.router_core = self.decode[-1]
+
+    def _charge_tokens(self, worker: SimWorker, n: int) -> None:
+        """CPU time of n tokens leaving worker: its event loop, and the router that streams them."""
+        worker.core_debt_s += n * self.worker_s_per_token
+        if not self.router_spare:
+            (self.router_core or worker).core_debt_s += n * self.router_s_per_token
 
     @property
     def workers(self) -> list[SimWorker]:
@@ -279,9 +317,11 @@ class Simulation:
                 return
             self.queue.pop(0)
             d.inflight += 1
+            d.core_debt_s += self.decode_s_per_request
             req.decode, req.needed = d, frozenset(res.needed_block_indices)
             p = min(self.prefill, key=lambda w: w.inflight_prompt_tokens + w.engine.scheduler.num_queued_prompt_tokens)
             p.inflight += 1
+            p.core_debt_s += self.prefill_s_per_request
             p.inflight_prompt_tokens += len(req.prompt)
             req.prefill = p
             p.engine.add_request(req.request_id, req.prompt, self._params(req))
@@ -295,6 +335,7 @@ class Simulation:
             return
         for _ in out.new_token_ids:
             req.token_times.append(self.now + self.overheads.token_s)
+        self._charge_tokens(worker, len(out.new_token_ids))
         if out.finished:
             self._finish(req)
 
@@ -302,10 +343,14 @@ class Simulation:
         shipped = sum(1 for i in out.ready_blocks if i in req.needed)
         if shipped:   # this step's finished blocks go out on the request's KV stream
             req.kv_free_at = max(req.kv_free_at, self.now) + shipped * self.kv_s_per_block
+            p.core_debt_s += shipped * self.prefill_s_per_block
+            assert req.decode is not None
+            req.decode.core_debt_s += shipped * self.decode_s_per_block
         if not out.prefill_done:
             return
         p.inflight_prompt_tokens -= len(req.prompt)
         req.token_times.append(self.now + self.overheads.token_s)
+        self._charge_tokens(p, 1)
         req.first_token = out.new_token_ids[0]
         kv_done = max(req.kv_free_at, self.now)
         self.at(kv_done, self._kv_delivered, req)
