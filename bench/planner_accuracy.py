@@ -9,7 +9,9 @@ seed and arrivals), then prints TTFT and ITL p50/p99 predicted / measured / erro
 the planner ranks the setups in the order the measurements do. With --slo it also prints SLO
 attainment against rate (the share of requests meeting every SLO, as DistServe plots it),
 predicted and measured, and with --plot draws those curves. Before each measurement it waits
-(up to --max-wait-s) until the 1-minute load average is below --max-load and reports it.
+(up to --max-wait-s) until the 1-minute load average is below --max-load and reports it. The load
+generator runs on the same machine: its CPU per output token, measured in each run, is part of
+that run's prediction (the simulator puts it on a core the router is not pinned to).
 
     PYTHONPATH=. python bench/planner_accuracy.py --profile $PDSERVE_HOME/profiles/small.json --rates 2,4
     PYTHONPATH=. python bench/planner_accuracy.py --profile P.json --rates 1,2,3,4 --slo ttft:1000,tpot:100 \
@@ -62,9 +64,14 @@ def measure(port: int, args: argparse.Namespace, rate: float, seed: int, out_dir
             "--request-rate", str(rate), "--seed", str(seed), "--ignore-eos", "--num-warmups", str(args.num_warmups),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
             "--save-result", "--result-dir", str(out_dir), "--result-filename", name, "--no-plot", "--no-progress"]
+    cpu0 = time.process_time()
     if bench_main(argv) != 0:
         raise RuntimeError(f"bench serve failed ({name})")
-    return json.loads((out_dir / name).read_text())
+    result = json.loads((out_dir / name).read_text())
+    # the load generator's own CPU per output token: it shares this machine with the deployment
+    client = (time.process_time() - cpu0) / max(1, result.get("total_output_tokens") or sum(result["output_lens"]))
+    (out_dir / name).with_suffix(".client").write_text(f"{client:.6g}\n")
+    return result
 
 
 def measured_attainment(result: dict[str, Any], slos: dict[str, float]) -> float:
@@ -139,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="SLO for the attainment curve, e.g. ttft:1000,tpot:100 (repeatable; as `pdserve plan --slo`)")
     p.add_argument("--plot", default=None, help="with --slo: draw SLO attainment against rate into this PNG")
     p.add_argument("--predict-only", action="store_true", help="print the predictions, measure nothing")
+    p.add_argument("--client-ms-per-token", type=float, default=0.0,
+                   help="the load generator's CPU per token where not measured (--predict-only, or a "
+                        "--measured-dir without .client files); measured runs use their own")
     p.add_argument("--result-dir", default=None)
     p.add_argument("--measured-dir", default=None,
                    help="compare with the measurements of earlier runs (their --result-dir, comma-separated) "
@@ -148,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.datasets import ensure_model
     from services.planner.cost_model import CostModel
     from services.planner.plan import Workload, parse_slos, simulate
+    from services.planner.simulator import Overheads
     from services.launcher import free_port, wait_serving
 
     model = str(args.model or ensure_model("small"))
@@ -170,22 +181,17 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for setup in setups:
         cand = candidate(setup, args.threads)
-        predicted = {}
-        for i, rate in enumerate(rates):
-            t0 = time.perf_counter()
-            m = simulate(cost, cand, Workload(rate, args.num_prompts, args.input_len, args.output_len, seed=args.seed + i),
-                         slos=slos or None)
-            predicted[rate] = {k: v for k, v in m.items() if not isinstance(v, list) and k != "simulation"}
-            print(f"[{setup} @ {rate:g}/s] predicted in {time.perf_counter() - t0:.1f}s: TTFT p50 "
-                  f"{m['p50_ttft_ms']:.0f} ms, ITL p50 {m['p50_itl_ms']:.1f} ms", flush=True)
         measured: dict[float, dict[str, Any]] = {}
         loads: dict[float, float] = {}
+        client_s = {rate: args.client_ms_per_token / 1e3 for rate in rates}
         if args.measured_dir:
             for d in args.measured_dir.split(","):   # one or more earlier --result-dir: SETUP-RATE.json (+ .load)
                 for rate in rates:
                     path = Path(d) / f"{setup}-{rate:g}.json"
                     if path.is_file():
                         measured[rate] = json.loads(path.read_text())
+                        if path.with_suffix(".client").is_file():
+                            client_s[rate] = float(path.with_suffix(".client").read_text())
                         load_file = path.with_suffix(".load")
                         loads[rate] = float(load_file.read_text()) if load_file.is_file() else None
         elif not args.predict_only:
@@ -200,9 +206,19 @@ def main(argv: list[str] | None = None) -> int:
                                                                                         os.getloadavg()[0])
                     print(f"[{setup} @ {rate:g}/s] measuring, 1-min load average {loads[rate]:.2f}", flush=True)
                     measured[rate] = measure(port, args, rate, args.seed + i, out_dir, f"{setup}-{rate:g}.json")
+                    client_s[rate] = float((out_dir / f"{setup}-{rate:g}.client").read_text())
                     (out_dir / f"{setup}-{rate:g}.load").write_text(f"{loads[rate]:.2f}\n")
             finally:
                 stop_up(popen)
+        predicted = {}
+        for i, rate in enumerate(rates):   # after measuring: the client's CPU on this machine is known
+            t0 = time.perf_counter()
+            m = simulate(cost, cand, Workload(rate, args.num_prompts, args.input_len, args.output_len, seed=args.seed + i),
+                         Overheads(client_s_per_token=client_s[rate]), slos=slos or None)
+            predicted[rate] = {k: v for k, v in m.items() if not isinstance(v, list) and k != "simulation"}
+            print(f"[{setup} @ {rate:g}/s] predicted in {time.perf_counter() - t0:.1f}s (client "
+                  f"{client_s[rate] * 1e3:.2f} ms CPU/token): TTFT p50 {m['p50_ttft_ms']:.0f} ms, ITL p50 "
+                  f"{m['p50_itl_ms']:.1f} ms", flush=True)
         for rate in rates:
             row = {"setup": setup, "rate": rate, "load": loads.get(rate), "predicted": predicted[rate],
                    "measured": {k: v for k, v in measured.get(rate, {}).items() if not isinstance(v, list)}}

@@ -162,6 +162,13 @@ def test_serving_cpu_is_charged_to_the_core_it_runs_on(cost: CostModel) -> None:
     base_pd = gaps(cost, pd)
     with_cpu = gaps(dataclasses.replace(cost, serving=serving), pd)
     assert with_cpu[2:] == pytest.approx([g + 0.005 for g in base_pd[2:]])
+    # a load generator on the same machine runs where the router does not: the prefill worker's
+    # core (a later prompt's TTFT grows), not the decode worker's (the gaps stay)
+    later = [list(range(2, 42)), list(range(50, 90))]
+    def run(overheads: Overheads) -> list:
+        return Simulation(cost, pd, overheads).run(later, [8, 8], [0.0, 0.05])   # arrives mid-decode
+    alone, loaded = run(Overheads()), run(Overheads(client_s_per_token=0.05))
+    assert loaded[1].ttft > alone[1].ttft + 0.05 and loaded[1].itl[2:] == pytest.approx(alone[1].itl[2:])
 
 
 def test_simulation_is_deterministic_for_a_seed(cost: CostModel) -> None:

@@ -97,6 +97,9 @@ class Overheads:
     handoff_s: float = 0.002       # disaggregated: first token -> the decode worker's Decode call
     kv_s_per_block: float | None = None   # None: the profile's
     serving_cpu: bool = True       # charge the profile's serving CPU costs to the workers' cores
+    # The load generator's CPU per token when it runs on the deployment's machine (as in
+    # bench/planner_accuracy.py, which measures it); 0: the clients run elsewhere.
+    client_s_per_token: float = 0.0
 
 
 @dataclass(slots=True)
@@ -239,17 +242,23 @@ class Simulation:
         # Where the router runs, as `pdserve up` pins it (Launcher._cores): beside the last decode
         # worker when disaggregated; on a spare core when colocated workers leave one (None: off
         # the workers' cores), else unpinned, beside whichever worker served the token.
+        # A client on this machine is not pinned: the OS runs it where the router is not, a
+        # prefill worker's core when disaggregated (the spare core when colocated leaves one).
         cores = int(cost.machine.get("cpu_count") or candidate.cores)
         self.router_core: SimWorker | None = None
+        self.client_core: SimWorker | None = None
         self.router_spare = candidate.colocated and candidate.cores < cores
         if not candidate.colocated:
             self.router_core = self.decode[-1]
+            self.client_core = self.prefill[0]
 
     def _charge_tokens(self, worker: SimWorker, n: int) -> None:
-        """CPU time of n tokens leaving worker: its event loop, and the router that streams them."""
+        """CPU time of n tokens leaving worker: its event loop, the router that streams them and a
+        client on this machine that receives them."""
         worker.core_debt_s += n * self.worker_s_per_token
         if not self.router_spare:
             (self.router_core or worker).core_debt_s += n * self.router_s_per_token
+            (self.client_core or worker).core_debt_s += n * self.overheads.client_s_per_token
 
     @property
     def workers(self) -> list[SimWorker]:
