@@ -12,7 +12,9 @@ batch (its sequences' contexts and token counts); its wall time is the sample. T
 * mixed: decoders running while a prompt is chunked in beside them.
 
 Then the KV hand-off per block: copying a block out of the pool (what a prefill worker does
-after each step), checksumming it and writing it into a pool (what a decode worker does).
+after each step), checksumming it and writing it into a pool (what a decode worker does). Last,
+unless ``--no-serving``, the CPU the services spend around the engine, measured in a real
+``pdserve up`` (``serving_costs.measure``).
 """
 from __future__ import annotations
 
