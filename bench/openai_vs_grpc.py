@@ -106,14 +106,8 @@ ROUTER_HISTOGRAMS = {"ttft": "pdserve:time_to_first_token_seconds", "itl": "pdse
 
 def router_histograms(http_port: int) -> dict[str, tuple[float, float]]:
     """(sum, count) of the router's latency histograms, from its /metrics on the HTTP port."""
-    import urllib.request
-    text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            series, value = line.rsplit(" ", 1)
-            name = series.split("{", 1)[0]
-            values[name] = values.get(name, 0.0) + float(value)
+    from services.metrics import scrape_by_name
+    values = scrape_by_name(f"127.0.0.1:{http_port}")
     return {k: (values.get(f"{m}_sum", 0.0), values.get(f"{m}_count", 0.0)) for k, m in ROUTER_HISTOGRAMS.items()}
 
 

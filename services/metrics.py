@@ -23,6 +23,19 @@ LABELS = ("model_name", "role", "worker")
 METRICS_PATH = "/metrics"
 
 
+def scrape_by_name(address: str, timeout: float = 10.0) -> dict[str, float]:
+    """The samples of a /metrics endpoint at host:port, summed per metric name over labels."""
+    import urllib.request
+    text = urllib.request.urlopen(f"http://{address}{METRICS_PATH}", timeout=timeout).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            name = series.split("{", 1)[0]
+            values[name] = values.get(name, 0.0) + float(value)
+    return values
+
+
 class _Metrics:
     def __init__(self, role: str, worker_id: str, model_name: str = "") -> None:
         self.registry = CollectorRegistry()

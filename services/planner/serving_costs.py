@@ -20,7 +20,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -79,17 +78,6 @@ def _free_port_base(n: int) -> int:
     raise RuntimeError("no run of free ports for the metrics endpoints")
 
 
-def _scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            series, value = line.rsplit(" ", 1)
-            name = series.split("{", 1)[0]
-            out[name] = out.get(name, 0.0) + float(value)
-    return out
-
-
 async def _load(address: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> int:
     from services.client import AsyncClient
     gate = asyncio.Semaphore(concurrency)
@@ -105,6 +93,7 @@ def _run_setup(setup: str, model: str, engine_args: list[str], loads: dict[str, 
                concurrency: int, log_path: Path) -> dict[str, dict[str, dict[str, float]]]:
     """Start `pdserve up`, serve each load in turn; per load, each process's counter deltas."""
     from services.launcher import wait_serving
+    from services.metrics import scrape_by_name
     names = ["router", *(["both-0"] if setup == "colocated" else ["prefill-0", "decode-0"])]
     port = _free_port_base(len(names) + 1)
     base = port + 1
@@ -122,10 +111,10 @@ def _run_setup(setup: str, model: str, engine_args: list[str], loads: dict[str, 
         asyncio.run(_load(f"127.0.0.1:{port}", first[:2], 4, 2))   # warm-up: first steps initialise lazily
         for label, prompts in loads.items():
             time.sleep(0.5)   # KV acknowledgements and the last deliveries settle
-            before = {name: _scrape(p) for name, p in ports.items()}
+            before = {name: scrape_by_name(f"127.0.0.1:{p}") for name, p in ports.items()}
             tokens = asyncio.run(_load(f"127.0.0.1:{port}", prompts, max_tokens, concurrency))
             time.sleep(0.5)
-            after = {name: _scrape(p) for name, p in ports.items()}
+            after = {name: scrape_by_name(f"127.0.0.1:{p}") for name, p in ports.items()}
             runs[label] = {name: {k: after[name].get(k, 0.0) - before[name].get(k, 0.0) for k in after[name]}
                            for name in names}
             runs[label]["client"] = {"tokens": float(tokens), "requests": float(len(prompts))}
