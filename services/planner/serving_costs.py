@@ -7,8 +7,8 @@ streams each token to the router and writes each received KV block into the pool
 every token again. ``measure`` starts ``pdserve up`` colocated and then 1P1D with the profiled
 engine settings, sends a short load through the router, and reads every process's
 ``process_cpu_seconds_total`` and the workers' ``pdserve:engine_step_cpu_seconds_total`` from
-/metrics before and after: a process's CPU time outside engine steps, per token it served and per
-KV block it sent or received, is what the simulator charges to that process's core.
+/metrics before and after: a process's CPU time outside engine steps, per token it served, per
+request and per KV block it sent or received, is what the simulator charges to that process's core.
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SETUPS = {"colocated": ["--colocated-workers", "1"], "disaggregated": ["--prefill-workers", "1", "--decode-workers", "1"]}
+COUNTERS = ("process_cpu_seconds_total", "pdserve:engine_step_cpu_seconds_total", "pdserve:engine_step_seconds_count",
+            "pdserve:generation_tokens_total", "pdserve:kv_transfer_bytes_total")   # what is read and kept
 
 
 @dataclass(slots=True)
@@ -115,8 +117,8 @@ def _run_setup(setup: str, model: str, engine_args: list[str], loads: dict[str, 
             tokens = asyncio.run(_load(f"127.0.0.1:{port}", prompts, max_tokens, concurrency))
             time.sleep(0.5)
             after = {name: scrape_by_name(f"127.0.0.1:{p}") for name, p in ports.items()}
-            runs[label] = {name: {k: after[name].get(k, 0.0) - before[name].get(k, 0.0) for k in after[name]}
-                           for name in names}
+            runs[label] = {name: {k: after[name].get(k, 0.0) - before[name].get(k, 0.0) for k in COUNTERS
+                                  if k in after[name]} for name in names}
             runs[label]["client"] = {"tokens": float(tokens), "requests": float(len(prompts))}
     finally:
         if popen.poll() is None:
@@ -181,4 +183,6 @@ def measure(model: str, engine_args: list[str], kv_bytes_per_block: int, vocab_s
     router = {setup: sum(r["router"].get("process_cpu_seconds_total", 0.0) for r in run.values())
               / max(1.0, sum(r["router"].get("pdserve:generation_tokens_total", 0.0) for r in run.values()))
               for setup, run in runs.items()}
-    return ServingCosts(per_token, decode_block, decode_req, prefill_block, prefill_req, router, runs)
+    return ServingCosts(worker_s_per_token=per_token, decode_s_per_block_received=decode_block,
+                        decode_s_per_request=decode_req, prefill_s_per_block_sent=prefill_block,
+                        prefill_s_per_request=prefill_req, router_s_per_token=router, measured=runs)
