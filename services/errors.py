@@ -4,13 +4,27 @@ from __future__ import annotations
 
 class RouterError(Exception):
     """A request ends with this status. ``code`` is a gRPC status name; ``retry_after_s`` a hint
-    for RESOURCE_EXHAUSTED (sent as trailing metadata ``retry-after-ms``, or HTTP Retry-After)."""
+    for RESOURCE_EXHAUSTED (sent as trailing metadata ``retry-after-ms``, or HTTP Retry-After).
 
-    def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
+    ``message`` is what the client reads: it names the field at fault (``field``, HTTP's
+    ``param``) and the limit, never a worker's address or internal exception text; those go in
+    ``detail``, which only the router's log sees. ``too_large``: a size limit (HTTP 413)."""
+
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None, *, field: str | None = None,
+                 too_large: bool = False, detail: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
+        self.field = field
+        self.too_large = too_large
+        self.detail = detail
+
+    def public_message(self, request_id: str | None) -> str:
+        """The client's text: the message, plus the request id when the details are in the log."""
+        if self.detail is None or not request_id:
+            return self.message
+        return f"{self.message} (request id {request_id}; the router's log has the details)"
 
 
 class WorkerFailure(Exception):

@@ -183,8 +183,8 @@ class Generator:
                         return
                     gen.failed.add(fault.address)
                     if gen.timing.migrations >= self.options.migration_limit:
-                        raise RouterError(fault.code, f"request failed after {gen.timing.migrations} migration(s): "
-                                                      f"{fault}") from None
+                        raise RouterError(fault.code, "the request failed on its workers",
+                                          detail=f"after {gen.timing.migrations} migration(s): {fault}") from None
                     gen.timing.migrations += 1
                     self.metrics.migrations.inc()
                     log.warning("request %s migrates (%d/%d) after %s", request_id, gen.timing.migrations,
@@ -459,7 +459,8 @@ class Generator:
                         except grpc.aio.AioRpcError as exc:
                             code = exc.code().name
                             if code in REQUEST_ERRORS:
-                                raise RouterError(code, exc.details() or code) from None
+                                raise RouterError(code, f"a worker refused the request ({code})",
+                                                  detail=f"{worker.address}: {exc.details()}") from None
                             if code != "RESOURCE_EXHAUSTED":
                                 self.pool.mark_down(worker)
                             continue
@@ -511,7 +512,8 @@ class Generator:
                 return
             code = exc.code().name
             if code in REQUEST_ERRORS:
-                raise RouterError(code, f"worker: {exc.details()}") from None
+                raise RouterError(code, f"a worker refused the request ({code})",
+                                  detail=f"{worker.address}: {exc.details()}") from None
             if code == "UNAVAILABLE":
                 self.pool.mark_down(worker)
             raise WorkerFailure(worker.address, code, exc.details() or code) from None
