@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.kv_transfer import shared_memory
 from services.security import Credentials, new_token
 from services.server import check_port_free
 
@@ -377,7 +378,21 @@ class Cluster:
                 except subprocess.TimeoutExpired:
                     os.killpg(p.popen.pid, signal.SIGKILL)
                     p.popen.wait()
+                self._remove_segments(p)
         self.processes.clear()
+
+    def _remove_segments(self, p: Process) -> None:
+        """A child that exited leaves no KV shared-memory segment behind (one killed between
+        writing a segment and its receiver taking it would, until a sweep)."""
+        if p.popen is None or p.popen.poll() is None:
+            return
+        args = self.spec.worker_args
+        flag = "--kv-shared-memory-dir"
+        directory = args[args.index(flag) + 1] if flag in args[:-1] else shared_memory.SHM_DIR
+        try:
+            shared_memory.remove_owned(p.popen.pid, directory)
+        except OSError:
+            pass
 
     def supervise_once(self) -> list[str]:
         """Restart dead children whose backoff has passed. Returns what it did, for the log."""
@@ -389,6 +404,7 @@ class Cluster:
                     p.restarts = 0
                 continue
             if p.popen is not None and p.next_start == 0.0:
+                self._remove_segments(p)
                 delay = min(RESTART_BACKOFF_S[0] * 2 ** p.restarts, RESTART_BACKOFF_S[1])
                 p.next_start = now + delay
                 events.append(f"{p.name} exited with code {p.popen.returncode}; restarting in {delay:g}s")

@@ -18,7 +18,7 @@ from services.colocated import ColocatedHandler
 from services.decode import DecodeHandler
 from services.kv_transfer import GrpcKVSender, KVSender, KVTransferServicer, register_kv_servicer
 from services.kv_transfer import shared_memory
-from services.kv_transfer.grpc_transport import grpc_message_limit
+from services.kv_transfer.grpc_transport import SHARED_MEMORY_MAX_BYTES, SharedMemoryRoute, grpc_message_limit
 from services.prefill import PrefillHandler
 from services.security import Credentials
 from services.server import Server, options as channel_options, service_registration, start_server, stop_on_signals
@@ -71,12 +71,20 @@ class WorkerConfig:
         "help": "decode: no reservation lives longer (prefill: nor do pinned blocks awaiting delivery)"})
     kv_shared_memory: bool = field(default=True, metadata={
         "help": "KV sends of 1 MiB or more between workers on this host's loopback go through /dev/shm "
-                "(0600 segments); the gRPC stream carries only headers. Both ends must allow it"})
+                "(0600 segments); the gRPC stream carries only headers. Both ends must allow it and share the "
+                "directory; otherwise (or when a segment cannot be written) KV goes inline"})
+    kv_shared_memory_dir: str = field(default=shared_memory.SHM_DIR, metadata={
+        "help": "the directory (a tmpfs) of KV shared-memory segments; sender and receiver must name the same"})
+    kv_shared_memory_max_bytes: int = field(default=SHARED_MEMORY_MAX_BYTES, metadata={
+        "help": "prefill: payload bytes in shared-memory segments not yet acknowledged, at most; beyond, KV goes "
+                "inline"})
 
     def __post_init__(self) -> None:
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         self.lease   # validates the lease settings
+        if self.kv_shared_memory_max_bytes < 0:
+            raise ValueError(f"kv_shared_memory_max_bytes must be >= 0, got {self.kv_shared_memory_max_bytes}")
 
     @property
     def lease(self) -> LeasePolicy:
@@ -189,13 +197,17 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
     sender = None
     if config.role == "prefill":
         creds = options.credentials
-        if options.config.kv_shared_memory and shared_memory.available():
-            # segments a previous sender died holding; no live hand-off outlives a lease
-            shared_memory.sweep(options.config.kv_lease_max_s)
+        wc = options.config
+        if wc.kv_shared_memory and shared_memory.available(wc.kv_shared_memory_dir):
+            # segments a previous sender died holding; no live hand-off outlives a lease (and the
+            # sender sweeps again periodically)
+            shared_memory.sweep(wc.kv_lease_max_s, wc.kv_shared_memory_dir)
         sender = options.kv_sender or GrpcKVSender(
             lambda address: creds.channel(address, channel_options([("grpc.max_send_message_length",
                                                                      grpc_message_limit())]), attach_token=False),
-            metadata=creds.metadata, shared_memory=options.config.kv_shared_memory)
+            metadata=creds.metadata, shared_memory=wc.kv_shared_memory,
+            shared_memory_route=SharedMemoryRoute(wc.kv_shared_memory_dir, max_bytes=wc.kv_shared_memory_max_bytes,
+                                                  sweep_after_s=wc.kv_lease_max_s))
         registrations.append(service_registration(services["PrefillWorker"],
                                                   PrefillHandler(aengine, sender, state, metrics)))
     elif config.role == "decode":
@@ -204,7 +216,8 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
         kv.on_block = metrics.kv_received
         notify = kv.on_change
         kv.on_change = lambda rid, st: (metrics.kv_handoff_ended(st), notify(rid, st))
-        kv_servicer = KVTransferServicer(kv, shared_memory=options.config.kv_shared_memory)
+        kv_servicer = KVTransferServicer(kv, shared_memory=options.config.kv_shared_memory,
+                                         shared_memory_dir=options.config.kv_shared_memory_dir)
         registrations.append((lambda servicer, server: register_kv_servicer(servicer, server), kv_servicer,
                               "pdserve.v1.KVTransfer"))
     else:

@@ -319,9 +319,9 @@ def _private_segment(data: bytes, mode: int = 0o600) -> str:
 
 
 @pytest.mark.parametrize("case, code, says", [
-    ("receiver-refuses-shm", "INVALID_ARGUMENT", "no KV through shared memory"),
+    ("receiver-refuses-shm", "FAILED_PRECONDITION", "no KV through shared memory"),
     ("bad-name", "DATA_LOSS", "not a KV segment name"),
-    ("missing", "DATA_LOSS", "No such file"),
+    ("missing", "FAILED_PRECONDITION", "No such file"),
     ("group-readable", "DATA_LOSS", "not a private file"),
     ("size-differs-from-headers", "INVALID_ARGUMENT", "segment of"),
     ("file-smaller-than-declared", "DATA_LOSS", "the headers declare"),
@@ -341,7 +341,7 @@ def test_a_bad_shared_memory_frame_is_refused_and_frees_the_request(engine: LLME
     if case == "bad-name":
         name = "../../etc/passwd"
     elif case == "missing":
-        name = "pdserve-kv-" + "0" * 32
+        name = "pdserve-kv-1-" + "0" * 32
     elif case == "file-smaller-than-declared":
         name = _private_segment(data[:-4])
     else:
@@ -415,7 +415,8 @@ def test_small_sends_stay_in_the_stream_and_large_ones_use_shared_memory(engine:
     blocks = _blocks(rid, res.needed_block_indices, engine, seed=5)
     written: list[str] = []
     write = shared_memory.write_segment
-    monkeypatch.setattr(shared_memory, "write_segment", lambda payloads: written.append(write(payloads)) or written[-1])
+    monkeypatch.setattr(shared_memory, "write_segment",
+                        lambda payloads, *d: written.append(write(payloads, *d)) or written[-1])
 
     async def run():
         async with kv_server(engine, shm=True) as target:
@@ -425,8 +426,8 @@ def test_small_sends_stay_in_the_stream_and_large_ones_use_shared_memory(engine:
                 stream = sender.open(target, rid, res.transfer_token)
                 await stream.send(blocks[:2])      # under the threshold: in the stream
                 assert written == []
-                await stream.send(blocks[2:])      # six blocks: one segment
-                assert len(written) == 1
+                await stream.send(blocks[2:])      # six blocks: the peer's probe, then one segment
+                assert len(written) == 2
                 return await stream.finish(timeout=10)
             finally:
                 await sender.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import mmap
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -44,6 +45,10 @@ MAX_SEGMENT_BYTES = 64 << 20       # payload bytes per shared-memory segment
 # (bench/kv_handoff.py on a 2-core AVX2 EPYC: 0.12 MiB 4.2 ms through a segment against 3.7 ms
 # inline; 2 MiB 8.7 against 13.2 ms; 8 MiB 33 against 39 ms).
 SHARED_MEMORY_MIN_BYTES = 1 << 20
+SHARED_MEMORY_MAX_BYTES = 256 << 20   # default cap on one sender's payload bytes in live segments
+SHM_PROBE_BYTES = 64                  # the segment that asks a peer whether it shares memory with us
+SHM_PROBE_TIMEOUT_S = 5.0
+SHM_SWEEP_INTERVAL_S = 30.0           # how often a sender removes segments older than any lease
 
 
 def grpc_message_limit(frame_bytes: int = DEFAULT_FRAME_BYTES) -> int:
@@ -70,10 +75,19 @@ def encode_open(request_id: str, token: bytes) -> bytes:
     return b"".join(_field(_OPEN, kv_pb2.KVStreamOpen(request_id=request_id, transfer_token=token).SerializeToString()))
 
 
-def encode_shm_frames(blocks: Sequence[KVBlock]) -> tuple[list[bytes], list[str]]:
-    """Serialized KVFrames whose payloads go through shared-memory segments (whole blocks per
-    frame, up to MAX_SEGMENT_BYTES each); returns the frames and the segments' names."""
-    frames, names = [], []
+def encode_probe(name: str, size: int) -> bytes:
+    """The one frame of a shared-memory probe: an open without a request, naming a segment."""
+    shm = kv_pb2.KVSharedMemory(name=name, size=size).SerializeToString()
+    return b"".join([*_field(_OPEN, b""), *_field(_SHM, shm)])
+
+
+def encode_shm_frames(blocks: Sequence[KVBlock], directory: str = shared_memory.SHM_DIR
+                      ) -> tuple[list[bytes], list[str]]:
+    """Serialized KVFrames whose payloads go through shared-memory segments in directory (whole
+    blocks per frame, up to MAX_SEGMENT_BYTES each); returns the frames and the segments' names.
+    Raises OSError when a segment cannot be written, after removing those it wrote."""
+    frames: list[bytes] = []
+    names: list[str] = []
     group: list[tuple[kv_pb2.KVBlockHeader, memoryview]] = []
     group_bytes = 0
 
@@ -81,7 +95,7 @@ def encode_shm_frames(blocks: Sequence[KVBlock]) -> tuple[list[bytes], list[str]
         nonlocal group_bytes
         if not group:
             return
-        name = shared_memory.write_segment([p for _, p in group])
+        name = shared_memory.write_segment([p for _, p in group], directory)
         names.append(name)
         shm = kv_pb2.KVSharedMemory(name=name, size=group_bytes).SerializeToString()
         parts = [x for h, _ in group for x in _field(_HEADER, h.SerializeToString())]
@@ -89,13 +103,18 @@ def encode_shm_frames(blocks: Sequence[KVBlock]) -> tuple[list[bytes], list[str]
         group.clear()
         group_bytes = 0
 
-    for block in blocks:
-        header, payload = block.encode()
-        if group and group_bytes + payload.nbytes > MAX_SEGMENT_BYTES:
-            flush()
-        group.append((header, payload))
-        group_bytes += payload.nbytes
-    flush()
+    try:
+        for block in blocks:
+            header, payload = block.encode()
+            if group and group_bytes + payload.nbytes > MAX_SEGMENT_BYTES:
+                flush()
+            group.append((header, payload))
+            group_bytes += payload.nbytes
+        flush()
+    except OSError:
+        for name in names:
+            shared_memory.remove(name, directory)
+        raise
     return frames, names
 
 
@@ -187,15 +206,101 @@ def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
 
 # ---- sender ------------------------------------------------------------------------------
 
+class SharedMemoryRoute:
+    """A sender's use of shared memory: which loopback peers share it with us (each probed once,
+    on the first send big enough), and a cap on the payload bytes in live segments. Any failure
+    means inline frames, never a failed send."""
+
+    def __init__(self, directory: str = shared_memory.SHM_DIR, min_bytes: int = SHARED_MEMORY_MIN_BYTES,
+                 max_bytes: int = SHARED_MEMORY_MAX_BYTES, sweep_after_s: float | None = None) -> None:
+        if min_bytes < 0 or max_bytes < 0:
+            raise ValueError(f"shared memory min_bytes and max_bytes must be >= 0, got {min_bytes}, {max_bytes}")
+        self.directory, self.min_bytes, self.max_bytes = directory, min_bytes, max_bytes
+        self.sweep_after_s = sweep_after_s
+        self.in_flight = 0
+        self._peers: dict[str, bool | asyncio.Task[bool]] = {}
+        self._sweeper: asyncio.Task | None = None
+
+    def reserve(self, nbytes: int) -> bool:
+        if self.in_flight + nbytes > self.max_bytes:
+            return False
+        self.in_flight += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.in_flight = max(0, self.in_flight - nbytes)
+
+    def disable(self, target: str, why: str) -> None:
+        if self._peers.get(target) is not False:
+            log.warning("KV to %s goes inline from now on: %s", target, why)
+        self._peers[target] = False
+
+    async def usable(self, target: str, method: Any, metadata: tuple[tuple[str, str], ...]) -> bool:
+        """Whether target shares our shared-memory directory: probed once, concurrent callers wait
+        for the same probe."""
+        self._start_sweeper()
+        known = self._peers.get(target)
+        if isinstance(known, bool):
+            return known
+        if known is None:
+            known = self._peers[target] = asyncio.ensure_future(self._probe(target, method, metadata))
+        ok = await asyncio.shield(known)
+        if self._peers.get(target) is known:
+            self._peers[target] = ok
+        return ok
+
+    async def _probe(self, target: str, method: Any, metadata: tuple[tuple[str, str], ...]) -> bool:
+        """Write a small segment and have target take it: it shares our memory when the call
+        succeeds and the segment is gone from our directory (the receiver unlinks what it maps)."""
+        try:
+            name = shared_memory.write_segment([memoryview(os.urandom(SHM_PROBE_BYTES))], self.directory)
+        except OSError as exc:
+            log.warning("KV to %s goes inline: shared memory not writable (%s)", target, exc)
+            return False
+        try:
+            await method(iter([encode_probe(name, SHM_PROBE_BYTES)]), timeout=SHM_PROBE_TIMEOUT_S,
+                         metadata=metadata or None, wait_for_ready=True)
+            taken = not os.path.exists(os.path.join(self.directory, name))
+            if not taken:
+                log.warning("KV to %s goes inline: it cannot see our shared memory", target)
+            return taken
+        except grpc.aio.AioRpcError as exc:
+            log.warning("KV to %s goes inline: shared memory probe answered %s: %s", target, exc.code().name,
+                        exc.details())
+            return False
+        finally:
+            shared_memory.remove(name, self.directory)
+
+    def _start_sweeper(self) -> None:
+        if self.sweep_after_s is not None and self._sweeper is None:
+            self._sweeper = asyncio.ensure_future(self._sweep_loop(self.sweep_after_s))
+
+    async def _sweep_loop(self, older_than_s: float) -> None:
+        """Remove segments no live hand-off can own (a sender killed between write and take)."""
+        while True:
+            await asyncio.sleep(min(SHM_SWEEP_INTERVAL_S, max(1.0, older_than_s / 2)))
+            try:
+                shared_memory.sweep(older_than_s, self.directory)
+            except OSError as exc:
+                log.warning("shared memory sweep of %s: %s", self.directory, exc)
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
+
 class GrpcKVStream(KVStream):
     def __init__(self, call: grpc.aio.StreamUnaryCall, request_id: str, token: bytes, frame_bytes: int,
-                 shared_min_bytes: int | None = None) -> None:
-        """shared_min_bytes: sends of at least this many payload bytes go through shared memory
-        (None: never)."""
+                 shared: "tuple[SharedMemoryRoute, str, Any, tuple] | None" = None) -> None:
+        """shared: (route, target, method, metadata) when sends to this loopback target may go
+        through shared memory (None: never)."""
         self._call = call
         self._frame_bytes = frame_bytes
-        self._shared_min_bytes = shared_min_bytes
+        self._shared = shared
+        self._used_shm = False
         self._segments: list[str] = []   # written, maybe not yet taken by the receiver
+        self._segment_bytes = 0
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._queue.put_nowait(encode_open(request_id, token))
         self._blocks = self._bytes = 0
@@ -212,15 +317,32 @@ class GrpcKVStream(KVStream):
 
     async def send(self, blocks: Sequence[KVBlock]) -> None:
         nbytes = sum(b.data.numel() * b.data.element_size() for b in blocks)
-        if self._shared_min_bytes is not None and nbytes >= self._shared_min_bytes:
-            frames, names = encode_shm_frames(blocks)
-            self._segments += names
-        else:
+        frames = await self._shm_frames(blocks, nbytes) if self._shared is not None else None
+        if frames is None:
             frames = encode_frames(blocks, self._frame_bytes)
         for frame in frames:
             self._queue.put_nowait(frame)
         self._blocks += len(blocks)
         self._bytes += nbytes
+
+    async def _shm_frames(self, blocks: Sequence[KVBlock], nbytes: int) -> list[bytes] | None:
+        """The blocks' frames through shared memory, or None: inline (a small send, a peer that
+        does not share our memory, the cap on bytes in segments reached, or a failed write)."""
+        route, target, method, metadata = self._shared
+        if nbytes < route.min_bytes or not await route.usable(target, method, metadata):
+            return None
+        if not route.reserve(nbytes):
+            return None
+        try:
+            frames, names = encode_shm_frames(blocks, route.directory)
+        except OSError as exc:
+            route.release(nbytes)
+            log.warning("KV of %d bytes to %s goes inline: shared memory write failed (%s)", nbytes, target, exc)
+            return None
+        self._segments += names
+        self._segment_bytes += nbytes
+        self._used_shm = True
+        return frames
 
     async def heartbeat(self) -> None:
         if self._queue.empty():
@@ -231,6 +353,8 @@ class GrpcKVStream(KVStream):
         try:
             ack: kv_pb2.PushAck = await asyncio.wait_for(asyncio.shield(self._call), timeout)
         except grpc.aio.AioRpcError as exc:
+            if self._used_shm and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self._shared[0].disable(self._shared[1], exc.details() or "")   # the retry goes inline
             raise KVTransferError(exc.code().name, exc.details() or "") from exc
         except asyncio.TimeoutError as exc:
             await self.cancel()
@@ -250,8 +374,11 @@ class GrpcKVStream(KVStream):
     def _remove_segments(self) -> None:
         """Segments the receiver did not take (it unlinks those it maps) must not outlive the stream."""
         segments, self._segments = self._segments, []
-        for name in segments:
-            shared_memory.remove(name)
+        if self._shared is not None:
+            self._shared[0].release(self._segment_bytes)
+            self._segment_bytes = 0
+            for name in segments:
+                shared_memory.remove(name, self._shared[0].directory)
 
     def _reap_writer(self) -> None:
         """Stop the writer; a write that failed because the receiver ended the call is expected
@@ -267,12 +394,15 @@ class GrpcKVSender(KVSender):
 
     def __init__(self, channel_factory: Callable[[str], grpc.aio.Channel], *,
                  frame_bytes: int = DEFAULT_FRAME_BYTES, metadata: tuple[tuple[str, str], ...] = (),
-                 shared_memory: bool = False, shared_memory_min_bytes: int = SHARED_MEMORY_MIN_BYTES) -> None:
+                 shared_memory: bool = False, shared_memory_min_bytes: int = SHARED_MEMORY_MIN_BYTES,
+                 shared_memory_route: SharedMemoryRoute | None = None) -> None:
         """metadata: sent on every stream (the cluster token, when the factory's channels do not
-        attach it themselves). shared_memory: payloads to a loopback target, in sends of at least
-        shared_memory_min_bytes, go through /dev/shm."""
-        self.shared_memory = shared_memory and shared_memory_available()
-        self.shared_memory_min_bytes = shared_memory_min_bytes
+        attach it themselves). shared_memory: payloads to a loopback target that shares our
+        memory, in sends of at least shared_memory_min_bytes, go through /dev/shm (or the route's
+        directory and cap: shared_memory_route)."""
+        route = shared_memory_route or SharedMemoryRoute(min_bytes=shared_memory_min_bytes)
+        self.shared_memory = shared_memory and shared_memory_available(route.directory)
+        self.route = route if self.shared_memory else None
         if not 0 < frame_bytes <= MAX_FRAME_BYTES:
             raise ValueError(f"kv frame_bytes must be in (0, {MAX_FRAME_BYTES}], got {frame_bytes}")
         self.frame_bytes = frame_bytes
@@ -293,11 +423,14 @@ class GrpcKVSender(KVSender):
         # wait_for_ready: a connection that is (re)establishing, say after this process was frozen,
         # is waited for instead of failing the stream; finish() bounds the whole transfer.
         call = self._method(target)(wait_for_ready=True, metadata=self.metadata or None)
-        shared = self.shared_memory and shared_memory.is_local(target)
-        return GrpcKVStream(call, request_id, transfer_token, self.frame_bytes,
-                            self.shared_memory_min_bytes if shared else None)
+        shared = None
+        if self.route is not None and shared_memory.is_local(target):
+            shared = (self.route, target, self._method(target), self.metadata)
+        return GrpcKVStream(call, request_id, transfer_token, self.frame_bytes, shared)
 
     async def close(self) -> None:
+        if self.route is not None:
+            await self.route.close()
         channels, self._channels = self._channels, {}
         for channel, _ in channels.values():
             await channel.close()
@@ -315,10 +448,13 @@ class _Pending:
 class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
     """Reassembles blocks and hands them to the sink; the first refusal ends the call."""
 
-    def __init__(self, sink: KVSink, shared_memory: bool = False) -> None:
-        """shared_memory: accept frames whose payload is in a same-host shared-memory segment."""
+    def __init__(self, sink: KVSink, shared_memory: bool = False,
+                 shared_memory_dir: str = shared_memory.SHM_DIR) -> None:
+        """shared_memory: accept frames whose payload is in a same-host shared-memory segment
+        (in shared_memory_dir)."""
         self.sink = sink
         self.shared_memory = shared_memory
+        self.shared_memory_dir = shared_memory_dir
 
     async def PushBlocks(self, request_iterator: AsyncIterator[Frame], context: grpc.aio.ServicerContext
                          ) -> kv_pb2.PushAck:
@@ -330,6 +466,8 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
                 if frame.error:
                     raise HandoffError("INVALID_ARGUMENT", frame.error)
                 if not rid:
+                    if frame.open is not None and not frame.open.request_id and frame.shm is not None:
+                        return self._probe(frame)
                     if frame.open is None or not frame.open.request_id:
                         raise HandoffError("INVALID_ARGUMENT", "the first KV frame must open the stream")
                     rid, token = frame.open.request_id, frame.open.transfer_token
@@ -396,21 +534,37 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
             raise
 
 
+    def _probe(self, frame: Frame) -> kv_pb2.PushAck:
+        """A sender asks whether we share its memory: take its small segment (unlinking it is the
+        answer it checks). FAILED_PRECONDITION: no, send inline."""
+        if not self.shared_memory:
+            raise HandoffError("FAILED_PRECONDITION", "this worker takes no KV through shared memory")
+        if frame.headers or frame.payload.nbytes or not 0 < frame.shm.size <= SHM_PROBE_BYTES:
+            raise HandoffError("INVALID_ARGUMENT", f"a shared-memory probe names a segment of 1 to {SHM_PROBE_BYTES} "
+                                                   f"bytes and nothing else")
+        self._read_segment(frame.shm).close()
+        return kv_pb2.PushAck(blocks_received=0, bytes_received=frame.shm.size)
+
+    def _read_segment(self, shm: kv_pb2.KVSharedMemory) -> "mmap.mmap":
+        try:
+            return shared_memory.read_segment(shm.name, shm.size, self.shared_memory_dir)
+        except shared_memory.SegmentUnavailable as exc:   # not shared with the sender: it resends inline
+            raise HandoffError("FAILED_PRECONDITION", str(exc)) from None
+        except ValueError as exc:
+            raise HandoffError("DATA_LOSS", str(exc)) from None
+
     def _map(self, frame: Frame, pending: deque[_Pending]) -> "mmap.mmap":
         """The frame's payload from its shared-memory segment, after checking its size against the
         headers (already checked against the reservation): nothing is mapped beyond them."""
         if not self.shared_memory:
-            raise HandoffError("INVALID_ARGUMENT", "this worker takes no KV through shared memory")
+            raise HandoffError("FAILED_PRECONDITION", "this worker takes no KV through shared memory")
         if frame.payload.nbytes:
             raise HandoffError("INVALID_ARGUMENT", "a frame carries its payload inline or in shared memory, not both")
         declared = sum(p.meta.nbytes for p in pending)
         if frame.shm.size != declared:
             raise HandoffError("INVALID_ARGUMENT", f"shared-memory segment of {frame.shm.size} bytes for blocks of "
                                                    f"{declared}")
-        try:
-            return shared_memory.read_segment(frame.shm.name, frame.shm.size)
-        except ValueError as exc:
-            raise HandoffError("DATA_LOSS", str(exc)) from None
+        return self._read_segment(frame.shm)
 
 
 def register_kv_servicer(servicer: KVTransferServicer, server: grpc.aio.Server) -> None:
