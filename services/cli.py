@@ -191,7 +191,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     config = EngineConfig(model=_model_dir(args), role=args.role, **engine_kwargs)
     print(f"pdserve {args.role} worker {args.worker_id or ''}: loading {config.model}".replace(" :", ":"),
           file=sys.stderr, flush=True)
+    from services.metrics import read_metrics_token
     options = WorkerOptions(host=args.host, port=args.port, worker_id=args.worker_id, metrics_port=args.metrics_port,
+                            metrics_token=read_metrics_token(args.metrics_token_file),
                             credentials=_credentials(args), config=config_from_args(WorkerConfig, args))
     try:
         asyncio.run(serve_worker(config, options))
@@ -206,8 +208,9 @@ def cmd_router(args: argparse.Namespace) -> int:
     options = RouterOptions(model=_model_dir(args), prefill=split(args.prefill), decode=split(args.decode),
                             colocated=split(args.colocated), generation=config_from_args(GenerationOptions, args),
                             limits=config_from_args(RequestLimits, args), config=config_from_args(RouterConfig, args))
+    from services.metrics import read_metrics_token
     asyncio.run(serve_router(options, args.host, args.port, args.metrics_port, credentials=_credentials(args),
-                             api_key=_api_key(args)))
+                             api_key=_api_key(args), metrics_token=read_metrics_token(args.metrics_token_file)))
     return 0
 
 
@@ -371,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--worker-id", default="", help="name in metrics and status (default: ROLE-RANDOM)")
         p.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none, no endpoint)")
+        p.add_argument("--metrics-token-file", default=None, metavar="FILE",
+                       help="scrapes of /metrics must send this file's token as `Authorization: Bearer TOKEN` "
+                            "(default: $PDSERVE_METRICS_TOKEN, else no token)")
         _add_security_args(p)
         p.set_defaults(func=cmd_worker)
 
@@ -383,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="the public gRPC port")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none, no endpoint)")
+    p.add_argument("--metrics-token-file", default=None, metavar="FILE",
+                   help="scrapes of /metrics must send this file's token as `Authorization: Bearer TOKEN` "
+                        "(default: $PDSERVE_METRICS_TOKEN, else no token)")
     add_config_args(p.add_argument_group("router"), RouterConfig)
     add_config_args(p.add_argument_group("generation"), GenerationOptions)
     add_config_args(p.add_argument_group("request limits"), RequestLimits)

@@ -58,6 +58,8 @@ class Deployment:
                               "--metrics-port-base is given)")
     metrics_port_base: int | None = _f(None, "fixed metrics ports: the router on N, the workers on N+1, N+2, ... "
                                              "(prefill, then decode; implies --metrics); none: free ports")
+    metrics_token_file: str | None = _f(None, "every /metrics endpoint wants this file's token as a bearer token "
+                                              "(default: $PDSERVE_METRICS_TOKEN, else none)")
     log_dir: str | None = _f(None, "write each child's output to DIR/NAME.log instead of this terminal "
                                    "(`pdserve up` default: $PDSERVE_HOME/logs/up-PORT)")
     threads_per_worker: int = _f(1, "torch threads of each worker process", aliases=("--threads",))
@@ -266,6 +268,8 @@ class Cluster:
         if self.spec.metrics:
             mport = self.spec.metrics_ports().get(name) or free_port(self.spec.host)
             args = [*args, "--metrics-port", str(mport)]
+            if self.spec.metrics_token_file:   # a path, not the secret
+                args = [*args, "--metrics-token-file", self.spec.metrics_token_file]
             metrics = f"{self.spec.host}:{mport}"
         tls = self.spec.credentials.tls
         if tls is not None:   # file paths, not secrets: they travel as flags

@@ -1,9 +1,16 @@
 """Prometheus metrics, named like vLLM's under a `pdserve:` prefix, labelled by model_name (as
 vLLM labels its own), role and worker. Every process serves them at ``/metrics`` only (any other
 path: 404). Gauges of a worker are read when scraped, so they are exact whenever the engine's state
-changed, not only after an engine step (an aborted request leaves at once)."""
+changed, not only after an engine step (an aborted request leaves at once).
+
+The endpoint cannot be used to starve its process: each connection gets READ_TIMEOUT_S per read,
+at most MAX_CONNECTIONS are served at once (one more is closed as soon as it is accepted, so the
+process's file descriptors stay bounded), and with a token (``--metrics-token-file``) a scrape
+must carry ``Authorization: Bearer TOKEN`` (Prometheus: ``authorization: credentials_file``)."""
 from __future__ import annotations
 
+import hmac
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import math
@@ -11,6 +18,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import choose_encoder
+
+from services.security import read_secret
 
 if TYPE_CHECKING:
     from engine import LLMEngine, RequestOutput
@@ -21,12 +30,17 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 LABELS = ("model_name", "role", "worker")
 METRICS_PATH = "/metrics"
+READ_TIMEOUT_S = 5.0        # a connection that sends nothing this long is closed
+MAX_CONNECTIONS = 32        # served at once; more are closed when accepted
+METRICS_TOKEN_ENV = "PDSERVE_METRICS_TOKEN"
 
 
-def scrape_by_name(address: str, timeout: float = 10.0) -> dict[str, float]:
+def scrape_by_name(address: str, timeout: float = 10.0, token: str | None = None) -> dict[str, float]:
     """The samples of a /metrics endpoint at host:port, summed per metric name over labels."""
     import urllib.request
-    text = urllib.request.urlopen(f"http://{address}{METRICS_PATH}", timeout=timeout).read().decode()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(f"http://{address}{METRICS_PATH}", headers=headers)
+    text = urllib.request.urlopen(request, timeout=timeout).read().decode()
     values: dict[str, float] = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -196,9 +210,14 @@ class RouterMetrics(_Metrics):
             self.time_per_output_token_seconds.observe((finished_at - ttft_at) / (output_tokens - 1))
 
 
-def _handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
+def _handler(registry: CollectorRegistry, token: str | None) -> type[BaseHTTPRequestHandler]:
+    expected = f"Bearer {token}".encode() if token else None
+
     class MetricsHandler(BaseHTTPRequestHandler):
-        """GET/HEAD /metrics (query strings ignored); 404 for every other path."""
+        """GET/HEAD /metrics (query strings ignored); 404 for every other path; 401 without the
+        bearer token when one is set."""
+
+        timeout = READ_TIMEOUT_S    # socket timeout of every read: an idle client is dropped
 
         def do_GET(self) -> None:
             self._answer(body=True)
@@ -207,7 +226,13 @@ def _handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
             self._answer(body=False)
 
         def _answer(self, body: bool) -> None:
-            if self.path.split("?", 1)[0] != METRICS_PATH:
+            given = (self.headers.get("Authorization") or "").encode("latin-1", "replace")
+            if expected is not None and not hmac.compare_digest(given, expected):
+                data = b"unauthorized: send the metrics token as Authorization: Bearer TOKEN\n"
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Bearer realm="pdserve metrics"')
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
+            elif self.path.split("?", 1)[0] != METRICS_PATH:
                 data = f"not found; metrics are at {METRICS_PATH}\n".encode()
                 self.send_response(404)
                 self.send_header("Content-Type", "text/plain; charset=utf-8")
@@ -228,12 +253,43 @@ def _handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
 
 
 class MetricsServer(ThreadingHTTPServer):
+    """One thread per connection, at most max_connections of them: a connection beyond is closed
+    at once (a scraper retries at its next interval)."""
+
     daemon_threads = True
+    request_queue_size = 64
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
-def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> int:
-    """Serve registry at http://host:port/metrics on a daemon thread; returns the bound port."""
-    server = MetricsServer((host, port), _handler(registry))
+def read_metrics_token(path: str | None) -> str | None:
+    """The metrics token from a file (path) or $PDSERVE_METRICS_TOKEN; None: no token."""
+    return read_secret(path, METRICS_TOKEN_ENV, "metrics token")
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int, token: str | None = None) -> int:
+    """Serve registry at http://host:port/metrics on a daemon thread; returns the bound port.
+    token: scrapes must send it as a bearer token."""
+    server = MetricsServer((host, port), _handler(registry, token))
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server.server_port
 

@@ -237,9 +237,11 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: RouterError) -> Non
 
 async def serve_router(options: RouterOptions, host: str, port: int, metrics_port: int | None = None,
                        credentials: Credentials | None = None, api_key: str | None = None,
-                       stop: asyncio.Event | None = None, resolver=None, on_start=None) -> None:
+                       stop: asyncio.Event | None = None, resolver=None, on_start=None,
+                       metrics_token: str | None = None) -> None:
     """Run the router until stop is set (or SIGINT/SIGTERM), then drain. resolver: see
-    WorkerPool; on_start(bound_port) runs once serving."""
+    WorkerPool; on_start(bound_port) runs once serving; metrics_token: /metrics wants it as a
+    bearer token."""
     from services.metrics import start_metrics_server
     from services.server import check_port_free, service_registration, start_server, stop_on_signals
 
@@ -267,7 +269,7 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
         health = asyncio.create_task(_follow_health(server, pool, servicer))
         note = ""
         if metrics_port is not None:
-            note = f", metrics on http://{host}:{start_metrics_server(metrics.registry, host, metrics_port)}/metrics"
+            note = f", metrics on http://{host}:{start_metrics_server(metrics.registry, host, metrics_port, metrics_token)}/metrics"
         if http is not None:
             note += f", OpenAI-compatible HTTP API on {http.scheme}://{host}:{http.port}/v1"
         print(f"pdserve router listening on {host}:{server.port}{note}", flush=True)

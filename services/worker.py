@@ -97,6 +97,7 @@ class WorkerOptions:
     port: int = 0
     worker_id: str = ""
     metrics_port: int | None = None   # Prometheus /metrics; None: no endpoint
+    metrics_token: str | None = None  # scrapes must send it as a bearer token
     kv_address: str = ""              # advertised as WorkerStatus.kv_address ("": the Worker address)
     kv_sender: KVSender | None = None  # prefill: how KV blocks leave (None: gRPC)
     credentials: Credentials = field(default_factory=Credentials)
@@ -205,7 +206,7 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
         sender = options.kv_sender or GrpcKVSender(
             lambda address: creds.channel(address, channel_options([("grpc.max_send_message_length",
                                                                      grpc_message_limit())]), attach_token=False),
-            metadata=creds.metadata, shared_memory=wc.kv_shared_memory,
+            proof=creds.call_proof if creds.key is not None else None, shared_memory=wc.kv_shared_memory,
             shared_memory_route=SharedMemoryRoute(wc.kv_shared_memory_dir, max_bytes=wc.kv_shared_memory_max_bytes,
                                                   sweep_after_s=wc.kv_lease_max_s))
         registrations.append(service_registration(services["PrefillWorker"],
@@ -227,7 +228,7 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
                                 credentials=options.credentials.server_credentials())
     metrics_note = ""
     if options.metrics_port is not None:
-        mport = start_metrics_server(metrics.registry, options.host, options.metrics_port)
+        mport = start_metrics_server(metrics.registry, options.host, options.metrics_port, options.metrics_token)
         metrics_note = f", metrics on http://{options.host}:{mport}/metrics"
     print(f"pdserve {config.role} worker {worker_id} listening on {options.host}:{server.port}{metrics_note}",
           flush=True)
