@@ -44,6 +44,12 @@ class EngineConfig:
               "costs so that a chunk adds about half a decode step's time, other roles use the step budget")
     role: str = _f("both", "both (colocated), prefill or decode", choices=ROLES)
     num_threads: int | None = _f(None, "torch intra-op threads; none: torch's choice", aliases=("--threads",))
+    batch_invariant: bool = _f(True, "CPU (native kernels): each sequence's logits independent of the batch around "
+                                     "it, the chunk budget and prefill vs decode (one GEMM kernel for every row "
+                                     "count, every query row through the paged decode attention kernel), so "
+                                     "greedy output is the same alone, batched, disaggregated and after a "
+                                     "migration; off: the row-count-tuned kernels (oneDNN, AMX, prefill "
+                                     "attention), faster where prompts are long")
     enforce_eager: bool = _f(False, "CUDA: no graph capture for decode")
     quantization: str | None = _f(None, "w8a16: int8 weights with per-output-channel scales",
                                   choices=QUANTIZATIONS)

@@ -86,10 +86,15 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         self.backend: TorchBackend = select_backend(self.device, self.kv_cache[0, 0], model_config.head_dim,
-                                                    self.compute_dtype)
+                                                    self.compute_dtype, batch_invariant=self.batch_invariant)
         self.set_backend(self.backend)
-        cpu_features.log_once("engine backend: %s (compute %s, KV cache %s)", self.backend.name,
-                              str(self.compute_dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch."))
+        if self.config.batch_invariant and not (self.batch_invariant and self.backend.name == "native-cpu"):
+            self.batch_invariant = False
+            cpu_features.log_once("batch-invariant mode requested but not in force: it needs the native CPU "
+                                  "kernels (backend %s, device %s)", self.backend.name, self.device.type)
+        cpu_features.log_once("engine backend: %s (compute %s, KV cache %s, batch-invariant %s)", self.backend.name,
+                              str(self.compute_dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch."),
+                              "on" if self.batch_invariant else "off")
         self.sampler = Sampler(config.seed, native=self.backend.name == "native-cpu")
         self._gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.graphs: DecodeGraphs | None = None
@@ -109,6 +114,7 @@ class ModelRunner:
 
     # ---- setup ----------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
+        self.batch_invariant = False   # in force only where every linear and the backend support it
         cls = MODEL_CLASSES[self.model_config.architecture]
         with torch.device(self.device):
             model = cls(self.model_config, self.tp)
@@ -127,8 +133,14 @@ class ModelRunner:
             bf16_weights = self.compute_dtype == torch.float32 and self.model_config.torch_dtype == "bfloat16"
             amx = self.compute_dtype == torch.bfloat16 and cpu_features.detect().amx_bf16
             linears = [m for m in model.modules() if isinstance(m, Linear)]
+            if self.config.batch_invariant:   # one GEMM for every row count, or the mode is off
+                self.batch_invariant = all([m.pack_invariant() for m in linears])
+                if not self.batch_invariant:
+                    for module in linears:
+                        module.packed_invariant = None
             for module in linears:
-                module.pack_for_cpu(bf16_weights=bf16_weights, amx=amx)
+                if not self.batch_invariant:
+                    module.pack_for_cpu(bf16_weights=bf16_weights, amx=amx)
             # Decode GEMMs stream these packed weights every step: one huge-page arena for all.
             packed = [m for m in linears if m.packed_amx is not None]
             for module, moved in zip(packed, hugepages.consolidate([m.packed_amx for m in packed])):

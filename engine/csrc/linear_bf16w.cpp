@@ -106,9 +106,15 @@ static void gemm_rows(int mt, const float* x, int64_t ldx, const void* p, int64_
 }
 #endif
 
-// Column tiles [nt0, nt1) of y[M, N] = x[M, K] @ W^T (x, y row-major, contiguous).
-extern "C" int pd_linear_bf16w(const float* x, int64_t M, int64_t K, const uint16_t* p, int64_t N, float* y,
-                               int64_t nt0, int64_t nt1) {
+// Column tiles [nt0, nt1) of y[M, N] = x[M, K] @ W^T (x, y row-major, contiguous); W packed as
+// [N / 32][K][32], bf16 as described above (BF16) or float32 in plain column order.
+// Every output element is one FMA chain over k = 0 .. K-1 in order, whatever the row tile it
+// falls in (1 to max_rows rows), the number of rows M, the row's position and the column-tile
+// split over threads: a row's result does not depend on the rows beside it (batch invariance,
+// engine/layers/linear.py), with this build's ISA fixed.
+template <bool BF16>
+static int linear_tiles(const float* x, int64_t M, int64_t K, const void* pw, int64_t N, float* y,
+                        int64_t nt0, int64_t nt1) {
 #if defined(PD_AVX512) || defined(PD_AVX2)
 #ifdef PD_AVX512
     const int64_t max_rows = 12;
@@ -121,13 +127,22 @@ extern "C" int pd_linear_bf16w(const float* x, int64_t M, int64_t K, const uint1
         const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
         const int64_t ntiles = (mc + max_rows - 1) / max_rows;
 #ifdef PD_AVX512
-        const bool widen = ntiles > 1;   // several row tiles reuse this column tile: widen it once
+        const bool widen = BF16 && ntiles > 1;   // several row tiles reuse this column tile: widen it once
 #else
         const bool widen = false;        // AVX2: widening in registers is cheaper than the float32 tile's loads
 #endif
         if (widen) buf.resize(K * 32);
         for (int64_t nt = nt0; nt < nt1; nt++) {
-            const uint16_t* pt = p + nt * K * 32;
+            if (!BF16) {
+                const float* pt = static_cast<const float*>(pw) + nt * K * 32;
+                for (int64_t m = m0, t = 0; t < ntiles; t++) {
+                    const int64_t rows = (m0 + mc - m) / (ntiles - t);
+                    gemm_rows<false>(int(rows), x + m * K, K, pt, K, y + m * N + nt * 32, N);
+                    m += rows;
+                }
+                continue;
+            }
+            const uint16_t* pt = static_cast<const uint16_t*>(pw) + nt * K * 32;
             if (widen) {
                 float* b = buf.data();
                 for (int64_t k = 0; k < K; k++) {
@@ -158,6 +173,18 @@ extern "C" int pd_linear_bf16w(const float* x, int64_t M, int64_t K, const uint1
 #else
     return 1;
 #endif
+}
+
+extern "C" int pd_linear_bf16w(const float* x, int64_t M, int64_t K, const uint16_t* p, int64_t N, float* y,
+                               int64_t nt0, int64_t nt1) {
+    return linear_tiles<true>(x, M, K, p, N, y, nt0, nt1);
+}
+
+// The same over float32 weights packed [N / 32][K][32] in plain column order (a float32
+// checkpoint in batch-invariant mode).
+extern "C" int pd_linear_f32w(const float* x, int64_t M, int64_t K, const float* p, int64_t N, float* y,
+                              int64_t nt0, int64_t nt1) {
+    return linear_tiles<false>(x, M, K, p, N, y, nt0, nt1);
 }
 
 // Up to how many rows pd_linear_bf16w beats oneDNN's float32 GEMM over the same weights (0: no

@@ -81,6 +81,9 @@ class AttentionMetadata:
     # CPU: decode attention by the native backend (engine/layers/backend.py) straight from the
     # cache blocks, with decode_block_tables / decode_context_lens; no gather, no mask.
     decode_native: bool = False
+    # CPU, batch-invariant mode: every row's (block table, context length), built on first use
+    # (engine/layers/backend.py _row_tables).
+    row_tables: tuple[torch.Tensor, torch.Tensor] | None = None
     prefills: list[PrefillSegment] = field(default_factory=list)
     # flash-attn varlen inputs for the prefill part (CUDA only)
     cu_seqlens_q: torch.Tensor | None = None

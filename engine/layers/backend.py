@@ -161,17 +161,24 @@ class FusedDecode:
 
 
 class NativeCpuBackend(TorchBackend):
-    """The fused CPU kernels (float32 or bf16 activations; the KV cache float32 or bf16)."""
+    """The fused CPU kernels (float32 or bf16 activations; the KV cache float32 or bf16).
+
+    batch_invariant: every query row of a step, decode or prefill, attends through the decode
+    kernel, which walks the row's blocks in order and reduces over its context_len keys the same
+    way whatever the other rows are (the prefill kernels and sdpa tile queries and keys by the
+    chunk's shape); no fused decode call. With the linears' invariant GEMM (engine/layers/linear.py)
+    and the per-row elementwise kernels, a row's logits depend only on its sequence."""
 
     name = "native-cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, batch_invariant: bool = False) -> None:
         self._fused: dict[int, FusedDecode | None] = {}
+        self.batch_invariant = batch_invariant
 
     def decode_model(self, model, input_ids: torch.Tensor, positions: torch.Tensor,
                      meta: AttentionMetadata) -> torch.Tensor | None:
         # Decode-only steps of a bf16 AMX model on one thread (the fused call has no thread split).
-        if (meta.prefills or not meta.decode_native or torch.get_num_threads() != 1
+        if (self.batch_invariant or meta.prefills or not meta.decode_native or torch.get_num_threads() != 1
                 or input_ids.shape[0] > FUSED_DECODE_MAX_ROWS):
             return None
         key = id(model)
@@ -218,6 +225,9 @@ class NativeCpuBackend(TorchBackend):
     def attention(self, attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
         nd = meta.num_decode
+        if self.batch_invariant and meta.prefills:
+            tables, lens = _row_tables(meta)
+            return cpu_kernels.decode_attention(q, attn.k_cache, attn.v_cache, tables, lens, attn.scale)
         if nd and not meta.prefills:
             return cpu_kernels.decode_attention(q, attn.k_cache, attn.v_cache, meta.decode_block_tables,
                                                 meta.decode_context_lens, attn.scale)
@@ -245,11 +255,34 @@ class NativeCpuBackend(TorchBackend):
         meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32)
 
 
+def _row_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row of the step as a decode row: [rows, max_blocks] block tables and the context
+    length each row attends over (a prefill row at position p: p + 1 keys). Built once per step
+    (kept on meta for the other layers)."""
+    if meta.row_tables is not None:
+        return meta.row_tables
+    tables: list[torch.Tensor] = []
+    lens: list[torch.Tensor] = []
+    if meta.num_decode:
+        tables += list(meta.decode_block_tables)
+        lens.append(meta.decode_context_lens.to(torch.int32))
+    width = max([t.numel() for t in tables] + [seg.block_table.numel() for seg in meta.prefills])
+    rows = torch.zeros(meta.num_decode + sum(s.token_end - s.token_start for s in meta.prefills), width,
+                       dtype=torch.int64)
+    for i, t in enumerate(tables):
+        rows[i, :t.numel()] = t
+    for seg in meta.prefills:
+        rows[seg.token_start:seg.token_end, :seg.block_table.numel()] = seg.block_table
+        lens.append(torch.arange(seg.cached_len + 1, seg.context_len + 1, dtype=torch.int32))
+    meta.row_tables = (rows, torch.cat(lens))
+    return meta.row_tables
+
+
 TORCH = TorchBackend()
 
 
 def select_backend(device: torch.device, kv_cache: torch.Tensor, head_dim: int,
-                   compute_dtype: torch.dtype) -> TorchBackend:
+                   compute_dtype: torch.dtype, batch_invariant: bool = False) -> TorchBackend:
     """The backend for this model: the native CPU kernels where they build and cover the model's
     dtypes, else torch. Decided once, at model load."""
     if device.type != "cpu":
@@ -258,4 +291,4 @@ def select_backend(device: torch.device, kv_cache: torch.Tensor, head_dim: int,
         return TORCH
     if not cpu_kernels.supports(kv_cache, head_dim):
         return TORCH
-    return NativeCpuBackend()
+    return NativeCpuBackend(batch_invariant)

@@ -13,7 +13,8 @@ Kernels (sources in engine/csrc):
   prefill_attention_avx2.cpp  the same for float32 q over a float32 or bf16 cache, on AVX2 + FMA
   elementwise.cpp             RMSNorm, residual add + RMSNorm, SiLU-and-mul, q/k norm + rotary + KV store
   amx_linear.cpp              bf16 (or w8a16 int8) weights x bf16 rows on AMX tiles: decode-step GEMMs
-  linear_bf16w.cpp            float32 rows x bf16 weights (float32 compute over a bf16 checkpoint)
+  linear_bf16w.cpp            float32 rows x bf16 weights (float32 compute over a bf16 checkpoint), or
+                              x float32 weights (batch-invariant mode): one in-order FMA chain per output
   sampler.cpp                 greedy / temperature sampling by the inverse CDF
   decode_forward.cpp          a whole decode step (all layers) in one call, from the kernels above
 All accumulate in float32 and round where the torch reference path rounds.
@@ -62,6 +63,7 @@ _SIGNATURES: dict[str, list] = {
     "pd_qkv_rope_store": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _F32, _P, _P, _P, _I32, _I32],
     # x, M, K, packed, N, y, n_tile0, n_tile1
     "pd_linear_bf16w": [_P, _I64, _I64, _P, _I64, _P, _I64, _I64],
+    "pd_linear_f32w": [_P, _I64, _I64, _P, _I64, _P, _I64, _I64],
     "pd_bf16w_max_rows": [],
     "pd_amx_init": [],
     # M, layers, hidden, nq, nkv, D, inter, layer pointers, eps, qk_eps, cos, sin, positions, slots, tables,
@@ -339,21 +341,38 @@ def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear_bf16w(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 @ W^T for W packed by pack_bf16_weight: float32 math on bf16 weights."""
+    """x [M, K] float32 @ W^T for W packed by pack_bf16_weight (or pack_invariant_weight): float32
+    math on bf16 (or float32) weights."""
     lib = load()
     x = x.contiguous()
     m, k = x.shape
     tiles = packed.shape[0]
     y = torch.empty(m, tiles * 32, dtype=torch.float32)
+    fn = lib.pd_linear_bf16w if packed.dtype == torch.bfloat16 else lib.pd_linear_f32w
     threads = min(torch.get_num_threads(), tiles)
     args = (x.data_ptr(), m, k, packed.data_ptr(), tiles * 32, y.data_ptr())
-    if threads <= 1:
-        lib.pd_linear_bf16w(*args, 0, tiles)
+    if threads <= 1 or m == 0:
+        fn(*args, 0, tiles)
     else:
         bounds = [tiles * i // threads for i in range(threads + 1)]
-        for fut in [_executor().submit(lib.pd_linear_bf16w, *args, a, b) for a, b in zip(bounds, bounds[1:])]:
+        for fut in [_executor().submit(fn, *args, a, b) for a, b in zip(bounds, bounds[1:])]:
             fut.result()
     return y
+
+
+def pack_invariant_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] (float32, bf16, or int8 w8a16 values) -> [ceil(N / 32), K, 32] for linear_bf16w,
+    the columns padded with zeros to a multiple of 32: bf16 where every value is exactly a bf16
+    (half the bytes; int8 values are), else float32 in plain column order."""
+    n, k = weight.shape
+    w = weight.detach()
+    pad = -n % 32
+    if pad:
+        w = torch.cat([w, torch.zeros(pad, k, dtype=w.dtype)])
+    as_bf16 = w.dtype in (torch.bfloat16, torch.int8) or torch.equal(w, w.to(torch.bfloat16).to(w.dtype))
+    if as_bf16:
+        return pack_bf16_weight(w.float())   # n is a multiple of 32 here
+    return w.float().reshape(-1, 32, k).permute(0, 2, 1).contiguous()
 
 
 # ---- sampling ---------------------------------------------------------------------------------

@@ -35,6 +35,8 @@ class Linear(nn.Module):
         self.bf16_max_rows = 0                          # rows up to which packed_bf16 is used
         self.packed_amx: torch.Tensor | None = None    # cpu_kernels AMX tile layout, after pack_for_cpu(amx=True)
         self.amx_scale: torch.Tensor | None = None     # w8a16: the scale packed_amx (int8) is multiplied by
+        self.packed_invariant: torch.Tensor | None = None   # cpu_kernels layout for every row count, after
+                                                            # pack_invariant() (batch-invariant mode)
 
     def _shard_slice(self, shard_id: int | None) -> slice:
         if shard_id is None:
@@ -97,6 +99,41 @@ class Linear(nn.Module):
             self.packed = packed
         return ok
 
+    def pack_invariant(self) -> bool:
+        """Batch-invariant mode: every forward, whatever its row count, runs cpu_kernels.linear_bf16w
+        over a packed copy of the weight (bf16 where its values are bf16, int8 w8a16 included, else
+        float32), whose per-output reduction is one FMA chain over K in order: a row's result does
+        not depend on the other rows of the step. The oneDNN / AMX paths pick kernels by row count.
+        Checked against F.linear before use; returns whether it is in use."""
+        w = self.qweight if self.qweight is not None else self.weight
+        if w is None or w.device.type != "cpu" or not cpu_kernels.bf16_linear_available():
+            return False
+        packed = cpu_kernels.pack_invariant_weight(w)
+        if packed is None:
+            return False
+        x = torch.randn(5, self.in_features, generator=torch.Generator().manual_seed(0))
+        want = F.linear(x, w.float())
+        if not torch.allclose(cpu_kernels.linear_bf16w(x, packed)[:, :self.out_features], want, rtol=1e-4, atol=1e-4):
+            return False
+        self.packed_invariant = packed
+        self.packed = self.packed_bf16 = self.packed_amx = None
+        return True
+
+    def _forward_invariant(self, x: torch.Tensor) -> torch.Tensor:
+        """The packed_invariant GEMM in float32, rounded to x's dtype where the other paths round
+        (the int8 product before its scale, as _forward_w8a16); the bias added in x's dtype."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        y = cpu_kernels.linear_bf16w(x2 if x2.dtype == torch.float32 else x2.float(), self.packed_invariant)
+        if y.shape[1] != self.out_features:
+            y = y[:, :self.out_features]
+        y = y.to(x.dtype)
+        if self.scale is not None and self.qweight is not None:
+            y = y * self.scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
     def _pack_amx(self) -> bool:
         w = self.weight.data
         if w.dtype != torch.bfloat16 or not cpu_kernels.amx_packable(w) or not cpu_kernels.amx_available():
@@ -141,6 +178,8 @@ class Linear(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_invariant is not None:
+            return self._forward_invariant(x)
         if (self.packed_amx is not None and x.dim() == 2 and x.shape[0] <= AMX_KERNEL_MAX_ROWS
                 and x.dtype == torch.bfloat16):
             return cpu_kernels.amx_linear(x, self.packed_amx, self.bias, self.amx_scale)
