@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import sys
@@ -66,6 +67,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.datasets import DATASETS, DatasetOptions, SampleRequest, sample_requests  # noqa: E402
+from bench.openai_backend import BACKENDS, OpenAIBackend, prepare_chat_prompts, server_info  # noqa: E402
+from bench.request_result import RequestResult, Sampling  # noqa: E402
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
@@ -76,33 +79,6 @@ WARMUP_SEED_OFFSET = 1_000_003
 
 
 # ---------------------------------------------------------------- per-request results
-
-
-@dataclass(slots=True)
-class RequestResult:
-    """What the client saw of one request; times in seconds."""
-
-    success: bool = False
-    prompt_len: int = 0
-    output_len: int = 0
-    ttft: float = 0.0
-    latency: float = 0.0                  # e2el
-    itl: list[float] = field(default_factory=list)
-    start_time: float = 0.0               # seconds after the benchmark start
-    error: str = ""
-    finish_reason: str = ""
-    kind: str = ""
-    server_timings: dict[str, float] = field(default_factory=dict)   # the router's Timings, ms
-    token_ids: list[int] = field(default_factory=list)
-    prefill_route: str = ""               # the router's Timings: "remote" | "local" | "colocated"
-    decode_cached_tokens: int = 0         # prompt tokens the decode worker already held
-    kv_bytes: int = 0                     # KV bytes shipped to the decode worker
-
-    @property
-    def tpot(self) -> float | None:
-        if self.output_len > 1:
-            return (self.latency - self.ttft) / (self.output_len - 1)
-        return None
 
 
 def percentile_key(p: float) -> str:
@@ -175,22 +151,6 @@ def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0)
     theta = 1.0 / (rate * burstiness)
     gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=theta, size=max(n - 1, 0))
     return [0.0, *np.cumsum(gaps).tolist()][:n]
-
-
-@dataclass(slots=True)
-class Sampling:
-    temperature: float = 0.0
-    top_p: float | None = None
-    top_k: int | None = None
-    ignore_eos: bool = False
-
-    def kwargs(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"temperature": self.temperature, "ignore_eos": self.ignore_eos}
-        if self.top_p is not None:
-            out["top_p"] = self.top_p
-        if self.top_k is not None:
-            out["top_k"] = self.top_k
-        return out
 
 
 async def send_request(client, req: SampleRequest, request_id: str, sampling: Sampling, bench_start: float
@@ -277,19 +237,40 @@ class LoadProgress:
             self.bar.close()
 
 
+class _GrpcBackend:
+    """The router's gRPC API, as the OpenAI backend's interface: send(req, id, sampling, start)."""
+
+    def __init__(self, address: str, timeout: float | None) -> None:
+        from services.client import AsyncClient
+        self.client = AsyncClient(address, timeout=timeout)
+
+    async def send(self, req: SampleRequest, request_id: str, sampling: Sampling, bench_start: float):
+        return await send_request(self.client, req, request_id, sampling, bench_start)
+
+    async def __aenter__(self) -> "_GrpcBackend":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.close()
+
+
+@contextlib.asynccontextmanager
+async def _no_close(backend):
+    yield backend
+
+
 async def run_load(address: str, requests: Sequence[SampleRequest], *, rate: float, burstiness: float = 1.0,
                    max_concurrency: int | None = None, seed: int = 0, sampling: Sampling | None = None,
                    timeout: float | None = 600.0, tag: str = "bench",
-                   progress: LoadProgress | None = None) -> tuple[list[RequestResult], float]:
+                   progress: LoadProgress | None = None, backend=None) -> tuple[list[RequestResult], float]:
     """Send requests at the arrival schedule; returns (results in request order, duration s).
-    progress: told as each request ends."""
-    from services.client import AsyncClient
-
+    progress: told as each request ends. backend: an OpenAIBackend (bench/openai_backend.py);
+    None: the router's gRPC API at address."""
     sampling = sampling or Sampling()
     offsets = arrival_offsets(len(requests), rate, burstiness, seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     run_id = uuid.uuid4().hex[:8]
-    async with AsyncClient(address, timeout=timeout) as client:
+    async with (_GrpcBackend(address, timeout) if backend is None else _no_close(backend)) as client:
         start = time.perf_counter()
 
         async def one(i: int) -> RequestResult:
@@ -298,10 +279,10 @@ async def run_load(address: str, requests: Sequence[SampleRequest], *, rate: flo
                 await asyncio.sleep(delay)
             rid = f"{tag}-{run_id}-{i}"
             if sem is None:
-                res = await send_request(client, requests[i], rid, sampling, start)
+                res = await client.send(requests[i], rid, sampling, start)
             else:
                 async with sem:
-                    res = await send_request(client, requests[i], rid, sampling, start)
+                    res = await client.send(requests[i], rid, sampling, start)
             if progress is not None:
                 progress.update(res.success)
             return res
@@ -348,8 +329,9 @@ def build_result(args: argparse.Namespace, info, rate: float, metrics: dict[str,
                  results: Sequence[RequestResult]) -> dict[str, Any]:
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": "pdserve",
-        "router": args.router,
+        "backend": args.backend,
+        "router": args.router if args.backend == "pdserve" else None,
+        "base_url": args.base_url if args.backend != "pdserve" else None,
         "model_id": info.model_name,
         "dataset_name": args.dataset_name,
         "num_prompts": len(results),
@@ -556,8 +538,24 @@ def parse_goodput(items: Sequence[str] | None) -> dict[str, float] | None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench serve",
-                                description="Load-test a running pdserve router (flags as vllm bench serve).")
-    p.add_argument("--router", default="127.0.0.1:50051", help="router address HOST:PORT")
+                                description="Load-test a running pdserve router over gRPC, or any OpenAI-compatible "
+                                            "HTTP API (pdserve's, vLLM's, SGLang's) with --backend openai or "
+                                            "openai-chat (flags as vllm bench serve).")
+    p.add_argument("--backend", default="pdserve", choices=BACKENDS,
+                   help="pdserve: the router's gRPC API at --router; openai: streaming /v1/completions at --base-url; "
+                        "openai-chat: streaming /v1/chat/completions (default: pdserve)")
+    p.add_argument("--router", default="127.0.0.1:50051", help="router address HOST:PORT (--backend pdserve)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="--backend openai/openai-chat: the server, http(s)://HOST:PORT, with or without /v1 "
+                        "(default: http://127.0.0.1:8000, where `pdserve serve` and `vllm serve` listen)")
+    p.add_argument("--model", default=None,
+                   help="--backend openai/openai-chat: the model name to send (default: the first of /v1/models)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="--backend openai/openai-chat: the tokenizer that makes random prompts (default: --model, "
+                        "when it is a local directory)")
+    p.add_argument("--api-key", default=None,
+                   help="--backend openai/openai-chat: sent as Bearer (default: $OPENAI_API_KEY, else "
+                        "$PDSERVE_API_KEY)")
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset-name", default="random", choices=DATASETS)
     d.add_argument("--dataset-path", default=None, help="jsonl: one {\"prompt\" | \"prompt_token_ids\", "
@@ -639,18 +637,37 @@ def _result_stem(args: argparse.Namespace, model: str, rate: float | None) -> st
     return f"pdserve-{what}{conc}-{Path(model).name or 'model'}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-async def _bench(args: argparse.Namespace) -> int:
-    import grpc
+async def _connect(args: argparse.Namespace):
+    """(server info, OpenAIBackend or None, tokenizer or None, one line naming the server), or an
+    error line (str) when it cannot be reached."""
+    if args.backend == "pdserve":
+        import grpc
 
-    from services.client import AsyncClient
-
+        from services.client import AsyncClient
+        try:
+            async with AsyncClient(args.router, timeout=30) as client:
+                info = await client.model_info()
+        except grpc.aio.AioRpcError as exc:
+            return f"cannot reach the router at {args.router}: {exc.code().name} {exc.details()}"
+        return info, None, None, (f"router {args.router}, model {info.model_name} (vocab {info.vocab_size}, "
+                                  f"{info.num_prefill_workers} prefill / {info.num_decode_workers} decode workers)")
+    backend = OpenAIBackend(args.base_url, args.model, chat=args.backend == "openai-chat", api_key=args.api_key,
+                            timeout=args.request_timeout)
     try:
-        async with AsyncClient(args.router, timeout=30) as client:
-            info = await client.model_info()
-    except grpc.aio.AioRpcError as exc:
-        print(f"pdserve bench serve: cannot reach the router at {args.router}: {exc.code().name} {exc.details()}",
-              file=sys.stderr)
+        info, tokenizer = await server_info(backend, args.tokenizer, need_vocab=args.dataset_name != "jsonl")
+    except (OSError, asyncio.TimeoutError) as exc:
+        return f"cannot reach {backend.endpoint.url}: {type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - an HTTP error, a missing tokenizer: one line
+        return f"{backend.endpoint.url}: {exc}"
+    return info, backend, tokenizer, f"{args.backend} API at {backend.endpoint.url}, model {info.model_name}"
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    connected = await _connect(args)
+    if isinstance(connected, str):
+        print(f"pdserve bench serve: {connected}", file=sys.stderr)
         return 1
+    info, backend, tokenizer, server = connected
     opts = _dataset_options(args)
     sampling = Sampling(args.temperature, args.top_p, args.top_k, args.ignore_eos)
     rates = args.sweep or [args.request_rate]
@@ -666,16 +683,15 @@ async def _bench(args: argparse.Namespace) -> int:
         if too_long:
             print(f"warning: {too_long} request(s) exceed max_model_len {info.max_model_len} and will fail",
                   file=sys.stderr)
-        return reqs
+        return prepare_chat_prompts(reqs, tokenizer) if args.backend == "openai-chat" else reqs
 
-    print(f"pdserve bench serve: router {args.router}, model {info.model_name} (vocab {info.vocab_size}, "
-          f"{info.num_prefill_workers} prefill / {info.num_decode_workers} decode workers), dataset "
-          f"{args.dataset_name}, {args.num_prompts} prompts, rate(s) {', '.join(map(_rate_name, rates))}", flush=True)
+    print(f"pdserve bench serve: {server}, dataset {args.dataset_name}, {args.num_prompts} prompts, "
+          f"rate(s) {', '.join(map(_rate_name, rates))}", flush=True)
     if args.num_warmups:
         warm = workload(args.seed + WARMUP_SEED_OFFSET, args.num_warmups)
         wres, _ = await run_load(args.router, warm, rate=math.inf, max_concurrency=args.max_concurrency,
                                  sampling=sampling, timeout=args.request_timeout, tag="warmup",
-                                 progress=LoadProgress(len(warm), "warmup", args.progress))
+                                 progress=LoadProgress(len(warm), "warmup", args.progress), backend=backend)
         bad = [r.error for r in wres if not r.success]
         print(f"warmup: {len(wres) - len(bad)}/{len(wres)} requests ok" + (f" (first error: {bad[0]})" if bad else ""),
               flush=True)
@@ -688,7 +704,7 @@ async def _bench(args: argparse.Namespace) -> int:
                                            max_concurrency=args.max_concurrency, seed=seed, sampling=sampling,
                                            timeout=args.request_timeout,
                                            progress=LoadProgress(len(requests), f"rate {_rate_name(rate)}",
-                                                                 args.progress))
+                                                                 args.progress), backend=backend)
         metrics = calculate_metrics(results, duration, args.metric_percentiles, args.goodput)
         title = " Serving Benchmark Result " if len(rates) == 1 else f" Serving Benchmark Result @ {_rate_name(rate)} req/s "
         print_summary(metrics, max_concurrency=args.max_concurrency, percentile_metrics=args.percentile_metrics,

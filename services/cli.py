@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import json
 import logging
 import os
 import sys
@@ -12,13 +14,16 @@ from typing import NoReturn
 
 from engine.config import EngineConfig
 from services.config_cli import add_config_args, config_from_args, config_to_argv, given
-from services.generation import GenerationOptions
-from services.launcher import Deployment, die_with_parent
-from services.router import RequestLimits, RouterConfig
 from services.usage import EXIT_USAGE, RuntimeFailure, UsageError, check_model_dir, configure_logging, parse_log_level
-from services.worker import WorkerConfig
 
+# Importing this module, and `pdserve --help` or `pdserve generate --router`, must not import torch
+# or transformers (seconds on a small machine): the engine, the router and the workers are imported
+# in the handlers that run them, and a subcommand's flags are built only when it is the one given
+# (tests/test_cli_vllm_habits.py checks sys.modules).
 DEFAULT_PORT = 50051
+SERVE_HTTP_PORT = 8000                    # `pdserve serve`: the OpenAI HTTP API's port, as `vllm serve`
+CONNECT_TIMEOUT_S = 2.0                   # `generate --router`: an unreachable router fails this soon
+PARENT_PID_ENV = "PDSERVE_PARENT_PID"     # services.launcher.PARENT_PID_ENV: set in `pdserve up`'s children
 ENGINE_FIXED = ("model", "role")          # set by --model and the subcommand
 UP_PER_PROCESS = ("num_threads",)         # `up` sets these per worker (threads_per_worker)
 UP_ROUTER_OWN = ("drain_timeout_s",)      # `up` sets these on the router from its Deployment
@@ -51,6 +56,14 @@ class CLIParser(argparse.ArgumentParser):
     def error(self, message: str) -> "NoReturn":  # type: ignore[override]
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        """As argparse's, and the namespace names the (sub)parser that parsed it, so that an error
+        found after parsing points to that subcommand's help (`pdserve up --help`)."""
+        namespace, rest = super().parse_known_args(args, namespace)
+        if not hasattr(namespace, "_parser") or getattr(namespace, "_parser") is None:
+            namespace._parser = self
+        return namespace, rest
+
 
 def _log_level(text: str) -> str:
     try:
@@ -78,10 +91,14 @@ def _add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) 
     add_config_args(p.add_argument_group("engine"), EngineConfig, exclude=(*ENGINE_FIXED, *exclude))
 
 
-def _add_security_args(p: argparse.ArgumentParser, router: bool = False) -> None:
+def _add_security_args(p: argparse.ArgumentParser, router: bool = False, member: bool = False) -> None:
     g = p.add_argument_group("security")
     g.add_argument("--cluster-token-file", default=None,
                    help="file holding the deployment's internal-plane secret (default: $PDSERVE_CLUSTER_TOKEN)")
+    if member:   # a role of the internal plane: refuses to start without the token unless this is given
+        g.add_argument("--insecure-no-auth", action="store_true",
+                       help="start without a cluster token: the internal plane is open to every local user "
+                            "(loopback --host only; for experiments)")
     for name, what in (("cert", "this process's certificate"), ("key", "its private key"),
                        ("ca", "the deployment CA")):
         g.add_argument(f"--tls-{name}", default=None, help=f"mutual TLS on every channel: {what} (PEM)")
@@ -92,9 +109,14 @@ def _add_security_args(p: argparse.ArgumentParser, router: bool = False) -> None
         g.add_argument("--api-key-file", default=None, help="file holding the API key")
 
 
-def _credentials(args: argparse.Namespace):
-    from services.security import Credentials
-    return Credentials.load(args.cluster_token_file, args.tls_cert, args.tls_key, args.tls_ca)
+def _credentials(args: argparse.Namespace, role: str | None = None):
+    """The process's credentials; for a role of the internal plane (role given), a cluster token is
+    required unless --insecure-no-auth (ValueError: exit code 2, one line naming the flag)."""
+    from services.security import Credentials, require_cluster_token
+    creds = Credentials.load(args.cluster_token_file, args.tls_cert, args.tls_key, args.tls_ca)
+    if role is not None:
+        require_cluster_token(creds, args.host, args.insecure_no_auth, role)
+    return creds
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
@@ -143,7 +165,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from services.client import Client
         final = None
         try:
-            with Client(args.router, api_key=args.api_key) as client:
+            with Client(args.router, api_key=args.api_key, connect_timeout=CONNECT_TIMEOUT_S) as client:
                 for msg in client.generate_stream(args.prompt, **{k: v for k, v in sampling.items() if v is not None}):
                     print(msg.text, end="", flush=True)
                     final = msg
@@ -185,16 +207,18 @@ def _router_error(address: str, exc) -> str:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from engine.parallel import RankFailure
-    from services.worker import WorkerOptions, serve_worker
+    from services.worker import WorkerConfig, WorkerOptions, serve_worker
     engine_kwargs = given(args, EngineConfig, ENGINE_FIXED)
     engine_kwargs.setdefault("num_threads", 1)
     config = EngineConfig(model=_model_dir(args), role=args.role, **engine_kwargs)
+    credentials = _credentials(args, f"{args.role} worker")
     print(f"pdserve {args.role} worker {args.worker_id or ''}: loading {config.model}".replace(" :", ":"),
           file=sys.stderr, flush=True)
     from services.metrics import read_metrics_token
     options = WorkerOptions(host=args.host, port=args.port, worker_id=args.worker_id, metrics_port=args.metrics_port,
                             metrics_token=read_metrics_token(args.metrics_token_file),
-                            credentials=_credentials(args), config=config_from_args(WorkerConfig, args))
+                            credentials=credentials,
+                            config=config_from_args(WorkerConfig, args))
     try:
         asyncio.run(serve_worker(config, options))
     except RankFailure as exc:   # exit 1: `pdserve up` restarts the worker
@@ -202,14 +226,38 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _served_names(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """The HTTP API's model names, as vLLM's: --served-model-name, else the --model argument exactly
+    as given (what `vllm bench serve --model PATH` and the openai client send); none without --model
+    (the router then names the default model by its directory)."""
+    if args.served_model_name:
+        return tuple(args.served_model_name)
+    return (args.model,) if args.model else None
+
+
+def _check_port(host: str, port: int, what: str, flag: str) -> None:
+    """A busy port is a usage error (exit 2) that says which flag picks another."""
+    from services.server import check_port_free
+    try:
+        check_port_free(host, port)
+    except OSError as exc:
+        raise UsageError(f"{what}: {exc.strerror or exc}; stop what holds it, or choose another port with "
+                         f"{flag} PORT") from None
+
+
 def cmd_router(args: argparse.Namespace) -> int:
-    from services.router import RouterOptions, serve_router
+    from services.generation import GenerationOptions
+    from services.router import RequestLimits, RouterConfig, RouterOptions, serve_router
     split = lambda s: [a for a in (s or "").split(",") if a]  # noqa: E731
+    _check_port(args.host, args.port, "the router's port", "--port")
+    if args.http_port:
+        _check_port(args.host, args.http_port, "the HTTP API's port", "--http-port")
     options = RouterOptions(model=_model_dir(args), prefill=split(args.prefill), decode=split(args.decode),
                             colocated=split(args.colocated), generation=config_from_args(GenerationOptions, args),
-                            limits=config_from_args(RequestLimits, args), config=config_from_args(RouterConfig, args))
+                            limits=config_from_args(RequestLimits, args),
+                            config=config_from_args(RouterConfig, args, served_model_name=_served_names(args)))
     from services.metrics import read_metrics_token
-    asyncio.run(serve_router(options, args.host, args.port, args.metrics_port, credentials=_credentials(args),
+    asyncio.run(serve_router(options, args.host, args.port, args.metrics_port, credentials=_credentials(args, "router"),
                              api_key=_api_key(args), metrics_token=read_metrics_token(args.metrics_token_file)))
     return 0
 
@@ -217,15 +265,25 @@ def cmd_router(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     import signal
 
-    from services.launcher import Cluster, Stopped
     from engine.model_maker import pdserve_home
+    from services.generation import GenerationOptions
+    from services.launcher import Cluster, Deployment, Stopped
     from services.progress import Progress
+    from services.router import RequestLimits, RouterConfig
+    from services.worker import WorkerConfig
 
     progress = Progress()
+    port_flag = "--grpc-port" if args.command == "serve" else "--port"
+    _check_port(args.host or "127.0.0.1", DEFAULT_PORT if args.port is None else args.port, "the router's port",
+                port_flag)
+    if args.http_port:
+        _check_port(args.host or "127.0.0.1", args.http_port, "the HTTP API's port",
+                    "--port" if args.command == "serve" else "--http-port")
     engine = EngineConfig(model=_model_dir(args), **given(args, EngineConfig, (*ENGINE_FIXED, *UP_PER_PROCESS)))
+    router = config_from_args(RouterConfig, args, exclude=UP_ROUTER_OWN, served_model_name=_served_names(args))
     router_args = [*config_to_argv(config_from_args(GenerationOptions, args)),
                    *config_to_argv(config_from_args(RequestLimits, args)),
-                   *config_to_argv(config_from_args(RouterConfig, args, exclude=UP_ROUTER_OWN), exclude=UP_ROUTER_OWN)]
+                   *config_to_argv(router, exclude=UP_ROUTER_OWN)]
     api_key = _api_key(args)
     if api_key:
         os.environ["PDSERVE_API_KEY"] = api_key   # the router reads it from its environment, never argv
@@ -247,13 +305,23 @@ def cmd_up(args: argparse.Namespace) -> int:
     except Stopped:
         print("pdserve: stopped during start-up", flush=True)
         return 0
-    except (OSError, RuntimeError, TimeoutError) as exc:   # a busy port, a child that could not start
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:   # taken since the check above: a usage error, as `pdserve router`'s
+            raise UsageError(f"{exc}; choose another port with {port_flag} PORT") from None
+        raise RuntimeFailure(str(exc)) from None
+    except (RuntimeError, TimeoutError) as exc:   # a child that could not start
         raise RuntimeFailure(str(exc)) from None
     print(f"pdserve is up: router at {cluster.router_address}\n{cluster.describe()}", flush=True)
     print(f"try: pdserve generate --router {cluster.router_address} \"Once upon a time\"", flush=True)
     if args.http_port is not None:
         scheme = "https" if spec.credentials.tls is not None else "http"
-        print(f"OpenAI-compatible HTTP API at {scheme}://{spec.host}:{args.http_port}/v1", flush=True)
+        from services.router import served_model_names
+        name = served_model_names(router, engine.model)[0]
+        print(f"OpenAI-compatible HTTP API at {scheme}://{spec.host}:{args.http_port}/v1, model name {name!r}",
+              flush=True)
+        body = json.dumps({"model": name, "prompt": "Once upon a time", "max_tokens": 16})
+        print(f"try: curl {scheme}://{spec.host}:{args.http_port}/v1/completions -H 'Content-Type: "
+              f"application/json' -d '{body}'", flush=True)
     return cluster.wait()
 
 
@@ -262,7 +330,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     try:
-        with _credentials(args).sync_channel(args.address) as ch:
+        with _credentials(args).probe_channel(args.address) as ch:   # health checks carry no secret
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout).status
     except grpc.RpcError as exc:
         print(f"{args.address}: {exc.code().name}", file=sys.stderr)
@@ -317,29 +385,15 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = CLIParser(add_help=False)
-    common.add_argument("--log-level", default=argparse.SUPPRESS, type=_log_level, metavar="LEVEL",
-                        help=f"DEBUG, INFO, WARNING, ERROR or CRITICAL, before or after the subcommand; reaches "
-                             f"the processes `up` and `ray up` start (default: ${LOG_LEVEL_ENV}, else WARNING)")
-    parser = CLIParser(prog="pdserve", parents=[common],
-                       description="Disaggregated prefill/decode LLM serving: `pdserve up` serves the tiny default "
-                                   "model on 127.0.0.1:50051; `pdserve COMMAND --help` explains each command.",
-                       epilog=f"environment: PDSERVE_HOME (models, logs, local Ray state; default ~/.cache/pdserve), "
-                              f"{LOG_LEVEL_ENV}, PDSERVE_CLUSTER_TOKEN (internal-plane secret), PDSERVE_API_KEY "
-                              f"(the router's API key)")
-    parser.add_argument("--version", action="version", version=f"pdserve {_version()}",
-                        help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("make-model", help="write a deterministic random-weight HF checkpoint", parents=[common])
+def _p_make_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="directory to write the checkpoint to")
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"], help="model size")
     p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"], help="architecture")
     p.add_argument("--seed", type=int, default=0, help="weights seed")
     p.set_defaults(func=cmd_make_model)
 
-    p = sub.add_parser("generate", help="generate offline, or through a running router with --router", parents=[common])
+
+def _p_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--router", default=None, metavar="HOST:PORT",
                    help="a running router's address (default: none, generate offline in this process)")
@@ -349,38 +403,60 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("up", help="start router + workers as local processes, supervised", parents=[common])
-    _add_model_arg(p)
-    add_config_args(p.add_argument_group("deployment"), Deployment, exclude=("model",))
+
+def _add_up_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    """`up`'s flags; `serve` (vLLM's shape) has the model positional, --port for the HTTP API
+    (default 8000) and --grpc-port for the router's gRPC API."""
+    from services.generation import GenerationOptions
+    from services.launcher import Deployment
+    from services.router import RequestLimits, RouterConfig
+    from services.worker import WorkerConfig
+    if serve:
+        p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                       help="local Hugging Face checkpoint directory, served under this name as given "
+                            "(default: the tiny default model)")
+        p.add_argument("--port", dest="http_port", type=int, default=SERVE_HTTP_PORT,
+                       help="the OpenAI-compatible HTTP API's port")
+        p.add_argument("--grpc-port", dest="port", type=int, default=None,
+                       help=f"the router's gRPC port (default: {DEFAULT_PORT})")
+    else:
+        _add_model_arg(p)
+    dep_exclude = ("model", "port") if serve else ("model",)
+    add_config_args(p.add_argument_group("deployment"), Deployment, exclude=dep_exclude)
     add_config_args(p.add_argument_group("engine"), EngineConfig, exclude=(*ENGINE_FIXED, *UP_PER_PROCESS))
     add_config_args(p.add_argument_group("workers"), WorkerConfig, exclude=("drain_timeout_s",))
-    add_config_args(p.add_argument_group("router"), RouterConfig, exclude=UP_ROUTER_OWN)
+    add_config_args(p.add_argument_group("router"), RouterConfig,
+                    exclude=(*UP_ROUTER_OWN, "http_port") if serve else UP_ROUTER_OWN)
     add_config_args(p.add_argument_group("generation"), GenerationOptions)
     add_config_args(p.add_argument_group("request limits"), RequestLimits)
     _add_security_args(p, router=True)
     p.set_defaults(func=cmd_up)
 
-    for name, role in (("worker", None), ("prefill", "prefill"), ("decode", "decode")):
-        p = sub.add_parser(name, help=f"run one {role or 'engine'} worker", parents=[common])
-        _add_engine_args(p)
-        add_config_args(p.add_argument_group("worker"), WorkerConfig)
-        if role is None:
-            p.add_argument("--role", required=True, choices=["prefill", "decode", "both"],
-                           help="prefill, decode, or both (colocated)")
-        else:
-            p.set_defaults(role=role)
-        p.add_argument("--host", default="127.0.0.1", help="address to bind")
-        p.add_argument("--port", type=int, default=0, help="gRPC port; 0: a free one, printed")
-        p.add_argument("--worker-id", default="", help="name in metrics and status (default: ROLE-RANDOM)")
-        p.add_argument("--metrics-port", type=int, default=None,
-                       help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none, no endpoint)")
-        p.add_argument("--metrics-token-file", default=None, metavar="FILE",
-                       help="scrapes of /metrics must send this file's token as `Authorization: Bearer TOKEN` "
-                            "(default: $PDSERVE_METRICS_TOKEN, else no token)")
-        _add_security_args(p)
-        p.set_defaults(func=cmd_worker)
 
-    p = sub.add_parser("router", help="run the router", parents=[common])
+def _p_worker(p: argparse.ArgumentParser, role: str | None) -> None:
+    from services.worker import WorkerConfig
+    _add_engine_args(p)
+    add_config_args(p.add_argument_group("worker"), WorkerConfig)
+    if role is None:
+        p.add_argument("--role", required=True, choices=["prefill", "decode", "both"],
+                       help="prefill, decode, or both (colocated)")
+    else:
+        p.set_defaults(role=role)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=0, help="gRPC port; 0: a free one, printed")
+    p.add_argument("--worker-id", default="", help="name in metrics and status (default: ROLE-RANDOM)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none, no endpoint)")
+    p.add_argument("--metrics-token-file", default=None, metavar="FILE",
+                   help="scrapes of /metrics must send this file's token as `Authorization: Bearer TOKEN` "
+                        "(default: $PDSERVE_METRICS_TOKEN, else no token)")
+    _add_security_args(p, member=True)
+    p.set_defaults(func=cmd_worker)
+
+
+def _p_router(p: argparse.ArgumentParser) -> None:
+    from services.generation import GenerationOptions
+    from services.router import RequestLimits, RouterConfig
     _add_model_arg(p)
     p.add_argument("--prefill", default="", metavar="ADDRS", help="comma-separated prefill worker addresses")
     p.add_argument("--decode", default="", metavar="ADDRS", help="comma-separated decode worker addresses")
@@ -395,47 +471,111 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p.add_argument_group("router"), RouterConfig)
     add_config_args(p.add_argument_group("generation"), GenerationOptions)
     add_config_args(p.add_argument_group("request limits"), RequestLimits)
-    _add_security_args(p, router=True)
+    _add_security_args(p, router=True, member=True)
     p.set_defaults(func=cmd_router)
 
-    p = sub.add_parser("health", help="check a process's grpc.health.v1 status", parents=[common])
+
+def _p_health(p: argparse.ArgumentParser) -> None:
     p.add_argument("address", help="HOST:PORT of a router or worker")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
     _add_security_args(p)
     p.set_defaults(func=cmd_health)
 
-    from services.planner.plan import PlanConfig
+
+def _p_profile(p: argparse.ArgumentParser) -> None:
     from services.planner.profile import ProfileConfig
-    p = sub.add_parser("profile", help="measure engine step costs on this machine and save a cost model",
-                       parents=[common])
     _add_engine_args(p)
     add_config_args(p.add_argument_group("profile"), ProfileConfig)
     p.set_defaults(func=cmd_profile)
 
-    p = sub.add_parser("plan", help="simulate deployments on a profile's cost model and recommend one under SLOs",
-                       parents=[common])
+
+def _p_plan(p: argparse.ArgumentParser) -> None:
+    from services.planner.plan import PlanConfig
     add_config_args(p.add_argument_group("plan"), PlanConfig)
     p.add_argument("--slo", action="append", metavar="METRIC:MS",
                    help="a latency objective, repeatable: ttft, tpot or e2el in ms, e.g. --slo ttft:500 --slo tpot:50 "
                         "(as `bench serve --goodput`)")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("bench", help="benchmarks: serving load test, offline throughput (`pdserve bench --help`)",
-                       add_help=False, parents=[common])
+
+def _p_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("kind", nargs="?", choices=["offline", "serve"], default=None, help="which benchmark")
     p.set_defaults(func=cmd_bench)
 
-    from services.ray_deploy.cli import add_ray_parser   # `pdserve ray up|down|status` (imports Ray only when run)
-    add_ray_parser(sub, _add_engine_args, parents=[common])
+
+# name -> (help, builder of its flags, extra add_parser arguments); built only for the command given.
+COMMANDS: dict[str, tuple[str, object, dict]] = {
+    "make-model": ("write a deterministic random-weight HF checkpoint", _p_make_model, {}),
+    "generate": ("generate offline, or through a running router with --router", _p_generate, {}),
+    "serve": (f"serve MODEL with the OpenAI-compatible HTTP API on port {SERVE_HTTP_PORT}, as `vllm serve MODEL` "
+              f"(`pdserve up --http-port {SERVE_HTTP_PORT}`: 1 prefill + 1 decode worker and a router)",
+              lambda p: _add_up_args(p, serve=True), {}),
+    "up": ("start router + workers as local processes, supervised", _add_up_args, {}),
+    "worker": ("run one engine worker", lambda p: _p_worker(p, None), {}),
+    "prefill": ("run one prefill worker", lambda p: _p_worker(p, "prefill"), {}),
+    "decode": ("run one decode worker", lambda p: _p_worker(p, "decode"), {}),
+    "router": ("run the router", _p_router, {}),
+    "health": ("check a process's grpc.health.v1 status", _p_health, {}),
+    "profile": ("measure engine step costs on this machine and save a cost model", _p_profile, {}),
+    "plan": ("simulate deployments on a profile's cost model and recommend one under SLOs", _p_plan, {}),
+    "bench": ("benchmarks: serving load test, offline throughput (`pdserve bench --help`)", _p_bench,
+              {"add_help": False}),
+}
+ALL = "*"
+
+
+def build_parser(command: str | None = ALL) -> argparse.ArgumentParser:
+    """The `pdserve` parser. command: build only that subcommand's flags (the others are listed by
+    name and help), so that parsing a client command imports nothing heavy; ALL (the default):
+    every subcommand's flags, for tests and documentation."""
+    common = CLIParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS, type=_log_level, metavar="LEVEL",
+                        help=f"DEBUG, INFO, WARNING, ERROR or CRITICAL, before or after the subcommand; reaches "
+                             f"the processes `up` and `ray up` start (default: ${LOG_LEVEL_ENV}, else WARNING)")
+    parser = CLIParser(prog="pdserve", parents=[common],
+                       description="Disaggregated prefill/decode LLM serving: `pdserve up` serves the tiny default "
+                                   "model on 127.0.0.1:50051, `pdserve serve MODEL` serves MODEL with the "
+                                   "OpenAI-compatible HTTP API on 127.0.0.1:8000; `pdserve COMMAND --help` explains "
+                                   "each command.",
+                       epilog=f"environment: PDSERVE_HOME (models, logs, local Ray state; default ~/.cache/pdserve), "
+                              f"{LOG_LEVEL_ENV}, PDSERVE_CLUSTER_TOKEN (internal-plane secret), PDSERVE_API_KEY "
+                              f"(the router's API key)")
+    parser.add_argument("--version", action="version", version=f"pdserve {_version()}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (text, build, extra) in COMMANDS.items():
+        p = sub.add_parser(name, help=text, parents=[common], **extra)
+        if command in (ALL, name):
+            build(p)
+    if command in (ALL, "ray"):
+        from services.ray_deploy.cli import add_ray_parser   # `pdserve ray up|down|status` (imports Ray only when run)
+        add_ray_parser(sub, _add_engine_args, parents=[common])
+    else:
+        sub.add_parser("ray", help="deploy onto a Ray cluster (ray up | ray down | ray status)", parents=[common])
     return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand argv names (the first word that is not a global flag or its value)."""
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--log-level":
+            skip = True
+        elif not word.startswith("-"):
+            return word
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 ok, 1 a runtime failure (unreachable router, failed start), 2 a usage error;
     either failure is one `pdserve: error: ...` line on stderr (tracebacks with --log-level DEBUG)."""
-    die_with_parent()
+    if os.environ.get(PARENT_PID_ENV):
+        from services.launcher import die_with_parent
+        die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
+    parser = build_parser(_command_of(argv))
     args, rest = parser.parse_known_args(argv)
     try:
         level = getattr(args, "log_level", None) or parse_log_level(os.environ.get(LOG_LEVEL_ENV) or "WARNING")
@@ -447,8 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "bench":
             return cmd_bench(args, rest)
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if rest:   # named by the subcommand that was given, with its help
+            getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(rest)}")
         return args.func(args)
     except (UsageError, RuntimeFailure) as exc:
         logging.getLogger("pdserve").debug("error", exc_info=True)

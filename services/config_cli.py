@@ -61,11 +61,24 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
             parser.add_argument(flag(f.name), *f.metadata.get("aliases", ()), action=argparse.BooleanOptionalAction,
                                 **kwargs)
             continue
+        item = _item_type(base)
+        if item is not None:   # tuple[str, ...]: one or more values after the flag, as vLLM's --served-model-name
+            kwargs.update(nargs="+", type=item, metavar=f.metadata.get("metavar", item.__name__.upper()))
+            parser.add_argument(flag(f.name), *f.metadata.get("aliases", ()), **kwargs)
+            continue
         if base in (int, float, str):
             kwargs["type"] = _none_or(base) if optional else base
             if "choices" not in kwargs:
                 kwargs["metavar"] = f.metadata.get("metavar", base.__name__.upper())
         parser.add_argument(flag(f.name), *f.metadata.get("aliases", ()), **kwargs)
+
+
+def _item_type(tp: Any) -> type | None:
+    """int/float/str for tuple[X, ...] (a field of several values), else None."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis and args[0] in (int, float, str):
+        return args[0]
+    return None
 
 
 def _none_or(base: type):
@@ -96,6 +109,8 @@ def config_to_argv(obj: Any, exclude: Iterable[str] = ()) -> list[str]:
         base, _ = _base_type(tp)
         if base is bool:
             argv.append(flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif _item_type(base) is not None and value is not None:
+            argv += [flag(f.name), *map(str, value)]
         else:
             argv += [flag(f.name), "none" if value is None else str(value)]
     return argv

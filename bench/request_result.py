@@ -1,0 +1,49 @@
+"""What the load generator records of one request, and the sampling settings it sends: shared by
+its gRPC client (bench/serve.py) and its OpenAI HTTP client (bench/openai_backend.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What the client saw of one request; times in seconds."""
+
+    success: bool = False
+    prompt_len: int = 0
+    output_len: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0                  # e2el
+    itl: list[float] = field(default_factory=list)
+    start_time: float = 0.0               # seconds after the benchmark start
+    error: str = ""
+    finish_reason: str = ""
+    kind: str = ""
+    server_timings: dict[str, float] = field(default_factory=dict)   # the router's Timings, ms
+    token_ids: list[int] = field(default_factory=list)
+    prefill_route: str = ""               # the router's Timings: "remote" | "local" | "colocated"
+    decode_cached_tokens: int = 0         # prompt tokens the decode worker already held
+    kv_bytes: int = 0                     # KV bytes shipped to the decode worker
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_len > 1:
+            return (self.latency - self.ttft) / (self.output_len - 1)
+        return None
+
+
+@dataclass(slots=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    ignore_eos: bool = False
+
+    def kwargs(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"temperature": self.temperature, "ignore_eos": self.ignore_eos}
+        if self.top_p is not None:
+            out["top_p"] = self.top_p
+        if self.top_k is not None:
+            out["top_k"] = self.top_k
+        return out
