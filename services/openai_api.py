@@ -48,7 +48,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -339,10 +339,16 @@ class Choice:
 # ---- the app -------------------------------------------------------------------------------
 
 class OpenAIServer:
-    def __init__(self, servicer, served_model_name: str, api_key: str | None = None,
-                 max_body_bytes: int = 8 << 20) -> None:
+    def __init__(self, servicer, served_model_name: str | Sequence[str], api_key: str | None = None,
+                 max_body_bytes: int = 8 << 20, model_aliases: Sequence[str] = ()) -> None:
+        """served_model_name: one name or several, as vLLM's --served-model-name: the first is the
+        one reported, /v1/models lists them all, every one is accepted; model_aliases: accepted
+        too, not listed (the checkpoint directory's name)."""
         self.servicer = servicer
-        self.served_model_name = served_model_name
+        names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
+        self.served_model_names = names
+        self.served_model_name = names[0]
+        self.accepted_model_names = frozenset((*names, *model_aliases))
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -383,12 +389,12 @@ class OpenAIServer:
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [self._model_card()]}
+            return {"object": "list", "data": [self._model_card(name) for name in self.served_model_names]}
 
         @app.get("/v1/models/{name:path}")
         async def model(name: str):
             self._check_model(name)
-            return self._model_card()
+            return self._model_card(name if name in self.served_model_names else self.served_model_name)
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -418,12 +424,12 @@ class OpenAIServer:
             await app(scope, receive, send)
         return guarded
 
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "pdserve",
                 "root": self.servicer.options.model, "parent": None, "max_model_len": self.servicer.max_model_len}
 
     def _check_model(self, name: str) -> None:
-        if name != self.served_model_name:
+        if name not in self.accepted_model_names:
             raise HTTPError(404, f"The model `{name}` does not exist (this server serves "
                                  f"`{self.served_model_name}`)", "model", "model_not_found")
 
@@ -843,13 +849,14 @@ class HTTPServer:
             await asyncio.gather(self.task, return_exceptions=True)
 
 
-async def start_http(servicer, host: str, port: int, served_model_name: str, api_key: str | None = None,
-                     max_body_bytes: int = 8 << 20, tls=None) -> HTTPServer:
+async def start_http(servicer, host: str, port: int, served_model_name: str | Sequence[str],
+                     api_key: str | None = None, max_body_bytes: int = 8 << 20, tls=None,
+                     model_aliases: Sequence[str] = ()) -> HTTPServer:
     """Serve the OpenAI-compatible API on host:port (0: any free port) on the running loop;
     returns once it accepts connections. Raises OSError if the port is taken. tls (a
     services.security.TLSFiles): HTTPS with the router's certificate, as its gRPC API has
     (clients are not asked for a certificate; the API key is what authenticates them)."""
-    api = OpenAIServer(servicer, served_model_name, api_key, max_body_bytes)
+    api = OpenAIServer(servicer, served_model_name, api_key, max_body_bytes, model_aliases=model_aliases)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

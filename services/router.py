@@ -9,6 +9,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator
 
 import grpc
@@ -58,14 +59,19 @@ class RouterConfig:
     ready_timeout_s: float = field(default=120.0, metadata={"help": "workers must be up this soon after start"})
     http_port: int | None = field(default=None, metadata={
         "help": "serve the OpenAI-compatible HTTP API on this port, on --host (none: no HTTP)"})
-    served_model_name: str | None = field(default=None, metadata={
-        "help": "model name of the HTTP API (none: the checkpoint directory's name)"})
+    served_model_name: tuple[str, ...] | None = field(default=None, metadata={
+        "help": "model name(s) of the HTTP API, as vLLM's: the first is the one reported, every one is accepted; "
+                "none: the --model argument as given (the default model: its directory's name). The checkpoint "
+                "directory's name is accepted too", "metavar": "NAME"})
 
     def __post_init__(self) -> None:
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
-        if self.served_model_name is not None and not self.served_model_name.strip():
-            raise ValueError("served_model_name must not be empty")
+        if self.served_model_name is not None:
+            names = (self.served_model_name,) if isinstance(self.served_model_name, str) else self.served_model_name
+            self.served_model_name = tuple(names)
+            if not self.served_model_name or any(not isinstance(n, str) or not n.strip() for n in names):
+                raise ValueError(f"served_model_name must be one or more non-empty names, got {names!r}")
 
 
 @dataclass(slots=True)
@@ -260,8 +266,10 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
         http = None
         if options.config.http_port is not None:   # on this loop, before gRPC says SERVING
             from services.openai_api import start_http
-            http = await start_http(servicer, host, options.config.http_port, served_model_name(options), api_key,
-                                    options.limits.max_http_body_bytes, tls=credentials.tls)
+            http = await start_http(servicer, host, options.config.http_port,
+                                    served_model_names(options.config, options.model), api_key,
+                                    options.limits.max_http_body_bytes, tls=credentials.tls,
+                                    model_aliases=(Path(options.model).resolve().name,))
         interceptors = [api_key_interceptor(api_key)] if api_key else []
         server = await start_server([service_registration(router_pb2.DESCRIPTOR.services_by_name["Router"], servicer)],
                                     host, port, interceptors=interceptors,
@@ -293,10 +301,11 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
         await pool.close()
 
 
-def served_model_name(options: RouterOptions) -> str:
-    """The model name of the HTTP API: --served-model-name, else the checkpoint directory's name."""
-    from pathlib import Path
-    return options.config.served_model_name or Path(options.model).resolve().name
+def served_model_names(config: RouterConfig, model: str) -> tuple[str, ...]:
+    """The HTTP API's model names, the reported one first: --served-model-name (`pdserve up` and
+    `pdserve router` pass the --model argument as given when it is not set, as vLLM does), else the
+    checkpoint directory's name. The directory's name is also accepted as an alias."""
+    return config.served_model_name or (Path(model).resolve().name,)
 
 
 async def _follow_health(server, pool: WorkerPool, servicer: RouterServicer) -> None:
