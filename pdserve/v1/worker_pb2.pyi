@@ -224,9 +224,11 @@ class GenerateLocalRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GenerateLocalEvent(_message.Message):
-    __slots__ = ("first_token", "decode")
+    __slots__ = ("first_token", "decode", "progress")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     first_token: FirstToken
     decode: DecodeEvent
-    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., decode: _Optional[_Union[DecodeEvent, _Mapping]] = ...) -> None: ...
+    progress: Progress
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., decode: _Optional[_Union[DecodeEvent, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
