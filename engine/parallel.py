@@ -11,8 +11,11 @@ Every rank holds a slice of every weight and of the paged KV pool, with the same
 - attention: query heads split evenly; KV heads split evenly when there are at least N of them,
   else each rank holds the one KV head its query heads read (replicated N / num_kv_heads times).
 
-The process group is built directly on a TCP store (no ``init_process_group``), so several
-engines, each with its own group, can live in one process (tests, a colocated pair).
+The process group is built directly on a store (no ``init_process_group``), so several engines,
+each with its own group, can live in one process (tests, a colocated pair). The driver's store
+is a file in a private (0700) directory (engine/tp_rank.py), never a TCP port: no other local
+user can read the rendezvous, join the group or rewrite where its ranks listen. Gloo's own
+connections bind 127.0.0.1 only.
 Collectives run with a timeout (``EngineConfig.tp_collective_timeout_s`` on the driver): a dead
 or stalled rank fails the step instead of hanging it.
 """
@@ -114,8 +117,10 @@ class TPGroup:
             options._timeout = timeout   # NCCL's watchdog aborts a collective stuck this long
             self.pg = dist.ProcessGroupNCCL(store, rank, size, options)
         else:   # a short collective timeout must not cut the rendezvous of a rank still starting
-            connect = datetime.timedelta(seconds=max(timeout_s, CONNECT_TIMEOUT_S))
-            self.pg = dist.ProcessGroupGloo(store, rank, size, connect)
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = datetime.timedelta(seconds=max(timeout_s, CONNECT_TIMEOUT_S))
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]   # ranks share a host
+            self.pg = dist.ProcessGroupGloo(store, rank, size, options)
         self.timeout = timeout
         self.broken = False
 

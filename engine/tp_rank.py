@@ -1,8 +1,9 @@
 """The non-driver ranks of a tensor-parallel worker: their processes, and what each one runs.
 
 The driver (rank 0, the engine's own process) starts ranks 1..N-1 as ``python -m engine.tp_rank``
-with the engine config as JSON on argv (nothing pickled), meets them on a TCP store bound to
-127.0.0.1, and from then on drives them with broadcasts: a fixed int64 header says what comes
+with the engine config as JSON on argv (nothing pickled), meets them on a file store in a
+private directory (0700, removed when the ranks stop: no other user can join or read it; no
+port), and from then on drives them with broadcasts: a fixed int64 header says what comes
 next (engine/step_plan.py), then int64 payloads and, for KV writes, the KV bytes. Each rank
 builds the same model slice and KV pool slice as the driver's ModelRunner and joins the same
 collectives in the same order.
@@ -22,9 +23,11 @@ import datetime
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -69,8 +72,9 @@ class RankProcesses:
         self.group: TPGroup | None = None
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        self.store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
-                                   wait_for_workers=False)
+        self.store_dir = tempfile.mkdtemp(prefix="pdserve-tp-")   # 0700: this user's processes only
+        store_path = os.path.join(self.store_dir, "store")
+        self.store = open_store(store_path, size)
         threads = config.num_threads or 1
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         pdeathsig = threading.current_thread() is threading.main_thread()
@@ -78,7 +82,7 @@ class RankProcesses:
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, size):
             cmd = [sys.executable, "-m", "engine.tp_rank", "--rank", str(rank), "--size", str(size),
-                   "--store-port", str(self.store.port), "--driver-pid", str(os.getpid()),
+                   "--store-path", store_path, "--driver-pid", str(os.getpid()),
                    "--device", str(rank_device(device, rank)), "--config", cfg]
             if pdeathsig:
                 cmd.append("--pdeathsig")
@@ -87,7 +91,7 @@ class RankProcesses:
                 cmd += ["--cpus", ",".join(map(str, sorted(cores)))]
             self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
         # Kill the ranks if the driver object is dropped without stop() (and at interpreter exit).
-        self._finalizer = weakref.finalize(self, _kill_all, list(self.procs))
+        self._finalizer = weakref.finalize(self, _kill_all, list(self.procs), self.store_dir)
         try:
             self._wait_started()
             self.group = TPGroup(dist.PrefixStore("tp", self.store), 0, size, device,
@@ -151,7 +155,16 @@ class RankProcesses:
         self.group.shutdown()
 
 
-def _kill_all(procs: list[subprocess.Popen]) -> None:
+def open_store(path: str, size: int) -> dist.Store:
+    """The group's rendezvous: a file only this user can reach (its directory is 0700)."""
+    store = dist.FileStore(path, size)
+    store.set_timeout(datetime.timedelta(seconds=START_TIMEOUT_S))
+    return store
+
+
+def _kill_all(procs: list[subprocess.Popen], store_dir: str | None = None) -> None:
+    if store_dir is not None:
+        shutil.rmtree(store_dir, ignore_errors=True)
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
@@ -209,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m engine.tp_rank", description=__doc__.split("\n\n")[0])
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--size", type=int, required=True)
-    p.add_argument("--store-port", type=int, required=True)
+    p.add_argument("--store-path", required=True, help="the driver's file store (in a 0700 directory)")
     p.add_argument("--driver-pid", type=int, required=True)
     p.add_argument("--device", required=True)
     p.add_argument("--config", required=True, help="the driver's EngineConfig as JSON")
@@ -228,8 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine.model_config import ModelConfig
     from engine.model_runner import ModelRunner
 
-    store = dist.TCPStore("127.0.0.1", args.store_port, args.size, False,
-                          timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+    store = open_store(args.store_path, args.size)
     store.set(f"up/{args.rank}", "1")
     device = torch.device(args.device)
     if device.type == "cuda":

@@ -3,8 +3,10 @@
 - One cluster token per deployment (unless one is given), handed to the children through the
   environment; nothing secret goes into argv.
 - The router's port is checked before anything starts.
-- A child that dies is restarted, on the same port, with exponential backoff, while the rest
-  keep serving; the router notices through its status streams.
+- Every gRPC/HTTP port a child serves is reserved by the supervisor for the deployment's
+  lifetime (services/ports.py), so a child that dies is restarted on the same port, with
+  exponential backoff, and no other local user can bind that port meanwhile; the router
+  notices through its status streams. Health probes carry no secret.
 - Children never outlive the supervisor: they ask the kernel to kill them when it dies
   (PR_SET_PDEATHSIG, see ``die_with_parent``), and SIGTERM/SIGINT at any moment, start-up
   included, stops them all: the router first (it drains), then the workers.
@@ -25,6 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.kv_transfer import shared_memory
+from services.ports import PortReservations, RESERVED_PORTS_ENV
 from services.security import Credentials, new_token
 from services.server import check_port_free
 
@@ -198,7 +201,7 @@ def wait_serving(address: str, popen: subprocess.Popen | None, timeout: float,
     channel reconnects within half a second, so a server that just came up is seen at once."""
     deadline = time.monotonic() + timeout
     creds = credentials or Credentials()
-    with creds.sync_channel(address, PROBE_OPTIONS) as ch:
+    with creds.probe_channel(address, PROBE_OPTIONS) as ch:   # health checks carry no secret
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             if stopping():
@@ -225,6 +228,7 @@ class Cluster:
             spec.credentials = Credentials(new_token(), spec.credentials.tls)
         self._stop_requested = False
         self._pinned = self._cores()
+        self.ports = PortReservations()   # held until stop(): no other user can take a child's port
 
     @property
     def router_address(self) -> str:
@@ -261,8 +265,11 @@ class Cluster:
             pinned["router"] = spare
         return pinned
 
-    def _process(self, name: str, args: list[str], port: int) -> Process:
+    def _process(self, name: str, args: list[str], port: int, reserved: list[int] = ()) -> Process:
+        """reserved: the ports of this child that the supervisor holds (it binds them with SO_REUSEPORT)."""
         env = {**os.environ, **self.spec.credentials.child_env(), PARENT_PID_ENV: str(os.getpid())}
+        env.pop(RESERVED_PORTS_ENV, None)
+        env.update(self.ports.env(list(reserved)))
         env.setdefault("OMP_NUM_THREADS", str(self.spec.threads_per_worker))
         metrics = None
         if self.spec.metrics:
@@ -282,14 +289,37 @@ class Cluster:
         return proc
 
     def _check_ports(self) -> None:
-        """Every fixed port is free before anything starts (OSError naming the one in use)."""
+        """Every fixed port is free before anything starts (OSError naming the one in use); the
+        router's ports are then reserved."""
         check_port_free(self.spec.host, self.spec.port)
+        for port in (self.spec.port, self.http_port):
+            if port:
+                check_port_free(self.spec.host, port)
+                self._reserve(port)
         for name, port in self.spec.metrics_ports().items():
             try:
                 check_port_free(self.spec.host, port)
             except OSError as exc:
                 raise OSError(exc.errno, f"metrics port of {name}: {exc.strerror}; choose another "
                                          f"--metrics-port-base") from None
+
+    @property
+    def http_port(self) -> int | None:
+        """The router's OpenAI HTTP port, when fixed (router_args' --http-port N, N > 0)."""
+        args = self.spec.router_args
+        if "--http-port" in args[:-1]:
+            value = args[args.index("--http-port") + 1]
+            return int(value) if value.isdigit() and int(value) > 0 else None
+        return None
+
+    def _reserve(self, port: int) -> None:
+        try:
+            self.ports.reserve(port)
+        except OSError as exc:
+            # Free for a listener (checked) but not for a reservation: connections in TIME_WAIT of
+            # a server that did not share the port. Serve it unreserved rather than not at all.
+            print(f"pdserve: warning: {exc.strerror}: a restart of its "
+                  f"process leaves it open to other local users meanwhile", file=sys.stderr, flush=True)
 
     def start(self, timeout: float = 180.0, progress: "Progress | None" = None) -> None:
         """Start every process and wait until each is SERVING (workers first, then the router).
@@ -307,7 +337,8 @@ class Cluster:
                 for i in range(count):
                     tp = ["--tensor-parallel-size", str(s.tp(role))] if s.tp(role) != s.engine_tp else []
                     proc = self._process(f"{role}-{i}", ["worker", "--role", role, "--worker-id", f"{role}-{i}",
-                                                         *worker_args, *tp], free_port(s.host))
+                                                         *worker_args, *tp], port := self.ports.reserve(),
+                                         reserved=[port])
                     proc.start()
                     groups.setdefault(role, []).append(proc.address)
             workers = list(self.processes)
@@ -316,7 +347,8 @@ class Cluster:
             for role, flag in (("prefill", "--prefill"), ("decode", "--decode"), ("both", "--colocated")):
                 if groups.get(role):
                     router_args += [flag, ",".join(groups[role])]
-            router = self._process("router", router_args, s.port)
+            router = self._process("router", router_args, s.port,
+                                   reserved=[p for p in (s.port, self.http_port) if p in self.ports.ports])
             router.start()
             self._wait_all([router], timeout, progress, "starting the router")
         except BaseException:
@@ -329,7 +361,7 @@ class Cluster:
 
         deadline = time.monotonic() + timeout
         pending = {p.name: p for p in procs}
-        channels = {p.name: self.spec.credentials.sync_channel(p.address, PROBE_OPTIONS) for p in procs}
+        channels = {p.name: self.spec.credentials.probe_channel(p.address, PROBE_OPTIONS) for p in procs}
         stubs = {name: health_pb2_grpc.HealthStub(ch) for name, ch in channels.items()}
         step_cm = progress.step(what, done="up") if progress is not None else nullcontext()
         try:
@@ -384,6 +416,7 @@ class Cluster:
                     p.popen.wait()
                 self._remove_segments(p)
         self.processes.clear()
+        self.ports.close()
 
     def _remove_segments(self, p: Process) -> None:
         """A child that exited leaves no KV shared-memory segment behind (one killed between

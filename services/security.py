@@ -2,10 +2,23 @@
 
 Trust model (docs/architecture.md): clients reach only the router's public API, with an API
 key when one is set. The internal plane (the worker services and KV transfer) accepts only
-members of the deployment: every call carries the cluster token, compared in constant time
-before the handler runs; with TLS configured every channel is mutually authenticated against
-the deployment's CA as well. Health checks stay open (they reveal nothing and orchestrators
-probe them). A refused call gets UNAUTHENTICATED before any validation or allocation.
+members of the deployment, and members trust only each other:
+
+- The cluster token never goes on the wire. Every internal call carries a fresh proof of it,
+  ``x-pdserve-auth: v1.<unix_ms>.<nonce>.<mac>`` (an HMAC-SHA256, keyed by the token, over the
+  method, the time and a random nonce), which the server checks in constant time, within
+  ``PROOF_WINDOW_S`` of its own clock, and only once (a bounded cache of recent nonces).
+- The server proves itself back before its first message: initial metadata
+  ``x-pdserve-auth-reply``, an HMAC over the client's nonce under a key of its own. Clients
+  (the router's channels, the prefill worker's KV streams) drop a response that lacks it, so a
+  process that took a member's port receives no token and hands no invented token to a user.
+- With TLS configured every channel is mutually authenticated against the deployment's CA too.
+- Health checks stay open and carry nothing secret (orchestrators probe them); at most
+  ``MAX_HEALTH_WATCHES`` Watch streams are open at once (services/server.py).
+
+A refused call gets UNAUTHENTICATED before any validation or allocation. A role refuses to
+start without a token unless ``--insecure-no-auth`` is given, and then only on a loopback
+address (``require_cluster_token``).
 
 Secrets never travel in argv: the token comes from ``--cluster-token-file`` or the
 ``PDSERVE_CLUSTER_TOKEN`` environment variable (``pdserve up`` makes a random one per
@@ -13,21 +26,33 @@ deployment and hands it to its children through the environment).
 """
 from __future__ import annotations
 
+import base64
 import hmac
+import inspect
+import ipaddress
+import logging
 import os
 import secrets
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import grpc
 
+log = logging.getLogger(__name__)
+
 CLUSTER_TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
 API_KEY_ENV = "PDSERVE_API_KEY"
-CLUSTER_TOKEN_HEADER = "x-pdserve-cluster-token"
+AUTH_HEADER = "x-pdserve-auth"               # the caller's proof of the cluster token
+AUTH_REPLY_HEADER = "x-pdserve-auth-reply"   # the server's, in its initial metadata
 API_KEY_HEADER = "authorization"            # "Bearer <key>", as OpenAI-style clients send it
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 MIN_TOKEN_CHARS = 16
+PROOF_WINDOW_S = 30.0          # members' clocks agree within this; a proof older (or newer) is refused
+REPLAY_CACHE_MAX = 1 << 17     # nonces remembered (~15 MB at most); the oldest go first, see _Nonces
+INSECURE_FLAG = "--insecure-no-auth"
 
 
 def new_token() -> str:
@@ -50,6 +75,111 @@ def read_secret(path: str | os.PathLike | None, env: str, what: str) -> str | No
     if len(value) < MIN_TOKEN_CHARS:
         raise ValueError(f"{what} must have at least {MIN_TOKEN_CHARS} characters, got {len(value)}")
     return value
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def require_cluster_token(credentials: "Credentials", host: str, insecure_no_auth: bool, role: str) -> None:
+    """A role (worker, router) starts only with a cluster token, or with --insecure-no-auth on a
+    loopback host (warned). ValueError, one line naming the flag and the variable, otherwise."""
+    if credentials.cluster_token is not None:
+        return
+    if not insecure_no_auth:
+        raise ValueError(f"the {role} needs the deployment's cluster token: pass --cluster-token-file FILE or set "
+                         f"${CLUSTER_TOKEN_ENV} (or {INSECURE_FLAG} to run an open internal plane on loopback)")
+    if not is_loopback(host):
+        raise ValueError(f"{INSECURE_FLAG} is refused with --host {host}: an open internal plane binds only a "
+                         f"loopback address; give a cluster token instead")
+    log.warning("%s: the internal plane of this %s is open to every local user (no cluster token)",
+                INSECURE_FLAG, role)
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode("ascii", "replace") if isinstance(value, bytes) else value
+
+
+@dataclass(frozen=True, slots=True)
+class CallProof:
+    """One call's proof (its metadata) and the check of the server's reply to it."""
+
+    metadata: tuple[tuple[str, str], ...] = ()
+    expected_reply: str | None = None       # None: no token, nothing to check
+
+    def verify(self, initial_metadata: Any) -> bool:
+        """The server's initial metadata answers this call's nonce (always true without a token)."""
+        if self.expected_reply is None:
+            return True
+        given = next((_text(v) for k, v in initial_metadata or () if k == AUTH_REPLY_HEADER), None)
+        return given is not None and hmac.compare_digest(given.encode(), self.expected_reply.encode())
+
+
+class ClusterKey:
+    """The keys derived from the cluster token: one for callers' proofs, one for servers' replies."""
+
+    def __init__(self, token: str) -> None:
+        t = token.encode()
+        self._caller = hmac.digest(t, b"pdserve v1 caller proof", "sha256")
+        self._server = hmac.digest(t, b"pdserve v1 server proof", "sha256")
+
+    def _mac(self, key: bytes, text: str) -> str:
+        return _b64(hmac.digest(key, text.encode(), "sha256"))
+
+    def prove(self, method: str, now_ms: int | None = None, nonce: str | None = None) -> CallProof:
+        ms = int(time.time() * 1000) if now_ms is None else now_ms
+        nonce = nonce or secrets.token_urlsafe(12)
+        value = f"v1.{ms}.{nonce}.{self._mac(self._caller, f'{method}|{ms}|{nonce}')}"
+        return CallProof(((AUTH_HEADER, value),), self.reply(method, nonce))
+
+    def reply(self, method: str, nonce: str) -> str:
+        return self._mac(self._server, f"reply|{method}|{nonce}")
+
+    def check(self, method: str, value: str) -> str | None:
+        """The nonce of a valid proof for method (None: malformed or wrong MAC; time and replay
+        are the caller's checks)."""
+        parts = value.split(".")
+        if len(parts) != 4 or parts[0] != "v1" or not parts[1].isdigit() or len(parts[1]) > 16 \
+                or not 8 <= len(parts[2]) <= 64:
+            return None
+        expected = self._mac(self._caller, f"{method}|{parts[1]}|{parts[2]}")
+        return parts[2] if hmac.compare_digest(expected.encode(), parts[3].encode()) else None
+
+
+class _Nonces:
+    """Nonces of accepted proofs, each refused a second time. Bounded: past ``limit`` the oldest
+    are forgotten and the floor rises to the newest forgotten time, below which every proof is
+    refused (so a forgotten nonce cannot be replayed either)."""
+
+    def __init__(self, window_ms: int, limit: int = REPLAY_CACHE_MAX) -> None:
+        self.window_ms, self.limit = window_ms, limit
+        self.order: deque[tuple[int, str]] = deque()
+        self.seen: set[str] = set()
+        self.floor_ms = 0
+
+    def admit(self, ms: int, nonce: str, now_ms: int) -> bool:
+        if abs(now_ms - ms) > self.window_ms or ms <= self.floor_ms or nonce in self.seen:
+            return False
+        while self.order and (self.order[0][0] < now_ms - self.window_ms or len(self.order) >= self.limit):
+            old_ms, old = self.order.popleft()
+            self.seen.discard(old)
+            if old_ms >= now_ms - self.window_ms:   # forgotten while still in the window
+                self.floor_ms = max(self.floor_ms, old_ms)
+        if ms <= self.floor_ms:
+            return False
+        self.order.append((ms, nonce))
+        self.seen.add(nonce)
+        return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,14 +210,18 @@ class Credentials:
 
     cluster_token: str | None = None
     tls: TLSFiles | None = None
+    key: ClusterKey | None = field(default=None, init=False, repr=False, compare=False)
 
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((CLUSTER_TOKEN_HEADER, self.cluster_token),) if self.cluster_token else ()
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", ClusterKey(self.cluster_token) if self.cluster_token else None)
+
+    def call_proof(self, method: str | bytes) -> CallProof:
+        """A fresh proof for one call of method (empty without a token)."""
+        return self.key.prove(_text(method)) if self.key is not None else CallProof()
 
     # ---- servers ----------------------------------------------------------------------
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return [SecretInterceptor(CLUSTER_TOKEN_HEADER, self.cluster_token)] if self.cluster_token else []
+        return [ClusterInterceptor(self.key)] if self.key is not None else []
 
     def server_credentials(self, require_client_cert: bool = True) -> grpc.ServerCredentials | None:
         if self.tls is None:
@@ -98,26 +232,31 @@ class Credentials:
     # ---- clients ----------------------------------------------------------------------
     def channel(self, address: str, options: Sequence[tuple[str, Any]] = (), *,
                 attach_token: bool = True) -> grpc.aio.Channel:
-        """An asyncio channel to a member of the deployment, with TLS when configured, carrying the
-        token on every call (attach_token=False: the caller passes ``metadata`` itself, which
-        saves the interceptors' per-call cost on a hot path)."""
-        interceptors = metadata_interceptors(self.metadata) if self.metadata and attach_token else None
+        """An asyncio channel to a member of the deployment, with TLS when configured, proving
+        membership on every call and checking the server's proof before its response is read
+        (attach_token=False: the caller passes ``call_proof(method).metadata`` and checks the
+        reply itself, which saves the interceptors' per-call cost on a hot path)."""
+        interceptors = proving_interceptors(self) if self.key is not None and attach_token else None
         if self.tls is not None:
             cert, key, ca = self.tls.read()
             creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
             return grpc.aio.secure_channel(address, creds, options=list(options), interceptors=interceptors)
         return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
 
-    def sync_channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
-        """A blocking channel (launcher health probes, tools), carrying the token (and TLS)."""
+    def probe_channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+        """A blocking channel for health checks: TLS when configured, no secret at all."""
         if self.tls is not None:
             cert, key, ca = self.tls.read()
             creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-            channel = grpc.secure_channel(address, creds, options=list(options))
-        else:
-            channel = grpc.insecure_channel(address, options=list(options))
-        if self.metadata:
-            channel = grpc.intercept_channel(channel, _SyncMetadata(self.metadata))
+            return grpc.secure_channel(address, creds, options=list(options))
+        return grpc.insecure_channel(address, options=list(options))
+
+    def sync_channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+        """A blocking channel (tools, tests) proving membership on every call; a unary call's
+        server must prove itself back."""
+        channel = self.probe_channel(address, options)
+        if self.key is not None:
+            channel = grpc.intercept_channel(channel, _SyncProof(self))
         return channel
 
     # ---- the environment children inherit --------------------------------------------------
@@ -130,13 +269,36 @@ class Credentials:
         return cls(read_secret(token_file, CLUSTER_TOKEN_ENV, "cluster token"), TLSFiles.from_args(tls_cert, tls_key, tls_ca))
 
 
+# ---- servers ----------------------------------------------------------------------------------
+
+class ClusterInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call without a valid, fresh, unused proof of the cluster token (health
+    checks excepted), and proves itself in the initial metadata of the calls it lets through."""
+
+    def __init__(self, key: ClusterKey, window_s: float = PROOF_WINDOW_S, replay_limit: int = REPLAY_CACHE_MAX) -> None:
+        self.key = key
+        self.nonces = _Nonces(int(window_s * 1000), replay_limit)
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
+        method = details.method
+        if method.startswith(OPEN_METHOD_PREFIXES):
+            return await continuation(details)
+        given = next((_text(v) for k, v in details.invocation_metadata or () if k == AUTH_HEADER), None)
+        nonce = self.key.check(method, given) if given is not None else None
+        handler = await continuation(details)
+        if nonce is None or not self.nonces.admit(int(given.split(".")[1]), nonce, int(time.time() * 1000)):
+            return _refusing(handler, "missing, stale or wrong proof of the cluster token")
+        return _proving(handler, ((AUTH_REPLY_HEADER, self.key.reply(method, nonce)),))
+
+
 class SecretInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call whose metadata lacks the secret (health checks excepted)."""
+    """Refuses every call whose metadata lacks the secret (health checks excepted): the router's
+    API key, which clients send as a bearer header."""
 
     def __init__(self, header: str, secret: str, scheme: str = "") -> None:
         self.header = header
         self.expected = (f"{scheme} {secret}" if scheme else secret).encode()
-        self.what = "API key" if header == API_KEY_HEADER else "cluster token"
+        self.what = "API key" if header == API_KEY_HEADER else "secret"
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
         if details.method.startswith(OPEN_METHOD_PREFIXES):
@@ -152,6 +314,12 @@ def api_key_interceptor(api_key: str) -> SecretInterceptor:
     return SecretInterceptor(API_KEY_HEADER, api_key, scheme="Bearer")
 
 
+_MAKE = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+         (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+_BEHAVIOR = {(False, False): "unary_unary", (False, True): "unary_stream", (True, False): "stream_unary",
+             (True, True): "stream_stream"}
+
+
 def _refusing(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler | None:
     """A handler of the same kind that answers UNAUTHENTICATED without touching the request."""
     if handler is None:
@@ -165,71 +333,158 @@ def _refusing(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMe
         yield  # pragma: no cover - makes this an async generator
 
     kind = (handler.request_streaming, handler.response_streaming)
-    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}[kind]
-    return make(streaming if kind[1] else unary, request_deserializer=None, response_serializer=None)
+    return _MAKE[kind](streaming if kind[1] else unary, request_deserializer=None, response_serializer=None)
 
 
-# ---- client-side metadata ------------------------------------------------------------------
+def _proving(handler: grpc.RpcMethodHandler | None, metadata: tuple[tuple[str, str], ...]
+             ) -> grpc.RpcMethodHandler | None:
+    """The same handler, sending metadata (the server's proof) before anything else."""
+    if handler is None:
+        return None
+    kind = (handler.request_streaming, handler.response_streaming)
+    behavior = getattr(handler, _BEHAVIOR[kind])
 
-def _with_metadata(details: grpc.aio.ClientCallDetails, extra: tuple[tuple[str, str], ...]) -> grpc.aio.ClientCallDetails:
-    metadata = grpc.aio.Metadata(*extra)
+    if inspect.isasyncgenfunction(behavior):
+        async def wrapped(request, context):
+            await context.send_initial_metadata(metadata)
+            async for item in behavior(request, context):
+                yield item
+    else:
+        async def wrapped(request, context):
+            await context.send_initial_metadata(metadata)
+            result = behavior(request, context)
+            return await result if inspect.isawaitable(result) else result
+
+    return _MAKE[kind](wrapped, request_deserializer=handler.request_deserializer,
+                       response_serializer=handler.response_serializer)
+
+
+# ---- clients ----------------------------------------------------------------------------------
+
+def unproven_error(method: str, initial_metadata: Any = None) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAUTHENTICATED, initial_metadata or grpc.aio.Metadata(),
+                                grpc.aio.Metadata(),
+                                details=f"{method}: the server did not prove it is a member of the deployment")
+
+
+async def checked_call(call: Any, proof: CallProof, method: str) -> Any:
+    """call, once its server's initial metadata proves membership; a call that failed before
+    sending any (unreachable, refused) is returned as it is, its status saying why. Otherwise
+    the call is cancelled and AioRpcError(UNAUTHENTICATED) raised: nothing it sent is read."""
+    metadata = await call.initial_metadata()
+    if proof.verify(metadata):
+        return call
+    if call.done() and await call.code() != grpc.StatusCode.OK:
+        return call
+    call.cancel()
+    raise unproven_error(method, metadata)
+
+
+def _with_proof(details: grpc.aio.ClientCallDetails, proof: CallProof) -> grpc.aio.ClientCallDetails:
+    metadata = grpc.aio.Metadata(*proof.metadata)
     for key, value in details.metadata or ():
         metadata.add(key, value)
     return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
                                       details.wait_for_ready)
 
 
-class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-    def __init__(self, extra):
-        self.extra = extra
+class _Proving:
+    """Adds make(method)'s metadata to each call; checks the server's reply when it expects one."""
 
+    def __init__(self, make: Callable[[str], CallProof]) -> None:
+        self.make = make
+
+    async def _run(self, continuation, details, request):
+        method = _text(details.method)
+        proof = self.make(method)
+        call = await continuation(_with_proof(details, proof), request)
+        return call if proof.expected_reply is None else await checked_call(call, proof, method)
+
+
+class _UnaryUnary(_Proving, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(_with_metadata(details, self.extra), request)
+        return await self._run(continuation, details, request)
 
 
-class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, extra):
-        self.extra = extra
-
+class _UnaryStream(_Proving, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(_with_metadata(details, self.extra), request)
+        return await self._run(continuation, details, request)
 
 
-class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-    def __init__(self, extra):
-        self.extra = extra
-
+class _StreamUnary(_Proving, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, request_iterator):
-        return await continuation(_with_metadata(details, self.extra), request_iterator)
+        return await self._run(continuation, details, request_iterator)
 
 
-class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
-    def __init__(self, extra):
-        self.extra = extra
-
+class _StreamStream(_Proving, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, request_iterator):
-        return await continuation(_with_metadata(details, self.extra), request_iterator)
+        return await self._run(continuation, details, request_iterator)
+
+
+def proving_interceptors(credentials: Credentials) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors that prove membership on every call of an asyncio channel and check the
+    server's proof before the call's response is read."""
+    return _interceptors(credentials.call_proof)
 
 
 def metadata_interceptors(extra: tuple[tuple[str, str], ...]) -> list[grpc.aio.ClientInterceptor]:
-    """Interceptors that add ``extra`` metadata to every call of an asyncio channel."""
-    return [_UnaryUnary(extra), _UnaryStream(extra), _StreamUnary(extra), _StreamStream(extra)]
+    """Interceptors that add ``extra`` metadata (an API key) to every call of an asyncio channel."""
+    proof = CallProof(extra)
+    return _interceptors(lambda method: proof)
 
 
-class _SyncMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    def __init__(self, extra: tuple[tuple[str, str], ...]) -> None:
-        self.extra = extra
+def _interceptors(make: Callable[[str], CallProof]) -> list[grpc.aio.ClientInterceptor]:
+    return [_UnaryUnary(make), _UnaryStream(make), _StreamUnary(make), _StreamStream(make)]
 
-    def _details(self, details):
-        return _SyncDetails(details.method, details.timeout, [*(details.metadata or ()), *self.extra],
+
+class _Unproven(grpc.RpcError, grpc.Call):
+    """What a blocking unary call raises when its server did not prove membership."""
+
+    def __init__(self, method: str) -> None:
+        self._details = f"{method}: the server did not prove it is a member of the deployment"
+
+    def code(self):
+        return grpc.StatusCode.UNAUTHENTICATED
+
+    def details(self):
+        return self._details
+
+    def initial_metadata(self):
+        return ()
+
+    def trailing_metadata(self):
+        return ()
+
+    def is_active(self):
+        return False
+
+    def time_remaining(self):
+        return None
+
+    def cancel(self):
+        return False
+
+    def add_callback(self, callback):
+        return False
+
+
+class _SyncProof(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, credentials: Credentials) -> None:
+        self.credentials = credentials
+
+    def _details(self, details, proof: CallProof):
+        return _SyncDetails(details.method, details.timeout, [*(details.metadata or ()), *proof.metadata],
                             details.credentials, details.wait_for_ready, details.compression)
 
     def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._details(details), request)
+        proof = self.credentials.call_proof(details.method)
+        outcome = continuation(self._details(details, proof), request)
+        if outcome.code() == grpc.StatusCode.OK and not proof.verify(outcome.initial_metadata()):
+            raise _Unproven(_text(details.method))
+        return outcome
 
     def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._details(details), request)
+        return continuation(self._details(details, self.credentials.call_proof(details.method)), request)
 
 
 class _SyncDetails(grpc.ClientCallDetails):

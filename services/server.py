@@ -15,19 +15,24 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.ports import reuse_port
+
 # A message bigger than this is refused by gRPC before it is buffered (KV frames are 4 MiB by
 # default; the largest frame accepted is MAX_FRAME_BYTES, see kv_transfer.base).
 MAX_MESSAGE_BYTES = 16 << 20
+MAX_PING_STRIKES = 2
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),                               # a second server on a busy port fails
     ("grpc.http2.lookahead_bytes", 8 << 20),                # a stream may send this much before a window update
     ("grpc.http2.max_frame_size", 16 << 20 - 1),
     ("grpc.keepalive_permit_without_calls", 1),
+    # Our channels ping every 2 s (CHANNEL_OPTIONS); a peer pinging more often than once a second
+    # gets a strike, and after MAX_PING_STRIKES a GOAWAY (ENHANCE_YOUR_CALM): no ping flood.
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
-    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
 ]
+MAX_HEALTH_WATCHES = 64    # open grpc.health.v1 Watch streams per server (Check is unlimited)
 # Internal channels: a peer that stops answering (dead, frozen, partitioned) is noticed within
 # keepalive_time + keepalive_timeout, and a restarted one is reconnected within a second.
 CHANNEL_OPTIONS = [
@@ -43,6 +48,26 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+
+class BoundedHealthServicer(health.aio.HealthServicer):
+    """grpc.health.v1, open to anyone (no secret), with at most max_watches Watch streams at once:
+    more get RESOURCE_EXHAUSTED instead of a stream held open forever."""
+
+    def __init__(self, max_watches: int = MAX_HEALTH_WATCHES) -> None:
+        super().__init__()
+        self.max_watches = max_watches
+        self.watches = 0
+
+    async def Watch(self, request, context) -> None:
+        if self.watches >= self.max_watches:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"at most {self.max_watches} health Watch streams at once; use Check")
+        self.watches += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self.watches -= 1
 
 
 class Malformed:
@@ -113,8 +138,9 @@ class Server:
 
 def check_port_free(host: str, port: int) -> None:
     """Raise OSError naming the address when something already listens on it (before starting
-    anything: gRPC alone would report the failure late, and never for a port 0)."""
-    if port == 0:
+    anything: gRPC alone would report the failure late, and never for a port 0). A port our
+    supervisor reserved for us (services/ports.py) is ours: nothing to check."""
+    if port == 0 or reuse_port(port):
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -132,12 +158,14 @@ async def start_server(registrations: Iterable[tuple[Callable, object, str]], ho
                        serving: bool = True) -> Server:
     """registrations: (add_XServicer_to_server, servicer, full service name). Returns the started
     server (health SERVING unless serving=False) and its bound port."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or ())
+    # SO_REUSEPORT only on a port the supervisor reserved for us: elsewhere a busy port fails.
+    server = grpc.aio.server(options=[*SERVER_OPTIONS, ("grpc.so_reuseport", int(reuse_port(port)))],
+                             interceptors=interceptors or ())
     names = []
     for add, servicer, name in registrations:
         add(servicer, server)
         names.append(name)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = BoundedHealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = f"{host}:{port}"
