@@ -106,7 +106,7 @@ async def handoff_seconds(address: str, token: str, tokens: int, iters: int, shm
     from services.server import options
 
     creds = Credentials(token)
-    sender = GrpcKVSender(lambda a: creds.channel(a, options(), attach_token=False), metadata=creds.metadata,
+    sender = GrpcKVSender(lambda a: creds.channel(a, options(), attach_token=False), proof=creds.call_proof,
                           shared_memory=shm, shared_memory_min_bytes=0)   # every size, to compare
     ready, acked, nbytes = [], [], 0
     rng = random.Random(f"{tokens}-{shm}-{time.time_ns()}")

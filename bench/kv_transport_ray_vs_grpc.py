@@ -141,7 +141,7 @@ class PrefillActor:
 
         self.senders = {
             "ray": RayKVSender(default_namespace=NAMESPACE, chunk_bytes=ray_chunk_bytes),
-            **{name: GrpcKVSender(channel, metadata=creds.metadata, frame_bytes=grpc_frame_bytes, shared_memory=shm)
+            **{name: GrpcKVSender(channel, proof=creds.call_proof, frame_bytes=grpc_frame_bytes, shared_memory=shm)
                for name, shm in (("grpc", False), ("grpc-shm", True))},
         }
         self.targets = {"ray": ray_kv_address(DECODE_ACTOR, NAMESPACE), "grpc": info["grpc_address"],

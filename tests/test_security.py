@@ -18,7 +18,7 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, work
 from services.client import AsyncClient, Client
 from services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError
 from services.router import RETRY_AFTER_KEY
-from services.security import API_KEY_ENV, CLUSTER_TOKEN_HEADER, Credentials, TLSFiles
+from services.security import API_KEY_ENV, AUTH_HEADER, Credentials, TLSFiles
 from tests.certs import make_ca_and_cert
 from tests.conftest import hf_greedy, random_prompts
 from tests.serving import assert_blocks_at_baseline, channel, start_cluster, worker_status, workers
@@ -85,7 +85,7 @@ def _push_without_credentials(cluster, token: str | None, prompt: list[int]) -> 
 
 @pytest.mark.parametrize("token", [None, "x" * 43], ids=["no-token", "wrong-token"])
 def test_the_poisoning_sequence_is_refused_and_users_get_correct_tokens(cluster, tiny_qwen3, token) -> None:
-    metadata = ((CLUSTER_TOKEN_HEADER, token),) if token else ()
+    metadata = ((AUTH_HEADER, token),) if token else ()   # a bearer token is no proof
     prompt = random_prompts(1, 30, 30, seed=11 if token else 12)[0]
     codes = _stranger_calls(cluster, metadata, prompt)
     assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, codes
@@ -299,7 +299,8 @@ def test_mutual_tls_keeps_out_callers_without_a_deployment_certificate(tiny_qwen
             with make(decode) as ch:
                 with pytest.raises(grpc.RpcError) as err:
                     worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.StatusRequest(),
-                                                             metadata=((CLUSTER_TOKEN_HEADER, token),), timeout=5)
+                                                             metadata=Credentials(token).call_proof(
+                        "/pdserve.v1.Worker/GetStatus").metadata, timeout=5)
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert worker_status(c, decode).num_total_blocks > 0      # the deployment's own certificate: in
         ca = certs["ca.pem"].read_bytes()

@@ -292,10 +292,12 @@ class SharedMemoryRoute:
 
 class GrpcKVStream(KVStream):
     def __init__(self, call: grpc.aio.StreamUnaryCall, request_id: str, token: bytes, frame_bytes: int,
-                 shared: "tuple[SharedMemoryRoute, str, Any, tuple] | None" = None) -> None:
+                 shared: "tuple[SharedMemoryRoute, str, Any, tuple] | None" = None, proof: Any = None) -> None:
         """shared: (route, target, method, metadata) when sends to this loopback target may go
-        through shared memory (None: never)."""
+        through shared memory (None: never). proof: the call's services.security.CallProof, whose
+        reply the receiver must send before any frame goes out (None: nothing to check)."""
         self._call = call
+        self._proof = proof
         self._frame_bytes = frame_bytes
         self._shared = shared
         self._used_shm = False
@@ -308,6 +310,9 @@ class GrpcKVStream(KVStream):
         self._writer = asyncio.create_task(self._write_loop())
 
     async def _write_loop(self) -> None:
+        if self._proof is not None and not self._proof.verify(await self._call.initial_metadata()):
+            self._call.cancel()   # not a member of the deployment: it gets no KV
+            return
         while True:
             frame = await self._queue.get()
             if frame is None:
@@ -359,9 +364,14 @@ class GrpcKVStream(KVStream):
         except asyncio.TimeoutError as exc:
             await self.cancel()
             raise KVTransferError("DEADLINE_EXCEEDED", f"KV not acknowledged within {timeout}s") from exc
+        except asyncio.CancelledError:
+            if self._proof is None or self._proof.verify(await self._call.initial_metadata()):
+                raise
         finally:
             self._reap_writer()
             self._remove_segments()
+        if self._proof is not None and not self._proof.verify(await self._call.initial_metadata()):
+            raise KVTransferError("UNAUTHENTICATED", "the KV receiver did not prove it is a member of the deployment")
         if ack.blocks_received != self._blocks:
             raise KVTransferError("DATA_LOSS", f"receiver acknowledged {ack.blocks_received} of {self._blocks} blocks")
         return SendResult(ack.blocks_received, ack.bytes_received, time.perf_counter() - self._start)
@@ -395,9 +405,11 @@ class GrpcKVSender(KVSender):
     def __init__(self, channel_factory: Callable[[str], grpc.aio.Channel], *,
                  frame_bytes: int = DEFAULT_FRAME_BYTES, metadata: tuple[tuple[str, str], ...] = (),
                  shared_memory: bool = False, shared_memory_min_bytes: int = SHARED_MEMORY_MIN_BYTES,
-                 shared_memory_route: SharedMemoryRoute | None = None) -> None:
-        """metadata: sent on every stream (the cluster token, when the factory's channels do not
-        attach it themselves). shared_memory: payloads to a loopback target that shares our
+                 shared_memory_route: SharedMemoryRoute | None = None,
+                 proof: Callable[[str], Any] | None = None) -> None:
+        """metadata: sent on every stream. proof: method -> a fresh services.security.CallProof
+        for each stream (when the factory's channels do not prove membership themselves); the
+        receiver's reply is checked before any KV leaves. shared_memory: payloads to a loopback target that shares our
         memory, in sends of at least shared_memory_min_bytes, go through /dev/shm (or the route's
         directory and cap: shared_memory_route)."""
         route = shared_memory_route or SharedMemoryRoute(min_bytes=shared_memory_min_bytes)
@@ -407,6 +419,7 @@ class GrpcKVSender(KVSender):
             raise ValueError(f"kv frame_bytes must be in (0, {MAX_FRAME_BYTES}], got {frame_bytes}")
         self.frame_bytes = frame_bytes
         self.metadata = metadata
+        self.proof = proof
         self._channel_factory = channel_factory
         self._channels: dict[str, tuple[grpc.aio.Channel, Any]] = {}
 
@@ -422,11 +435,12 @@ class GrpcKVSender(KVSender):
     def open(self, target: str, request_id: str, transfer_token: bytes) -> KVStream:
         # wait_for_ready: a connection that is (re)establishing, say after this process was frozen,
         # is waited for instead of failing the stream; finish() bounds the whole transfer.
-        call = self._method(target)(wait_for_ready=True, metadata=self.metadata or None)
+        proof = self.proof(METHOD) if self.proof is not None else None
+        call = self._method(target)(wait_for_ready=True, metadata=(proof.metadata if proof else self.metadata) or None)
         shared = None
-        if self.route is not None and shared_memory.is_local(target):
-            shared = (self.route, target, self._method(target), self.metadata)
-        return GrpcKVStream(call, request_id, transfer_token, self.frame_bytes, shared)
+        if self.route is not None and shared_memory.is_local(target):   # the probe's own proof: each is used once
+            shared = (self.route, target, self._method(target), self.proof(METHOD).metadata if self.proof else self.metadata)
+        return GrpcKVStream(call, request_id, transfer_token, self.frame_bytes, shared, proof)
 
     async def close(self) -> None:
         if self.route is not None:
