@@ -60,6 +60,7 @@ from engine.sampling_params import MAX_LOGPROBS
 from engine.validation import validate_request
 from services.detokenizer import IncrementalDetokenizer
 from services.errors import RouterError
+from services.ports import reuse_port
 
 log = logging.getLogger(__name__)
 
@@ -861,6 +862,8 @@ async def start_http(servicer, host: str, port: int, served_model_name: str | Se
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port(port):   # reserved for us by `pdserve up` (services/ports.py)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
