@@ -269,7 +269,7 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
             http = await start_http(servicer, host, options.config.http_port,
                                     served_model_names(options.config, options.model), api_key,
                                     options.limits.max_http_body_bytes, tls=credentials.tls,
-                                    model_aliases=(Path(options.model).resolve().name,))
+                                    model_aliases=(Path(options.model).name, Path(options.model).resolve().name))
         interceptors = [api_key_interceptor(api_key)] if api_key else []
         server = await start_server([service_registration(router_pb2.DESCRIPTOR.services_by_name["Router"], servicer)],
                                     host, port, interceptors=interceptors,
