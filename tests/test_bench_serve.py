@@ -19,6 +19,7 @@ from bench.serve import (RequestResult, arrival_offsets, build_parser, calculate
                          percentile_key, send_request, Sampling)
 from bench.datasets import SampleRequest
 from pdserve.v1 import router_pb2
+from services.launcher import free_port
 from tests.serving import start_cluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -225,7 +226,10 @@ def test_jsonl_dataset(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_qwen3: str):
-    c = start_cluster(tiny_qwen3, prefill_workers=1, decode_workers=1)
+    """1P1D with the router's OpenAI HTTP API too (c.http_url), for --backend openai."""
+    http_port = free_port()
+    c = start_cluster(tiny_qwen3, prefill_workers=1, decode_workers=1, router_args=["--http-port", str(http_port)])
+    c.http_url = f"http://127.0.0.1:{http_port}"
     yield c
     c.stop()
 
@@ -294,3 +298,34 @@ def test_bench_serve_records_failures_and_sweeps(cluster, tmp_path: Path) -> Non
     assert [r["request_rate"] for r in rows] == [30.0, "inf"] and all(r["completed"] == 3 for r in rows)
     assert json.loads((tmp_path / "sw_rateinf.json").read_text())["max_concurrency"] == 2
     _assert_pngs(tmp_path / "sw_sweep.png", tmp_path / "sw_rate30_latency_cdf.png", tmp_path / "sw_rateinf_itl_over_time.png")
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat"])
+def test_bench_serve_over_the_openai_http_api(cluster, tiny_qwen3: str, tmp_path: Path, backend: str) -> None:
+    """The same load generator against pdserve's HTTP API (as against vLLM or SGLang): streaming SSE,
+    TTFT and ITL from chunk arrival, every request completed, token counts from the usage chunk."""
+    from bench.serve import main
+    n, in_len, out_len = 5, 16, 6
+    assert main(["--backend", backend, "--base-url", cluster.http_url + "/v1", "--model", tiny_qwen3,
+                 "--random-input-len", str(in_len), "--random-output-len", str(out_len), "--num-prompts", str(n),
+                 "--request-rate", "50", "--ignore-eos", "--save-result", "--result-dir", str(tmp_path),
+                 "--result-filename", "http.json", "--no-plot", "--no-progress"]) == 0
+    res = json.loads((tmp_path / "http.json").read_text())
+    assert res["backend"] == backend and res["base_url"] == cluster.http_url + "/v1"
+    assert res["completed"] == n and res["failed"] == 0 and res["errors"] == [""] * n
+    assert res["output_lens"] == [out_len] * n and res["finish_reasons"] == ["length"] * n
+    if backend == "openai":       # token-id prompts: exact lengths
+        assert res["input_lens"] == [in_len] * n
+    else:                         # decoded text in the chat template: the server's count
+        assert all(length > 0 for length in res["input_lens"])
+    for ttft, e2el, gaps in zip(res["ttfts"], res["e2els"], res["itls"]):
+        assert 0 < ttft < e2el and 1 <= len(gaps) <= out_len - 1
+        assert e2el >= ttft + sum(gaps) - 1e-6
+    # a wrong model name fails every request with the server's 404, recorded, not raised
+    assert main(["--backend", backend, "--base-url", cluster.http_url, "--model", "no-such-model",
+                 "--tokenizer", tiny_qwen3, "--num-prompts", "2", "--random-input-len", "4", "--random-output-len", "2",
+                 "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bad.json", "--no-plot",
+                 "--no-progress"]) == 0
+    bad = json.loads((tmp_path / "bad.json").read_text())
+    assert bad["completed"] == 0 and all(e.startswith("HTTP 404: The model `no-such-model` does not exist")
+                                         for e in bad["errors"]), bad["errors"]
