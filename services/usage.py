@@ -39,7 +39,7 @@ def check_model_dir(path: str, flag: str = "--model") -> str:
     """The checkpoint directory, or UsageError saying what is missing and how to fix it."""
     if looks_like_hub_id(path):
         raise UsageError(f"{flag} {path} looks like a Hugging Face Hub id, but pdserve reads local checkpoints "
-                         f"only: download it with `huggingface-cli download {path} --local-dir DIR` and pass "
+                         f"only: download it with `hf download {path} --local-dir DIR` and pass "
                          f"{flag} DIR")
     p = Path(path).expanduser()
     if not p.exists():

@@ -68,7 +68,7 @@ def test_model_that_is_a_hub_id(command: str, capsys) -> None:
     assert code == 2
     assert _one_error_line(err) == (
         "pdserve: error: --model Qwen/Qwen3-0.6B looks like a Hugging Face Hub id, but pdserve reads local "
-        "checkpoints only: download it with `huggingface-cli download Qwen/Qwen3-0.6B --local-dir DIR` and pass "
+        "checkpoints only: download it with `hf download Qwen/Qwen3-0.6B --local-dir DIR` and pass "
         "--model DIR")
 
 
