@@ -271,6 +271,19 @@ class Credentials:
 
 # ---- servers ----------------------------------------------------------------------------------
 
+class ProofCheck:
+    """The server side of a proof outside gRPC (a Ray actor's control method): a valid proof
+    for the method, fresh, and used once."""
+
+    def __init__(self, key: ClusterKey, window_s: float = PROOF_WINDOW_S) -> None:
+        self.key = key
+        self.nonces = _Nonces(int(window_s * 1000))
+
+    def verify(self, method: str, value: object) -> bool:
+        nonce = self.key.check(method, value) if isinstance(value, str) and value else None
+        return nonce is not None and self.nonces.admit(int(value.split(".")[1]), nonce, int(time.time() * 1000))
+
+
 class ClusterInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call without a valid, fresh, unused proof of the cluster token (health
     checks excepted), and proves itself in the initial metadata of the calls it lets through."""
@@ -367,14 +380,21 @@ def unproven_error(method: str, initial_metadata: Any = None) -> grpc.aio.AioRpc
                                 details=f"{method}: the server did not prove it is a member of the deployment")
 
 
+# What a call ends with, unproven, that is no claim of its server: the transport's own failures,
+# and a member's refusal of our proof (sent before it proves anything).
+_UNPROVEN_PASS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                  grpc.StatusCode.UNAUTHENTICATED)
+
+
 async def checked_call(call: Any, proof: CallProof, method: str) -> Any:
     """call, once its server's initial metadata proves membership; a call that failed before
-    sending any (unreachable, refused) is returned as it is, its status saying why. Otherwise
-    the call is cancelled and AioRpcError(UNAUTHENTICATED) raised: nothing it sent is read."""
+    any (unreachable, refused) is returned as it is, its status saying why. Otherwise the call
+    is cancelled and AioRpcError(UNAUTHENTICATED) raised: nothing it sent is read, nor any
+    status it claimed (UNIMPLEMENTED, RESOURCE_EXHAUSTED...)."""
     metadata = await call.initial_metadata()
     if proof.verify(metadata):
         return call
-    if call.done() and await call.code() != grpc.StatusCode.OK:
+    if call.done() and await call.code() in _UNPROVEN_PASS:
         return call
     call.cancel()
     raise unproven_error(method, metadata)
