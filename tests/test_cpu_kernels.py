@@ -337,7 +337,8 @@ def test_native_prefill_attention_greedy_matches_hf(tiny_d64: str, monkeypatch: 
     after a cached prefix) go through the native kernel and greedy tokens equal HF's."""
     prefix = random_prompts(1, 40, 40, seed=21)[0]
     prompts = random_prompts(4, 3, 90, seed=20) + [prefix + t for t in random_prompts(3, 2, 30, seed=22)]
-    llm = LLM(tiny_d64, dtype="float32", block_size=8, num_kv_blocks=256, max_num_batched_tokens=64)
+    llm = LLM(tiny_d64, dtype="float32", block_size=8, num_kv_blocks=256, max_num_batched_tokens=64,
+              batch_invariant=False)   # (batch-invariant mode attends through the decode kernel)
     assert llm.engine.runner.backend.name == "native-cpu"
     starts = _count_prefill_calls(monkeypatch)
     outs = llm.generate(prompts[:5], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -357,7 +358,7 @@ def test_native_prefill_attention_over_bf16_cache_matches_torch_backend(tiny_d64
     logits, tokens = [], []
     for native in (True, False):
         llm = LLM(tiny_d64, dtype="bfloat16", compute_dtype="float32", block_size=8, num_kv_blocks=64,
-                  max_num_batched_tokens=48)
+                  max_num_batched_tokens=48, batch_invariant=False)
         runner = llm.engine.runner
         assert runner.backend.name == "native-cpu"
         starts = _count_prefill_calls(monkeypatch)
@@ -384,7 +385,7 @@ def test_fused_decode_step_equals_layer_by_layer(tiny_qwen3: str) -> None:
     logits, used = [], []
     for fused in (True, False):
         llm = LLM(tiny_qwen3, dtype="bfloat16", compute_dtype="bfloat16", block_size=8, num_kv_blocks=64,
-                  num_threads=1)
+                  num_threads=1, batch_invariant=False)
         runner = llm.engine.runner
         if runner.backend.name != "native-cpu" or not cpu_kernels.amx_available():
             pytest.skip("no native AMX kernels on this machine")
@@ -422,7 +423,7 @@ def test_w8a16_native_matches_torch_backend_in_bf16(tiny_qwen3: str) -> None:
     logits = []
     for native in (True, False):
         llm = LLM(tiny_qwen3, dtype="bfloat16", compute_dtype="bfloat16", quantization="w8a16", block_size=8,
-                  num_kv_blocks=64, num_threads=1)
+                  num_kv_blocks=64, num_threads=1, batch_invariant=False)   # the tuned paths, as on AMX
         runner = llm.engine.runner
         if native and runner.backend.name != "native-cpu":
             pytest.skip("no native kernels on this machine")

@@ -1,0 +1,197 @@
+"""Batch-invariant mode (EngineConfig.batch_invariant, on by default): a sequence's greedy tokens,
+and the logits under them bit for bit, do not depend on the batch around it.
+
+The matrix of issue 19: 20 prompts each alone and in batches of 2, 7, 20 and 32, under two chunk
+budgets, in the default compute dtype and with bfloat16 forced (in process, comparing tokens and
+the sampled tokens' logprobs exactly); a prompt continued from its own generated tokens (a
+migration's re-prefill: KV and logits computed by a prefill step equal those of the decode steps);
+then over real processes, colocated and disaggregated, 20 concurrent requests each, and through a
+migration forced by killing the decode worker mid-stream."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.layers import cpu_kernels
+from engine.layers.linear import Linear
+from services.client import AsyncClient
+from tests.conftest import random_prompts
+from tests.faults.harness import observe, wait_for
+from tests.serving import assert_blocks_at_baseline, start_cluster, worker_status
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.bf16_linear_available(),
+                                reason="batch-invariant mode needs the native CPU kernels (AVX2 or AVX-512)")
+
+PROMPTS = random_prompts(20, 5, 80, seed=19)
+FILLERS = random_prompts(12, 5, 80, seed=1919)    # batch members beside the 20 (a batch of 32)
+MAX_NEW = 24
+MIGRATION_PROMPT, MIGRATION_NEW = random_prompts(1, 40, 40, seed=1920)[0], 240
+BATCHES = (2, 7, 20, 32)
+BUDGETS = (16, 512)                               # chunked prefill (prompts split) and whole prompts
+DTYPES = ("auto", "bfloat16")                     # auto: float32 on CPUs without fast bf16 GEMMs
+ENGINE = dict(dtype="float32", block_size=8, num_kv_blocks=1024, max_num_seqs=32)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+
+
+def _engine_args(compute_dtype: str, budget: int) -> list[str]:
+    return ["--block-size", "8", "--num-kv-blocks", "1024", "--dtype", "float32", "--compute-dtype", compute_dtype,
+            "--max-num-batched-tokens", str(budget)]
+
+
+def _key(out) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Greedy tokens and the logprob of each: equal logprobs mean equal logits rows, in practice."""
+    return tuple(out.token_ids), tuple(lp.logprob for lp in out.logprobs)
+
+
+@functools.lru_cache(maxsize=None)
+def _llm(compute_dtype: str, budget: int) -> LLM:
+    llm = LLM(PROMPTS_MODEL[0], compute_dtype=compute_dtype, max_num_batched_tokens=budget, **ENGINE)
+    assert llm.engine.runner.batch_invariant, "batch-invariant mode not in force"
+    return llm
+
+
+PROMPTS_MODEL: list[str] = []   # the tiny model's path, set by the fixture below (lru_cache keys stay small)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_qwen3: str) -> str:
+    PROMPTS_MODEL[:] = [tiny_qwen3]
+    yield tiny_qwen3
+    _llm.cache_clear()
+    _reference.cache_clear()
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(compute_dtype: str) -> list[tuple]:
+    """Each prompt alone, under the first budget: what every other run must reproduce."""
+    llm = _llm(compute_dtype, BUDGETS[0])
+    return [_key(llm.generate([p], GREEDY)[0]) for p in PROMPTS]
+
+
+def _batched(llm: LLM, size: int) -> list[tuple]:
+    """The 20 prompts in batches of size (the last ones topped up with fillers)."""
+    outs: list[tuple] = []
+    for i in range(0, len(PROMPTS), size):
+        group = PROMPTS[i:i + size]
+        outs += [_key(o) for o in llm.generate(group + FILLERS[:size - len(group)], GREEDY)[:len(group)]]
+    return outs
+
+
+def _differing(got: list[tuple], want: list[tuple]) -> list[int]:
+    return [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+
+
+# ---- the kernels ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("weights", ["float32", "bf16-values", "bfloat16", "w8a16"])
+def test_linear_row_does_not_depend_on_the_rows_beside_it(weights: str) -> None:
+    """Every row count (1 to past the bf16-weight kernel's 32 and the chunk of 192) and every
+    offset gives a row the same bits as computing it alone; within float32 rounding of F.linear."""
+    g = torch.Generator().manual_seed(0)
+    lin = Linear(96, [40, 60], bias=True)   # 100 outputs: padded to 128 columns
+    w = torch.randn(100, 96, generator=g)
+    dtype = torch.bfloat16 if weights == "bfloat16" else torch.float32
+    lin.weight.data = (w.to(torch.bfloat16).float() if weights == "bf16-values" else w).to(dtype)
+    lin.bias.data = torch.randn(100, generator=g).to(dtype)
+    if weights == "w8a16":
+        lin.quantize_w8a16()
+    assert lin.pack_invariant()
+    x = torch.randn(400, 96, generator=g).to(dtype)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(40)])
+    for m in (2, 7, 20, 32, 33, 200, 400):
+        assert torch.equal(lin(x[:m])[:40], alone[:min(m, 40)]), m
+    assert torch.equal(lin(x[5:37]), alone[5:37])   # another offset
+    x3 = torch.randn(3, 96, generator=torch.Generator().manual_seed(1)).to(dtype)
+    tol = 2e-2 if dtype == torch.bfloat16 or weights == "w8a16" else 1e-4
+    ref = torch.nn.functional.linear(x3.float(), (lin.qweight.float() * lin.scale.float()[:, None]) if lin.qweight
+                                     is not None else lin.weight.float(), lin.bias.float())
+    assert torch.allclose(lin(x3).float(), ref, rtol=tol, atol=tol)
+
+
+# ---- in process: the matrix -------------------------------------------------------------------
+
+@pytest.mark.parametrize("compute_dtype", DTYPES)
+def test_alone_batched_and_chunked_give_the_same_logits(model: str, compute_dtype: str) -> None:
+    ref = _reference(compute_dtype)
+    failures = {}
+    for budget in BUDGETS:
+        llm = _llm(compute_dtype, budget)
+        if budget != BUDGETS[0]:
+            failures[(budget, 1)] = _differing([_key(llm.generate([p], GREEDY)[0]) for p in PROMPTS], ref)
+        for size in BATCHES:
+            failures[(budget, size)] = _differing(_batched(llm, size), ref)
+    assert not any(failures.values()), {k: v for k, v in failures.items() if v}
+
+
+@pytest.mark.parametrize("compute_dtype", DTYPES)
+def test_reprefill_of_generated_tokens_equals_their_decode(model: str, compute_dtype: str) -> None:
+    """A migration re-prefills prompt + generated tokens: the prefill step's logits of the last
+    of them must be the decode step's, and so must the KV it leaves for the rest."""
+    ref = _reference(compute_dtype)
+    llm = _llm(compute_dtype, BUDGETS[1])
+    cut = 10
+    continued = [p + list(r[0][:cut]) for p, r in zip(PROMPTS, ref)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW - cut, ignore_eos=True, logprobs=0)
+    outs = [_key(o) for o in llm.generate(continued, params)]
+    assert _differing(outs, [(r[0][cut:], r[1][cut:]) for r in ref]) == []
+
+
+# ---- real processes ---------------------------------------------------------------------------
+
+async def _generate_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
+    async with AsyncClient(address, timeout=120) as client:
+        outs = await asyncio.gather(*(client.generate(p, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+                                      for p in prompts))
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("compute_dtype", DTYPES)
+def test_colocated_serving_equals_alone(model: str, compute_dtype: str) -> None:
+    """One colocated worker, chunk budget 16: 20 concurrent requests batch and chunk as they arrive."""
+    want = [list(r[0]) for r in _reference(compute_dtype)]
+    cluster = start_cluster(model, prefill_workers=0, decode_workers=0, colocated_workers=1,
+                            engine_args=_engine_args(compute_dtype, BUDGETS[0]))
+    try:
+        got = asyncio.run(_generate_all(cluster.router_address, PROMPTS))
+        assert _differing(got, want) == []
+        assert_blocks_at_baseline(cluster)
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("compute_dtype", DTYPES)
+def test_disaggregated_serving_and_migration_equal_alone(model: str, compute_dtype: str) -> None:
+    """1 prefill + 2 decode workers, budget 512: 20 concurrent requests; then a long request whose
+    decode worker is killed mid-stream finishes elsewhere (a re-prefill of prompt + generated
+    tokens) with exactly the tokens of the request alone in process."""
+    want = [list(r[0]) for r in _reference(compute_dtype)]
+    migration_want = _llm(compute_dtype, BUDGETS[0]).generate(
+        [MIGRATION_PROMPT], SamplingParams(temperature=0.0, max_tokens=MIGRATION_NEW, ignore_eos=True))[0].token_ids
+    cluster = start_cluster(model, prefill_workers=1, decode_workers=2,
+                            engine_args=_engine_args(compute_dtype, BUDGETS[1]),
+                            router_args=["--stall-timeout-s", "3", "--worker-wait-s", "20", "--migration-limit", "3"])
+    try:
+        got = asyncio.run(_generate_all(cluster.router_address, PROMPTS))
+        assert _differing(got, want) == []
+        obs = observe(cluster.router_address, MIGRATION_PROMPT, MIGRATION_NEW)
+        wait_for(lambda: len(obs.tokens) >= 8 or obs.done.is_set(), 60, "8 tokens")
+        decoders = [p for p in cluster.processes if p.name.startswith("decode")]
+        victim = next((p for p in decoders if worker_status(cluster, p.address).num_running), None)
+        assert victim is not None and not obs.done.is_set(), "the request finished before the fault"
+        os.kill(victim.popen.pid, signal.SIGKILL)
+        assert obs.done.wait(90), "the request hung after its decode worker was killed"
+        assert obs.code is None, (obs.code, obs.details)
+        assert obs.migrations >= 1
+        assert obs.tokens == migration_want
+        survivors = [p.address for p in cluster.processes if p.name != "router" and p is not victim]
+        wait_for(lambda: all(s.num_free_blocks == s.num_total_blocks
+                             for s in (worker_status(cluster, a) for a in survivors)),
+                 30, "free blocks back at baseline on the surviving workers")
+    finally:
+        cluster.stop()
