@@ -153,7 +153,7 @@ def served(tiny_qwen3: str, tmp_path_factory):
             lines.append(line)
             if time.monotonic() > deadline:
                 raise AssertionError(f"pdserve serve not up after {UP_TIMEOUT_S}s:\n{''.join(lines)}")
-        yield f"http://127.0.0.1:{http_port}", "".join(lines)
+        yield f"http://127.0.0.1:{http_port}", "".join(lines), f"127.0.0.1:{grpc_port}"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -165,20 +165,20 @@ def served(tiny_qwen3: str, tmp_path_factory):
 
 
 def test_serve_prints_the_served_name_and_urls(served) -> None:
-    base, output = served
+    base, output, _ = served
     assert f"OpenAI-compatible HTTP API at {base}/v1, model name 'models/tiny'" in output
     assert f"curl {base}/v1/completions" in output and '"model": "models/tiny"' in output
 
 
 def test_models_lists_the_name_as_given(served) -> None:
-    base, _ = served
+    base, _, _ = served
     models = json.loads(urllib.request.urlopen(f"{base}/v1/models", timeout=30).read())
     assert [m["id"] for m in models["data"]] == ["models/tiny"]
 
 
 def test_openai_client_with_the_model_path_and_its_basename(served, tiny_qwen3: str) -> None:
     openai = pytest.importorskip("openai")
-    base, _ = served
+    base, _, _ = served
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=60, max_retries=0)
     by_path = client.completions.create(model="models/tiny", prompt="Once upon a time", max_tokens=5,
                                         temperature=0, extra_body={"ignore_eos": True})
@@ -193,3 +193,17 @@ def test_openai_client_with_the_model_path_and_its_basename(served, tiny_qwen3: 
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="models/other", prompt="x", max_tokens=2)
     assert err.value.status_code == 404 and err.value.body["code"] == "model_not_found"
+
+
+def test_cli_startup_benchmark_runs(served, tmp_path: Path) -> None:
+    """bench/cli_startup.py's paths at one run each (its numbers belong on a quiet machine)."""
+    _, _, router = served
+    out = tmp_path / "startup.json"
+    res = subprocess.run([sys.executable, "bench/cli_startup.py", "--router", router, "--runs", "1", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    numbers = json.loads(out.read_text())
+    assert numbers["generate"]["first_output_best_s"] is not None
+    for what in ("help", "generate", "unreachable"):
+        assert 0 < numbers[what]["best_s"] < 120, what
+    assert "pdserve --help" in res.stdout and "nothing there" in res.stdout
