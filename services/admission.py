@@ -18,22 +18,25 @@ RATE_WINDOW_S = 30.0
 
 
 class AdmissionQueue:
-    def __init__(self, max_waiting: int) -> None:
+    def __init__(self, max_waiting: int, rate_window_s: float = RATE_WINDOW_S) -> None:
         if max_waiting < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_waiting}")
         self.max_waiting = max_waiting
+        self.rate_window_s = rate_window_s
         self._queue: collections.deque[asyncio.Event] = collections.deque()
         self._admitted: collections.deque[float] = collections.deque()   # recent admission times
 
     def __len__(self) -> int:
         return len(self._queue)
 
+    def _prune(self, now: float) -> None:
+        while self._admitted and now - self._admitted[0] > self.rate_window_s:
+            self._admitted.popleft()
+
     def retry_after_s(self) -> float:
         """How long a refused caller should wait: the queue's length over the recent admission rate."""
-        now = time.monotonic()
-        while self._admitted and now - self._admitted[0] > RATE_WINDOW_S:
-            self._admitted.popleft()
-        rate = len(self._admitted) / RATE_WINDOW_S
+        self._prune(time.monotonic())
+        rate = len(self._admitted) / self.rate_window_s
         return min(60.0, max(1.0, len(self._queue) / rate if rate else 5.0))
 
     def full_error(self) -> RouterError:
@@ -57,7 +60,9 @@ class AdmissionQueue:
                 raise RouterError("RESOURCE_EXHAUSTED", f"no decode capacity within {timeout:g}s "
                                   f"({len(self._queue) - 1} requests ahead)", retry_after_s=self.retry_after_s()) from None
             yield
-            self._admitted.append(time.monotonic())
+            now = time.monotonic()
+            self._prune(now)   # at every admission: the record holds the last window, never more
+            self._admitted.append(now)
         finally:
             was_head = bool(self._queue) and self._queue[0] is me
             self._queue.remove(me)

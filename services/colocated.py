@@ -4,6 +4,7 @@
 router has it prefill a prompt itself, as chunks of its mixed steps)."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import AsyncIterator
 
@@ -12,6 +13,7 @@ import grpc
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.async_engine import AsyncEngine
 from services.convert import first_token_proto, logprobs_to_proto, params_from_proto
+from services.prefill import HEARTBEAT_S
 from services.worker_state import WorkerState
 
 
@@ -28,8 +30,11 @@ class ColocatedHandler(worker_pb2_grpc.ColocatedWorkerServicer):
 
 
 async def generate_local(aengine: AsyncEngine, state: WorkerState, request: worker_pb2.GenerateLocalRequest,
-                         context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateLocalEvent]:
-    """Prefill the prompt on this engine and decode it: one FirstToken, then DecodeEvents."""
+                         context: grpc.aio.ServicerContext, heartbeat_s: float = HEARTBEAT_S
+                         ) -> AsyncIterator[worker_pb2.GenerateLocalEvent]:
+    """Prefill the prompt on this engine and decode it: Progress heartbeats while it waits for its
+    first token (a long queue is not a fault: the router's stall watchdog sees them), one
+    FirstToken, then DecodeEvents."""
     await state.refuse_if_draining(context)
     try:
         stream = aengine.add(request.request_id, request.prompt_token_ids, params_from_proto(request.params),
@@ -40,7 +45,11 @@ async def generate_local(aengine: AsyncEngine, state: WorkerState, request: work
         async with stream:
             first = True
             while True:
-                out = (await stream.get()).output
+                try:   # until the first token, say every heartbeat_s that the request is still here
+                    out = (await stream.get(timeout=heartbeat_s if first else None)).output
+                except asyncio.TimeoutError:   # queued behind others, or a long prefill
+                    yield worker_pb2.GenerateLocalEvent(progress=worker_pb2.Progress())
+                    continue
                 if out.finish_reason == "abort":
                     event = worker_pb2.DecodeEvent(finished=True, finish_reason="abort")
                     yield worker_pb2.GenerateLocalEvent(decode=event)

@@ -43,6 +43,8 @@ from services.worker_pool import NoWorker, WorkerHandle, WorkerPool
 log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 10.0           # unary internal calls (Reserve, Abort)
+DEADLINE_MARGIN_S = 0.5        # a request waiting for a worker gives up this long before its deadline,
+                               # so that its client hears why (UNAVAILABLE) rather than DEADLINE_EXCEEDED
 # Worker answers that are the request's own fault (never retried elsewhere).
 REQUEST_ERRORS = {"INVALID_ARGUMENT", "OUT_OF_RANGE", "UNAUTHENTICATED", "PERMISSION_DENIED", "UNIMPLEMENTED"}
 
@@ -59,8 +61,11 @@ class GenerationOptions:
         "help": "requests waiting for decode capacity; more are refused at once with a retry hint"})
     kv_lease_ms: int = field(default=0, metadata={
         "help": "idle KV lease asked for each reservation (0: the decode worker's default)"})
-    worker_wait_s: float = field(default=5.0, metadata={
-        "help": "with no healthy worker of a role, wait this long for one (a restart) before failing"})
+    worker_wait_s: float = field(default=60.0, metadata={
+        "help": "a role with no healthy worker (a restart) holds the requests that need it for at most this long, "
+                "counted from when its last worker was lost, and every waiter by the same time (or its own "
+                "deadline, sooner); then they fail UNAVAILABLE. `pdserve up` sets it from its workers' measured "
+                "restart time", "aliases": ("--worker-wait",)})
     routing: str = field(default="kv-aware", metadata={
         "help": "how workers are chosen: kv-aware (by estimated cost to serve: uncached prompt tokens, from the "
                 "workers' prefix-cache events, queue and running load, KV blocks to ship) or load (fewest in "
@@ -93,7 +98,7 @@ class GenerationOptions:
         for name in ("migration_limit", "max_queued_requests", "kv_lease_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("stall_timeout_s", "queue_timeout_s"):
+        for name in ("stall_timeout_s", "queue_timeout_s", "worker_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -136,6 +141,7 @@ class Generation:
     workers: set[WorkerHandle] = field(default_factory=set)   # where it may hold state now
     failed: set[str] = field(default_factory=set)              # workers it left after a fault
     aborted: bool = False
+    deadline: float | None = None      # the client's own deadline (monotonic), when it gave one
 
     @property
     def worker_request_id(self) -> str:
@@ -156,12 +162,13 @@ class Generator:
         self._background: set[asyncio.Task] = set()   # prefill followers and aborts in flight
 
     # ---- public ---------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams
-                       ) -> AsyncIterator[tuple[Chunk, Generation]]:
-        """Chunks of new tokens; the last has a finish_reason. Raises RouterError."""
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       deadline: float | None = None) -> AsyncIterator[tuple[Chunk, Generation]]:
+        """Chunks of new tokens; the last has a finish_reason. Raises RouterError. deadline: the
+        client's (time.monotonic()), which bounds its wait for a restarting worker."""
         if request_id in self.active:
             raise RouterError("INVALID_ARGUMENT", f"request_id {request_id!r} is already in flight")
-        gen = Generation(request_id, prompt, params, Timing(time.perf_counter()))
+        gen = Generation(request_id, prompt, params, Timing(time.perf_counter()), deadline=deadline)
         self.active[request_id] = gen
         try:
             while True:
@@ -238,6 +245,11 @@ class Generator:
             await self.pool.wait_changed(deadline - loop.time())
 
     async def _disaggregated(self, gen: Generation) -> AsyncIterator[Chunk]:
+        # A role restarting: wait here, every request on its own clock, rather than at the head of
+        # the admission queue (one at a time) or holding a decode reservation whose lease may lapse.
+        await self._await_role(gen, "decode")
+        if not self.placement.conditional:   # conditional: with no prefill worker it prefills locally
+            await self._await_role(gen, "prefill")
         keys = self._keys(gen)
         n_tokens = len(gen.prompt) + len(gen.generated)
         loop = asyncio.get_running_loop()
@@ -277,7 +289,7 @@ class Generator:
         if not gen.generated:
             t.decode_cached_tokens = len(reservation.held_block_hashes) * (self.placement.block_size or 0)
         with self.pool.placed(decode):
-            prefill, _ = await self._pick(lambda: self.placement.pick_prefill(keys, n_tokens, gen.failed))
+            prefill, _ = await self._pick(gen, lambda: self.placement.pick_prefill(keys, n_tokens, gen.failed))
             prefill.index.note_routed(keys)
             gen.workers.add(prefill)
             with self.pool.placed(prefill, self.placement.uncached(prefill, keys, n_tokens)):
@@ -367,14 +379,14 @@ class Generator:
             raise self.admission.full_error()
         keys = self._keys(gen)
         n_tokens = len(gen.prompt) + len(gen.generated)
-        route = (await self._pick(lambda: self.placement.decode_routes(keys, n_tokens, gen.params.max_tokens,
-                                                                       gen.failed)))[0]
+        def best() -> Route:
+            return self.placement.decode_routes(keys, n_tokens, gen.params.max_tokens, gen.failed)[0]
+        route = await self._pick(gen, best)
         if self._prefix_in_flight(route, keys):
             self.metrics.prefix_waits.inc()
             await self._await_prefix_in_flight(gen, keys, n_tokens,
                                                asyncio.get_running_loop().time() + self.options.stall_timeout_s)
-            route = (await self._pick(lambda: self.placement.decode_routes(keys, n_tokens, gen.params.max_tokens,
-                                                                           gen.failed)))[0]
+            route = await self._pick(gen, best)
         worker = route.decode
         gen.workers.add(worker)
         if not gen.generated:
@@ -398,6 +410,8 @@ class Generator:
                 request_id=gen.worker_request_id, prompt_token_ids=gen.prompt, output_token_ids=gen.generated,
                 params=params_to_proto(gen.params)))
             async for event in self._events(call, worker, gen):
+                if event.HasField("progress"):   # queued or prefilling there: alive (the watchdog saw it)
+                    continue
                 if event.HasField("first_token"):
                     first = event.first_token
                     queued.close()
@@ -442,8 +456,8 @@ class Generator:
         t0 = time.perf_counter()
         async with self.admission.turn(self.options.queue_timeout_s):
             while True:
-                routes = await self._pick(lambda: self.placement.decode_routes(keys, n_tokens, gen.params.max_tokens,
-                                                                               gen.failed))
+                routes = await self._pick(gen, lambda: self.placement.decode_routes(
+                    keys, n_tokens, gen.params.max_tokens, gen.failed))
                 for route in routes:
                     worker = route.decode
                     bs = worker.status.block_size if worker.status and worker.status.block_size else 1
@@ -481,18 +495,34 @@ class Generator:
                                       retry_after_s=self.admission.retry_after_s())
                 await self.pool.wait_changed(remaining)
 
-    async def _pick(self, pick):
-        """pick() from the pool; with no healthy worker, wait up to worker_wait_s for one."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.options.worker_wait_s
+    async def _pick(self, gen: Generation, pick):
+        """pick() from the pool. With no healthy worker of the role, wait for one to come back (a
+        restart): until worker_wait_s after the role lost its last worker (the same time for every
+        waiter), or until just before the request's own deadline; then fail UNAVAILABLE."""
         while True:
             try:
                 return pick()
             except NoWorker as exc:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise RouterError("UNAVAILABLE", str(exc)) from None
-                await self.pool.wait_changed(remaining)
+                now = time.monotonic()
+                since = self.pool.outage_started(exc.role)
+                since = now if since is None else since
+                until = since + self.options.worker_wait_s
+                own = gen.deadline is not None and gen.deadline - DEADLINE_MARGIN_S < until
+                if own:
+                    until = gen.deadline - DEADLINE_MARGIN_S
+                if now >= until:
+                    why = ("before this request's deadline" if own else
+                           f"within worker_wait_s={self.options.worker_wait_s:g}s of losing the last one")
+                    raise RouterError("UNAVAILABLE", f"{exc}: none for {now - since:.1f}s, and none came back "
+                                                     f"{why}") from None
+                await self.pool.wait_changed(until - now)
+
+    async def _await_role(self, gen: Generation, role: str) -> None:
+        """Wait (as _pick) until the role has a healthy worker."""
+        def check() -> None:
+            if not self.pool.healthy(role):
+                raise NoWorker(role)
+        await self._pick(gen, check)
 
     async def _events(self, call, worker: WorkerHandle, gen: Generation):
         """A worker stream under the progress watchdog. Faults become WorkerFailure; an abort

@@ -14,9 +14,11 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -38,6 +40,12 @@ PARENT_PID_ENV = "PDSERVE_PARENT_PID"
 PROBE_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                  ("grpc.max_reconnect_backoff_ms", 500)]
 RESTART_BACKOFF_S = (1.0, 30.0)     # first and largest delay before restarting a dead child
+SUPERVISE_POLL_S = 0.2              # how often the supervisor looks for dead children
+# The router holds requests for a restarting worker (its --worker-wait-s) for the first backoff,
+# a poll, and the slowest worker's measured start-up RESTART_SLOWDOWN times over (a restart
+# competes with the serving ones for the cores) plus RESTART_SLACK_S.
+RESTART_SLOWDOWN = 2.0
+RESTART_SLACK_S = 5.0
 STABLE_S = 60.0                     # a child up this long has its backoff reset
 
 
@@ -129,6 +137,7 @@ class Process:
     metrics_address: str | None = None
     restarts: int = 0
     started_at: float = 0.0
+    start_s: float = 0.0               # how long its last start took to SERVING
     next_start: float = 0.0
     log_path: str | None = None        # the child's stdout and stderr go here (None: inherited)
     cpus: set[int] | None = None       # cores it runs on (None: any)
@@ -137,7 +146,7 @@ class Process:
         if self.log_path is None:
             self.popen = subprocess.Popen(self.cmd, env=self.env, start_new_session=True)
         else:
-            with open(self.log_path, "ab") as log:   # appended: restarts keep the earlier output
+            with open_log(self.log_path) as log:   # appended: restarts keep the earlier output
                 self.popen = subprocess.Popen(self.cmd, env=self.env, start_new_session=True, stdout=log,
                                               stderr=subprocess.STDOUT)
         if self.cpus:
@@ -154,7 +163,7 @@ class Process:
         if self.log_path is None:
             return ""
         try:
-            with open(self.log_path, "rb") as f:
+            with os.fdopen(os.open(self.log_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - 16384))
                 text = f.read().decode(errors="replace")
@@ -165,6 +174,23 @@ class Process:
     @property
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
+
+
+def open_log(path: str):
+    """A child's log file, opened to append: created private (0600), and never through a symbolic
+    link or onto anything but a regular file, so that a link planted in the log directory cannot
+    make the supervisor write (or truncate, or block on) another file. OSError naming the path."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o600)
+    except OSError as exc:
+        why = "is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        raise OSError(exc.errno, f"log file {path} {why}: not written") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"log file {path} is not a regular file: not written")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "ab")
 
 
 def die_with_parent() -> None:
@@ -328,7 +354,7 @@ class Cluster:
         s = self.spec
         self._check_ports()
         if s.log_dir:
-            os.makedirs(s.log_dir, exist_ok=True)
+            os.makedirs(s.log_dir, mode=0o700, exist_ok=True)
         worker_args = ["--model", s.model, "--num-threads", str(s.threads_per_worker),
                        "--drain-timeout-s", str(s.drain_timeout_s), *s.engine_args, *s.worker_args]
         try:
@@ -344,6 +370,8 @@ class Cluster:
             workers = list(self.processes)
             self._wait_all(workers, timeout, progress, f"starting {len(workers)} worker(s) (loading the model)")
             router_args = ["router", "--model", s.model, "--drain-timeout-s", str(s.drain_timeout_s), *s.router_args]
+            if not {"--worker-wait-s", "--worker-wait"} & {a.split("=")[0] for a in s.router_args}:   # unless given
+                router_args += ["--worker-wait-s", f"{self.restart_wait_s(workers):.1f}"]
             for role, flag in (("prefill", "--prefill"), ("decode", "--decode"), ("both", "--colocated")):
                 if groups.get(role):
                     router_args += [flag, ",".join(groups[role])]
@@ -375,6 +403,7 @@ class Cluster:
                             raise RuntimeError(f"{name} exited with code {p.popen.returncode} during start-up"
                                                + (f"; the end of {p.log_path}:\n{tail}" if tail else ""))
                         if probe_serving(stubs[name]):
+                            p.start_s = time.monotonic() - p.started_at
                             del pending[name]
                             if step is not None and len(procs) > 1:
                                 progress.say(f"{name} is up at {p.address} ({step.elapsed:.1f}s)")
@@ -388,6 +417,13 @@ class Cluster:
         finally:
             for ch in channels.values():
                 ch.close()
+
+    @staticmethod
+    def restart_wait_s(workers: list[Process]) -> float:
+        """How long a restart of one of these workers takes at most, as far as the supervisor
+        knows: what the router waits for a role that lost its last worker."""
+        slowest = max((p.start_s for p in workers), default=0.0)
+        return RESTART_BACKOFF_S[0] + SUPERVISE_POLL_S + RESTART_SLOWDOWN * slowest + RESTART_SLACK_S
 
     def describe(self) -> str:
         lines = []
@@ -448,7 +484,11 @@ class Cluster:
             elif now >= p.next_start:
                 p.restarts += 1
                 p.next_start = 0.0
-                p.start()
+                try:
+                    p.start()
+                except OSError as exc:   # its log file cannot be opened: tried again after the next backoff
+                    events.append(f"{p.name} not restarted: {exc}")
+                    continue
                 events.append(f"{p.name} restarted (pid {p.popen.pid})")
         return events
 
@@ -463,7 +503,7 @@ class Cluster:
                     dead = next(p for p in self.processes if not p.alive)
                     print(f"pdserve: {dead.name} exited with code {dead.popen.returncode}; stopping", flush=True)
                     return 1
-                time.sleep(0.2)
+                time.sleep(SUPERVISE_POLL_S)
             return 0
         finally:
             self.stop()

@@ -134,7 +134,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.metrics.num_requests_running.inc()
         finished = False
         try:
-            async for chunk, gen in self.generator.generate(parsed.request_id, parsed.prompt, parsed.params):
+            remaining = context.time_remaining()   # the client's deadline, if it set one
+            deadline = time.monotonic() + remaining if remaining is not None else None
+            async for chunk, gen in self.generator.generate(parsed.request_id, parsed.prompt, parsed.params,
+                                                            deadline):
                 now = time.perf_counter()
                 if chunk.token_ids:
                     self._observe_tokens(gen, len(chunk.token_ids), now)

@@ -104,7 +104,7 @@ class Placement:
         """The prefill worker to use and its estimated cost (ms). Raises NoWorker."""
         healthy = [w for w in self.pool.healthy("prefill") if w.address not in exclude] or self.pool.healthy("prefill")
         if not healthy:
-            raise NoWorker("no healthy prefill worker")
+            raise NoWorker("prefill")
         if not self.kv_aware:
             best = min(healthy, key=lambda w: w.inflight_prompt_tokens + (w.status.num_queued_prompt_tokens
                                                                           if w.status else 0))

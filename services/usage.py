@@ -6,9 +6,10 @@ command line), 1 for a runtime failure (the router is unreachable, a deployment 
 """
 from __future__ import annotations
 
-import logging
 import re
 from pathlib import Path
+
+from services.log_format import configure as _configure_logging
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -66,4 +67,5 @@ def parse_log_level(text: str) -> str:
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    """The root logger at level; control characters in messages escaped (services/log_format.py)."""
+    _configure_logging(level)

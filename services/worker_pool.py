@@ -5,7 +5,9 @@ A worker is healthy while its status stream delivers (it sends at least every se
 stream silent for ``stale_s`` counts as a frozen worker) and it is not draining. A broken
 stream is retried at once and then every ``retry_s``, so a restarted worker is used again
 within a second; a resolver (Ray) may supply a restarted worker's new address. Every status
-change wakes ``changed`` waiters: the admission queue and the router's health.
+change wakes ``changed`` waiters: the admission queue and the router's health. A role left
+with no healthy worker has an outage start (``outage_started``): requests waiting for one of
+its workers to come back are bounded from that moment, all of them by the same time.
 
 With ``watch_kv`` each worker's prefix-cache keys stream in too (``WatchKVEvents``) and keep
 its ``index`` (services/kv_index.py) for KV-aware routing; a broken stream empties the index
@@ -42,6 +44,7 @@ class WorkerHandle:
     inflight: int = 0                          # requests the router has on it now
     inflight_prompt_tokens: int = 0
     last_seen: float = 0.0
+    healthy_at: float | None = None            # when it was last heard healthy (monotonic)
     index: PrefixIndex = field(default_factory=PrefixIndex, repr=False)   # its prefix-cache keys, as last heard
 
     def __post_init__(self) -> None:
@@ -77,6 +80,10 @@ class WorkerHandle:
 class NoWorker(RuntimeError):
     """No healthy worker of the wanted role."""
 
+    def __init__(self, role: str) -> None:
+        super().__init__(f"no healthy {role} worker")
+        self.role = role
+
 
 class WorkerPool:
     def __init__(self, prefill: list[str], decode: list[str], colocated: list[str],
@@ -101,6 +108,7 @@ class WorkerPool:
             w.index = PrefixIndex(kv_index_max_keys)
         self._tasks: list[asyncio.Task] = []
         self._waiters: list[asyncio.Future[None]] = []
+        self.started_at = time.monotonic()
 
     @property
     def colocated(self) -> bool:
@@ -112,6 +120,15 @@ class WorkerPool:
     def healthy(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers if w.role == role and w.healthy]
 
+    def outage_started(self, role: str) -> float | None:
+        """Since when (monotonic) the role has had no healthy worker: when the last of them was
+        last heard healthy, or the pool's start when none ever was; None while one is healthy."""
+        workers = self.of_role(role)
+        if any(w.healthy for w in workers):
+            return None
+        heard = [w.healthy_at for w in workers if w.healthy_at is not None]
+        return max(heard) if heard else self.started_at
+
     @property
     def serving(self) -> bool:
         """Every role the router needs has a healthy worker."""
@@ -120,6 +137,7 @@ class WorkerPool:
 
     # ---- status streams -----------------------------------------------------------------
     def start(self) -> None:
+        self.started_at = time.monotonic()
         self._tasks = [asyncio.create_task(self._watch(w), name=f"watch {w.address}") for w in self.workers]
         if self.watch_kv:
             self._tasks += [asyncio.create_task(self._watch_kv(w), name=f"kv events {w.address}") for w in self.workers]
@@ -156,6 +174,8 @@ class WorkerPool:
                     if not worker.connected:
                         log.info("worker %s (%s) is up", worker.address, worker.role)
                     worker.status, worker.connected, worker.last_seen = status, True, time.monotonic()
+                    if not status.draining:
+                        worker.healthy_at = worker.last_seen
                     self._notify()
             except asyncio.CancelledError:
                 raise
@@ -243,5 +263,5 @@ class WorkerPool:
         role = "both" if self.colocated else "decode"
         healthy = [w for w in self.healthy(role) if w.address not in exclude] or self.healthy(role)
         if not healthy:
-            raise NoWorker(f"no healthy {role} worker")
+            raise NoWorker(role)
         return sorted(healthy, key=lambda w: (w.inflight, -w.free_blocks))

@@ -41,10 +41,7 @@ def add_ray_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], Non
     add_config_args(up.add_argument_group("workers"), WorkerConfig)
     add_config_args(up.add_argument_group("router"), RouterConfig, exclude=("drain_timeout_s", "ready_timeout_s"))
     gen = up.add_argument_group("generation")
-    add_config_args(gen, GenerationOptions, exclude=("worker_wait_s",))
-    gen.add_argument("--worker-wait-s", "--worker-wait", dest="worker_wait_s", type=float, default=None,
-                     metavar="FLOAT", help="with no healthy worker of a role, wait this long for one (a restart) "
-                                           "before failing (default: 60 on Ray, where restarts take longer)")
+    add_config_args(gen, GenerationOptions)
     add_config_args(up.add_argument_group("request limits"), RequestLimits)
     local = up.add_argument_group("--address local")
     local.add_argument("--local-num-cpus", type=float, default=None, metavar="N",
@@ -83,8 +80,6 @@ def ray_spec(args: argparse.Namespace, model: str):
     fixed = {"model": model, "name": args.name, "namespace": args.namespace,
              "engine_args": config_to_argv(engine, exclude=ENGINE_FIXED),
              "worker_args": config_to_argv(config_from_args(WorkerConfig, args)), "router_args": router_args}
-    if args.worker_wait_s is not None:
-        fixed["worker_wait_s"] = args.worker_wait_s
     return config_from_args(RayDeployment, args, exclude=RAY_UP_FIXED, **fixed)
 
 

@@ -90,8 +90,6 @@ class RayDeployment:
     max_restarts: int = _f(-1, "restarts per actor; -1: unlimited")
     ship_model: bool = _f(False, "upload --model through the runtime env (working_dir) instead of reading a "
                                  "shared path (small models: Ray's limit is 512 MiB zipped)")
-    worker_wait_s: float = _f(60.0, "seconds the router holds a request while no worker of a role is healthy "
-                                    "(a restart)", cli=False)   # the router's GenerationOptions.worker_wait_s
     placement_timeout_s: float | None = _f(None, "seconds to wait for the cluster to place the deployment (an "
                                                  "autoscaling cluster adding nodes); none: fail at once when the "
                                                  "cluster as it is can never hold it, else wait 20 s")
@@ -171,8 +169,6 @@ class RayDeployment:
         if "--num-threads" not in engine and "--threads" not in engine:
             engine += ["--num-threads", str(max(1, int(worker_cpus)))]
         router = list(self.router_args)
-        if "--worker-wait-s" not in router:
-            router = ["--worker-wait-s", f"{self.worker_wait_s:g}", *router]
         if "--ready-timeout-s" not in router:
             router = ["--ready-timeout-s", f"{self.ready_timeout_s:g}", *router]
         return engine, list(self.worker_args), router
