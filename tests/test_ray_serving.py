@@ -28,7 +28,7 @@ import pytest
 from engine import LLM, SamplingParams
 from services.client import AsyncClient
 from services.launcher import free_port
-from services.security import CLUSTER_TOKEN_ENV, Credentials
+from services.security import API_KEY_ENV, CLUSTER_TOKEN_ENV, Credentials
 from tests.conftest import random_prompts
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
@@ -41,6 +41,7 @@ ENGINE = {"block_size": 8, "num_kv_blocks": 512, "dtype": "float32"}
 ENGINE_FLAGS = ["--block-size", "8", "--num-kv-blocks", "512", "--dtype", "float32"]
 SMALL = {"worker_cpus": 0.5, "router_cpus": 0.5}   # logical CPUs: 2 + 2 and a router fit a 4-CPU head
 CLUSTER_TOKEN = secrets.token_urlsafe(32)          # the deployments' internal-plane secret (via the env)
+API_KEY = secrets.token_urlsafe(24)                # every deployment's router wants it (clients read the env)
 
 
 # ---- cluster -----------------------------------------------------------------------
@@ -66,7 +67,8 @@ def ray_cluster():
 
     path = os.environ.get("PYTHONPATH", "")
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), LOOPBACK_ENV: "0",
-           "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, path) if p), CLUSTER_TOKEN_ENV: CLUSTER_TOKEN}
+           "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, path) if p), CLUSTER_TOKEN_ENV: CLUSTER_TOKEN,
+           API_KEY_ENV: API_KEY}
     with _scoped_env(**env):
         use_loopback_node()
         cluster = start_local_cluster(num_cpus=4, object_store_bytes=200 << 20, save=False)
@@ -317,12 +319,76 @@ def test_token_auth_is_required(ray_cluster) -> None:
     assert get_cluster_id(os.environ["RAY_AUTH_TOKEN"]).cluster_id
 
 
+def test_no_secret_is_in_any_actors_state(ray_cluster, cli_deployment) -> None:
+    """What Ray's state API and dashboard show of every actor of the deployment (the GCS's actor
+    table: runtime env, resources, names, all of it) carries neither the cluster token nor the API
+    key: the actors read them from 0600 files on their node."""
+    import grpc
+    from google.protobuf.json_format import MessageToJson
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    from services.ray_deploy.deploy import secret_path
+
+    with grpc.insecure_channel(ray_cluster.address) as ch:
+        reply = gcs_service_pb2_grpc.ActorInfoGcsServiceStub(ch).GetAllActorInfo(
+            gcs_service_pb2.GetAllActorInfoRequest(), metadata=[("authorization",
+                                                                 f"Bearer {os.environ['RAY_AUTH_TOKEN']}")],
+            timeout=30)
+    actors = {a.name: a for a in reply.actor_table_data if a.name.startswith("cli-") and a.ray_namespace == NAMESPACE}
+    assert sorted(actors) == ["cli-decode-0", "cli-prefill-0", "cli-router"]
+    for name, actor in actors.items():
+        shown = MessageToJson(actor) + actor.serialized_runtime_env
+        assert CLUSTER_TOKEN not in shown and API_KEY not in shown, name
+    for kind in ("cluster-token", "api-key"):
+        assert secret_path("cli", NAMESPACE, kind).stat().st_mode & 0o777 == 0o600
+
+
+def test_router_actor_enforces_the_api_key(cli_deployment) -> None:
+    """The router actor got the deployment's API key: a call without it, or with another, is refused."""
+    import grpc
+
+    from pdserve.v1 import router_pb2, router_pb2_grpc
+
+    with grpc.insecure_channel(cli_deployment["router_address"]) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        for metadata in (None, [("authorization", "Bearer " + "x" * 32)]):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.GetModelInfo(router_pb2.ModelInfoRequest(), metadata=metadata, timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert stub.GetModelInfo(router_pb2.ModelInfoRequest(), metadata=[("authorization", f"Bearer {API_KEY}")],
+                                 timeout=10).model_name
+
+
+def test_stop_without_the_cluster_token_is_refused_and_the_actor_keeps_serving(cli_deployment,
+                                                                              offline_reference) -> None:
+    """Any job can call an actor's methods: stop() with no proof, a forged one, one made for
+    another actor, or a replayed one is refused (PermissionError), and every actor still serves."""
+    import ray
+
+    from services.ray_deploy.actors import control_proof
+
+    creds = Credentials(CLUSTER_TOKEN)
+    used = control_proof(creds, "cli-prefill-0", "info")   # a valid proof, for another method
+    forged = control_proof(Credentials("y" * 32), "cli-prefill-0", "stop")
+    for name in ("cli-prefill-0", "cli-decode-0", "cli-router"):
+        for proof in ("", "v1.0.abcdefgh.xyz", used, forged, control_proof(creds, "cli-other", "stop"), 42):
+            with pytest.raises(ray.exceptions.RayTaskError) as err:
+                ray.get(_actor(name).stop.remote(proof), timeout=30)
+            assert isinstance(err.value.cause, PermissionError) and "cluster token" in str(err.value.cause)
+        with pytest.raises(ray.exceptions.RayTaskError):
+            ray.get(_actor(name).stop.remote(), timeout=30)
+    assert _tokens(cli_deployment["router_address"]) == offline_reference
+    assert ray.get(_actor("cli-router").health.remote(), timeout=30) == "SERVING"
+
+
 def test_cli_down_removes_the_deployment(ray_cluster, cli_deployment) -> None:
     from services.ray_deploy.deploy import list_actors
     res = _cli("ray", "down", "--address", ray_cluster.address, "--namespace", NAMESPACE, "--name", "cli")
     assert res.returncode == 0, res.stderr[-4000:]
     assert "cli-router" in res.stdout and "placement group cli-workers" in res.stdout
     assert list_actors("cli", NAMESPACE) == []
+    from services.ray_deploy.deploy import secret_path
+    assert not secret_path("cli", NAMESPACE, "cluster-token").exists()   # the secrets it wrote went too
 
 
 # ---- gRPC KV, model shipped in the runtime env (CLI), restart after the CLI has exited -----------
@@ -347,8 +413,30 @@ def test_grpc_kv_with_shipped_model_matches_offline_1p1d(ray_cluster, tiny_qwen3
         assert _tokens(router, timeout=90) == offline_reference
         after = _info("ship-decode-0")
         assert after["pid"] != before["pid"] and Path(after["model"], "config.json").exists()
+        _stop_with_proof("ship-prefill-0")
     finally:
         _teardown("ship")
+
+
+def _stop_with_proof(name: str) -> None:
+    """stop() with the cluster token's proof: the actor drains and exits for good (not restarted,
+    not left alive serving nothing)."""
+    import ray
+
+    from services.ray_deploy.actors import control_proof
+
+    pid = _info(name)["pid"]
+    try:
+        ray.get(_actor(name).stop.remote(control_proof(Credentials(CLUSTER_TOKEN), name, "stop")), timeout=60)
+    except ray.exceptions.RayActorError:   # the call may see its actor exit
+        pass
+    deadline = time.monotonic() + 30
+    while not _gone(pid):
+        assert time.monotonic() < deadline, f"{name} did not exit after an authorized stop()"
+        time.sleep(0.1)
+    time.sleep(2)   # a restart would have begun by now
+    with pytest.raises(ValueError):   # gone for good: its name is released
+        _actor(name)
 
 
 # ---- deployments that cannot work fail with a reason, and leave nothing behind --------------

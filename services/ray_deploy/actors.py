@@ -12,7 +12,15 @@ child processes. They expose:
 * ``info()``: a JSON-able dict (role, address, KV address, model path, pid, node,
   tensor-parallel size and rank pids, transport counters);
 * decode workers: ``push_blocks(headers, refs)``, the receiving end of the
-  object-store KV transport (``services.kv_transfer.ray_transport``).
+  object-store KV transport (``services.kv_transfer.ray_transport``);
+* ``stop(proof)``: drain, then exit the actor for good. Any job of the Ray cluster can call an
+  actor's methods, so this one answers only a caller proving the deployment's cluster token
+  (``control_proof``); anyone else gets PermissionError and the actor keeps serving.
+
+Secrets never travel in the actors' spec or runtime env (both readable through Ray's state
+API and dashboard): the spec names files on the actor's node (``cluster_token_file``, the
+router's ``api_key_file``, mode 0600) and the actors read them themselves; TLS files are
+paths too.
 
 The router actor resolves its workers' addresses through their actor names, and
 hands ``WorkerPool`` a resolver that asks an unreachable worker's actor for its
@@ -101,6 +109,47 @@ def router_configs(spec: dict[str, Any]):
                              (RouterConfig, ()))
 
 
+def load_credentials(spec: dict[str, Any]):
+    """The deployment's Credentials from the files the spec names (read on this node)."""
+    from services.security import Credentials
+
+    path = spec.get("cluster_token_file")
+    if not path:
+        raise ValueError("the actor spec names no cluster_token_file")
+    try:
+        return Credentials.load(path, *spec.get("tls") or (None, None, None))
+    except ValueError as exc:
+        raise ValueError(f"{exc} on node {ray.util.get_node_ip_address()}: give --cluster-token-file a path that "
+                         f"every node has (mode 0600)") from None
+
+
+def control_proof(credentials, actor_name: str, method: str) -> str:
+    """The proof a control method of actor_name wants: a fresh HMAC of the cluster token."""
+    return credentials.call_proof(f"ray:{actor_name}.{method}").metadata[0][1]
+
+
+class ControlGate:
+    """Control methods answer only a caller proving the cluster token, each proof once."""
+
+    def __init__(self, credentials, actor_name: str) -> None:
+        from services.security import ProofCheck
+
+        self.actor_name = actor_name
+        self.check = ProofCheck(credentials.key) if credentials.key is not None else None
+
+    def require(self, method: str, proof: object) -> None:
+        if self.check is None or not self.check.verify(f"ray:{self.actor_name}.{method}", proof):
+            raise PermissionError(f"{self.actor_name}.{method}() needs a fresh proof of the deployment's cluster "
+                                  f"token (services.ray_deploy.actors.control_proof); refused, still serving")
+
+
+async def _stop_for_good(stop: asyncio.Event, task: asyncio.Task) -> None:
+    """Drain, then end the actor's process without a restart: never alive serving nothing."""
+    stop.set()
+    await task
+    ray.actor.exit_actor()
+
+
 def _node_info() -> dict[str, Any]:
     ctx = ray.get_runtime_context()
     return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
@@ -114,7 +163,6 @@ class WorkerActor:
     async def __init__(self, spec_json: str) -> None:
         from services.kv_transfer import GrpcKVSender
         from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender, ray_kv_address
-        from services.security import Credentials
         from services.server import options as channel_options
         from services.worker import WorkerOptions, serve_worker
 
@@ -124,7 +172,8 @@ class WorkerActor:
         self.name, self.role, namespace = spec["name"], spec["role"], spec["namespace"]
         self.model = model_dir(spec)
         config, worker_config = worker_configs(spec, self.model)
-        credentials = Credentials.load()   # the cluster token from the runtime env
+        credentials = load_credentials(spec)   # the cluster token from its file on this node
+        self._control = ControlGate(credentials, self.name)
         ray_kv = spec["kv_transport"] == "ray"
         sender = None
         if self.role == "prefill" and ray_kv:
@@ -176,9 +225,10 @@ class WorkerActor:
     async def kv_cancel(self, open_bytes: bytes) -> None:
         self._receiver().cancel(open_bytes)
 
-    async def stop(self) -> None:
-        self._stop.set()
-        await self._task
+    async def stop(self, proof: str = "") -> None:
+        """Drain and exit (no restart); needs ``control_proof(credentials, name, "stop")``."""
+        self._control.require("stop", proof)
+        await _stop_for_good(self._stop, self._task)
 
 
 class ActorResolver:
@@ -228,7 +278,7 @@ class RouterActor:
 
     async def __init__(self, spec_json: str) -> None:
         from services.router import RouterOptions, serve_router
-        from services.security import Credentials
+        from services.security import API_KEY_ENV, read_secret
 
         _setup_logging()
         spec = json.loads(spec_json)
@@ -243,11 +293,15 @@ class RouterActor:
         options = RouterOptions(model=self.model, prefill=prefill, decode=decode, generation=generation,
                                 limits=limits, config=config)
         self.host = bind_host(spec["host"])
+        self.credentials = load_credentials(spec)
+        self._control = ControlGate(self.credentials, self.name)
+        key_file = spec.get("api_key_file")
+        api_key = read_secret(key_file, API_KEY_ENV, "API key") if key_file else None
         loop = asyncio.get_running_loop()
         started: asyncio.Future = loop.create_future()
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(serve_router(
-            options, self.host, spec["port"], credentials=Credentials.load(), stop=self._stop,
+            options, self.host, spec["port"], credentials=self.credentials, api_key=api_key, stop=self._stop,
             resolver=self.resolver.resolve, on_start=started.set_result))
         port = await _until_started(started, self._task)
         self._task.add_done_callback(_crash_if_unexpected(self._stop, self.name))
@@ -258,11 +312,11 @@ class RouterActor:
 
     async def health(self) -> str:
         """grpc.health.v1 status of this router's server, checked from inside the actor."""
-        import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else ("::1" if self.host == "::" else self.host)
-        async with grpc.aio.insecure_channel(join_host_port(host, int(self._address.rsplit(":", 1)[1]))) as ch:
+        address = join_host_port(host, int(self._address.rsplit(":", 1)[1]))
+        async with self.credentials.channel(address, attach_token=False) as ch:   # TLS when configured
             reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
@@ -270,6 +324,7 @@ class RouterActor:
         return {"name": self.name, "role": "router", "address": self._address, "model": self.model,
                 "workers": dict(self.resolver.names), **_node_info()}
 
-    async def stop(self) -> None:
-        self._stop.set()
-        await self._task
+    async def stop(self, proof: str = "") -> None:
+        """Drain and exit (no restart); needs ``control_proof(credentials, name, "stop")``."""
+        self._control.require("stop", proof)
+        await _stop_for_good(self._stop, self._task)

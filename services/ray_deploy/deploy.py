@@ -19,6 +19,13 @@ Every actor has ``max_restarts`` (default: unlimited). A restarted worker comes
 back on a new port; the router follows it (see ``actors.ActorResolver``) and, while
 no worker of a role is healthy, holds requests for up to ``worker_wait_s``.
 
+Secrets stay out of the actors' specs and runtime envs (Ray's state API and dashboard show
+both): the cluster token (``--cluster-token-file``, else $PDSERVE_CLUSTER_TOKEN or a fresh one)
+and the router's API key (``--api-key-file``, else $PDSERVE_API_KEY) reach the actors as files
+of mode 0600 that they read on their node; without a file given, this machine writes one under
+``$PDSERVE_HOME/ray/secrets`` (right for a single-node cluster; on several nodes give a path
+every node has) and ``teardown`` removes it.
+
 Workers bound to a loopback address (the default) can only be reached from their
 own node, so then every actor is pinned to the head node; give
 ``worker_host="node-ip"`` to let workers spread over nodes (their gRPC servers
@@ -36,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.security import CLUSTER_TOKEN_ENV, new_token
+from services.security import API_KEY_ENV, CLUSTER_TOKEN_ENV, new_token
 
 HEAD_RESOURCE = "node:__internal_head__"
 DEFAULT_PLACEMENT_WAIT_S = 20.0   # placing a deployment that fits the cluster's nodes
@@ -72,6 +79,16 @@ class RayDeployment:
     port: int = _f(50051, "router port")
     worker_host: str = _f("127.0.0.1", "workers' gRPC bind address; loopback pins every actor to the head node, "
                                        "node-ip lets workers spread over nodes")
+    cluster_token_file: str | None = _f(None, "file (mode 0600) holding the internal-plane token, at this path on "
+                                              "every node the actors run on; none: $PDSERVE_CLUSTER_TOKEN or a "
+                                              "fresh token, written for the actors under $PDSERVE_HOME/ray/secrets "
+                                              "(a single-node cluster)")
+    api_key_file: str | None = _f(None, "file (mode 0600) holding the router's API key, on the router's node; none: "
+                                        "$PDSERVE_API_KEY, written for the router as the token is, else no key")
+    tls_cert: str | None = _f(None, "mutual TLS on every channel, the router's public port too: this "
+                                    "process's certificate (PEM), a path on every node")
+    tls_key: str | None = _f(None, "its private key (PEM), a path on every node")
+    tls_ca: str | None = _f(None, "the deployment CA (PEM), a path on every node")
     kv_transport: str = _f("ray", "KV blocks through Ray's object store (ray) or over gRPC KVTransfer (grpc)",
                            choices=KV_TRANSPORTS)
     engine: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})  # EngineConfig fields (Python API)
@@ -118,6 +135,9 @@ class RayDeployment:
                              f"--decode-tp {self.tp('decode')}")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.name):
             raise ValueError(f"bad deployment name {self.name!r}")
+        tls = (self.tls_cert, self.tls_key, self.tls_ca)
+        if any(tls) and not all(tls):
+            raise ValueError("tls_cert, tls_key and tls_ca go together")
         if "://" not in self.model and not Path(self.model, "config.json").exists() and self.ship_model:
             raise ValueError(f"--ship-model: {self.model} is not a model directory here")
 
@@ -197,6 +217,35 @@ class DeploymentInfo:
         for w in self.workers:
             lines.append(f"  {w['name']:<24} {w['address']:<22} kv={w['kv_address']}  node={w['node_ip']} pid={w['pid']}")
         return "\n".join(lines)
+
+
+def secret_path(name: str, namespace: str, kind: str) -> Path:
+    """Where this machine writes a deployment's secret of kind for its actors."""
+    from services.ray_deploy.cluster import state_dir
+    return state_dir() / "secrets" / f"{namespace}.{name}.{kind}"
+
+
+def _write_secret(path: Path, value: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.chmod(0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(value)
+    return str(path)
+
+
+def secret_files(spec: RayDeployment) -> dict[str, Any]:
+    """The actors' spec entries naming their secrets' files (and the TLS files): given ones as
+    they are, else files written here from the environment (a fresh token if none is set)."""
+    given = lambda path: os.path.abspath(path) if path else None  # noqa: E731 - the actors' cwd is not ours
+    token_file = given(spec.cluster_token_file) or _write_secret(
+        secret_path(spec.name, spec.namespace, "cluster-token"), os.environ.get(CLUSTER_TOKEN_ENV) or new_token())
+    key_file = given(spec.api_key_file)
+    if key_file is None and os.environ.get(API_KEY_ENV):
+        key_file = _write_secret(secret_path(spec.name, spec.namespace, "api-key"), os.environ[API_KEY_ENV])
+    tls = [given(spec.tls_cert), given(spec.tls_key), given(spec.tls_ca)] if spec.tls_cert else None
+    return {"cluster_token_file": token_file, "api_key_file": key_file, "tls": tls}
 
 
 def _name_pattern(name: str) -> re.Pattern:
@@ -315,14 +364,13 @@ def _deploy(spec: RayDeployment) -> DeploymentInfo:
     for i in range(max(spec.prefill_workers, spec.decode_workers)):
         order += [(role, names[role][i]) for role in ("prefill", "decode") if i < len(names[role])]
     worker_bundles = [spec.worker_bundle(role, worker_cpus, gpus) for role, _ in order]
+    files = secret_files(spec)   # secrets as files the actors read, never in their spec or runtime env
     base = {"namespace": spec.namespace, "kv_transport": spec.kv_transport, "host": spec.worker_host,
             "model": spec.model, "ship_model": spec.ship_model, "engine_args": engine_args,
-            "worker_args": worker_args}
-    # The internal plane's secret (and the log level) reach the actors through their environment.
-    env = {CLUSTER_TOKEN_ENV: os.environ.get(CLUSTER_TOKEN_ENV) or new_token()}
-    if os.environ.get("PDSERVE_LOG_LEVEL"):
-        env["PDSERVE_LOG_LEVEL"] = os.environ["PDSERVE_LOG_LEVEL"]
-    runtime_env = {"env_vars": env}
+            "worker_args": worker_args, "cluster_token_file": files["cluster_token_file"], "tls": files["tls"]}
+    # The log level reaches the actors through their environment (nothing secret goes there).
+    env = {"PDSERVE_LOG_LEVEL": os.environ["PDSERVE_LOG_LEVEL"]} if os.environ.get("PDSERVE_LOG_LEVEL") else {}
+    runtime_env = {"env_vars": env} if env else None
     if spec.loopback_workers:
         _check_head_fits(spec, head, worker_bundles, router_cpus)
     bundles = ([dict(router_bundle)] if router_in_group else []) + [dict(b) for b in worker_bundles]
@@ -348,7 +396,8 @@ def _deploy(spec: RayDeployment) -> DeploymentInfo:
             ).remote(json.dumps({**base, "engine_args": [*engine_args, "--tensor-parallel-size", str(tps[role])],
                                  "name": actor_name, "role": role})))
         router_spec = {**base, "name": names["router"][0], "host": spec.host, "port": spec.port,
-                       "prefill": names["prefill"], "decode": names["decode"], "router_args": router_args}
+                       "prefill": names["prefill"], "decode": names["decode"], "router_args": router_args,
+                       "api_key_file": files["api_key_file"]}
         placement = ({"scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=0)} if router_in_group
             else {"resources": {HEAD_RESOURCE: PIN} if router_pin else None})
@@ -497,6 +546,8 @@ def teardown(name: str, namespace: str, timeout_s: float = 30.0) -> list[str]:
     deadline = time.monotonic() + timeout_s   # names are released once the GCS has seen the deaths
     while list_actors(name, namespace) and time.monotonic() < deadline:
         time.sleep(0.1)
+    for kind in ("cluster-token", "api-key"):   # the secrets this machine wrote for the actors
+        secret_path(name, namespace, kind).unlink(missing_ok=True)
     return removed
 
 
