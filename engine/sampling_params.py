@@ -5,6 +5,8 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20   # vLLM's default max_logprobs
+MAX_TOP_K = 2**31 - 1        # the wire's bounds (common.proto: top_k int32, token counts uint32)
+MAX_TOKENS = 2**32 - 1
 
 
 @dataclass(slots=True)
@@ -31,10 +33,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= MAX_TOKENS:
+            raise ValueError(f"max_tokens must be an integer in [1, {MAX_TOKENS}], got {self.max_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0 or self.seed >= 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:

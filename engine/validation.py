@@ -11,12 +11,16 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     params.validate()
     if not prompt_token_ids:
         raise ValueError("prompt must not be empty")
-    for name, ids in (("prompt", prompt_token_ids), ("output", output_token_ids or ())):
+    for name, ids in (("prompt", prompt_token_ids), ("output", output_token_ids or ()),
+                      ("stop_token_ids", params.stop_token_ids)):
         for tok in ids:
             if not isinstance(tok, int) or not 0 <= tok < vocab_size:
                 raise ValueError(f"{name} token id {tok!r} is outside the vocabulary [0, {vocab_size})")
     if output_token_ids and len(output_token_ids) >= params.max_tokens:
         raise ValueError(f"output_token_ids ({len(output_token_ids)}) must be fewer than max_tokens ({params.max_tokens})")
+    if params.max_tokens >= max_model_len:   # too many whatever the prompt: the field to change is max_tokens
+        raise ValueError(f"max_tokens ({params.max_tokens}) must be below max_model_len ({max_model_len}), "
+                         f"leaving room for the prompt")
     total = len(prompt_token_ids) + params.max_tokens
     if total > max_model_len:
         raise ValueError(f"prompt tokens ({len(prompt_token_ids)}) + max_tokens ({params.max_tokens}) = {total} "

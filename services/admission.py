@@ -68,3 +68,26 @@ class AdmissionQueue:
             self._queue.remove(me)
             if was_head and self._queue:
                 self._queue[0].set()
+
+
+class PendingGate:
+    """Requests between arrival and the admission queue (body being read, parsed, tokenized),
+    over every front door together. Past the cap one more is refused at once, so a flood of
+    requests (or of slow bodies) holds a bounded amount of memory and tokenizer work."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"max_pending_requests must be >= 1, got {limit}")
+        self.limit = limit
+        self.count = 0
+
+    @contextlib.contextmanager
+    def hold(self):
+        if self.count >= self.limit:
+            raise RouterError("RESOURCE_EXHAUSTED", f"{self.count} requests are being received and tokenized "
+                              f"(max_pending_requests={self.limit}); retry later", retry_after_s=1.0)
+        self.count += 1
+        try:
+            yield
+        finally:
+            self.count -= 1

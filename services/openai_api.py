@@ -20,11 +20,18 @@ its field in OpenAI's error shape.
 Behaviour:
 
 * API key (when one is set): ``Authorization: Bearer KEY``, compared in constant time before
-  anything else is done (``/health`` stays open, as gRPC health does); 401 otherwise.
+  anything else is done (``/health`` stays open, as gRPC health does); 401 otherwise. Without
+  one, only ``Host`` values a DNS-rebinding page cannot send are answered (localhost, IP
+  addresses, ``--allowed-hosts``); 421 otherwise. Generation requests must be
+  ``application/json`` (415): a web page can POST ``text/plain`` cross-origin unasked.
 * Errors: ``{"error": {"message", "type", "param", "code"}}``; 400 bad input (naming the
-  field), 401 API key, 404 unknown model or path, 413 body over ``max_http_body_bytes`` (read
-  with a byte cap before parsing) or prompt over ``max_prompt_bytes``, 429 admission queue full
-  (with ``Retry-After``), 503 no healthy worker or draining.
+  field), 401 API key, 404 unknown model or path, 408 body not in within
+  ``http_body_timeout_s``, 413 body over ``max_http_body_bytes`` (read with a byte cap before
+  parsing) or prompt over ``max_prompt_bytes``, 429 admission queue full or too many requests
+  being received (``max_pending_requests``; with ``Retry-After``), 503 no healthy worker or
+  draining. Clients never read a worker's address or an internal error's text: those go to
+  the router's log under the request id the message gives.
+* ``/v1/models``: ``root`` is the served name, never the checkpoint's path on disk.
 * ``stop`` strings are matched in the detokenized text across token boundaries; the text from
   the stop string on is never sent, the request is aborted on its workers at once and finishes
   with ``"stop"``. ``n`` choices are independent requests (with a seed: seed + i).
@@ -41,239 +48,33 @@ import contextlib
 import dataclasses
 import functools
 import hmac
+import ipaddress
 import json
 import logging
-import math
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
+import jinja2
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine import SamplingParams
-from engine.sampling_params import MAX_LOGPROBS
 from engine.validation import validate_request
 from services.detokenizer import IncrementalDetokenizer
 from services.errors import RouterError
-from services.ports import reuse_port
+from services.openai_request import HTTPError, ParsedBody, Prompt, _param_of, parse_body, read_json
+from services.request_checks import utf8_size
 
 log = logging.getLogger(__name__)
 
-MAX_STOP_STRINGS = 4                   # OpenAI's limit
-OPEN_PATHS = ("/health",)              # no API key needed (orchestrators probe it)
-STATUS_OF_CODE = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "FAILED_PRECONDITION": 400,
-                  "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
-                  "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
-                  "ABORTED": 500, "DATA_LOSS": 500, "INTERNAL": 500, "UNIMPLEMENTED": 501}
-TYPE_OF_STATUS = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
-                  404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                  503: "service_unavailable_error"}
-# Sampling fields pdserve does not implement: accepted only at their neutral value.
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "best_of": None,
-           "echo": False, "suffix": None, "logit_bias": None, "tools": None, "functions": None,
-           "response_format": None}
-NEUTRAL_OK = {"best_of": (1,), "logit_bias": ({},), "tools": ([],), "functions": ([],),
-              "response_format": ({"type": "text"},), "suffix": ("",)}
-
-
-# ---- errors -----------------------------------------------------------------------------------
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": TYPE_OF_STATUS.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-    @classmethod
-    def from_router(cls, exc: RouterError) -> "HTTPError":
-        status = STATUS_OF_CODE.get(exc.code, 500)
-        headers = {}
-        if exc.retry_after_s:
-            headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
-        param = _param_of(exc.message) if status == 400 else None
-        return cls(status, exc.message, param, exc.code.lower(), headers)
-
-
-def _param_of(message: str) -> str | None:
-    """The field a validation message is about (the engine's messages start with it)."""
-    word = message.split(" ", 1)[0].strip(":(")
-    known = {"temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "min_tokens", "prompt",
-             "output", "request_id", "ignore_eos"}
-    if word in known:
-        return word
-    if message.startswith("prompt tokens") or message.startswith("prompt has"):
-        return "prompt"
-    return None
-
-
-# ---- request parsing --------------------------------------------------------------------------
-
-def _field(body: dict, name: str, types: type | tuple[type, ...], default: Any = None) -> Any:
-    """body[name] if present and not null, checked against types (bool is not an int here)."""
-    value = body.get(name)
-    if value is None:
-        return default
-    types = types if isinstance(types, tuple) else (types,)
-    if isinstance(value, bool) and bool not in types:
-        raise HTTPError(400, f"{name} must be of type {'/'.join(t.__name__ for t in types)}, got a boolean", name)
-    if float in types and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, types):
-        raise HTTPError(400, f"{name} must be of type {'/'.join(t.__name__ for t in types)}, "
-                             f"got {type(value).__name__}", name)
-    return value
-
-
-def _int_list(value: Any, name: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise HTTPError(400, f"{name} must be a list of integers", name)
-    return value
-
-
-@dataclass(slots=True)
-class Prompt:
-    """One prompt: token ids, or text still to tokenize."""
-
-    text: str | None = None
-    token_ids: list[int] | None = None
-
-
-@dataclass(slots=True)
-class ParsedBody:
-    prompts: list[Prompt]
-    params: SamplingParams
-    n: int
-    stop: list[str]
-    stream: bool
-    include_usage: bool
-    skip_special_tokens: bool
-    model: str
-    max_tokens_given: bool
-    chat: bool = False
-    messages: list[dict] = field(default_factory=list)
-    add_generation_prompt: bool = True
-
-
-def _stop_strings(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise HTTPError(400, "stop must be a string or a list of strings", "stop")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise HTTPError(400, f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
-    if any(not s for s in stop):
-        raise HTTPError(400, "stop strings must not be empty", "stop")
-    return stop
-
-
-def _completion_prompts(body: dict) -> list[Prompt]:
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise HTTPError(400, "prompt is required", "prompt")
-    if isinstance(prompt, str):
-        return [Prompt(text=prompt)]
-    if not isinstance(prompt, list) or not prompt:
-        raise HTTPError(400, "prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return [Prompt(token_ids=prompt)]
-    if all(isinstance(p, str) for p in prompt):
-        return [Prompt(text=p) for p in prompt]
-    if all(isinstance(p, list) and p for p in prompt):
-        return [Prompt(token_ids=_int_list(p, "prompt")) for p in prompt]
-    raise HTTPError(400, "prompt must be a string, a list of token ids, or a list of strings or of token-id lists",
-                    "prompt")
-
-
-def _chat_messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise HTTPError(400, "messages must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise HTTPError(400, f"messages[{i}] must be an object with a string role", "messages")
-        content = m.get("content")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):   # content parts: only text is understood
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise HTTPError(400, f"messages[{i}].content: only text parts are supported", "messages")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        elif not isinstance(content, str):
-            raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
-        out.append({**m, "content": content})
-    return out
-
-
-def parse_body(body: dict, chat: bool, default_model: str) -> ParsedBody:
-    """Every field, checked for type and OpenAI's limits; the engine's own rules come after
-    tokenizing (validate_request). Raises HTTPError 400 naming the field."""
-    for name, neutral in NEUTRAL.items():
-        value = body.get(name)
-        if value is not None and value != neutral and value not in NEUTRAL_OK.get(name, ()):
-            raise HTTPError(400, f"{name}={value!r} is not supported by pdserve", name)
-    model = _field(body, "model", str, default_model)
-    max_tokens = _field(body, "max_completion_tokens", int) if chat else None
-    if max_tokens is None:
-        max_tokens = _field(body, "max_tokens", int)
-    params = SamplingParams(temperature=_field(body, "temperature", float, 1.0),
-                            top_p=_field(body, "top_p", float, 1.0),
-                            top_k=_field(body, "top_k", int, 0),
-                            max_tokens=16 if max_tokens is None else max_tokens,
-                            seed=_field(body, "seed", int),
-                            stop_token_ids=_int_list(body.get("stop_token_ids") or [], "stop_token_ids"),
-                            ignore_eos=_field(body, "ignore_eos", bool, False),
-                            min_tokens=_field(body, "min_tokens", int, 0))
-    if chat:   # logprobs: bool, top_logprobs: how many alternatives
-        top = _field(body, "top_logprobs", int)
-        if _field(body, "logprobs", bool, False):
-            params.logprobs = top or 0
-        elif top is not None:
-            raise HTTPError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-    else:      # logprobs: how many alternatives (0: only the sampled token's)
-        params.logprobs = _field(body, "logprobs", int)
-    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
-        name = "top_logprobs" if chat else "logprobs"
-        raise HTTPError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {params.logprobs}", name)
-    if params.top_k < 0:   # vLLM's -1: disabled
-        params.top_k = 0 if params.top_k == -1 else params.top_k
-    n = _field(body, "n", int, 1)
-    if n < 1:
-        raise HTTPError(400, f"n must be >= 1, got {n}", "n")
-    stream = _field(body, "stream", bool, False)
-    options = _field(body, "stream_options", dict)
-    if options is not None and not stream:
-        raise HTTPError(400, "stream_options is only allowed with stream=true", "stream_options")
-    _field(body, "user", str)
-    parsed = ParsedBody(prompts=[], params=params, n=n, stop=_stop_strings(body), stream=stream,
-                        include_usage=bool(options and options.get("include_usage")),
-                        skip_special_tokens=_field(body, "skip_special_tokens", bool, True), model=model,
-                        max_tokens_given=max_tokens is not None, chat=chat)
-    if chat:
-        parsed.messages = _chat_messages(body)
-        parsed.add_generation_prompt = _field(body, "add_generation_prompt", bool, True)
-    else:
-        parsed.prompts = _completion_prompts(body)
-    return parsed
+OPEN_PATHS = ("/health",)              # no API key, no Host check (orchestrators probe it)
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+LOOPBACK_NAMES = ("localhost",)        # besides IP addresses: DNS rebinding needs a name
 
 
 # ---- stop strings ------------------------------------------------------------------------------
@@ -341,16 +142,19 @@ class Choice:
 
 class OpenAIServer:
     def __init__(self, servicer, served_model_name: str | Sequence[str], api_key: str | None = None,
-                 max_body_bytes: int = 8 << 20, model_aliases: Sequence[str] = ()) -> None:
+                 max_body_bytes: int = 8 << 20, model_aliases: Sequence[str] = (),
+                 allowed_hosts: str | None = None) -> None:
         """served_model_name: one name or several, as vLLM's --served-model-name: the first is the
         one reported, /v1/models lists them all, every one is accepted; model_aliases: accepted
-        too, not listed (the checkpoint directory's name)."""
+        too, not listed (the checkpoint directory's name); allowed_hosts: see RouterConfig."""
         self.servicer = servicer
         names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
         self.served_model_names = names
         self.served_model_name = names[0]
         self.accepted_model_names = frozenset((*names, *model_aliases))
         self.api_key = api_key
+        self.allowed_hosts = frozenset(h.strip().lower().rstrip(".") for h in (allowed_hosts or "").split(",")
+                                       if h.strip())
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.app = self._build_app()
@@ -408,63 +212,78 @@ class OpenAIServer:
         return app
 
     def asgi(self) -> Callable:
-        """The app behind the API-key check (before routing or reading the body)."""
+        """The app behind the checks made before routing or reading the body (see _refusal)."""
         app = self.app
-        if not self.api_key:
-            return app
-        expected = f"Bearer {self.api_key}".encode()
 
         async def guarded(scope, receive, send):
             if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-                given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
-                if not hmac.compare_digest(given, expected):
-                    err = HTTPError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
-                                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                err = self._refusal(scope)
+                if err is not None:
                     await err.response()(scope, receive, send)
                     return
             await app(scope, receive, send)
         return guarded
 
+    def _refusal(self, scope) -> HTTPError | None:
+        """What a browser could do to a server on the user's machine is refused here. With an
+        API key set, the key (compared in constant time; a web page does not have it). Without
+        one, the Host: a DNS-rebinding page reaches 127.0.0.1 under its own name, so only
+        localhost, IP addresses and --allowed-hosts are answered. Generation requests must be
+        application/json: a page can POST text/plain (or no type) cross-origin without a
+        CORS preflight, never JSON."""
+        headers = {k: v for k, v in scope.get("headers", ()) if k in (b"authorization", b"host", b"content-type")}
+        if self.api_key:
+            if not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode()):
+                return HTTPError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        elif b"host" in headers and not self._host_allowed(headers[b"host"].decode("latin-1")):
+            return HTTPError(421, f"Host header {headers[b'host'].decode('latin-1')[:100]!r} is not served without "
+                                  f"an API key: use localhost or an IP address, or start the router with "
+                                  f"--allowed-hosts NAME", "Host", "host_not_allowed")
+        if scope.get("method") == "POST" and scope["path"] in GENERATION_PATHS:
+            given = headers.get(b"content-type", b"").decode("latin-1")
+            if given.split(";", 1)[0].strip().lower() != "application/json":
+                return HTTPError(415, f"Content-Type header must be application/json, got {given[:100]!r}",
+                                 "Content-Type", "unsupported_media_type")
+        return None
+
+    def _host_allowed(self, host: str) -> bool:
+        if "*" in self.allowed_hosts:
+            return True
+        name = host[1:].split("]", 1)[0] if host.startswith("[") else host.rsplit(":", 1)[0] if host.count(":") == 1 \
+            else host
+        name = name.lower().rstrip(".")
+        if name in LOOPBACK_NAMES or name in self.allowed_hosts:
+            return True
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return True
+
     def _model_card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "pdserve",
-                "root": self.servicer.options.model, "parent": None, "max_model_len": self.servicer.max_model_len}
+                "root": name, "parent": None, "max_model_len": self.servicer.max_model_len}
 
     def _check_model(self, name: str) -> None:
         if name not in self.accepted_model_names:
             raise HTTPError(404, f"The model `{name}` does not exist (this server serves "
                                  f"`{self.served_model_name}`)", "model", "model_not_found")
 
-    async def _read_json(self, request: Request) -> dict:
-        """The body, refused (413) as soon as it passes the cap, before any parsing."""
-        limit = self.max_body_bytes
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise HTTPError(413, f"request body has {length} bytes; the limit is {limit} (max_http_body_bytes)",
-                            code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise HTTPError(413, f"request body is over {limit} bytes (max_http_body_bytes)",
-                                code="request_too_large")
-            chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise HTTPError(400, f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise HTTPError(400, "request body must be a JSON object")
-        return body
-
     # ---- handlers ----------------------------------------------------------------------
     async def _handle(self, request: Request, chat: bool) -> Response:
         started = False   # once generating, each choice counts its own failure (_run_choice)
+        base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
             if self.servicer.draining:
                 raise RouterError("UNAVAILABLE", "the router is draining (shutting down)")
-            parsed = parse_body(await self._read_json(request), chat, self.served_model_name)
-            self._check_model(parsed.model)
-            choices = await _until_disconnect(request, self._prepare(parsed))
+            limits = self.servicer.options.limits
+            with self.servicer.pending.hold():   # received, not yet in the admission queue
+                body = await read_json(request, self.max_body_bytes, limits.http_body_timeout_s)
+                parsed = parse_body(body, chat, self.served_model_name, limits, self.servicer.max_model_len)
+                del body
+                self._check_model(parsed.model)
+                choices = await _until_disconnect(request, self._prepare(parsed, base))
             started = True
             if parsed.stream:
                 return await self._stream(request, parsed, choices)
@@ -472,31 +291,26 @@ class OpenAIServer:
         except (RouterError, HTTPError) as exc:
             if not started:
                 self.servicer.metrics.request_failure.inc()
-            return (HTTPError.from_router(exc) if isinstance(exc, RouterError) else exc).response()
+            return (HTTPError.from_router(exc, base) if isinstance(exc, RouterError) else exc).response()
         except ClientGone:   # nobody to answer; the request was cancelled on its workers
             return Response(status_code=499)
+        except Exception:  # noqa: BLE001 - a bug: the client gets no internal text, the log gets it all
+            log.exception("request %s failed", base)
+            return HTTPError(500, f"internal error (request id {base})", code="internal_error").response()
 
-    async def _prepare(self, parsed: ParsedBody) -> list[Choice]:
-        """Tokenize and validate every prompt; one Choice per (prompt, i < n)."""
-        limits = self.servicer.options.limits
+    async def _prepare(self, parsed: ParsedBody, base: str) -> list[Choice]:
+        """Tokenize and validate every prompt (parse_body checked their number and sizes); one
+        Choice per (prompt, i < n), with request ids base-k."""
         if parsed.chat:
             prompts = [await self._render_chat(parsed.messages, parsed.add_generation_prompt)]
         else:
             prompts = [await self._tokens(p) for p in parsed.prompts]
-        n_choices = len(prompts) * parsed.n
-        if n_choices > limits.max_choices:
-            raise HTTPError(400, f"{len(prompts)} prompt(s) x n={parsed.n} = {n_choices} choices; the limit is "
-                                 f"{limits.max_choices} (max_choices)", "n")
         max_len = self.servicer.max_model_len
-        base = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
         choices = []
         for p_index, ids in enumerate(prompts):
             params = dataclasses.replace(parsed.params, stop_token_ids=list(parsed.params.stop_token_ids))
             if parsed.chat and not parsed.max_tokens_given:   # chat default: the rest of the context
                 params.max_tokens = max(1, max_len - len(ids))
-            if len(params.stop_token_ids) > limits.max_stop_token_ids:
-                raise HTTPError(400, f"stop_token_ids has {len(params.stop_token_ids)} entries; the limit is "
-                                     f"{limits.max_stop_token_ids} (max_stop_token_ids)", "stop_token_ids")
             try:
                 validate_request(ids, params, self.servicer.model_config.vocab_size, max_len)
             except ValueError as exc:
@@ -519,9 +333,10 @@ class OpenAIServer:
         return await self._encode(prompt.text, "prompt", add_special_tokens=True)
 
     async def _encode(self, text: str, what: str, add_special_tokens: bool) -> list[int]:
-        limit = self.servicer.options.limits.max_prompt_bytes
-        if len(text) > limit or len(text.encode()) > limit:
-            raise HTTPError(413, f"{what} has more than {limit} bytes (max_prompt_bytes)", what, "request_too_large")
+        try:
+            utf8_size(text, what, self.servicer.options.limits.max_prompt_bytes)
+        except RouterError as exc:
+            raise HTTPError.from_router(exc) from None
         tok = self.servicer.tokenizer
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self.servicer._tokenize, functools.partial(
@@ -537,17 +352,15 @@ class OpenAIServer:
             raise HTTPError(400, f"model {self.served_model_name} has no chat template (tokenizer_config.json "
                                  f"chat_template or chat_template.jinja); use /v1/completions", "messages",
                             "no_chat_template")
-        limit = self.servicer.options.limits.max_prompt_bytes
-        size = sum(len(m["content"].encode()) for m in messages)
-        if size > limit:
-            raise HTTPError(413, f"messages have more than {limit} bytes (max_prompt_bytes)", "messages",
-                            "request_too_large")
-        loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()   # parse_body counted every string of the messages
         try:
             text = await loop.run_in_executor(self.servicer._tokenize, functools.partial(
                 tok.apply_chat_template, messages, tokenize=False, add_generation_prompt=add_generation_prompt))
-        except Exception as exc:  # noqa: BLE001 - a template error is the request's (jinja raises anything)
-            raise HTTPError(400, f"chat template failed: {type(exc).__name__}: {exc}", "messages") from None
+        except jinja2.TemplateError as exc:   # the template's own message (raise_exception: roles must alternate)
+            raise HTTPError(400, f"chat template failed: {exc}", "messages") from None
+        except Exception:  # noqa: BLE001 - the request's, but its text is internal
+            log.warning("chat template failed", exc_info=True)
+            raise HTTPError(400, "chat template failed on these messages", "messages") from None
         return await self._encode(text, "messages", add_special_tokens=False)
 
     def _logprobs(self, parsed: ParsedBody, d: Delta, text_offset: int = 0) -> dict | None:
@@ -702,7 +515,7 @@ class OpenAIServer:
                         if open_choices == 0:
                             break
                     elif isinstance(item, RouterError) or isinstance(item, HTTPError):
-                        err = item if isinstance(item, HTTPError) else HTTPError.from_router(item)
+                        err = item if isinstance(item, HTTPError) else HTTPError.from_router(item, rid)
                         yield b"data: " + json.dumps(err.body(), separators=(",", ":")).encode() + b"\n\n"
                         break
                     elif isinstance(item, BaseException):
@@ -852,18 +665,17 @@ class HTTPServer:
 
 async def start_http(servicer, host: str, port: int, served_model_name: str | Sequence[str],
                      api_key: str | None = None, max_body_bytes: int = 8 << 20, tls=None,
-                     model_aliases: Sequence[str] = ()) -> HTTPServer:
+                     model_aliases: Sequence[str] = (), allowed_hosts: str | None = None) -> HTTPServer:
     """Serve the OpenAI-compatible API on host:port (0: any free port) on the running loop;
     returns once it accepts connections. Raises OSError if the port is taken. tls (a
     services.security.TLSFiles): HTTPS with the router's certificate, as its gRPC API has
     (clients are not asked for a certificate; the API key is what authenticates them)."""
-    api = OpenAIServer(servicer, served_model_name, api_key, max_body_bytes, model_aliases=model_aliases)
+    api = OpenAIServer(servicer, served_model_name, api_key, max_body_bytes, model_aliases=model_aliases,
+                       allowed_hosts=allowed_hosts)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port(port):   # reserved for us by `pdserve up` (services/ports.py)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError as exc:
         sock.close()

@@ -19,37 +19,19 @@ from engine.model_config import ModelConfig
 from engine.tokenizer import load_tokenizer
 from engine.validation import validate_request
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.admission import PendingGate
 from services.convert import params_from_proto
 from services.detokenizer import IncrementalDetokenizer
 from services.errors import RouterError
 from services.generation import Generation, GenerationOptions, Generator
 from services.metrics import RouterMetrics
+from services.request_checks import RequestLimits, check_count, invalid, utf8_size
 from services.security import Credentials, api_key_interceptor
 from services.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_KEY = "retry-after-ms"   # trailing metadata on RESOURCE_EXHAUSTED: when to retry
-
-
-@dataclass(slots=True)
-class RequestLimits:
-    """Sizes a caller controls, checked before any work is done for them."""
-
-    max_prompt_bytes: int = field(default=1 << 20, metadata={
-        "help": "largest text prompt in UTF-8 bytes, checked before tokenizing"})
-    max_request_id_chars: int = field(default=256, metadata={"help": "longest request_id"})
-    max_stop_token_ids: int = field(default=256, metadata={"help": "most stop_token_ids in one request"})
-    max_http_body_bytes: int = field(default=8 << 20, metadata={
-        "help": "largest HTTP request body, refused (413) while it is read, before parsing"})
-    max_choices: int = field(default=64, metadata={
-        "help": "most choices (prompts x n) in one HTTP request"})
-
-    def __post_init__(self) -> None:
-        for name in ("max_prompt_bytes", "max_request_id_chars", "max_stop_token_ids", "max_http_body_bytes",
-                     "max_choices"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(slots=True)
@@ -63,6 +45,9 @@ class RouterConfig:
         "help": "model name(s) of the HTTP API, as vLLM's: the first is the one reported, every one is accepted; "
                 "none: the --model argument as given (the default model: its directory's name). The checkpoint "
                 "directory's name is accepted too", "metavar": "NAME"})
+    allowed_hosts: str | None = field(default=None, metadata={
+        "help": "comma-separated Host names the HTTP API answers without an API key, besides localhost and IP "
+                "addresses (DNS rebinding needs a name); '*': any"})
 
     def __post_init__(self) -> None:
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
@@ -72,6 +57,8 @@ class RouterConfig:
             self.served_model_name = tuple(names)
             if not self.served_model_name or any(not isinstance(n, str) or not n.strip() for n in names):
                 raise ValueError(f"served_model_name must be one or more non-empty names, got {names!r}")
+        if self.allowed_hosts is not None and not all(h.strip() for h in self.allowed_hosts.split(",")):
+            raise ValueError(f"allowed_hosts must be comma-separated names, got {self.allowed_hosts!r}")
 
 
 @dataclass(slots=True)
@@ -102,6 +89,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.tokenizer = load_tokenizer(options.model)
         self.generator = Generator(pool, options.generation, self.metrics)
         self.draining = False
+        self.pending = PendingGate(options.limits.max_pending_requests)   # both doors: gRPC and HTTP
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     @property
@@ -125,10 +113,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
         try:
-            parsed = await self.parse(request)
+            with self.pending.hold():
+                parsed = await self.parse(request)
         except RouterError as exc:
             self.metrics.request_failure.inc()
-            await abort_with(context, exc)
+            await abort_with(context, exc, request.request_id)
         detok = IncrementalDetokenizer(self.tokenizer, parsed.skip_special_tokens)
         usage = router_pb2.Usage(prompt_tokens=len(parsed.prompt))
         self.metrics.num_requests_running.inc()
@@ -155,7 +144,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     self._observe_finish(gen, usage, now)
                 yield msg
         except RouterError as exc:
-            await abort_with(context, exc)
+            await abort_with(context, exc, parsed.request_id)
+        except Exception:  # noqa: BLE001 - a bug: the client gets no internal text, the log gets it all
+            log.exception("request %s failed", parsed.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {parsed.request_id})")
         finally:
             self.metrics.num_requests_running.dec()
             if not finished:
@@ -168,40 +160,34 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise RouterError("UNAVAILABLE", "the router is draining (shutting down)")
         limits = self.options.limits
         rid = request.request_id or uuid.uuid4().hex
-        if len(rid) > limits.max_request_id_chars:
-            raise RouterError("INVALID_ARGUMENT", f"request_id has {len(rid)} characters; the limit is "
-                                                  f"{limits.max_request_id_chars} (max_request_id_chars)")
+        check_count(len(rid), "request_id", limits.max_request_id_chars, "max_request_id_chars", "characters")
         msg = request.params
-        if len(msg.stop_token_ids) > limits.max_stop_token_ids:
-            raise RouterError("INVALID_ARGUMENT", f"stop_token_ids has {len(msg.stop_token_ids)} entries; the limit "
-                                                  f"is {limits.max_stop_token_ids} (max_stop_token_ids)")
+        check_count(len(msg.stop_token_ids), "stop_token_ids", limits.max_stop_token_ids, "max_stop_token_ids")
         which = request.WhichOneof("input")
         if which is None:
-            raise RouterError("INVALID_ARGUMENT", "input: give either text or token_ids")
+            raise invalid("input", "input: give either text or token_ids")
         if which == "text":
             prompt = await self.tokenize(request.text)
         else:
+            n = len(request.token_ids.ids)   # the length first: nothing is copied for a list over the limit
+            if n > self.max_model_len:
+                raise invalid("prompt", f"prompt has {n} tokens; max_model_len is {self.max_model_len}")
             prompt = list(request.token_ids.ids)
-            if len(prompt) > self.max_model_len:
-                raise RouterError("INVALID_ARGUMENT", f"prompt has {len(prompt)} tokens; max_model_len is "
-                                                      f"{self.max_model_len}")
         params = params_from_proto(msg)
         try:
             validate_request(prompt, params, self.model_config.vocab_size, self.max_model_len)
         except ValueError as exc:
-            raise RouterError("INVALID_ARGUMENT", str(exc)) from None
+            raise invalid(str(exc).split(" ", 1)[0], str(exc)) from None
         skip = msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
         return ParsedRequest(rid, prompt, params, skip)
 
     async def tokenize(self, text: str) -> list[int]:
         """Tokenize off the event loop, after checking the size limit."""
-        limit = self.options.limits.max_prompt_bytes
-        if len(text) > limit or len(text.encode()) > limit:
-            raise RouterError("INVALID_ARGUMENT", f"prompt text has more than {limit} bytes (max_prompt_bytes)")
+        utf8_size(text, "prompt", self.options.limits.max_prompt_bytes)
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._tokenize, self.tokenizer.encode, text)
         if len(ids) > self.max_model_len:
-            raise RouterError("INVALID_ARGUMENT", f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+            raise invalid("prompt", f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
         return ids
 
     # ---- metrics --------------------------------------------------------------------
@@ -238,9 +224,12 @@ def timings(gen: Generation, now: float) -> router_pb2.Timings:
     return out
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
+async def abort_with(context: grpc.aio.ServicerContext, exc: RouterError, request_id: str | None = None) -> None:
+    """End the call with exc's status; its internal detail goes to the log, under the request id."""
+    if exc.detail is not None:
+        log.warning("request %s: %s: %s", request_id, exc.message, exc.detail)
     trailing = ((RETRY_AFTER_KEY, str(int(exc.retry_after_s * 1e3))),) if exc.retry_after_s else ()
-    await context.abort(getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNKNOWN), exc.message,
+    await context.abort(getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNKNOWN), exc.public_message(request_id),
                         trailing_metadata=trailing)
 
 
@@ -272,7 +261,8 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
             http = await start_http(servicer, host, options.config.http_port,
                                     served_model_names(options.config, options.model), api_key,
                                     options.limits.max_http_body_bytes, tls=credentials.tls,
-                                    model_aliases=(Path(options.model).name, Path(options.model).resolve().name))
+                                    model_aliases=(Path(options.model).name, Path(options.model).resolve().name),
+                                    allowed_hosts=options.config.allowed_hosts)
         interceptors = [api_key_interceptor(api_key)] if api_key else []
         server = await start_server([service_registration(router_pb2.DESCRIPTOR.services_by_name["Router"], servicer)],
                                     host, port, interceptors=interceptors,

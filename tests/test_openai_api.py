@@ -234,8 +234,8 @@ class Served:
     def client(self, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base}/v1", api_key=self.api_key or "unused", timeout=120, **kwargs)
 
-    def get(self, path: str, key: str | None = None) -> tuple[int, bytes, dict]:
-        req = urllib.request.Request(self.base + path)
+    def get(self, path: str, key: str | None = None, headers: dict | None = None) -> tuple[int, bytes, dict]:
+        req = urllib.request.Request(self.base + path, headers=headers or {})
         key = key if key is not None else self.api_key
         if key:
             req.add_header("Authorization", f"Bearer {key}")
@@ -541,6 +541,8 @@ def test_api_key(disagg: Served) -> None:
     assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
     status, _, _ = disagg.get("/metrics", key="wrong-key-0123456789")
     assert status == 401
+    status, _, _ = disagg.get("/v1/models", headers={"Host": "any.example"})   # with a key, any Host
+    assert status == 200
     assert disagg.client().completions.create(model=disagg.model, prompt="x", max_tokens=2).usage.completion_tokens >= 1
 
 
@@ -550,10 +552,10 @@ def test_unknown_model_is_404_and_bad_input_400(disagg: Served) -> None:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     err = info.value.body
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == "model_not_found"
-    for kwargs, param in (({"temperature": -1.0}, "temperature"), ({"max_tokens": 5000}, "prompt"),
-                          ({"extra_body": {"top_p": 0}}, "top_p")):
-        with pytest.raises(openai.BadRequestError) as info:
-            client.completions.create(model=disagg.model, prompt="hello", **kwargs)
+    for kwargs, param in (({"temperature": -1.0}, "temperature"), ({"max_tokens": 5000}, "max_tokens"),
+                          ({"max_tokens": 2047}, "prompt"), ({"extra_body": {"top_p": 0}}, "top_p")):
+        with pytest.raises(openai.BadRequestError) as info:   # max_tokens past max_model_len (2048) alone: max_tokens
+            client.completions.create(model=disagg.model, prompt="hello there, how are you", **kwargs)
         assert info.value.body["param"] == param and info.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=disagg.model, prompt=[[1, 2], [1024 * 1024]], max_tokens=2)
