@@ -29,7 +29,9 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     # Our channels ping every 2 s (CHANNEL_OPTIONS); a peer pinging more often than once a second
     # gets a strike, and after MAX_PING_STRIKES a GOAWAY (ENHANCE_YOUR_CALM): no ping flood.
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+    # (gRPC core's name for the minimum interval between received pings; with a misspelt key the
+    # 5-minute default applies and every keepalive ping of a silent stream is a strike.)
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
     ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
 ]
 MAX_HEALTH_WATCHES = 64    # open grpc.health.v1 Watch streams per server (Check is unlimited)
