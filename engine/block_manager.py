@@ -26,22 +26,32 @@ def chain_hash(parent_hash: int, token_ids: list[int] | tuple[int, ...]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """Chain hashes of every full block of token_ids."""
-    hashes, parent = [], ROOT_HASH
+def salt_root(cache_salt: str | None) -> int:
+    """The parent hash of a request's first block: ROOT_HASH, or one derived from its cache salt,
+    so that requests with different salts never share a block (vLLM's cache_salt: a client's
+    cached_tokens reveal nothing of other clients' prompts)."""
+    if not cache_salt:
+        return ROOT_HASH
+    h = hashlib.blake2b(cache_salt.encode(), digest_size=8, person=b"pdserve-salt")
+    return int.from_bytes(h.digest(), "little")
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int, root: int = ROOT_HASH) -> list[int]:
+    """Chain hashes of every full block of token_ids (root: salt_root of the request's salt)."""
+    hashes, parent = [], root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = chain_hash(parent, token_ids[start:start + block_size])
         hashes.append(parent)
     return hashes
 
 
-def transfer_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+def transfer_block_hashes(token_ids: list[int], block_size: int, root: int = ROOT_HASH) -> list[int]:
     """Chain hashes of every block of token_ids, the partial last block included: the
     identity each shipped block carries, which the receiver recomputes and checks."""
-    hashes = prompt_block_hashes(token_ids, block_size)
+    hashes = prompt_block_hashes(token_ids, block_size, root)
     tail = len(token_ids) % block_size
     if tail:
-        hashes.append(chain_hash(hashes[-1] if hashes else ROOT_HASH, token_ids[-tail:]))
+        hashes.append(chain_hash(hashes[-1] if hashes else root, token_ids[-tail:]))
     return hashes
 
 
@@ -153,7 +163,8 @@ class BlockManager:
             raise RuntimeError(f"sequence {seq.request_id} already holds blocks")
         bs = self.block_size
         n_full = seq.num_tokens // bs
-        hashes = prompt_block_hashes(seq.token_ids, bs) if self.enable_prefix_caching else []
+        hashes = prompt_block_hashes(seq.token_ids, bs, salt_root(seq.params.cache_salt)) \
+            if self.enable_prefix_caching else []
         # Blocks we will share: leading prefix found by key. Count fresh ones before touching state.
         shared: list[Block] = []
         for i, h in enumerate(hashes):
@@ -211,7 +222,7 @@ class BlockManager:
             self._publish(block)
         while seq.num_hashed_blocks < n_done:
             i = seq.num_hashed_blocks
-            parent = seq.block_hashes[i - 1] if i else ROOT_HASH
+            parent = seq.block_hashes[i - 1] if i else salt_root(seq.params.cache_salt)
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)
             block = self.blocks[seq.block_table[i]]
@@ -224,11 +235,11 @@ class BlockManager:
         """Every key a lookup finds computed (what routers are told is held)."""
         return [h for h, b in self.hash_to_block.items() if self.blocks[b].computed]
 
-    def computed_prefix_blocks(self, token_ids: list[int]) -> list[int]:
+    def computed_prefix_blocks(self, token_ids: list[int], root: int = ROOT_HASH) -> list[int]:
         """Hashes of the leading full blocks of token_ids this pool holds computed."""
         held = []
         bs = self.block_size
-        for i, h in enumerate(prompt_block_hashes(token_ids, bs)):
+        for i, h in enumerate(prompt_block_hashes(token_ids, bs, root)):
             block = self._lookup(h, tuple(token_ids[i * bs:(i + 1) * bs]))
             if block is None or not block.computed:
                 break

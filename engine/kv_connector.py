@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from engine.block_manager import transfer_block_hashes
+from engine.block_manager import salt_root, transfer_block_hashes
 from engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -270,7 +270,7 @@ class KVConnector:
         seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
         seq.first_scheduled_time = time.monotonic()
         bs = self.block_size
-        hashes = transfer_block_hashes(seq.token_ids, bs)
+        hashes = transfer_block_hashes(seq.token_ids, bs, salt_root(seq.params.cache_salt))
         first_needed = cached // bs
         idle = min(lease_s, self.lease.idle_s) if lease_s else self.lease.idle_s
         now = time.monotonic()

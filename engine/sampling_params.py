@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20   # vLLM's default max_logprobs
 MAX_TOP_K = 2**31 - 1        # the wire's bounds (common.proto: top_k int32, token counts uint32)
 MAX_TOKENS = 2**32 - 1
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(slots=True)
@@ -26,6 +27,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0          # EOS and stop_token_ids do not end the request before this many tokens
     logprobs: int | None = None  # report the sampled token's logprob and this many top alternatives
+    cache_salt: str | None = None  # prefix-cache namespace: blocks are shared only within one salt
 
     def validate(self) -> None:
         """Raise ValueError naming the first field outside its limits."""
@@ -44,6 +46,10 @@ class SamplingParams:
                              f"got {self.min_tokens!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt.isprintable()
+                                            or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"cache_salt must be a non-empty printable string of at most {MAX_CACHE_SALT_CHARS} "
+                             f"characters")
         for tok in self.stop_token_ids:
             if not isinstance(tok, int) or tok < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {tok!r}")

@@ -26,6 +26,8 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         p.min_tokens = int(msg.min_tokens)
     if msg.HasField("logprobs"):
         p.logprobs = int(msg.logprobs)
+    if msg.HasField("cache_salt"):
+        p.cache_salt = msg.cache_salt
     p.stop_token_ids = list(msg.stop_token_ids)
     return p
 
@@ -40,6 +42,8 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.logprobs = p.logprobs
     if p.seed is not None:
         msg.seed = p.seed
+    if p.cache_salt is not None:
+        msg.cache_salt = p.cache_salt
     return msg
 
 

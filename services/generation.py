@@ -220,7 +220,8 @@ class Generator:
     def _keys(self, gen: Generation) -> list[int]:
         """The chain keys of the request's full blocks (what the workers' prefix caches hold)."""
         bs = self.placement.block_size
-        return request_keys([*gen.prompt, *gen.generated], bs) if bs and self.placement.kv_aware else []
+        return request_keys([*gen.prompt, *gen.generated], bs, gen.params.cache_salt) \
+            if bs and self.placement.kv_aware else []
 
     def _prefix_in_flight(self, route: Route, keys: list[int]) -> bool:
         """The route's worker has this prompt's prefix only in flight: an earlier request routed

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
-from engine.block_manager import prompt_block_hashes
+from engine.block_manager import prompt_block_hashes, salt_root
 
 DEFAULT_MAX_KEYS = 1 << 20   # per worker: ~100 MB of Python objects at most, far above a real pool's blocks
 
@@ -87,6 +87,6 @@ class PrefixIndex:
         return sum(1 for key in keys[:self.matched_blocks(keys)] if key in self._pending)
 
 
-def request_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
+def request_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[int]:
     """Chain keys of a request's full blocks, as the workers' prefix caches compute them."""
-    return prompt_block_hashes(list(token_ids), block_size)
+    return prompt_block_hashes(list(token_ids), block_size, salt_root(cache_salt))

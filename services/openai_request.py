@@ -78,7 +78,7 @@ def _param_of(message: str) -> str | None:
     """The field a validation message is about (the engine's messages start with it)."""
     word = message.split(" ", 1)[0].strip(":(")
     known = {"temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "min_tokens", "prompt",
-             "output", "request_id", "ignore_eos", "logprobs"}
+             "output", "request_id", "ignore_eos", "logprobs", "cache_salt"}
     if word in known:
         return word
     if message.startswith("prompt tokens") or message.startswith("prompt has"):
@@ -307,7 +307,8 @@ def _parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimit
                             seed=_field(body, "seed", int),
                             stop_token_ids=_int_list(stop_ids, "stop_token_ids"),
                             ignore_eos=_field(body, "ignore_eos", bool, False),
-                            min_tokens=_field(body, "min_tokens", int, 0))
+                            min_tokens=_field(body, "min_tokens", int, 0),
+                            cache_salt=_field(body, "cache_salt", str))
     if chat:   # logprobs: bool, top_logprobs: how many alternatives
         top = _field(body, "top_logprobs", int)
         if _field(body, "logprobs", bool, False):

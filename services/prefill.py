@@ -8,7 +8,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from engine.block_manager import transfer_block_hashes
+from engine.block_manager import salt_root, transfer_block_hashes
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.async_engine import AsyncEngine
 from services.convert import first_token_proto, params_from_proto
@@ -43,7 +43,8 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
         target = request.target
         needed = set(target.needed_block_indices)
         kv = self.sender.open(target.address, rid, target.transfer_token) if needed else None
-        hashes = transfer_block_hashes(tokens, self.block_size)
+        salt = request.params.cache_salt if request.params.HasField("cache_salt") else None
+        hashes = transfer_block_hashes(tokens, self.block_size, salt_root(salt))
         delivered = False
         last_sent = 0
         try:

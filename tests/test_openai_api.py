@@ -565,6 +565,24 @@ def test_unknown_model_is_404_and_bad_input_400(disagg: Served) -> None:
     assert status == 404 and "error" in body
 
 
+def test_cache_salt_separates_prefix_caches(served: Served) -> None:
+    """Requests share cached KV only under the same cache_salt, disaggregated too (the salt enters
+    the first block's chain hash on the router, the prefill and the decode worker alike)."""
+    client = served.client()
+    prompt = random_prompts(1, 48, 48, seed=77)[0]
+
+    def cached(salt: str) -> int:
+        out = client.completions.create(model=served.model, prompt=prompt, max_tokens=2, temperature=0,
+                                        extra_body={"cache_salt": salt, "ignore_eos": True})
+        assert out.usage.completion_tokens == 2
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0
+    assert cached("tenant-a") >= 40
+    assert_blocks_at_baseline(served.cluster)
+
+
 @pytest.fixture(scope="module")
 def limits(tiny_qwen3: str):
     served = _serve(tiny_qwen3, router_args=["--max-queued-requests", "0", "--max-http-body-bytes", "65536",
