@@ -34,7 +34,9 @@ def _engine(model: Path, args: argparse.Namespace, invariant: bool, max_seqs: in
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
+    # No prefix caching: later rounds send the same prompts again.
     kwargs = {"num_threads": args.threads, "device": "cpu", "max_num_seqs": max_seqs, "batch_invariant": invariant,
+              "enable_prefix_caching": False,
               "max_num_batched_tokens": max(2048, args.prefill_len * args.prefill_seqs)}
     if args.compute_dtype:
         kwargs["compute_dtype"] = args.compute_dtype
