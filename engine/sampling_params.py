@@ -8,6 +8,7 @@ MAX_LOGPROBS = 20   # vLLM's default max_logprobs
 MAX_TOP_K = 2**31 - 1        # the wire's bounds (common.proto: top_k int32, token counts uint32)
 MAX_TOKENS = 2**32 - 1
 MAX_CACHE_SALT_CHARS = 256
+FLOAT32_MIN_NORMAL = 1.1754943508222875e-38   # smaller (subnormal) reads as 0 in a process that flushes denormals
 
 
 @dataclass(slots=True)
@@ -33,8 +34,9 @@ class SamplingParams:
         """Raise ValueError naming the first field outside its limits."""
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_p, (int, float)) or not (FLOAT32_MIN_NORMAL <= self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] (and a normal float32: >= {FLOAT32_MIN_NORMAL:.4g}), "
+                             f"got {self.top_p!r}")
         if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
             raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k!r}")
         if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= MAX_TOKENS:
