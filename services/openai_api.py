@@ -55,7 +55,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import jinja2
 import uvicorn
@@ -68,6 +68,8 @@ from engine.validation import validate_request
 from services.detokenizer import IncrementalDetokenizer
 from services.errors import RouterError
 from services.openai_request import HTTPError, ParsedBody, Prompt, _param_of, parse_body, read_json
+from services.http_stream import ClientGone, SSEResponse, _cancel, _gather_or_cancel, _until_disconnect
+from services.stop_strings import StopMatcher
 from services.request_checks import utf8_size
 
 log = logging.getLogger(__name__)
@@ -75,44 +77,6 @@ log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)              # no API key, no Host check (orchestrators probe it)
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 LOOPBACK_NAMES = ("localhost",)        # besides IP addresses: DNS rebinding needs a name
-
-
-# ---- stop strings ------------------------------------------------------------------------------
-
-class StopMatcher:
-    """Finds stop strings in streamed text, across token boundaries. Text that could be the
-    start of a stop string is held back until it is known not to be one."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.pending = ""
-
-    def _held(self, buf: str) -> int:
-        """Length of the longest end of buf that begins a stop string."""
-        held = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), held, -1):
-                if buf.endswith(s[:k]):
-                    held = k
-                    break
-        return held
-
-    def add(self, text: str, final: bool, check: bool = True) -> tuple[str, bool]:
-        """(text safe to send, whether a stop string ended it). check=False: no stop yet (min_tokens)."""
-        if not self.stops:
-            return text, False
-        buf = self.pending + text
-        if check:
-            hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-            if hits:
-                self.pending = ""
-                return buf[:min(hits)], True
-        if final:
-            self.pending = ""
-            return buf, False
-        cut = len(buf) - self._held(buf)
-        self.pending = buf[cut:]
-        return buf[:cut], False
 
 
 # ---- one choice ------------------------------------------------------------------------------
@@ -548,83 +512,6 @@ def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 def _usage_proto(prompt: int, completion: int, cached: int):
     from pdserve.v1 import router_pb2
     return router_pb2.Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
-
-
-# ---- cancellation ----------------------------------------------------------------------------
-
-class ClientGone(Exception):
-    """The client disconnected; its work was cancelled."""
-
-
-async def _wait_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _until_disconnect(request: Request, awaitable: Awaitable) -> Any:
-    """Await awaitable, cancelling it if the client disconnects meanwhile (then ClientGone)."""
-    task = asyncio.ensure_future(awaitable)
-    watcher = asyncio.create_task(_wait_disconnect(request.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        await _cancel([task, watcher])
-        raise
-    if task.done():
-        await _cancel([watcher])
-        return task.result()
-    await _cancel([task])
-    raise ClientGone()
-
-
-async def _cancel(tasks: list[asyncio.Future]) -> None:
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _gather_or_cancel(coros: list[Awaitable]) -> list[Any]:
-    """All results; the first failure cancels the rest and is raised."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        await _cancel([t for t in tasks if not t.done()])
-
-
-class SSEResponse(Response):
-    """text/event-stream from an async iterator of bytes. The iterator runs as a task next to a
-    watch on the connection: when the client disconnects, the task is cancelled at once (its
-    cleanup aborts the requests), even while no event is due."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[bytes]) -> None:   # no body, so no Content-Length
-        self.status_code = 200
-        self.background = None
-        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.events = events
-
-    async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-
-        async def pump() -> None:
-            async with contextlib.aclosing(self.events) as events:
-                async for chunk in events:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        body = asyncio.create_task(pump())
-        watcher = asyncio.create_task(_wait_disconnect(receive))
-        try:
-            await asyncio.wait({body, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            await _cancel([body, watcher])   # a finished task stays as it is
-        if not body.cancelled() and body.exception() is not None:
-            if not isinstance(body.exception(), OSError):   # a write to a closed connection is a disconnect
-                raise body.exception()
 
 
 # ---- the server ------------------------------------------------------------------------------

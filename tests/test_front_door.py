@@ -125,7 +125,7 @@ def test_two_million_prompts_are_refused_before_any_is_tokenized(front: Front) -
     status, err = front.post("/v1/completions", body)
     router_cpu = _cpu_seconds(front.router_pid) - cpu0
     assert status == 400 and err["error"]["param"] == "prompt" and "max_choices" in err["error"]["message"]
-    assert router_cpu < 0.6, router_cpu   # reading + parsing 8 MB; 2M tokenizer calls would cost minutes
+    assert router_cpu < 0.8, router_cpu   # reading + parsing 8 MB; 2M tokenizer calls would cost minutes
 
 
 def test_half_a_million_chat_messages_are_refused_before_rendering(front: Front) -> None:
@@ -134,7 +134,7 @@ def test_half_a_million_chat_messages_are_refused_before_rendering(front: Front)
     status, err = front.post("/v1/chat/completions", body)
     router_cpu = _cpu_seconds(front.router_pid) - cpu0
     assert status == 400 and err["error"]["param"] == "messages" and "max_chat_messages" in err["error"]["message"]
-    assert router_cpu < 0.6, router_cpu
+    assert router_cpu < 0.8, router_cpu
     # every string counts, not only content: a huge role, or many names, pass max_prompt_bytes (1 MiB)
     for messages in ([{"role": "r" * (1100 << 10), "content": "hi"}],
                      [{"role": "user", "name": "n" * 600, "content": ""}] * 2000):
@@ -231,6 +231,41 @@ def test_grpc_bounds_name_the_field(front: Front, params, text) -> None:
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and text in err.details(), err.details()
 
 
+# ---- cache_salt: cached_tokens reveal nothing across salts --------------------------------------------
+
+def test_salted_block_chains_never_meet() -> None:
+    from engine.block_manager import ROOT_HASH, prompt_block_hashes, salt_root, transfer_block_hashes
+    prompt = random_prompts(1, 37, 37, seed=8)[0]
+    plain, a, a2, b = (prompt_block_hashes(prompt, 8, root) for root in (
+        ROOT_HASH, salt_root("alice"), salt_root("alice"), salt_root("bob")))
+    assert a == a2 and salt_root(None) == salt_root("") == ROOT_HASH
+    assert not (set(plain) & set(a)) and not (set(a) & set(b)) and len(a) == 4
+    assert transfer_block_hashes(prompt, 8, salt_root("alice"))[:4] == a
+
+
+def test_cache_salt_separates_cached_tokens_over_both_doors(front: Front) -> None:
+    prompt = random_prompts(1, 40, 40, seed=21)[0]
+
+    def http_cached(salt: str | None) -> int:
+        status, out = front.post("/v1/completions", _completion(front, prompt=prompt, max_tokens=1,
+                                                                **({"cache_salt": salt} if salt else {})))
+        assert status == 200, out
+        return out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def grpc_cached(salt: str | None) -> int:
+        params = common_pb2.SamplingParams(max_tokens=1, **({"cache_salt": salt} if salt else {}))
+        with grpc.insecure_channel(f"127.0.0.1:{front.cluster.spec.port}") as ch:
+            msgs = list(router_pb2_grpc.RouterStub(ch).Generate(router_pb2.GenerateRequest(
+                token_ids=router_pb2.TokenIds(ids=prompt), params=params), timeout=60))
+        return msgs[-1].usage.cached_tokens
+
+    assert http_cached("alice") == 0
+    assert http_cached("bob") == 0 and grpc_cached("carol") == 0 and http_cached(None) == 0   # another salt: a miss
+    assert http_cached("alice") >= 32 and grpc_cached("bob") >= 32 and grpc_cached(None) >= 32
+    status, err = front.post("/v1/completions", _completion(front, cache_salt="s" * 300))
+    assert status == 400 and err["error"]["param"] == "cache_salt"
+
+
 # ---- errors: no worker address, no internal text (last: the worker is killed) ---------------------------
 
 def test_a_failed_request_names_its_id_not_the_worker(front: Front) -> None:
@@ -292,38 +327,3 @@ def _scrape(front: Front) -> dict[str, float]:
 def _router_log(front: Front) -> str:
     with open(os.path.join(front.log_dir, "router.log"), errors="replace") as f:
         return f.read()
-
-
-# ---- cache_salt: cached_tokens reveal nothing across salts --------------------------------------------
-
-def test_salted_block_chains_never_meet() -> None:
-    from engine.block_manager import ROOT_HASH, prompt_block_hashes, salt_root, transfer_block_hashes
-    prompt = random_prompts(1, 37, 37, seed=8)[0]
-    plain, a, a2, b = (prompt_block_hashes(prompt, 8, root) for root in (
-        ROOT_HASH, salt_root("alice"), salt_root("alice"), salt_root("bob")))
-    assert a == a2 and salt_root(None) == salt_root("") == ROOT_HASH
-    assert not (set(plain) & set(a)) and not (set(a) & set(b)) and len(a) == 4
-    assert transfer_block_hashes(prompt, 8, salt_root("alice"))[:4] == a
-
-
-def test_cache_salt_separates_cached_tokens_over_both_doors(front: Front) -> None:
-    prompt = random_prompts(1, 40, 40, seed=21)[0]
-
-    def http_cached(salt: str | None) -> int:
-        status, out = front.post("/v1/completions", _completion(front, prompt=prompt, max_tokens=1,
-                                                                **({"cache_salt": salt} if salt else {})))
-        assert status == 200, out
-        return out["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-    def grpc_cached(salt: str | None) -> int:
-        params = common_pb2.SamplingParams(max_tokens=1, **({"cache_salt": salt} if salt else {}))
-        with grpc.insecure_channel(f"127.0.0.1:{front.cluster.spec.port}") as ch:
-            msgs = list(router_pb2_grpc.RouterStub(ch).Generate(router_pb2.GenerateRequest(
-                token_ids=router_pb2.TokenIds(ids=prompt), params=params), timeout=60))
-        return msgs[-1].usage.cached_tokens
-
-    assert http_cached("alice") == 0
-    assert http_cached("bob") == 0 and grpc_cached("carol") == 0 and http_cached(None) == 0   # another salt: a miss
-    assert http_cached("alice") >= 32 and grpc_cached("bob") >= 32 and grpc_cached(None) >= 32
-    status, err = front.post("/v1/completions", _completion(front, cache_salt="s" * 300))
-    assert status == 400 and err["error"]["param"] == "cache_salt"
