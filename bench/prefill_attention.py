@@ -107,7 +107,8 @@ def bench_step(args: argparse.Namespace) -> None:
     from engine.model_maker import ensure_model
 
     engine = LLMEngine(EngineConfig.from_kwargs(str(ensure_model("small")), num_threads=args.threads, device="cpu",
-                                                max_num_batched_tokens=2048, enable_prefix_caching=False))
+                                                max_num_batched_tokens=2048, enable_prefix_caching=False,
+                                                batch_invariant=False))   # (the mode attends through the decode kernel)
     r = engine.runner
     print(f"whole prefill step, small model, backend {r.backend.name}, compute {r.compute_dtype}, best of "
           f"{args.reps}:")
