@@ -280,7 +280,7 @@ def _serve(model: str, router_args=(), api_key: str | None = None, **kwargs) -> 
                 os.environ.pop("PDSERVE_API_KEY", None)
             else:
                 os.environ["PDSERVE_API_KEY"] = old
-    return Served(cluster, f"http://127.0.0.1:{port}", api_key, os.path.basename(model))
+    return Served(cluster, f"http://127.0.0.1:{port}", api_key, model)   # vLLM's name: --model as given
 
 
 @pytest.fixture(scope="module")
