@@ -114,6 +114,35 @@ def test_linear_row_does_not_depend_on_the_rows_beside_it(weights: str) -> None:
     assert torch.allclose(lin(x3).float(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d, h, hkv", [(32, 4, 2), (64, 8, 4), (128, 4, 1)])
+def test_attention_row_does_not_depend_on_the_rows_beside_it(cache_dtype: torch.dtype, d: int, h: int,
+                                                              hkv: int) -> None:
+    """A prefill chunk's queries as decode rows (what the mode runs): in one call (neighbouring rows
+    of a sequence share K/V loads), at another offset (other pairs) and each alone, the same bits;
+    and softmax(q K^T) V to float32 rounding."""
+    g = torch.Generator().manual_seed(d + h)
+    bs, start, n = 16, 37, 90
+    kc = torch.randn(16, bs, hkv, d, generator=g).to(cache_dtype)
+    vc = torch.randn(16, bs, hkv, d, generator=g).to(cache_dtype)
+    table = torch.randperm(16, generator=g)[:9]
+    q = torch.randn(n, h, d, generator=g)
+    tables = table.expand(n, -1).contiguous()
+    lens = torch.arange(start + 1, start + n + 1, dtype=torch.int32)
+    scale = d ** -0.5
+    together = cpu_kernels.decode_attention(q, kc, vc, tables, lens, scale)
+    alone = torch.cat([cpu_kernels.decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1], lens[i:i + 1], scale)
+                       for i in range(n)])
+    assert torch.equal(together, alone)
+    assert torch.equal(cpu_kernels.decode_attention(q[1:], kc, vc, tables[1:], lens[1:], scale), alone[1:])
+    keys = kc[table].reshape(-1, hkv, d).double().repeat_interleave(h // hkv, 1)
+    values = vc[table].reshape(-1, hkv, d).double().repeat_interleave(h // hkv, 1)
+    for i in (0, n // 2, n - 1):
+        L = int(lens[i])
+        p = (torch.einsum("hd,lhd->hl", q[i].double(), keys[:L]) * scale).softmax(-1)
+        assert torch.allclose(together[i].double(), torch.einsum("hl,lhd->hd", p, values[:L]), atol=1e-5)
+
+
 # ---- in process: the matrix -------------------------------------------------------------------
 
 @pytest.mark.parametrize("compute_dtype", DTYPES)

@@ -330,7 +330,114 @@ static void decode_attn_avx2(const float* q, int64_t q_stride, const T* kc, cons
         const int64_t lo = block_bytes * h / HKV, hi = block_bytes * (h + 1) / HKV;
         for (int64_t off = lo / 64 * 64; off < hi; off += 64) _mm_prefetch(nxt + off, PF_HINT);
     };
+    // Two rows a, b of one sequence (a prefill chunk's neighbouring queries: lens[a] <= lens[b], the
+    // same blocks as far as a reads): K and V rows loaded once for both. Every score and output is
+    // the same operation chain as the one-row path below (a score: the FMA chain over D and
+    // reduce8's lane tree, which is the same for each of its 8 outputs; an output: the FMA chain
+    // over the row's tokens in order), so a row's result does not depend on being paired.
+    std::vector<float> scores_b, qs_b(H * D);
+    std::vector<__m256> o_b(H * V);
+    auto pairable = [&](int64_t a, int64_t b) {
+        if (lens[a] > lens[b]) return false;
+        const int64_t na = (lens[a] + bs - 1) / bs;
+        for (int64_t j = 0; j < na; j++)
+            if (tables[a * max_blocks + j] != tables[b * max_blocks + j]) return false;
+        return true;
+    };
+    auto pair_rows = [&](int64_t a, int64_t b) {
+        const int64_t La = lens[a], Lb = lens[b];
+        const int64_t nblocks = (Lb + bs - 1) / bs;
+        const int64_t* table = tables + b * max_blocks;
+        const int64_t stride = nblocks * bs + 8;
+        scores.resize(H * stride);
+        scores_b.resize(H * stride);
+        float* sa = scores.data();
+        float* sb = scores_b.data();
+        for (int64_t i = 0; i < H * D; i++) qs[i] = q[a * q_stride + i] * scale;
+        for (int64_t i = 0; i < H * D; i++) qs_b[i] = q[b * q_stride + i] * scale;
+        for (int64_t j = 0; j < nblocks; j++) {
+            const T* kb = kc + table[j] * bs * tok_stride;
+            const int64_t t0 = j * bs, n = Lb - t0 < bs ? Lb - t0 : bs;
+            for (int64_t h = 0; h < HKV; h++) {
+                for (int64_t i = 0; i < n; i += 4) {
+                    const T* rows[4];
+                    for (int tt = 0; tt < 4; tt++) rows[tt] = kb + (i + tt < bs ? i + tt : bs - 1) * tok_stride + h * D;
+                    for (int g = 0; g < G; g++) {
+                        const float* qa = qs.data() + (h * G + g) * D;
+                        const float* qb = qs_b.data() + (h * G + g) * D;
+                        __m256 acc[8];
+                        const __m256 qa0 = _mm256_loadu_ps(qa), qb0 = _mm256_loadu_ps(qb);
+                        for (int tt = 0; tt < 4; tt++) {
+                            const __m256 k = load8(rows[tt]);
+                            acc[tt] = _mm256_mul_ps(qa0, k);
+                            acc[4 + tt] = _mm256_mul_ps(qb0, k);
+                        }
+                        for (int c = 1; c < V; c++) {
+                            const __m256 qac = _mm256_loadu_ps(qa + 8 * c), qbc = _mm256_loadu_ps(qb + 8 * c);
+                            for (int tt = 0; tt < 4; tt++) {
+                                const __m256 k = load8(rows[tt] + 8 * c);
+                                acc[tt] = _mm256_fmadd_ps(qac, k, acc[tt]);
+                                acc[4 + tt] = _mm256_fmadd_ps(qbc, k, acc[4 + tt]);
+                            }
+                        }
+                        const __m256 sc8 = reduce8(acc);
+                        _mm_storeu_ps(sa + (h * G + g) * stride + t0 + i, _mm256_castps256_ps128(sc8));
+                        _mm_storeu_ps(sb + (h * G + g) * stride + t0 + i, _mm256_extractf128_ps(sc8, 1));
+                    }
+                }
+            }
+        }
+        for (int64_t hq = 0; hq < H; hq++) softmax(sa + hq * stride, La);
+        for (int64_t hq = 0; hq < H; hq++) softmax(sb + hq * stride, Lb);
+        for (auto& x : o) x = _mm256_setzero_ps();
+        for (auto& x : o_b) x = _mm256_setzero_ps();
+        for (int64_t j = 0; j < nblocks; j++) {
+            const T* vb = vc + table[j] * bs * tok_stride;
+            const int64_t t0 = j * bs, nb = Lb - t0 < bs ? Lb - t0 : bs;
+            const int64_t na = La <= t0 ? 0 : (La - t0 < bs ? La - t0 : bs);
+            for (int64_t h = 0; h < HKV; h++) {
+                const T* vh = vb + h * D;
+                for (int g = 0; g < G; g++) {
+                    const float* pa = sa + (h * G + g) * stride + t0;
+                    const float* pb = sb + (h * G + g) * stride + t0;
+                    __m256* oa = o.data() + (h * G + g) * V;
+                    __m256* ob = o_b.data() + (h * G + g) * V;
+                    for (int c0 = 0; c0 < V; c0 += 4) {
+                        __m256 acc[8];
+                        for (int k = 0; k < 4; k++) { acc[k] = oa[c0 + k]; acc[4 + k] = ob[c0 + k]; }
+                        int64_t t = 0;
+                        for (; t < na; t++) {
+                            const __m256 pta = _mm256_set1_ps(pa[t]), ptb = _mm256_set1_ps(pb[t]);
+                            const T* row = vh + t * tok_stride + 8 * c0;
+                            for (int k = 0; k < 4; k++) {
+                                const __m256 v = load8(row + 8 * k);
+                                acc[k] = _mm256_fmadd_ps(pta, v, acc[k]);
+                                acc[4 + k] = _mm256_fmadd_ps(ptb, v, acc[4 + k]);
+                            }
+                        }
+                        for (; t < nb; t++) {
+                            const __m256 ptb = _mm256_set1_ps(pb[t]);
+                            const T* row = vh + t * tok_stride + 8 * c0;
+                            for (int k = 0; k < 4; k++) acc[4 + k] = _mm256_fmadd_ps(ptb, load8(row + 8 * k), acc[4 + k]);
+                        }
+                        for (int k = 0; k < 4; k++) { oa[c0 + k] = acc[k]; ob[c0 + k] = acc[4 + k]; }
+                    }
+                }
+            }
+        }
+        for (int64_t hq = 0; hq < H; hq++)
+            for (int c = 0; c < V; c++) {
+                _mm256_storeu_ps(out + (a * H + hq) * D + 8 * c, o[hq * V + c]);
+                _mm256_storeu_ps(out + (b * H + hq) * D + 8 * c, o_b[hq * V + c]);
+            }
+    };
     for (int64_t r = r0; r < r1; r++) {
+        if (r + 1 < r1 && pairable(r, r + 1)) {
+            pair_rows(r, r + 1);
+            gi += 2 * ((lens[r] + bs - 1) / bs) + 2 * ((lens[r + 1] + bs - 1) / bs);   // their blocks in stream
+            r++;
+            continue;
+        }
         const int64_t L = lens[r];
         const int64_t nblocks = (L + bs - 1) / bs;
         const int64_t* table = tables + r * max_blocks;
