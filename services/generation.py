@@ -43,7 +43,7 @@ from services.worker_pool import NoWorker, WorkerHandle, WorkerPool
 log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 10.0           # unary internal calls (Reserve, Abort)
-DEADLINE_MARGIN_S = 0.5        # a request waiting for a worker gives up this long before its deadline,
+DEADLINE_MARGIN_S = 1.0        # a request waiting for a worker gives up this long before its deadline,
                                # so that its client hears why (UNAVAILABLE) rather than DEADLINE_EXCEEDED
 # Worker answers that are the request's own fault (never retried elsewhere).
 REQUEST_ERRORS = {"INVALID_ARGUMENT", "OUT_OF_RANGE", "UNAUTHENTICATED", "PERMISSION_DENIED", "UNIMPLEMENTED"}
@@ -452,49 +452,66 @@ class Generator:
                                             output_token_ids=gen.generated, params=params_to_proto(gen.params),
                                             lease_ms=self.options.kv_lease_ms)
         n_tokens = len(gen.prompt) + len(gen.generated)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.options.queue_timeout_s
+        now = time.monotonic()
+        deadline = now + self.options.queue_timeout_s
+        own = gen.deadline is not None and gen.deadline - DEADLINE_MARGIN_S < deadline
+        if own:   # the client's deadline bounds the queue too
+            deadline = gen.deadline - DEADLINE_MARGIN_S
         t0 = time.perf_counter()
-        async with self.admission.turn(self.options.queue_timeout_s):
-            while True:
-                routes = await self._pick(gen, lambda: self.placement.decode_routes(
-                    keys, n_tokens, gen.params.max_tokens, gen.failed))
-                for route in routes:
-                    worker = route.decode
-                    bs = worker.status.block_size if worker.status and worker.status.block_size else 1
-                    if worker.status is not None and worker.free_blocks < -(-n_tokens // bs):
-                        continue   # cannot fit: do not ask
-                    if wait_for_prefix and self._prefix_in_flight(route, keys):
-                        return None
-                    routed_at = time.perf_counter()
-                    response = None
-                    if not route.local:
-                        try:
-                            response = await worker.decode.Reserve(request, timeout=RPC_TIMEOUT_S)
-                        except grpc.aio.AioRpcError as exc:
-                            code = exc.code().name
-                            if code in REQUEST_ERRORS:
-                                raise RouterError(code, f"a worker refused the request ({code})",
-                                                  detail=f"{worker.address}: {exc.details()}") from None
-                            if code != "RESOURCE_EXHAUSTED":
-                                self.pool.mark_down(worker)
-                            continue
-                    gen.workers.add(worker)
-                    if not gen.generated:
-                        self.metrics.request_queue_time_seconds.observe(time.perf_counter() - t0)
-                    if log.isEnabledFor(logging.DEBUG):
-                        log.debug("route %s: %s", gen.request_id, "; ".join(
-                            f"{r.decode.address}{'*' if r is route else ''} {'local' if r.local else 'remote'} "
-                            f"held={r.decode_cached_blocks} local={r.local_ms:.1f} remote={r.remote_ms:.1f} "
-                            f"cost={r.cost:.1f} running={self.placement.load(r.decode).running} "
-                            f"free={r.decode.free_blocks}" for r in routes))
-                    return worker, route, response, routed_at
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise RouterError("RESOURCE_EXHAUSTED", f"no decode capacity for {n_tokens} tokens within "
-                                      f"{self.options.queue_timeout_s:g}s",
-                                      retry_after_s=self.admission.retry_after_s())
-                await self.pool.wait_changed(remaining)
+        try:
+            if deadline <= now:
+                raise RouterError("RESOURCE_EXHAUSTED", "no decode capacity before this request's deadline")
+            async with self.admission.turn(deadline - now):
+                return await self._place(gen, request, keys, n_tokens, wait_for_prefix, deadline, t0)
+        except RouterError as exc:   # it waited behind a request waiting for a restarting role: say so
+            role = "both" if self.pool.colocated else "decode"
+            if exc.code == "RESOURCE_EXHAUSTED" and self.pool.outage_started(role) is not None:
+                raise self._outage_error(NoWorker(role), own) from None
+            raise
+
+    async def _place(self, gen: Generation, request: worker_pb2.ReserveRequest, keys: list[int], n_tokens: int,
+                     wait_for_prefix: bool, deadline: float, t0: float
+                     ) -> tuple[WorkerHandle, Route, worker_pb2.ReserveResponse | None, float] | None:
+        """_reserve as the head of the admission queue, until deadline (monotonic)."""
+        while True:
+            routes = await self._pick(gen, lambda: self.placement.decode_routes(
+                keys, n_tokens, gen.params.max_tokens, gen.failed))
+            for route in routes:
+                worker = route.decode
+                bs = worker.status.block_size if worker.status and worker.status.block_size else 1
+                if worker.status is not None and worker.free_blocks < -(-n_tokens // bs):
+                    continue   # cannot fit: do not ask
+                if wait_for_prefix and self._prefix_in_flight(route, keys):
+                    return None
+                routed_at = time.perf_counter()
+                response = None
+                if not route.local:
+                    try:
+                        response = await worker.decode.Reserve(request, timeout=RPC_TIMEOUT_S)
+                    except grpc.aio.AioRpcError as exc:
+                        code = exc.code().name
+                        if code in REQUEST_ERRORS:
+                            raise RouterError(code, f"a worker refused the request ({code})",
+                                              detail=f"{worker.address}: {exc.details()}") from None
+                        if code != "RESOURCE_EXHAUSTED":
+                            self.pool.mark_down(worker)
+                        continue
+                gen.workers.add(worker)
+                if not gen.generated:
+                    self.metrics.request_queue_time_seconds.observe(time.perf_counter() - t0)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("route %s: %s", gen.request_id, "; ".join(
+                        f"{r.decode.address}{'*' if r is route else ''} {'local' if r.local else 'remote'} "
+                        f"held={r.decode_cached_blocks} local={r.local_ms:.1f} remote={r.remote_ms:.1f} "
+                        f"cost={r.cost:.1f} running={self.placement.load(r.decode).running} "
+                        f"free={r.decode.free_blocks}" for r in routes))
+                return worker, route, response, routed_at
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RouterError("RESOURCE_EXHAUSTED", f"no decode capacity for {n_tokens} tokens within "
+                                  f"{self.options.queue_timeout_s:g}s",
+                                  retry_after_s=self.admission.retry_after_s())
+            await self.pool.wait_changed(remaining)
 
     async def _pick(self, gen: Generation, pick):
         """pick() from the pool. With no healthy worker of the role, wait for one to come back (a
@@ -512,11 +529,15 @@ class Generator:
                 if own:
                     until = gen.deadline - DEADLINE_MARGIN_S
                 if now >= until:
-                    why = ("before this request's deadline" if own else
-                           f"within worker_wait_s={self.options.worker_wait_s:g}s of losing the last one")
-                    raise RouterError("UNAVAILABLE", f"{exc}: none for {now - since:.1f}s, and none came back "
-                                                     f"{why}") from None
+                    raise self._outage_error(exc, own) from None
                 await self.pool.wait_changed(until - now)
+
+    def _outage_error(self, exc: NoWorker, own_deadline: bool) -> RouterError:
+        now = time.monotonic()
+        since = self.pool.outage_started(exc.role) or now
+        why = ("before this request's deadline" if own_deadline else
+               f"within worker_wait_s={self.options.worker_wait_s:g}s of losing the last one")
+        return RouterError("UNAVAILABLE", f"{exc}: none for {now - since:.1f}s, and none came back {why}")
 
     async def _await_role(self, gen: Generation, role: str) -> None:
         """Wait (as _pick) until the role has a healthy worker."""
