@@ -12,7 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.tokenizer import load_tokenizer
 from services.admission import AdmissionQueue
@@ -20,6 +22,7 @@ from services.client import Client
 from services.detokenizer import IncrementalDetokenizer
 from services.launcher import Process, open_log
 from services.log_format import escape_controls
+from services.server import SERVER_OPTIONS, options as channel_options
 from tests.serving import start_cluster
 
 TEXTS = ["naïve café — 日本語 🙂 Ünïcödé ✓", "hello world, once upon a time", "Ω≈ç√∫˜µ≤≥÷ 𝕳𝖊𝖑𝖑𝖔 한국어 ありがとう"]
@@ -232,3 +235,30 @@ def test_request_queued_longer_than_the_stall_timeout_is_not_migrated(one_slot) 
     assert waited > 2 * STALL_S, f"the queued request waited only {waited:.2f}s: the test did not queue it"
     assert queued.finish_reason == "length" and len(queued.token_ids) == 4
     assert queued.timings["migrations"] == 0
+
+
+# ---- a silent stream is not a ping flood ---------------------------------------------------
+def test_a_stream_silent_for_several_keepalive_intervals_stays_open() -> None:
+    """A request waiting for a restarting worker is silent for seconds while its channel sends a
+    keepalive ping every 2 s: pdserve's servers take those (the ping-flood guard strikes only pings
+    closer than a second), so the stream lives on to its own deadline instead of dying 'Too many
+    pings' after three of them."""
+    async def run() -> tuple[str, float]:
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as ch:
+                t0 = time.monotonic()
+                try:   # Watch sends the status once, then nothing while it does not change
+                    async for _ in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=9):
+                        pass
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code().name, time.monotonic() - t0
+                return "OK", time.monotonic() - t0
+        finally:
+            await server.stop(0)
+
+    code, lasted = asyncio.run(run())
+    assert code == "DEADLINE_EXCEEDED" and lasted > 8, (code, lasted)
