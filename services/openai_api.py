@@ -70,6 +70,7 @@ from services.errors import RouterError
 from services.openai_request import HTTPError, ParsedBody, Prompt, _param_of, parse_body, read_json
 from services.http_stream import ClientGone, SSEResponse, _cancel, _gather_or_cancel, _until_disconnect
 from services.stop_strings import StopMatcher
+from services.ports import reuse_port
 from services.request_checks import utf8_size
 
 log = logging.getLogger(__name__)
@@ -563,6 +564,8 @@ async def start_http(servicer, host: str, port: int, served_model_name: str | Se
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port(port):   # reserved for us by `pdserve up` (services/ports.py)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
