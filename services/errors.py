@@ -1,6 +1,15 @@
 """Errors the router answers with, whatever the protocol (gRPC status or HTTP)."""
 from __future__ import annotations
 
+import re
+
+
+# A worker's own refusals, whose text pdserve wrote (a lease that expired, a block that failed its
+# check, no capacity); other endings (UNAVAILABLE, INTERNAL, UNKNOWN) carry transport or exception text.
+WORKER_STATUSES_SHOWN = frozenset({"DEADLINE_EXCEEDED", "DATA_LOSS", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+                                   "OUT_OF_RANGE", "ABORTED"})
+_ADDRESS = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[\w.-]+):\d{2,5}\b")
+
 
 class RouterError(Exception):
     """A request ends with this status. ``code`` is a gRPC status name; ``retry_after_s`` a hint
@@ -35,3 +44,11 @@ class WorkerFailure(Exception):
         self.address = address
         self.code = code
         self.message = message
+
+    def client_message(self) -> str:
+        """What the client reads when its request failed here for good: the worker's own reason
+        where pdserve wrote it (a lease that expired, a block that failed its check), addresses
+        taken out; else a generic line (transport or exception text stays in the router's log)."""
+        if self.code in WORKER_STATUSES_SHOWN and self.message:
+            return f"the request failed on its workers: {_ADDRESS.sub('a worker', self.message)[:300]}"
+        return "the request failed on its workers"

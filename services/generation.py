@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 10.0           # unary internal calls (Reserve, Abort)
 DEADLINE_MARGIN_S = 1.0        # a request waiting for a worker gives up this long before its deadline,
                                # so that its client hears why (UNAVAILABLE) rather than DEADLINE_EXCEEDED
+MIN_TURN_S = 0.01              # the least time a request is given to be placed, deadline or not
 # Worker answers that are the request's own fault (never retried elsewhere).
 REQUEST_ERRORS = {"INVALID_ARGUMENT", "OUT_OF_RANGE", "UNAUTHENTICATED", "PERMISSION_DENIED", "UNIMPLEMENTED"}
 
@@ -190,7 +191,7 @@ class Generator:
                         return
                     gen.failed.add(fault.address)
                     if gen.timing.migrations >= self.options.migration_limit:
-                        raise RouterError(fault.code, "the request failed on its workers",
+                        raise RouterError(fault.code, fault.client_message(),
                                           detail=f"after {gen.timing.migrations} migration(s): {fault}") from None
                     gen.timing.migrations += 1
                     self.metrics.migrations.inc()
@@ -458,9 +459,9 @@ class Generator:
         if own:   # the client's deadline bounds the queue too
             deadline = gen.deadline - DEADLINE_MARGIN_S
         t0 = time.perf_counter()
+        # A deadline already inside the margin still gets one try at placement (no wait).
+        deadline = max(deadline, now + MIN_TURN_S)
         try:
-            if deadline <= now:
-                raise RouterError("RESOURCE_EXHAUSTED", "no decode capacity before this request's deadline")
             async with self.admission.turn(deadline - now):
                 return await self._place(gen, request, keys, n_tokens, wait_for_prefix, deadline, t0)
         except RouterError as exc:   # it waited behind a request waiting for a restarting role: say so
