@@ -26,7 +26,9 @@ deployment and hands it to its children through the environment).
 """
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import hmac
 import inspect
 import ipaddress
@@ -53,6 +55,7 @@ MIN_TOKEN_CHARS = 16
 PROOF_WINDOW_S = 30.0          # members' clocks agree within this; a proof older (or newer) is refused
 REPLAY_CACHE_MAX = 1 << 17     # nonces remembered (~15 MB at most); the oldest go first, see _Nonces
 INSECURE_FLAG = "--insecure-no-auth"
+UNPROVEN_STATUS_WAIT_S = 0.5   # how long an unproven call's status is awaited before it is cancelled
 
 
 def new_token() -> str:
@@ -374,10 +377,12 @@ def _proving(handler: grpc.RpcMethodHandler | None, metadata: tuple[tuple[str, s
 
 # ---- clients ----------------------------------------------------------------------------------
 
-def unproven_error(method: str, initial_metadata: Any = None) -> grpc.aio.AioRpcError:
+def unproven_error(method: str, initial_metadata: Any = None, code: grpc.StatusCode | None = None
+                   ) -> grpc.aio.AioRpcError:
+    claimed = f" (it claimed {code.name})" if code is not None else ""
     return grpc.aio.AioRpcError(grpc.StatusCode.UNAUTHENTICATED, initial_metadata or grpc.aio.Metadata(),
                                 grpc.aio.Metadata(),
-                                details=f"{method}: the server did not prove it is a member of the deployment")
+                                details=f"{method}: the server did not prove it is a member of the deployment{claimed}")
 
 
 # What a call ends with, unproven, that is no claim of its server: the transport's own failures,
@@ -394,10 +399,16 @@ async def checked_call(call: Any, proof: CallProof, method: str) -> Any:
     metadata = await call.initial_metadata()
     if proof.verify(metadata):
         return call
-    if call.done() and await call.code() in _UNPROVEN_PASS:
+    if not metadata and not call.done():
+        # A trailers-only answer (a refusal, a transport failure) resolves the empty headers a
+        # moment before the call's status is recorded: give the status that moment.
+        with contextlib.suppress(asyncio.TimeoutError, grpc.RpcError):
+            await asyncio.wait_for(asyncio.shield(call.code()), UNPROVEN_STATUS_WAIT_S)
+    code = await call.code() if call.done() else None
+    if code in _UNPROVEN_PASS:
         return call
     call.cancel()
-    raise unproven_error(method, metadata)
+    raise unproven_error(method, metadata, code)
 
 
 def _with_proof(details: grpc.aio.ClientCallDetails, proof: CallProof) -> grpc.aio.ClientCallDetails:
