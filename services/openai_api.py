@@ -67,6 +67,7 @@ from engine import SamplingParams
 from engine.validation import validate_request
 from services.detokenizer import IncrementalDetokenizer
 from services.errors import RouterError
+from services.http_connections import BoundedHttpToolsProtocol
 from services.openai_request import HTTPError, ParsedBody, Prompt, _param_of, parse_body, read_json
 from services.http_stream import ClientGone, SSEResponse, _cancel, _gather_or_cancel, _until_disconnect
 from services.stop_strings import StopMatcher
@@ -575,7 +576,7 @@ async def start_http(servicer, host: str, port: int, served_model_name: str | Se
     ssl_files = {"ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key)} if tls is not None else {}
     config = uvicorn.Config(api.asgi(), log_config=None, access_log=False, lifespan="off",
                             timeout_graceful_shutdown=2, server_header=False,
-                            timeout_keep_alive=HTTP_KEEP_ALIVE_S, **ssl_files)
+                            timeout_keep_alive=HTTP_KEEP_ALIVE_S, http=BoundedHttpToolsProtocol, **ssl_files)
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:

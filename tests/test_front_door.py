@@ -187,6 +187,45 @@ def test_requests_being_received_are_capped_over_both_doors(front: Front) -> Non
 
 # ---- bad values: refused by name, never a 500 -------------------------------------------------------
 
+def test_idle_connections_are_capped_and_timed_out(front: Front) -> None:
+    """Sockets that connect and send nothing: past the cap they are closed as they are accepted,
+    the others once the head timeout passes; meanwhile the router's fds stay bounded and its gRPC
+    door serves, and afterwards HTTP serves again."""
+    from services.http_connections import HEAD_TIMEOUT_S, connection_cap
+
+    cap = connection_cap()
+    fds = lambda: len(os.listdir(f"/proc/{front.router_pid}/fd"))   # noqa: E731
+    base = fds()
+    socks = [socket.create_connection(("127.0.0.1", front.port), timeout=10) for _ in range(cap + 100)]
+    try:
+        started = time.monotonic()
+        time.sleep(1.0)
+        assert fds() <= base + cap + 10
+        closed = 0
+        for s in socks[-50:]:   # the last ones came past the cap
+            s.settimeout(5)
+            closed += s.recv(1) == b""
+        assert closed == 50
+        with grpc.insecure_channel(f"127.0.0.1:{front.cluster.spec.port}") as ch:
+            out = list(router_pb2_grpc.RouterStub(ch).Generate(router_pb2.GenerateRequest(
+                token_ids=router_pb2.TokenIds(ids=PROMPT), params=common_pb2.SamplingParams(max_tokens=4)),
+                timeout=60))
+        assert out and out[-1].finished
+        s = socks[0]
+        s.settimeout(HEAD_TIMEOUT_S + 20)
+        assert s.recv(1) == b""   # closed by the head timeout
+        assert time.monotonic() - started >= HEAD_TIMEOUT_S - 1.5
+    finally:
+        for s in socks:
+            s.close()
+    deadline = time.monotonic() + 20
+    while fds() > base + 10:
+        assert time.monotonic() < deadline, (fds(), base)
+        time.sleep(0.2)
+    status, body = front.request("GET", "/v1/models")
+    assert status == 200, body
+
+
 def test_deep_nesting_and_lone_surrogates_are_400s(front: Front) -> None:
     nested = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     status, err = front.post("/v1/completions", nested)
