@@ -22,7 +22,6 @@ the supervisor of a worker that died removes what it left at once.
 """
 from __future__ import annotations
 
-import ipaddress
 import mmap
 import os
 import re
@@ -30,6 +29,8 @@ import secrets
 import stat
 import time
 from typing import Sequence
+
+from services.security import is_loopback
 
 SHM_DIR = "/dev/shm"
 PREFIX = "pdserve-kv-"
@@ -48,13 +49,7 @@ def available(directory: str = SHM_DIR) -> bool:
 
 def is_local(target: str) -> bool:
     """Whether a host:port target is this host's loopback (where /dev/shm is shared for sure)."""
-    host = target.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(target.rsplit(":", 1)[0])
 
 
 def owner_prefix(pid: int) -> str:
