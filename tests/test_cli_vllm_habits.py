@@ -17,27 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import build_parser, main
+from services.cli import build_parser
 from services.config_cli import config_from_args, config_to_argv
 from services.launcher import free_port
+from tests.test_cli_errors import _one_error_line, _run
 
 ROOT = Path(__file__).resolve().parents[1]
 UP_TIMEOUT_S = 240    # the deployment's start on a loaded 2-core machine
-
-
-def _run(argv: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def _one_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 # ---------------------------------------------------------------- no torch on client and help paths
@@ -77,7 +63,7 @@ def test_cli_and_client_modules_do_not_import_torch() -> None:
 def test_unknown_flag_points_to_the_subcommands_help(argv: list[str], prog: str, capsys) -> None:
     code, _, err = _run(argv, capsys)
     assert code == 2
-    assert _one_line(err) == f"{prog}: error: unrecognized arguments: --no-such-flag (see `{prog} --help`)"
+    assert _one_error_line(err) == f"{prog}: error: unrecognized arguments: --no-such-flag (see `{prog} --help`)"
 
 
 @contextlib.contextmanager
@@ -98,7 +84,7 @@ def test_busy_port_is_a_usage_error_naming_the_flag(argv: list[str], flag: str, 
         argv = [a.format(p=port, free=free_port()) for a in argv]
         code, out, err = _run(argv, capsys)
     assert code == 2, err
-    line = _one_line(err)
+    line = _one_error_line(err)
     assert line.startswith("pdserve: error: ") and f"127.0.0.1:{port} is already in use" in line, line
     assert line.endswith(f"choose another port with {flag} PORT"), line
     assert out == ""

@@ -20,7 +20,7 @@ import pytest
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.launcher import Cluster, free_port
 from tests.conftest import random_prompts
-from tests.serving import metric, start_cluster
+from tests.serving import metric, scrape, start_cluster
 
 PROMPT = random_prompts(1, 12, 12, seed=3)[0]
 VOCAB = 1024
@@ -349,18 +349,7 @@ def test_a_failed_request_names_its_id_not_the_worker(front: Front) -> None:
 
 
 def _scrape(front: Front) -> dict[str, float]:
-    conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=30)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            series, value = line.rsplit(" ", 1)
-            out[series] = float(value)
-    return out
+    return scrape(f"127.0.0.1:{front.port}")   # the HTTP API serves the router's /metrics too
 
 
 def _router_log(front: Front) -> str:
