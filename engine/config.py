@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.settings import setting
+
 ROLES = ("both", "prefill", "decode")
 SCHEDULE_POLICIES = ("prefill_first", "interleave", "mixed")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -12,52 +14,49 @@ QUANTIZATIONS = (None, "w8a16")
 TP_TIMEOUT_RANGE_S = (0.5, 3600.0)   # tp_collective_timeout_s: above the slowest step, below "hung"
 
 
-def _f(default: Any, help: str, **meta: Any) -> Any:
-    """A config field with its help text (the CLI flags are generated from these)."""
-    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass(slots=True)
 class EngineConfig:
     model: str = field(metadata={"help": "Hugging Face checkpoint directory (Qwen3 or Llama families)"})
-    dtype: str = _f("auto", "weights and KV cache dtype; auto: the checkpoint's torch_dtype", choices=DTYPES)
-    compute_dtype: str = _f("auto", "activations and matmuls; auto: on CPU chosen from the CPU for bf16 "
+    dtype: str = setting("auto", "weights and KV cache dtype; auto: the checkpoint's torch_dtype", choices=DTYPES)
+    compute_dtype: str = setting("auto", "activations and matmuls; auto: on CPU chosen from the CPU for bf16 "
                                     "checkpoints (bf16 with AMX or fast bf16 GEMMs, else float32), "
                                     "elsewhere the checkpoint's dtype", choices=DTYPES)
-    device: str = _f("auto", "cpu, cuda, cuda:N; auto: cuda when available")
-    max_num_batched_tokens: int = _f(2048, "token budget of one step (chunked prefill)")
-    max_num_seqs: int = _f(64, "sequences in one step")
-    max_model_len: int | None = _f(None, "longest sequence; default: the model's max_position_embeddings")
-    block_size: int = _f(16, "tokens per KV block")
-    num_kv_blocks: int | None = _f(None, "KV pool size in blocks; overrides the memory budget")
-    kv_cache_memory_bytes: int = _f(1 << 30, "CPU: KV pool budget in bytes")
-    gpu_memory_utilization: float = _f(0.85, "CUDA: fraction of free memory for the KV pool")
-    enable_prefix_caching: bool = _f(True, "share computed blocks between prompts with a common prefix")
-    schedule_policy: str = _f("auto", "what one step holds: prefill_first, interleave (decode after each "
+    device: str = setting("auto", "cpu, cuda, cuda:N; auto: cuda when available")
+    max_num_batched_tokens: int = setting(2048, "token budget of one step (chunked prefill)")
+    max_num_seqs: int = setting(64, "sequences in one step")
+    max_model_len: int | None = setting(None, "longest sequence; default: the model's max_position_embeddings")
+    block_size: int = setting(16, "tokens per KV block")
+    num_kv_blocks: int | None = setting(None, "KV pool size in blocks; overrides the memory budget")
+    kv_cache_memory_bytes: int = setting(1 << 30, "CPU: KV pool budget in bytes")
+    gpu_memory_utilization: float = setting(0.85, "CUDA: fraction of free memory for the KV pool")
+    enable_prefix_caching: bool = setting(True, "share computed blocks between prompts with a common prefix")
+    schedule_policy: str = setting("auto", "what one step holds: prefill_first, interleave (decode after each "
                                       "prefill step while prompts wait), mixed (decodes and prefill chunks in "
                                       "one step); auto: mixed where decodes run (the best ITL tail, as vLLM "
                                       "does), prefill_first on prefill workers", choices=("auto", *SCHEDULE_POLICIES))
-    prompt_tokens_with_decodes: int | None = _f(
+    prompt_tokens_with_decodes: int | None = setting(
         None, "prompt tokens one step may compute while sequences decode in it (a prompt chunk delays each of "
               "them by its time, as Sarathi-Serve sizes chunks for the inter-token latency); none: decode workers "
               "(which run prompts only when the router has them prefill locally) size it from their learned step "
               "costs so that a chunk adds about half a decode step's time, other roles use the step budget")
-    role: str = _f("both", "both (colocated), prefill or decode", choices=ROLES)
-    num_threads: int | None = _f(None, "torch intra-op threads; none: torch's choice", aliases=("--threads",))
-    batch_invariant: bool = _f(True, "CPU (native kernels): each sequence's logits independent of the batch around "
+    role: str = setting("both", "both (colocated), prefill or decode", choices=ROLES)
+    num_threads: int | None = setting(None, "torch intra-op threads; none: torch's choice", aliases=("--threads",))
+    batch_invariant: bool = setting(True, "CPU (native kernels): each sequence's logits independent of the batch around "
                                      "it, the chunk budget and prefill vs decode (one GEMM kernel for every row "
                                      "count, every query row through the paged decode attention kernel), so "
                                      "greedy output is the same alone, batched, disaggregated and after a "
                                      "migration; off: the row-count-tuned kernels (oneDNN, AMX, prefill "
                                      "attention), faster where prompts are long")
-    enforce_eager: bool = _f(False, "CUDA: no graph capture for decode")
-    quantization: str | None = _f(None, "w8a16: int8 weights with per-output-channel scales",
+    enforce_eager: bool = setting(False, "CUDA: no graph capture for decode")
+    quantization: str | None = setting(None, "w8a16: int8 weights with per-output-channel scales",
                                   choices=QUANTIZATIONS)
-    seed: int = _f(0, "sampling seed of requests without their own")
-    tensor_parallel_size: int = _f(1, "ranks one worker splits the model over (heads, MLP, vocabulary); "
+    seed: int = setting(0, "sampling seed of requests without their own")
+    tensor_parallel_size: int = setting(1, "ranks one worker splits the model over (heads, MLP, vocabulary); "
                                       "the engine starts and stops the other ranks' processes (gloo on CPU, "
                                       "NCCL on CUDA: one GPU per rank)")
-    tp_collective_timeout_s: float = _f(60.0, "tensor parallelism: seconds a collective may wait for the other "
+    tp_collective_timeout_s: float = setting(60.0, "tensor parallelism: seconds a collective may wait for the other "
                                               "ranks before the worker fails (a rank died or stalled) and frees "
                                               "every request's blocks; must exceed the longest step "
                                               f"(range {TP_TIMEOUT_RANGE_S[0]:g} to {TP_TIMEOUT_RANGE_S[1]:g})")

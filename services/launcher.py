@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.settings import setting
 from services.kv_transfer import shared_memory
 from services.ports import PortReservations, RESERVED_PORTS_ENV
 from services.security import Credentials, new_token
@@ -53,34 +54,32 @@ class Stopped(Exception):
     """The supervisor was asked to stop (SIGTERM / SIGINT) while it was starting."""
 
 
-def _f(default, help: str, **meta):
-    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass(slots=True)
 class Deployment:
     model: str = field(metadata={"help": "HF checkpoint directory"})
-    prefill_workers: int = _f(1, "prefill worker processes")
-    decode_workers: int = _f(1, "decode worker processes")
-    colocated_workers: int = _f(0, "colocated (prefill + decode) worker processes instead: the baseline")
-    host: str = _f("127.0.0.1", "address every process binds")
-    port: int = _f(50051, "the router's public gRPC port")
-    metrics: bool = _f(False, "give every process a Prometheus /metrics endpoint (on free ports unless "
+    prefill_workers: int = setting(1, "prefill worker processes")
+    decode_workers: int = setting(1, "decode worker processes")
+    colocated_workers: int = setting(0, "colocated (prefill + decode) worker processes instead: the baseline")
+    host: str = setting("127.0.0.1", "address every process binds")
+    port: int = setting(50051, "the router's public gRPC port")
+    metrics: bool = setting(False, "give every process a Prometheus /metrics endpoint (on free ports unless "
                               "--metrics-port-base is given)")
-    metrics_port_base: int | None = _f(None, "fixed metrics ports: the router on N, the workers on N+1, N+2, ... "
+    metrics_port_base: int | None = setting(None, "fixed metrics ports: the router on N, the workers on N+1, N+2, ... "
                                              "(prefill, then decode; implies --metrics); none: free ports")
-    metrics_token_file: str | None = _f(None, "every /metrics endpoint wants this file's token as a bearer token "
+    metrics_token_file: str | None = setting(None, "every /metrics endpoint wants this file's token as a bearer token "
                                               "(default: $PDSERVE_METRICS_TOKEN, else none)")
-    log_dir: str | None = _f(None, "write each child's output to DIR/NAME.log instead of this terminal "
+    log_dir: str | None = setting(None, "write each child's output to DIR/NAME.log instead of this terminal "
                                    "(`pdserve up` default: $PDSERVE_HOME/logs/up-PORT)")
-    threads_per_worker: int = _f(1, "torch threads of each worker process", aliases=("--threads",))
-    restart: bool = _f(True, "restart a child that dies (with backoff) instead of stopping the deployment")
-    pin_workers: bool = _f(True, "give each worker its own cores (one per torch thread) when the machine has "
+    threads_per_worker: int = setting(1, "torch threads of each worker process", aliases=("--threads",))
+    restart: bool = setting(True, "restart a child that dies (with backoff) instead of stopping the deployment")
+    pin_workers: bool = setting(True, "give each worker its own cores (one per torch thread) when the machine has "
                                  "enough for all of them; the router floats")
-    drain_timeout_s: float = _f(30.0, "on SIGTERM, in-flight requests get this long to finish")
-    prefill_tp: int | None = _f(None, "tensor_parallel_size of the prefill workers (each starts its ranks); "
+    drain_timeout_s: float = setting(30.0, "on SIGTERM, in-flight requests get this long to finish")
+    prefill_tp: int | None = setting(None, "tensor_parallel_size of the prefill workers (each starts its ranks); "
                                       "none: --tensor-parallel-size")
-    decode_tp: int | None = _f(None, "tensor_parallel_size of the decode workers; none: --tensor-parallel-size "
+    decode_tp: int | None = setting(None, "tensor_parallel_size of the decode workers; none: --tensor-parallel-size "
                                      "(any pair of layouts hands KV over)")
     engine_tp: int = field(default=1, metadata={"cli": False})   # the engine's --tensor-parallel-size
     engine_args: list[str] = field(default_factory=list, metadata={"cli": False})   # forwarded to every worker

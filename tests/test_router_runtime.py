@@ -220,10 +220,14 @@ def test_request_queued_longer_than_the_stall_timeout_is_not_migrated(one_slot) 
     where it is: it is served once, without a migration (no thrash under overload)."""
     address = one_slot.router_address
     with Client(address, timeout=120) as client:
-        t0 = time.monotonic()   # calibration: enough tokens ahead to keep the slot for 3 stall timeouts
-        client.generate([1, 2, 3], max_tokens=64, ignore_eos=True, temperature=0.0)
+        # calibration: the decode pace alone (first token to last), so that the long request holds
+        # the slot for about 5 stall timeouts; the assertion below asks for 2
+        calibration = client.generate_stream([1, 2, 3], max_tokens=65, ignore_eos=True, temperature=0.0)
+        next(calibration)
+        t0 = time.monotonic()
+        list(calibration)
         per_token = (time.monotonic() - t0) / 64
-        ahead = min(1900, 64 + int(3 * STALL_S / per_token))
+        ahead = min(1900, 64 + int(5 * STALL_S / per_token))
         long_stream = client.generate_stream([5, 6, 7, 8], max_tokens=ahead, ignore_eos=True, temperature=0.0)
         first = next(long_stream)   # the long one holds the only slot now
         assert first.token_ids

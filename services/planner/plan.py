@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from engine.settings import setting
 from services.planner.cost_model import CostModel
 from services.planner.simulator import Candidate, Overheads, Simulation
 
@@ -26,8 +27,6 @@ SLO_METRICS = ("ttft", "tpot", "e2el")
 PERCENTILES = (50, 90, 99)
 
 
-def _f(default: Any, help: str, **meta: Any) -> Any:
-    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass(slots=True)
@@ -56,23 +55,23 @@ class Workload:
 class PlanConfig:
     """`pdserve plan` settings (flags generated from these fields; --slo is added by the CLI)."""
 
-    profile: str | None = _f(None, "the cost model `pdserve profile` wrote (required)")
-    rate: float = _f(2.0, "requests per second (Poisson arrivals, as `bench serve --request-rate`)")
-    num_prompts: int = _f(200, "requests simulated (as `bench serve --num-prompts`)")
-    input_len: int = _f(256, "prompt tokens (as `bench serve --random-input-len`)")
-    output_len: int = _f(128, "output tokens (as `bench serve --random-output-len`, with --ignore-eos)")
-    range_ratio: float = _f(0.0, "length spread (as `bench serve --random-range-ratio`)")
-    burstiness: float = _f(1.0, "gamma shape of the arrival gaps; 1: Poisson")
-    seed: int = _f(0, "workload seed (as `bench serve --seed`)")
-    cores: int | None = _f(None, "core budget; none: this machine's cores")
-    chunk_budgets: str = _f("256,512,2048", "max_num_batched_tokens candidates, comma-separated")
-    policies: str = _f("mixed,prefill_first,interleave", "schedule policy candidates of colocated workers")
-    threads_per_worker: int = _f(1, "torch threads per worker (the profile's cost model is for its own count)")
-    router_overhead_ms: float = _f(2.0, "client -> router -> worker, per request (on TTFT)")
-    token_overhead_ms: float = _f(0.5, "a token's way back to the client")
-    handoff_overhead_ms: float = _f(2.0, "disaggregated: first token -> the decode worker's Decode call")
-    kv_ms_per_block: float | None = _f(None, "KV transfer time per block; none: the profile's")
-    out: str | None = _f(None, "also write every candidate's metrics to this JSON file")
+    profile: str | None = setting(None, "the cost model `pdserve profile` wrote (required)")
+    rate: float = setting(2.0, "requests per second (Poisson arrivals, as `bench serve --request-rate`)")
+    num_prompts: int = setting(200, "requests simulated (as `bench serve --num-prompts`)")
+    input_len: int = setting(256, "prompt tokens (as `bench serve --random-input-len`)")
+    output_len: int = setting(128, "output tokens (as `bench serve --random-output-len`, with --ignore-eos)")
+    range_ratio: float = setting(0.0, "length spread (as `bench serve --random-range-ratio`)")
+    burstiness: float = setting(1.0, "gamma shape of the arrival gaps; 1: Poisson")
+    seed: int = setting(0, "workload seed (as `bench serve --seed`)")
+    cores: int | None = setting(None, "core budget; none: this machine's cores")
+    chunk_budgets: str = setting("256,512,2048", "max_num_batched_tokens candidates, comma-separated")
+    policies: str = setting("mixed,prefill_first,interleave", "schedule policy candidates of colocated workers")
+    threads_per_worker: int = setting(1, "torch threads per worker (the profile's cost model is for its own count)")
+    router_overhead_ms: float = setting(2.0, "client -> router -> worker, per request (on TTFT)")
+    token_overhead_ms: float = setting(0.5, "a token's way back to the client")
+    handoff_overhead_ms: float = setting(2.0, "disaggregated: first token -> the decode worker's Decode call")
+    kv_ms_per_block: float | None = setting(None, "KV transfer time per block; none: the profile's")
+    out: str | None = setting(None, "also write every candidate's metrics to this JSON file")
     slos: tuple[str, ...] = field(default=(), metadata={"cli": False})
 
     def __post_init__(self) -> None:

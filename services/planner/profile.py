@@ -23,35 +23,34 @@ import platform
 import random
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine.model_maker import pdserve_home
+from engine.settings import setting
 from services.planner.cost_model import CostModel, StepSample, step_features
 from services.planner.serving_costs import ServingCosts
 
 
-def _f(default: Any, help: str, **meta: Any) -> Any:
-    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass(slots=True)
 class ProfileConfig:
     """What `pdserve profile` sweeps (flags generated from these fields)."""
 
-    out: str | None = _f(None, "where to write the profile JSON; none: $PDSERVE_HOME/profiles/MODEL.json")
-    chunk_sizes: str = _f("32,128,512,1024", "prefill chunk sizes (tokens per step), comma-separated")
-    max_context: int = _f(1024, "prefill: the longest prompt chunked at each chunk size")
-    decode_batches: str = _f("1,2,4,8,16,24,32,48", "decode batch sizes (sequences per step), comma-separated: "
+    out: str | None = setting(None, "where to write the profile JSON; none: $PDSERVE_HOME/profiles/MODEL.json")
+    chunk_sizes: str = setting("32,128,512,1024", "prefill chunk sizes (tokens per step), comma-separated")
+    max_context: int = setting(1024, "prefill: the longest prompt chunked at each chunk size")
+    decode_batches: str = setting("1,2,4,8,16,24,32,48", "decode batch sizes (sequences per step), comma-separated: "
                              "the knots of the decode step's piecewise-linear cost in the batch size")
-    decode_contexts: str = _f("64,512", "decode context lengths, comma-separated")
-    decode_steps: int = _f(6, "decode steps measured per batch size and context")
-    mixed_chunks: str = _f("64,256", "prefill chunk sizes measured beside running decodes")
-    repeats: int = _f(2, "times the whole sweep runs (more samples, steadier fit)")
-    kv_blocks: int = _f(16, "KV blocks copied to time the hand-off per block")
-    serving: bool = _f(True, "also measure the CPU serving costs around the engine (event loops, router) in a real "
+    decode_contexts: str = setting("64,512", "decode context lengths, comma-separated")
+    decode_steps: int = setting(6, "decode steps measured per batch size and context")
+    mixed_chunks: str = setting("64,256", "prefill chunk sizes measured beside running decodes")
+    repeats: int = setting(2, "times the whole sweep runs (more samples, steadier fit)")
+    kv_blocks: int = setting(16, "KV blocks copied to time the hand-off per block")
+    serving: bool = setting(True, "also measure the CPU serving costs around the engine (event loops, router) in a real "
                              "`pdserve up`, colocated and 1P1D (about a minute)")
-    clock: str = _f("cpu", "what a step costs: cpu (the engine thread's CPU time: what the step needs from a "
+    clock: str = setting("cpu", "what a step costs: cpu (the engine thread's CPU time: what the step needs from a "
                            "core of its own, steady on a shared machine; for one torch thread) or wall",
                     choices=("cpu", "wall"))
 

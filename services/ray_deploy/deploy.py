@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.settings import setting
 from services.security import API_KEY_ENV, CLUSTER_TOKEN_ENV, new_token
 
 HEAD_RESOURCE = "node:__internal_head__"
@@ -56,8 +57,6 @@ class DeploymentError(RuntimeError):
     pass
 
 
-def _f(default: Any, help: str, **meta: Any) -> Any:
-    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass(slots=True)
@@ -67,50 +66,50 @@ class RayDeployment:
     ``router_args``: made by ``config_to_argv``, parsed by the same generated flags)."""
 
     model: str = field(metadata={"help": "model directory: a path every node has, or the one to ship"})
-    prefill_workers: int = _f(1, "prefill worker actors")
-    decode_workers: int = _f(1, "decode worker actors")
-    prefill_tp: int | None = _f(None, "tensor_parallel_size of the prefill workers (each reserves the CPUs/GPUs "
+    prefill_workers: int = setting(1, "prefill worker actors")
+    decode_workers: int = setting(1, "decode worker actors")
+    prefill_tp: int | None = setting(None, "tensor_parallel_size of the prefill workers (each reserves the CPUs/GPUs "
                                       "of all its ranks in one bundle); none: --tensor-parallel-size")
-    decode_tp: int | None = _f(None, "tensor_parallel_size of the decode workers; none: --tensor-parallel-size "
+    decode_tp: int | None = setting(None, "tensor_parallel_size of the decode workers; none: --tensor-parallel-size "
                                      "(any pair of layouts hands KV over)")
-    name: str = _f("pdserve", "deployment name (actor name prefix)", cli=False)
-    namespace: str = _f("pdserve", "Ray namespace of the actors", cli=False)
-    host: str = _f("127.0.0.1", "router bind address (node-ip: the head node's cluster IP)")
-    port: int = _f(50051, "router port")
-    worker_host: str = _f("127.0.0.1", "workers' gRPC bind address; loopback pins every actor to the head node, "
+    name: str = setting("pdserve", "deployment name (actor name prefix)", cli=False)
+    namespace: str = setting("pdserve", "Ray namespace of the actors", cli=False)
+    host: str = setting("127.0.0.1", "router bind address (node-ip: the head node's cluster IP)")
+    port: int = setting(50051, "router port")
+    worker_host: str = setting("127.0.0.1", "workers' gRPC bind address; loopback pins every actor to the head node, "
                                        "node-ip lets workers spread over nodes")
-    cluster_token_file: str | None = _f(None, "file (mode 0600) holding the internal-plane token, at this path on "
+    cluster_token_file: str | None = setting(None, "file (mode 0600) holding the internal-plane token, at this path on "
                                               "every node the actors run on; none: $PDSERVE_CLUSTER_TOKEN or a "
                                               "fresh token, written for the actors under $PDSERVE_HOME/ray/secrets "
                                               "(a single-node cluster)")
-    api_key_file: str | None = _f(None, "file (mode 0600) holding the router's API key, on the router's node; none: "
+    api_key_file: str | None = setting(None, "file (mode 0600) holding the router's API key, on the router's node; none: "
                                         "$PDSERVE_API_KEY, written for the router as the token is, else no key")
-    tls_cert: str | None = _f(None, "mutual TLS on every channel, the router's public port too: this "
+    tls_cert: str | None = setting(None, "mutual TLS on every channel, the router's public port too: this "
                                     "process's certificate (PEM), a path on every node")
-    tls_key: str | None = _f(None, "its private key (PEM), a path on every node")
-    tls_ca: str | None = _f(None, "the deployment CA (PEM), a path on every node")
-    kv_transport: str = _f("ray", "KV blocks through Ray's object store (ray) or over gRPC KVTransfer (grpc)",
+    tls_key: str | None = setting(None, "its private key (PEM), a path on every node")
+    tls_ca: str | None = setting(None, "the deployment CA (PEM), a path on every node")
+    kv_transport: str = setting("ray", "KV blocks through Ray's object store (ray) or over gRPC KVTransfer (grpc)",
                            choices=KV_TRANSPORTS)
     engine: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})  # EngineConfig fields (Python API)
     engine_args: list[str] = field(default_factory=list, metadata={"cli": False})  # EngineConfig flags, every worker
     worker_args: list[str] = field(default_factory=list, metadata={"cli": False})  # WorkerConfig flags
     router_args: list[str] = field(default_factory=list, metadata={"cli": False})  # router's config flags
-    worker_cpus: float | None = _f(None, "CPUs per worker rank (a worker with tensor parallelism N reserves N "
+    worker_cpus: float | None = setting(None, "CPUs per worker rank (a worker with tensor parallelism N reserves N "
                                          "times this); none: 1, or an equal share that fits the head node when "
                                          "every actor runs there (e.g. 0.66 on a 2-CPU head)")
-    worker_gpus: float | None = _f(None, "GPUs per worker rank (tensor parallelism needs a whole GPU per rank); "
+    worker_gpus: float | None = setting(None, "GPUs per worker rank (tensor parallelism needs a whole GPU per rank); "
                                          "none: 1 if the cluster has GPUs, else 0")
-    router_cpus: float | None = _f(None, "CPUs of the router actor; none: 1, or the share of the head node "
+    router_cpus: float | None = setting(None, "CPUs of the router actor; none: 1, or the share of the head node "
                                          "that fits (as --worker-cpus)")
-    placement_strategy: str = _f("SPREAD", "strategy of the deployment's placement group", choices=STRATEGIES)
-    router_on_head: bool = _f(True, "run the router on the head node (where clients find it)")
-    max_restarts: int = _f(-1, "restarts per actor; -1: unlimited")
-    ship_model: bool = _f(False, "upload --model through the runtime env (working_dir) instead of reading a "
+    placement_strategy: str = setting("SPREAD", "strategy of the deployment's placement group", choices=STRATEGIES)
+    router_on_head: bool = setting(True, "run the router on the head node (where clients find it)")
+    max_restarts: int = setting(-1, "restarts per actor; -1: unlimited")
+    ship_model: bool = setting(False, "upload --model through the runtime env (working_dir) instead of reading a "
                                  "shared path (small models: Ray's limit is 512 MiB zipped)")
-    placement_timeout_s: float | None = _f(None, "seconds to wait for the cluster to place the deployment (an "
+    placement_timeout_s: float | None = setting(None, "seconds to wait for the cluster to place the deployment (an "
                                                  "autoscaling cluster adding nodes); none: fail at once when the "
                                                  "cluster as it is can never hold it, else wait 20 s")
-    ready_timeout_s: float = _f(300.0, "seconds to wait for the deployment to serve; on failure it is removed",
+    ready_timeout_s: float = setting(300.0, "seconds to wait for the deployment to serve; on failure it is removed",
                                 aliases=("--timeout",))
 
     def validate(self) -> None:
