@@ -124,7 +124,7 @@ async def handoff_seconds(address: str, token: str, tokens: int, iters: int, shm
                 request_id=rid, prompt_token_ids=prompt, params=common_pb2.SamplingParams(max_tokens=1)))
             assert len(res.needed_block_indices) == -(-tokens // status.block_size), "a prefix-cache hit"
             hashes = transfer_block_hashes(prompt, status.block_size)
-            blocks = [KVBlock(rid, j, hashes[j], status.block_size, torch.randn(shape).to(dtype))
+            blocks = [KVBlock(rid, j, hashes[j], torch.randn(shape).to(dtype))
                       for j in res.needed_block_indices]
             # As a prefill worker does: the stream opens when the request arrives, while the prompt
             # computes; what is exposed starts when the last chunk's blocks are ready, and the router

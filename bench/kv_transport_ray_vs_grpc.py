@@ -183,7 +183,7 @@ class PrefillActor:
                 raise RuntimeError(f"{rid}: reservation needs blocks {res['needed'][:8]}..., not all "
                                    f"{len(data)} (a prefix-cache hit?)")
             hashes = transfer_block_hashes(prompt, bs)
-            blocks = [KVBlock(rid, j, hashes[j], min(bs, tokens - j * bs), data[j]) for j in res["needed"]]
+            blocks = [KVBlock(rid, j, hashes[j], data[j]) for j in res["needed"]]
             # The stream opens when the request arrives, while the prompt computes (as a prefill
             # worker does); the time runs from the moment the blocks are ready to the acknowledgement.
             stream = self.senders[transport].open(self.targets[transport], rid, res["token"])

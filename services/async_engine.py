@@ -21,6 +21,7 @@ import torch
 from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from engine.kv_connector import HandoffState, LeasePolicy
 from engine.parallel import RankFailure
+from services.change_signal import ChangeSignal
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class AsyncEngine:
         self._stopping = False
         self._streams: dict[str, RequestStream] = {}
         self._kv_waiters: dict[str, list[asyncio.Future[HandoffState]]] = {}
-        self._status_waiters: list[asyncio.Future[None]] = []
+        self._status = ChangeSignal()
         self.engine.kv.on_change = self._on_kv_change
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -188,21 +189,10 @@ class AsyncEngine:
     # ---- status -----------------------------------------------------------------------
     def status_changed(self) -> None:
         """Wake WatchStatus streams (call on the event loop)."""
-        waiters, self._status_waiters = self._status_waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+        self._status.notify()
 
     async def wait_status_change(self, timeout: float) -> None:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._status_waiters.append(fut)
-        try:
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            if fut in self._status_waiters:
-                self._status_waiters.remove(fut)
+        await self._status.wait(timeout)
 
     # ---- the engine thread --------------------------------------------------------
     def _run(self) -> None:

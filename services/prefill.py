@@ -62,7 +62,7 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
                         if out.finish_reason == "abort":
                             await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
                         if kv is not None and out.ready_blocks:   # each block as its ranks' head ranges
-                            await kv.send([KVBlock(rid, idx, hashes[idx], self.block_size, data[j],
+                            await kv.send([KVBlock(rid, idx, hashes[idx], data[j],
                                                    head_start=start, head_end=end)
                                            for j, idx in enumerate(out.ready_blocks) if idx in needed
                                            for start, end, data in res.blocks])

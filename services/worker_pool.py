@@ -25,6 +25,7 @@ from typing import Awaitable, Callable, Iterator
 import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from services.change_signal import ChangeSignal
 from services.kv_index import DEFAULT_MAX_KEYS, PrefixIndex
 from services.security import Credentials
 from services.server import options as channel_options
@@ -107,7 +108,7 @@ class WorkerPool:
         for w in self.workers:
             w.index = PrefixIndex(kv_index_max_keys)
         self._tasks: list[asyncio.Task] = []
-        self._waiters: list[asyncio.Future[None]] = []
+        self._changed = ChangeSignal()
         self.started_at = time.monotonic()
 
     @property
@@ -226,22 +227,11 @@ class WorkerPool:
 
     # ---- change notification --------------------------------------------------------------
     def _notify(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+        self._changed.notify()
 
     async def wait_changed(self, timeout: float | None = None) -> None:
         """Until any worker's status or health changes (or timeout)."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        try:
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            if fut in self._waiters:
-                self._waiters.remove(fut)
+        await self._changed.wait(timeout)
 
     # ---- placement --------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -31,12 +31,11 @@ from services.client import Client
 from services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError, KVTransferServicer, register_kv_servicer
 from services.kv_transfer import shared_memory
 from services.kv_transfer.grpc_transport import SharedMemoryRoute
-from services.launcher import Cluster
 from services.metrics import scrape_by_name
 from services.server import options as channel_options
 from tests.conftest import assert_no_leak, random_prompts
-from tests.faults.harness import FAULT_ROUTER, wait_for
-from tests.serving import start_cluster, worker_status
+from tests.faults.harness import FAULT_ROUTER, FaultCluster, wait_for
+from tests.serving import worker_status
 
 ENGINE_ARGS = ["--block-size", "8", "--num-kv-blocks", "1024", "--dtype", "float32", "--max-num-batched-tokens", "1024"]
 PROMPT_TOKENS = 1100   # tiny qwen3 in float32: 1 KiB of KV per token, so the first chunk's 1 MiB goes to a segment
@@ -58,23 +57,14 @@ def _segments(directory: str | Path, pid: int | None = None) -> list[str]:
     return [n for n in os.listdir(directory) if shared_memory.NAME.fullmatch(n) and n.startswith(prefix)]
 
 
-class Deployment:
-    """A cluster whose dead children are restarted by a supervisor thread, as `pdserve up` does."""
+class Deployment(FaultCluster):
+    """One prefill and one decode worker sharing a tmpfs for KV, restarted when they die."""
 
     def __init__(self, model: str, shm_dir: Path, token_file: Path) -> None:
         self.shm_dir = shm_dir
-        self.cluster: Cluster = start_cluster(
-            model, prefill_workers=1, decode_workers=1, engine_args=ENGINE_ARGS, router_args=FAULT_ROUTER,
-            worker_args=["--kv-lease-idle-s", "3", "--kv-shared-memory-dir", str(shm_dir)],
-            metrics_token_file=str(token_file))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._supervise, daemon=True)
-        self._thread.start()
-
-    def _supervise(self) -> None:
-        while not self._stop.is_set():
-            self.cluster.supervise_once()
-            time.sleep(0.1)
+        super().__init__(model, prefill=1, decode=1, engine_args=ENGINE_ARGS, router_args=FAULT_ROUTER,
+                         worker_args=["--kv-lease-idle-s", "3", "--kv-shared-memory-dir", str(shm_dir)],
+                         metrics_token_file=str(token_file))
 
     def process(self, role: str):
         return next(p for p in self.cluster.processes if p.name.startswith(role))
@@ -82,14 +72,6 @@ class Deployment:
     def generate(self, prompt: list[int]) -> list[int]:
         with Client(self.cluster.router_address, timeout=120) as client:
             return client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True).token_ids
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        for p in self.cluster.processes:   # nothing stays frozen
-            if p.alive:
-                os.kill(p.popen.pid, signal.SIGCONT)
-        self.cluster.stop()
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +239,7 @@ def engine(tiny_qwen3: str) -> LLMEngine:
 def _blocks(rid: str, engine: LLMEngine, seed: int) -> list[KVBlock]:
     hashes = transfer_block_hashes(SMALL_PROMPT, 8)
     g = torch.Generator().manual_seed(seed)
-    return [KVBlock(rid, i, hashes[i], 8, torch.randn(engine.runner.block_shape, generator=g)) for i in range(8)]
+    return [KVBlock(rid, i, hashes[i], torch.randn(engine.runner.block_shape, generator=g)) for i in range(8)]
 
 
 async def _push(engine: LLMEngine, route: SharedMemoryRoute, receiver_dir: Path, rids: list[str],

@@ -270,7 +270,7 @@ def test_kv_goes_only_to_a_receiver_that_proves_membership(cluster) -> None:
         creds = cluster.spec.credentials
         sender = GrpcKVSender(lambda a: creds.channel(a, attach_token=False), proof=creds.call_proof)
         stream = sender.open(f"127.0.0.1:{bound}", "r1", b"t" * 16)
-        await stream.send([KVBlock("r1", 0, 1, 8, torch.zeros(2, 2, 8, 2, 4))])
+        await stream.send([KVBlock("r1", 0, 1, torch.zeros(2, 2, 8, 2, 4))])
         try:
             await stream.finish(timeout=10)
             return "OK"

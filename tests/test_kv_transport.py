@@ -119,7 +119,7 @@ class _Ready:
 def _blocks(rid: str, indices: list[int], engine: LLMEngine, seed: int = 0) -> list[KVBlock]:
     hashes = transfer_block_hashes(PROMPT, 8)
     g = torch.Generator().manual_seed(seed)
-    return [KVBlock(rid, i, hashes[i], 8, torch.randn(engine.runner.block_shape, generator=g)) for i in indices]
+    return [KVBlock(rid, i, hashes[i], torch.randn(engine.runner.block_shape, generator=g)) for i in indices]
 
 
 def _run(coro):

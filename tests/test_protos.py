@@ -66,7 +66,7 @@ def test_hand_encoded_kv_frames_are_standard_protobuf() -> None:
     from services.kv_transfer import KVBlock
     from services.kv_transfer.grpc_transport import encode_frames, encode_open, parse_frame
 
-    blocks = [KVBlock("r", i, 100 + i, 4, torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) + i) for i in range(3)]
+    blocks = [KVBlock("r", i, 100 + i, torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) + i) for i in range(3)]
     frames = encode_frames(blocks, frame_bytes=150)   # 96-byte blocks: some share a frame, some span two
     assert len(frames) == 2
     payload = b"".join(kv_pb2.KVFrame.FromString(f).payload for f in frames)

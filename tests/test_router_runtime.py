@@ -160,7 +160,7 @@ def test_logged_request_ids_cannot_forge_lines() -> None:
     code = ("import logging, sys\n"
             "from services.usage import configure_logging\n"
             "configure_logging('INFO')\n"
-            "logging.getLogger('services.generation').warning('request %s migrates (1/3) after %s', sys.argv[1], "
+            "logging.getLogger('services.migration').warning('request %s migrates (1/3) after %s', sys.argv[1], "
             "'fault')\n")
     out = subprocess.run([sys.executable, "-c", code, rid], capture_output=True, text=True, timeout=60,
                          cwd=Path(__file__).resolve().parent.parent)

@@ -73,7 +73,7 @@ def _push_without_credentials(cluster, token: str | None, prompt: list[int]) -> 
     async def run() -> str:
         sender = GrpcKVSender(lambda a: Credentials(token).channel(a))
         stream = sender.open(decode, "poison", b"guessed-token-00")
-        await stream.send([KVBlock("poison", i, hashes[i], 8, torch.full(shape, 7.0)) for i in range(len(hashes))])
+        await stream.send([KVBlock("poison", i, hashes[i], torch.full(shape, 7.0)) for i in range(len(hashes))])
         try:
             with pytest.raises(KVTransferError) as err:
                 await stream.finish(timeout=10)

@@ -169,7 +169,7 @@ def test_corrupted_block_is_refused(cluster_1p1d) -> None:
             hashes = transfer_block_hashes(prompt, status.block_size)
             sender = GrpcKVSender(lambda a: aio_channel(cluster_1p1d, a))
             stream = sender.open(decode_addr, "corrupt", res.transfer_token)
-            await stream.send([KVBlock("corrupt", 0, hashes[0] ^ 1, 8, torch.zeros(shape))])
+            await stream.send([KVBlock("corrupt", 0, hashes[0] ^ 1, torch.zeros(shape))])
             with pytest.raises(KVTransferError) as refused:
                 await stream.finish(timeout=10)
             assert refused.value.code == "DATA_LOSS" and "chain hash" in str(refused.value)

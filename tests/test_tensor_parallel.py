@@ -237,7 +237,7 @@ def test_rank_dies_with_a_dead_driver(tiny_qwen3: str, tmp_path: Path) -> None:
     script.write_text(   # only what starts the ranks: the driver need not load the model
         "import time, torch\n"
         "from engine.config import EngineConfig\n"
-        "from engine.tp_rank import RankProcesses\n"
+        "from engine.parallel import RankProcesses\n"
         f"ranks = RankProcesses(EngineConfig({tiny_qwen3!r}, dtype='float32', num_kv_blocks=16, "
         "tensor_parallel_size=2), torch.device('cpu'))\n"
         "print(ranks.pids[0], flush=True)\n"
@@ -257,7 +257,8 @@ def test_rank_dies_with_a_dead_driver(tiny_qwen3: str, tmp_path: Path) -> None:
 
 def test_tp_collective_timeout_is_a_validated_engine_flag() -> None:
     from engine import EngineConfig
-    from services.cli import ENGINE_FIXED, build_parser
+    from services.cli import build_parser
+    from services.topology import ENGINE_FIXED
     from services.config_cli import given
 
     for bad in (0.1, 3601, True, "5"):
@@ -296,7 +297,7 @@ def _prefill_then_decode(prefill, decode, prompts: list[list[int]]) -> list[list
                     pieces_seen.add((start, end))
                     for j, idx in enumerate(out.ready_blocks):
                         if idx in res.needed_block_indices:
-                            header, payload = KVBlock(rid, idx, hashes[idx], bs, data[j], head_start=start,
+                            header, payload = KVBlock(rid, idx, hashes[idx], data[j], head_start=start,
                                                       head_end=end).encode()
                             decode.kv.accept(block_meta(header), res.transfer_token, payload)
             if out.prefill_done:
@@ -351,7 +352,7 @@ def test_head_ranges_are_checked(tiny_qwen3: str) -> None:
 
     def piece(rid: str, start: int, end: int):
         data = torch.randn(n_layers, 2, 8, end - start, d)
-        header, payload = KVBlock(rid, 0, hashes[0], 8, data, head_start=start, head_end=end).encode()
+        header, payload = KVBlock(rid, 0, hashes[0], data, head_start=start, head_end=end).encode()
         return block_meta(header), payload
 
     res = decode.reserve("a", prompt, GREEDY)

@@ -63,7 +63,6 @@ class KVBlock:
     request_id: str
     block_index: int
     block_hash: int
-    num_tokens: int
     data: torch.Tensor
     layer_start: int = 0
     layer_end: int = 0
@@ -78,7 +77,7 @@ class KVBlock:
         payload = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
         header = kv_pb2.KVBlockHeader(
             request_id=self.request_id, block_index=self.block_index, block_hash=self.block_hash,
-            num_tokens=self.num_tokens, layer_start=self.layer_start, layer_end=self.layer_end or tensor.shape[0],
+            layer_start=self.layer_start, layer_end=self.layer_end or tensor.shape[0],
             dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape), nbytes=payload.nbytes,
             checksum=zlib.crc32(payload) & 0xFFFFFFFF, head_start=self.head_start,
             head_end=self.head_end or (self.head_start + tensor.shape[3] if tensor.dim() == 5 else 0))

@@ -24,13 +24,14 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import grpc
 
-from engine.kv_connector import BlockMeta, HandoffError, HandoffState
+from engine.kv_connector import BlockMeta, HandoffError
 from pdserve.v1 import kv_pb2, kv_pb2_grpc
 from services.kv_transfer import shared_memory
-from services.kv_transfer.shared_memory import available as shared_memory_available
+from services.kv_transfer.receive_session import ReceiveSession
+from services.kv_transfer.shared_memory import SHARED_MEMORY_MAX_BYTES, available as shared_memory_available
 from services.kv_transfer.base import (
     DEFAULT_FRAME_BYTES, MAX_FRAME_BYTES, MAX_PENDING_HEADERS, KVBlock, KVSender, KVSink, KVStream, KVTransferError,
-    SendResult, block_meta,
+    SendResult,
 )
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,6 @@ MAX_SEGMENT_BYTES = 64 << 20       # payload bytes per shared-memory segment
 # (bench/kv_handoff.py on a 2-core AVX2 EPYC: 0.12 MiB 4.2 ms through a segment against 3.7 ms
 # inline; 2 MiB 8.7 against 13.2 ms; 8 MiB 33 against 39 ms).
 SHARED_MEMORY_MIN_BYTES = 1 << 20
-SHARED_MEMORY_MAX_BYTES = 256 << 20   # default cap on one sender's payload bytes in live segments
 SHM_PROBE_BYTES = 64                  # the segment that asks a peer whether it shares memory with us
 SHM_PROBE_TIMEOUT_S = 5.0
 SHM_SWEEP_INTERVAL_S = 30.0           # how often a sender removes segments older than any lease
@@ -472,35 +472,28 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
 
     async def PushBlocks(self, request_iterator: AsyncIterator[Frame], context: grpc.aio.ServicerContext
                          ) -> kv_pb2.PushAck:
-        rid, token = "", b""
+        session = ReceiveSession(self.sink)
         pending: deque[_Pending] = deque()
-        blocks = nbytes = 0
         try:
             async for frame in request_iterator:
                 if frame.error:
                     raise HandoffError("INVALID_ARGUMENT", frame.error)
-                if not rid:
+                if not session.request_id:
                     if frame.open is not None and not frame.open.request_id and frame.shm is not None:
                         return self._probe(frame)
-                    if frame.open is None or not frame.open.request_id:
-                        raise HandoffError("INVALID_ARGUMENT", "the first KV frame must open the stream")
-                    rid, token = frame.open.request_id, frame.open.transfer_token
-                    self.sink.authorize(rid, token)   # UNAUTHENTICATED before anything else
+                    session.open(frame.open.request_id if frame.open is not None else "",
+                                 frame.open.transfer_token if frame.open is not None else b"")
                 elif frame.open is not None:
-                    raise HandoffError("INVALID_ARGUMENT", "a KV stream is opened once")
+                    session.open(frame.open.request_id, frame.open.transfer_token)   # refused: opened once
                 if not frame.headers and not frame.payload.nbytes:
-                    self.sink.heartbeat(rid, token)
+                    session.heartbeat()
                     continue
                 if frame.shm is not None and pending:
                     raise HandoffError("INVALID_ARGUMENT", "a shared-memory frame must start at a block boundary")
                 for header in frame.headers:
-                    if header.request_id != rid:
-                        raise HandoffError("INVALID_ARGUMENT", f"block for {header.request_id!r} on the stream of {rid!r}")
                     if len(pending) >= MAX_PENDING_HEADERS:
                         raise HandoffError("INVALID_ARGUMENT", f"more than {MAX_PENDING_HEADERS} blocks announced ahead")
-                    meta = block_meta(header)
-                    self.sink.check(meta, token)
-                    pending.append(_Pending(meta))
+                    pending.append(_Pending(session.announce(header)))
                 segment = self._map(frame, pending) if frame.shm is not None else None
                 data = memoryview(segment) if segment is not None else frame.payload
                 while data.nbytes:
@@ -521,9 +514,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
                             continue
                         chunk = memoryview(p.buf)
                     pending.popleft()
-                    self.sink.accept(p.meta, token, chunk)
-                    blocks += 1
-                    nbytes += size
+                    session.accept(p.meta, chunk)
                 if segment is not None:
                     del chunk, data
                     try:
@@ -534,19 +525,13 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
                 raise asyncio.CancelledError()
             if pending:
                 raise HandoffError("DATA_LOSS", f"stream ended with {len(pending)} block(s) incomplete")
-            # READY, or already admitted (None): complete. Still waiting for blocks: they will never come.
-            if rid and self.sink.state(rid) in (HandoffState.RESERVED, HandoffState.RECEIVING):
-                raise HandoffError("DATA_LOSS", f"the KV stream of {rid!r} ended before every needed block arrived")
-            return kv_pb2.PushAck(blocks_received=blocks, bytes_received=nbytes)
+            return session.complete()
         except HandoffError as exc:
-            if exc.code != "UNAUTHENTICATED" and rid:   # a stranger cannot end someone else's request
-                self.sink.fail(rid, exc.code, str(exc))
+            session.fail(exc)
             await context.abort(getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL), str(exc))
         except asyncio.CancelledError:
-            if rid:
-                self.sink.fail(rid, "ABORTED", f"the KV stream of {rid!r} was cancelled by its sender")
+            session.cancelled()
             raise
-
 
     def _probe(self, frame: Frame) -> kv_pb2.PushAck:
         """A sender asks whether we share its memory: take its small segment (unlinking it is the

@@ -19,6 +19,7 @@ advertises this in ``WorkerStatus.kv_address``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -27,7 +28,8 @@ import numpy as np
 
 from engine.kv_connector import HandoffError
 from pdserve.v1 import kv_pb2
-from services.kv_transfer.base import KVBlock, KVSender, KVSink, KVStream, KVTransferError, SendResult, block_meta
+from services.kv_transfer.base import KVBlock, KVSender, KVSink, KVStream, KVTransferError, SendResult
+from services.kv_transfer.receive_session import ReceiveSession
 
 SCHEME = "ray://"
 DEFAULT_FETCH_TIMEOUT_S = 60.0
@@ -170,60 +172,47 @@ class RayKVReceiver:
         self.blocks_received = 0
         self.bytes_received = 0
 
-    @staticmethod
-    def _opened(open_bytes: bytes) -> tuple[str, bytes]:
+    def _open(self, open_bytes: bytes) -> ReceiveSession:
+        """A session for the request that open_bytes (a serialized KVStreamOpen) names, authorized."""
         try:
             msg = kv_pb2.KVStreamOpen.FromString(bytes(open_bytes))
         except Exception as exc:  # noqa: BLE001 - malformed: the caller's error
             raise HandoffError("INVALID_ARGUMENT", f"malformed KVStreamOpen: {exc}") from None
-        return msg.request_id, msg.transfer_token
+        session = ReceiveSession(self.sink)
+        session.open(msg.request_id, msg.transfer_token)
+        return session
 
     async def push_blocks(self, open_bytes: bytes, headers: Sequence[bytes], refs: Sequence[Any]) -> bytes:
         """Receive blocks of one request; returns a serialized PushAck."""
-        rid = ""
+        session = ReceiveSession(self.sink)
         try:
-            rid, token = self._opened(open_bytes)
-            self.sink.authorize(rid, token)
+            session = self._open(open_bytes)
             metas = []
             for raw in headers:
                 try:
                     header = kv_pb2.KVBlockHeader.FromString(bytes(raw))
                 except Exception as exc:  # noqa: BLE001
                     raise HandoffError("INVALID_ARGUMENT", f"malformed KVBlockHeader: {exc}") from None
-                if header.request_id != rid:
-                    raise HandoffError("INVALID_ARGUMENT", f"block for {header.request_id!r} on the stream of {rid!r}")
-                meta = block_meta(header)
-                self.sink.check(meta, token)   # before anything is fetched
-                metas.append(meta)
+                metas.append(session.announce(header))   # before anything is fetched
             payloads = await self._fetch(refs)
             if len(payloads) != len(metas):
                 raise HandoffError("INVALID_ARGUMENT", f"{len(metas)} headers for {len(payloads)} payloads")
-            nbytes = 0
             for meta, payload in zip(metas, payloads):
-                self.sink.accept(meta, token, payload)
-                nbytes += meta.nbytes
-            self.blocks_received += len(metas)
-            self.bytes_received += nbytes
-            return kv_pb2.PushAck(blocks_received=len(metas), bytes_received=nbytes).SerializeToString()
+                session.accept(meta, payload)
+            self.blocks_received += session.blocks
+            self.bytes_received += session.bytes
+            return session.ack().SerializeToString()
         except HandoffError as exc:
-            if rid and exc.code != "UNAUTHENTICATED":
-                self.sink.fail(rid, exc.code, str(exc))
+            session.fail(exc)
             return kv_pb2.PushAck(error_code=exc.code, error=str(exc)).SerializeToString()
 
     def heartbeat(self, open_bytes: bytes) -> None:
-        try:
-            rid, token = self._opened(open_bytes)
-            self.sink.heartbeat(rid, token)
-        except HandoffError:
-            pass
+        with contextlib.suppress(HandoffError):
+            self._open(open_bytes).heartbeat()
 
     def cancel(self, open_bytes: bytes) -> None:
-        try:
-            rid, token = self._opened(open_bytes)
-            self.sink.authorize(rid, token)
-        except HandoffError:
-            return
-        self.sink.fail(rid, "ABORTED", f"the KV of {rid!r} was cancelled by its sender")
+        with contextlib.suppress(HandoffError):
+            self._open(open_bytes).cancelled()
 
     async def _fetch(self, refs: Sequence[Any]) -> list[memoryview]:
         try:

@@ -33,6 +33,7 @@ from typing import Sequence
 from services.security import is_loopback
 
 SHM_DIR = "/dev/shm"
+SHARED_MEMORY_MAX_BYTES = 256 << 20   # default cap on one sender's payload bytes in live segments
 PREFIX = "pdserve-kv-"
 NAME = re.compile(r"pdserve-kv-[0-9]{1,10}-[0-9a-f]{32}")
 IOV_MAX = 1024

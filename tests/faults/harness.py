@@ -97,11 +97,11 @@ class FaultCluster:
     """A cluster whose dead children are restarted (as `pdserve up` does) by a supervisor thread."""
 
     def __init__(self, model: str, prefill: int = 2, decode: int = 2, engine_args: list[str] | None = None,
-                 router_args: list[str] | None = None, worker_args: list[str] | None = None) -> None:
+                 router_args: list[str] | None = None, worker_args: list[str] | None = None, **cluster) -> None:
         self.cluster: Cluster = start_cluster(model, prefill_workers=prefill, decode_workers=decode,
                                               engine_args=engine_args or FAULT_ENGINE,
                                               router_args=router_args or FAULT_ROUTER,
-                                              worker_args=worker_args or FAULT_WORKER)
+                                              worker_args=worker_args or FAULT_WORKER, **cluster)
         self._busy = itertools.count(1)   # busy prompt numbers (next() is atomic)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._supervise, daemon=True)

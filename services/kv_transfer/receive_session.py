@@ -1,0 +1,70 @@
+"""One request's KV arriving at a decode worker, whatever carried it (a gRPC stream, with its
+payload inline or in shared memory, or Ray's object store).
+
+A transport parses its own framing and drives the session: ``open`` (the stream proves it holds
+the reservation's token, UNAUTHENTICATED before anything else), ``announce`` each header (checked
+by the connector before any byte is allocated or fetched), ``accept`` each block's bytes, then
+``complete`` when the stream ends. Every connector call goes through here, and so does the
+failure rule: a refusal fails the request's transfer (its reserved blocks are freed), except one
+from a stream that never proved it may speak for the request.
+"""
+from __future__ import annotations
+
+from engine.kv_connector import BlockMeta, HandoffError, HandoffState
+from pdserve.v1 import kv_pb2
+from services.kv_transfer.base import KVSink, block_meta
+
+
+class ReceiveSession:
+    def __init__(self, sink: KVSink) -> None:
+        self.sink = sink
+        self.request_id = ""
+        self.token = b""
+        self.blocks = 0
+        self.bytes = 0
+
+    def open(self, request_id: str, token: bytes) -> None:
+        if self.request_id:
+            raise HandoffError("INVALID_ARGUMENT", "a KV stream is opened once")
+        if not request_id:
+            raise HandoffError("INVALID_ARGUMENT", "the first KV frame must open the stream")
+        self.request_id, self.token = request_id, token
+        self.sink.authorize(request_id, token)
+
+    def heartbeat(self) -> None:
+        self.sink.heartbeat(self.request_id, self.token)
+
+    def announce(self, header: kv_pb2.KVBlockHeader) -> BlockMeta:
+        """A block's header, checked against the reservation; its bytes come later (accept)."""
+        if header.request_id != self.request_id:
+            raise HandoffError("INVALID_ARGUMENT", f"block for {header.request_id!r} on the stream of "
+                                                   f"{self.request_id!r}")
+        meta = block_meta(header)
+        self.sink.check(meta, self.token)
+        return meta
+
+    def accept(self, meta: BlockMeta, payload: memoryview | bytes | bytearray) -> None:
+        self.sink.accept(meta, self.token, payload)
+        self.blocks += 1
+        self.bytes += meta.nbytes
+
+    def complete(self) -> kv_pb2.PushAck:
+        """The stream ended cleanly. READY, or already admitted: complete. Still waiting for
+        blocks: they will never come."""
+        if self.request_id and self.sink.state(self.request_id) in (HandoffState.RESERVED, HandoffState.RECEIVING):
+            raise HandoffError("DATA_LOSS", f"the KV stream of {self.request_id!r} ended before every needed "
+                                            f"block arrived")
+        return self.ack()
+
+    def ack(self) -> kv_pb2.PushAck:
+        return kv_pb2.PushAck(blocks_received=self.blocks, bytes_received=self.bytes)
+
+    def fail(self, exc: HandoffError) -> None:
+        """A refusal ends the request's transfer; a stranger cannot end someone else's request."""
+        if self.request_id and exc.code != "UNAUTHENTICATED":
+            self.sink.fail(self.request_id, exc.code, str(exc))
+
+    def cancelled(self) -> None:
+        """The sender gave up (its stream was cancelled, or it said so)."""
+        if self.request_id:
+            self.sink.fail(self.request_id, "ABORTED", f"the KV of {self.request_id!r} was cancelled by its sender")
