@@ -7,6 +7,7 @@ within connect_timeout fails the call with UNAVAILABLE ("no connection ... withi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
@@ -86,7 +87,7 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_toke
     return req
 
 
-class Client:
+class Client(contextlib.AbstractContextManager):
     """Blocking client: Client("127.0.0.1:50051").generate("Hello", max_tokens=16).
     api_key: the router's API key (default: $PDSERVE_API_KEY, if set)."""
 
@@ -133,10 +134,7 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "Client":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: object) -> None:   # __enter__ (returns the client) from AbstractContextManager
         self.close()
 
 

@@ -4,31 +4,17 @@ from __future__ import annotations
 from engine import SamplingParams
 from pdserve.v1 import common_pb2, worker_pb2
 
-DEFAULT_MAX_TOKENS = 16
+# The optional fields of common.proto's SamplingParams, with their engine types.
+OPTIONAL_FIELDS = (("temperature", float), ("top_p", float), ("top_k", int), ("max_tokens", int), ("seed", int),
+                   ("ignore_eos", bool), ("min_tokens", int), ("logprobs", int), ("cache_salt", str))
 
 
 def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset fields take the engine's defaults (proto3 zero is never read as a value)."""
-    p = SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
-    if msg.HasField("temperature"):
-        p.temperature = float(msg.temperature)
-    if msg.HasField("top_p"):
-        p.top_p = float(msg.top_p)
-    if msg.HasField("top_k"):
-        p.top_k = int(msg.top_k)
-    if msg.HasField("max_tokens"):
-        p.max_tokens = int(msg.max_tokens)
-    if msg.HasField("seed"):
-        p.seed = int(msg.seed)
-    if msg.HasField("ignore_eos"):
-        p.ignore_eos = bool(msg.ignore_eos)
-    if msg.HasField("min_tokens"):
-        p.min_tokens = int(msg.min_tokens)
-    if msg.HasField("logprobs"):
-        p.logprobs = int(msg.logprobs)
-    if msg.HasField("cache_salt"):
-        p.cache_salt = msg.cache_salt
-    p.stop_token_ids = list(msg.stop_token_ids)
+    """Unset fields take the engine's defaults (SamplingParams'; proto3 zero is never read as a value)."""
+    p = SamplingParams(stop_token_ids=list(msg.stop_token_ids))
+    for name, kind in OPTIONAL_FIELDS:
+        if msg.HasField(name):
+            setattr(p, name, kind(getattr(msg, name)))
     return p
 
 

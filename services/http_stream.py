@@ -1,14 +1,23 @@
 """Streaming and cancellation for the router's HTTP API: a request whose client disconnects is
 cancelled at once (its cleanup aborts the generation on every worker), and server-sent events
-from an async iterator that is cancelled the moment the connection goes."""
+(framed by sse_event) from an async iterator that is cancelled the moment the connection goes."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
+
+
+SSE_DONE = b"data: [DONE]\n\n"   # OpenAI's end of a stream
+
+
+def sse_event(payload: dict) -> bytes:
+    """One server-sent event: compact JSON on one data line."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
 class ClientGone(Exception):
@@ -22,35 +31,35 @@ async def _wait_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
             return
 
 
-async def _until_disconnect(request: Request, awaitable: Awaitable) -> Any:
+async def until_disconnect(request: Request, awaitable: Awaitable) -> Any:
     """Await awaitable, cancelling it if the client disconnects meanwhile (then ClientGone)."""
     task = asyncio.ensure_future(awaitable)
     watcher = asyncio.create_task(_wait_disconnect(request.receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
-        await _cancel([task, watcher])
+        await cancel_all([task, watcher])
         raise
     if task.done():
-        await _cancel([watcher])
+        await cancel_all([watcher])
         return task.result()
-    await _cancel([task])
+    await cancel_all([task])
     raise ClientGone()
 
 
-async def _cancel(tasks: list[asyncio.Future]) -> None:
+async def cancel_all(tasks: list[asyncio.Future]) -> None:
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _gather_or_cancel(coros: list[Awaitable]) -> list[Any]:
+async def gather_or_cancel(coros: list[Awaitable]) -> list[Any]:
     """All results; the first failure cancels the rest and is raised."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return await asyncio.gather(*tasks)
     finally:
-        await _cancel([t for t in tasks if not t.done()])
+        await cancel_all([t for t in tasks if not t.done()])
 
 
 class SSEResponse(Response):
@@ -80,7 +89,7 @@ class SSEResponse(Response):
         try:
             await asyncio.wait({body, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            await _cancel([body, watcher])   # a finished task stays as it is
+            await cancel_all([body, watcher])   # a finished task stays as it is
         if not body.cancelled() and body.exception() is not None:
             if not isinstance(body.exception(), OSError):   # a write to a closed connection is a disconnect
                 raise body.exception()

@@ -3,8 +3,11 @@
 
 It runs in the router's process, on the router's event loop, next to the grpc.aio server, and
 sends every request through the same ``Generator`` (admission queue, disaggregated or
-colocated placement, migration) as the gRPC API; ``RouterServicer`` supplies the tokenizer,
-limits and metrics. Nothing here knows how tokens are produced.
+colocated placement, migration) as the gRPC API, and every prompt through the same request front
+(services/request_front.py: limits, tokenizing, chat template, validation); ``RouterServicer``
+supplies them and the metrics. Nothing here knows how tokens are produced. The body is parsed in
+services/openai_request.py, stop strings matched in services/stop_strings.py, server-sent
+events framed in services/http_stream.py.
 
 Why FastAPI + uvicorn: uvicorn is an asyncio ASGI server whose ``Server.serve()`` runs as one
 more task on the router's loop (its signal handling is turned off: the router owns SIGTERM and
@@ -46,10 +49,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import hmac
 import ipaddress
-import json
 import logging
 import socket
 import time
@@ -57,22 +58,21 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
-import jinja2
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine import SamplingParams
-from engine.validation import validate_request
 from services.detokenizer import IncrementalDetokenizer
 from services.errors import RouterError
 from services.http_connections import BoundedHttpToolsProtocol
-from services.openai_request import HTTPError, ParsedBody, Prompt, _param_of, parse_body, read_json
-from services.http_stream import ClientGone, SSEResponse, _cancel, _gather_or_cancel, _until_disconnect
-from services.stop_strings import StopMatcher
+from services.http_stream import (SSE_DONE, ClientGone, SSEResponse, cancel_all, gather_or_cancel, sse_event,
+                                  until_disconnect)
+from services.openai_request import HTTPError, ParsedBody, front_requests, parse_body, read_json
 from services.ports import reuse_port
-from services.request_checks import utf8_size
+from services.request_checks import InvalidRequest
+from services.stop_strings import StopMatcher
 
 log = logging.getLogger(__name__)
 
@@ -249,15 +249,15 @@ class OpenAIServer:
                 parsed = parse_body(body, chat, self.served_model_name, limits, self.servicer.max_model_len)
                 del body
                 self._check_model(parsed.model)
-                choices = await _until_disconnect(request, self._prepare(parsed, base))
+                choices = await until_disconnect(request, self._prepare(parsed, base))
             started = True
             if parsed.stream:
                 return await self._stream(request, parsed, choices)
-            return await _until_disconnect(request, self._complete(parsed, choices))
-        except (RouterError, HTTPError) as exc:
+            return await until_disconnect(request, self._complete(parsed, choices))
+        except (RouterError, HTTPError, InvalidRequest) as exc:
             if not started:
                 self.servicer.metrics.request_failure.inc()
-            return (HTTPError.from_router(exc, base) if isinstance(exc, RouterError) else exc).response()
+            return http_error(exc, base).response()
         except ClientGone:   # nobody to answer; the request was cancelled on its workers
             return Response(status_code=499)
         except Exception:  # noqa: BLE001 - a bug: the client gets no internal text, the log gets it all
@@ -265,69 +265,18 @@ class OpenAIServer:
             return HTTPError(500, f"internal error (request id {base})", code="internal_error").response()
 
     async def _prepare(self, parsed: ParsedBody, base: str) -> list[Choice]:
-        """Tokenize and validate every prompt (parse_body checked their number and sizes); one
-        Choice per (prompt, i < n), with request ids base-k."""
-        if parsed.chat:
-            prompts = [await self._render_chat(parsed.messages, parsed.add_generation_prompt)]
-        else:
-            prompts = [await self._tokens(p) for p in parsed.prompts]
-        max_len = self.servicer.max_model_len
+        """Tokenize and validate every prompt through the request front (parse_body checked their
+        number and sizes); one Choice per (prompt, i < n), with request ids base-k."""
         choices = []
-        for p_index, ids in enumerate(prompts):
-            params = dataclasses.replace(parsed.params, stop_token_ids=list(parsed.params.stop_token_ids))
-            if parsed.chat and not parsed.max_tokens_given:   # chat default: the rest of the context
-                params.max_tokens = max(1, max_len - len(ids))
-            try:
-                validate_request(ids, params, self.servicer.model_config.vocab_size, max_len)
-            except ValueError as exc:
-                msg = str(exc)
-                raise HTTPError(400, msg, _param_of(msg) or ("messages" if parsed.chat else None)) from None
+        for p_index, request in enumerate(front_requests(parsed, base)):
+            ready = await self.servicer.front.prepare(request)
             for i in range(parsed.n):
-                p = dataclasses.replace(params, stop_token_ids=list(params.stop_token_ids))
+                p = dataclasses.replace(ready.params, stop_token_ids=list(ready.params.stop_token_ids))
                 if p.seed is not None:
                     p.seed = (p.seed + i) % 2**63
                 k = p_index * parsed.n + i
-                choices.append(Choice(k, f"{base}-{k}", ids, p, i == 0))
+                choices.append(Choice(k, f"{base}-{k}", ready.prompt, p, i == 0))
         return choices
-
-    async def _tokens(self, prompt: Prompt) -> list[int]:
-        if prompt.token_ids is not None:
-            if len(prompt.token_ids) > self.servicer.max_model_len:
-                raise HTTPError(400, f"prompt has {len(prompt.token_ids)} tokens; max_model_len is "
-                                     f"{self.servicer.max_model_len}", "prompt")
-            return prompt.token_ids
-        return await self._encode(prompt.text, "prompt", add_special_tokens=True)
-
-    async def _encode(self, text: str, what: str, add_special_tokens: bool) -> list[int]:
-        try:
-            utf8_size(text, what, self.servicer.options.limits.max_prompt_bytes)
-        except RouterError as exc:
-            raise HTTPError.from_router(exc) from None
-        tok = self.servicer.tokenizer
-        loop = asyncio.get_running_loop()
-        ids = await loop.run_in_executor(self.servicer._tokenize, functools.partial(
-            tok.encode, text, add_special_tokens=add_special_tokens))
-        if len(ids) > self.servicer.max_model_len:
-            raise HTTPError(400, f"{what} has {len(ids)} tokens; max_model_len is {self.servicer.max_model_len}",
-                            what)
-        return ids
-
-    async def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        tok = self.servicer.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise HTTPError(400, f"model {self.served_model_name} has no chat template (tokenizer_config.json "
-                                 f"chat_template or chat_template.jinja); use /v1/completions", "messages",
-                            "no_chat_template")
-        loop = asyncio.get_running_loop()   # parse_body counted every string of the messages
-        try:
-            text = await loop.run_in_executor(self.servicer._tokenize, functools.partial(
-                tok.apply_chat_template, messages, tokenize=False, add_generation_prompt=add_generation_prompt))
-        except jinja2.TemplateError as exc:   # the template's own message (raise_exception: roles must alternate)
-            raise HTTPError(400, f"chat template failed: {exc}", "messages") from None
-        except Exception:  # noqa: BLE001 - the request's, but its text is internal
-            log.warning("chat template failed", exc_info=True)
-            raise HTTPError(400, "chat template failed on these messages", "messages") from None
-        return await self._encode(text, "messages", add_special_tokens=False)
 
     def _logprobs(self, parsed: ParsedBody, d: Delta, text_offset: int = 0) -> dict | None:
         """OpenAI's logprobs object for a Delta's tokens: completions' {tokens, token_logprobs,
@@ -370,7 +319,7 @@ class OpenAIServer:
                 async for chunk, gen in gen_iter:
                     now = time.perf_counter()
                     if chunk.token_ids:
-                        servicer._observe_tokens(gen, len(chunk.token_ids), now)
+                        servicer.observe_tokens(gen, len(chunk.token_ids), now)
                         completion += len(chunk.token_ids)
                     if chunk.finish_reason == "abort":
                         raise RouterError("ABORTED", f"request {choice.request_id} was aborted")
@@ -380,7 +329,7 @@ class OpenAIServer:
                     if hit or final:
                         finished = True
                         usage = _usage_proto(len(choice.prompt), completion, gen.timing.cached_tokens)
-                        servicer._observe_finish(gen, usage, now)
+                        servicer.observe_finish(gen, usage, now)
                         yield Delta(choice.index, text, list(chunk.token_ids), "stop" if hit else chunk.finish_reason,
                                     len(choice.prompt) if choice.first_of_prompt else 0, completion,
                                     gen.timing.cached_tokens if choice.first_of_prompt else 0, chunk.logprobs)
@@ -402,7 +351,7 @@ class OpenAIServer:
             last.token_ids, last.logprobs = token_ids, logprobs
             return "".join(texts), last
 
-        results = await _gather_or_cancel([collect(c) for c in choices])
+        results = await gather_or_cancel([collect(c) for c in choices])
         created = int(time.time())
         rid = choices[0].request_id.rsplit("-", 1)[0]
         usage = _usage(sum(d.prompt_tokens for _, d in results), sum(d.completion_tokens for _, d in results),
@@ -438,12 +387,12 @@ class OpenAIServer:
 
         tasks = [asyncio.create_task(pump(c)) for c in choices]
         try:
-            first = await _until_disconnect(request, queue.get())
+            first = await until_disconnect(request, queue.get())
         except BaseException:
-            await _cancel(tasks)
+            await cancel_all(tasks)
             raise
         if isinstance(first, BaseException):
-            await _cancel(tasks)
+            await cancel_all(tasks)
             raise first
         rid = choices[0].request_id.rsplit("-", 1)[0]
         created = int(time.time())
@@ -454,7 +403,7 @@ class OpenAIServer:
                        "choices": payload_choices}
             if parsed.include_usage:
                 payload["usage"] = usage if with_usage else None
-            return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+            return sse_event(payload)
 
         offsets = [0] * len(choices)   # text_offset of the next token, per choice
 
@@ -480,9 +429,9 @@ class OpenAIServer:
                         open_choices -= 1
                         if open_choices == 0:
                             break
-                    elif isinstance(item, RouterError) or isinstance(item, HTTPError):
-                        err = item if isinstance(item, HTTPError) else HTTPError.from_router(item, rid)
-                        yield b"data: " + json.dumps(err.body(), separators=(",", ":")).encode() + b"\n\n"
+                    elif isinstance(item, (RouterError, HTTPError, InvalidRequest)):
+                        err = http_error(item, rid)
+                        yield sse_event(err.body())
                         break
                     elif isinstance(item, BaseException):
                         raise item
@@ -495,11 +444,18 @@ class OpenAIServer:
                     item = await queue.get()
                 if parsed.include_usage:
                     yield event([], _usage(*totals), with_usage=True)
-                yield b"data: [DONE]\n\n"
+                yield SSE_DONE
             finally:
-                await _cancel(tasks)
+                await cancel_all(tasks)
 
         return SSEResponse(events())
+
+
+def http_error(exc: RouterError | HTTPError | InvalidRequest, request_id: str) -> HTTPError:
+    """Any refusal in OpenAI's error shape."""
+    if isinstance(exc, RouterError):
+        return HTTPError.from_router(exc, request_id)
+    return HTTPError.from_invalid(exc) if isinstance(exc, InvalidRequest) else exc
 
 
 def _token_text(tokenizer, token_id: int) -> str:

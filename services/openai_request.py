@@ -4,8 +4,8 @@ type and limit, in OpenAI's error shape (HTTPError), before anything is tokenize
 Counts come first (prompts x n, messages, stop strings, token ids), then the bytes of every
 string the request hands on (each prompt, every string of every message: role and name
 included, each stop string), so that a body's cost to the router is bounded by its size and
-the limits, whatever its shape. The engine's own rules (validate_request) come after
-tokenizing, in the server (services/openai_api.py)."""
+the limits, whatever its shape. front_requests hands the parsed body to the request front
+(services/request_front.py), which tokenizes and applies the engine's own rules."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +21,8 @@ from fastapi.responses import Response
 from engine import SamplingParams
 from engine.sampling_params import MAX_LOGPROBS
 from services.errors import RouterError
-from services.request_checks import RequestLimits, utf8_size
+from services.request_checks import InvalidRequest, RequestLimits, check_count, utf8_size
+from services.request_front import FrontRequest, Prompt, field_of_message
 
 log = logging.getLogger(__name__)
 
@@ -69,21 +70,14 @@ class HTTPError(Exception):
         headers = {}
         if exc.retry_after_s:
             headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
-        param = (exc.field or _param_of(exc.message)) if status in (400, 413) else None
+        param = (exc.field or field_of_message(exc.message)) if status in (400, 413) else None
         code = "request_too_large" if exc.too_large else exc.code.lower()
         return cls(status, exc.public_message(request_id), param, code, headers)
 
-
-def _param_of(message: str) -> str | None:
-    """The field a validation message is about (the engine's messages start with it)."""
-    word = message.split(" ", 1)[0].strip(":(")
-    known = {"temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "min_tokens", "prompt",
-             "output", "request_id", "ignore_eos", "logprobs", "cache_salt"}
-    if word in known:
-        return word
-    if message.startswith("prompt tokens") or message.startswith("prompt has"):
-        return "prompt"
-    return None
+    @classmethod
+    def from_invalid(cls, exc: InvalidRequest) -> "HTTPError":
+        """A request front's refusal: 413 for a size limit, else 400, naming the field."""
+        return cls(413 if exc.too_large else 400, exc.message, exc.field, exc.code)
 
 
 # ---- reading the body ----------------------------------------------------------------------------
@@ -151,14 +145,6 @@ def _int_list(value: Any, name: str, max_len: int | None = None, setting: str = 
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise HTTPError(400, f"{name} must be a list of integers", name)
     return value
-
-
-@dataclass(slots=True)
-class Prompt:
-    """One prompt: token ids, or text still to tokenize."""
-
-    text: str | None = None
-    token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -282,8 +268,8 @@ def parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimits
     field. max_prompt_tokens: the longest token-id prompt (max_model_len)."""
     try:
         return _parse_body(body, chat, default_model, limits or RequestLimits(), max_prompt_tokens)
-    except RouterError as exc:   # a shared check (services/request_checks.py)
-        raise HTTPError.from_router(exc) from None
+    except InvalidRequest as exc:   # a shared check (services/request_checks.py)
+        raise HTTPError.from_invalid(exc) from None
 
 
 def _parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimits,
@@ -297,18 +283,18 @@ def _parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimit
     if max_tokens is None:
         max_tokens = _field(body, "max_tokens", int)
     stop_ids = body.get("stop_token_ids") or []
-    if isinstance(stop_ids, list) and len(stop_ids) > limits.max_stop_token_ids:
-        raise HTTPError(400, f"stop_token_ids has {len(stop_ids)} entries; the limit is "
-                             f"{limits.max_stop_token_ids} (max_stop_token_ids)", "stop_token_ids")
+    if isinstance(stop_ids, list):
+        check_count(len(stop_ids), "stop_token_ids", limits.max_stop_token_ids, "max_stop_token_ids")
     params = SamplingParams(temperature=_field(body, "temperature", float, 1.0),
                             top_p=_field(body, "top_p", float, 1.0),
                             top_k=_field(body, "top_k", int, 0),
-                            max_tokens=16 if max_tokens is None else max_tokens,
                             seed=_field(body, "seed", int),
                             stop_token_ids=_int_list(stop_ids, "stop_token_ids"),
                             ignore_eos=_field(body, "ignore_eos", bool, False),
                             min_tokens=_field(body, "min_tokens", int, 0),
                             cache_salt=_field(body, "cache_salt", str))
+    if max_tokens is not None:   # else SamplingParams' default (a chat request: the rest of the context)
+        params.max_tokens = max_tokens
     if chat:   # logprobs: bool, top_logprobs: how many alternatives
         top = _field(body, "top_logprobs", int)
         if _field(body, "logprobs", bool, False):
@@ -341,3 +327,13 @@ def _parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimit
     else:
         parsed.prompts = _completion_prompts(body, n, limits, max_prompt_tokens)
     return parsed
+
+
+def front_requests(parsed: ParsedBody, request_id: str) -> list[FrontRequest]:
+    """The body's prompts (a chat: its messages) in the request front's terms, one per prompt."""
+    def one(prompt: Prompt | None = None, messages: list[dict] | None = None) -> FrontRequest:
+        return FrontRequest(request_id, parsed.params, prompt, messages, parsed.add_generation_prompt,
+                            parsed.max_tokens_given, parsed.skip_special_tokens)
+    if parsed.chat:
+        return [one(messages=parsed.messages)]
+    return [one(prompt) for prompt in parsed.prompts]

@@ -1,5 +1,6 @@
-"""The router's gRPC API (pdserve.v1.Router): checks and parses requests, runs them through the
-generation core (services/generation.py), streams tokens and text back."""
+"""The router's gRPC API (pdserve.v1.Router): maps requests to the request front
+(services/request_front.py: limits, tokenizing, validation), runs them through the generation
+core (services/generation.py), streams tokens and text back."""
 from __future__ import annotations
 
 import asyncio
@@ -7,17 +8,14 @@ import logging
 import math
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
 import grpc
 
-from engine import SamplingParams
 from engine.model_config import ModelConfig
 from engine.tokenizer import load_tokenizer
-from engine.validation import validate_request
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.admission import PendingGate
 from services.convert import params_from_proto
@@ -25,7 +23,8 @@ from services.detokenizer import IncrementalDetokenizer
 from services.errors import RouterError
 from services.generation import Generation, GenerationOptions, Generator
 from services.metrics import RouterMetrics
-from services.request_checks import RequestLimits, check_count, invalid, utf8_size
+from services.request_checks import InvalidRequest, RequestLimits
+from services.request_front import FrontRequest, Prompt, RequestFront, ValidatedRequest
 from services.security import Credentials, api_key_interceptor
 from services.worker_pool import WorkerPool
 
@@ -72,14 +71,6 @@ class RouterOptions:
     config: RouterConfig = field(default_factory=RouterConfig)
 
 
-@dataclass(slots=True)
-class ParsedRequest:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    skip_special_tokens: bool
-
-
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, options: RouterOptions, pool: WorkerPool, metrics: RouterMetrics | None = None) -> None:
         self.options = options
@@ -90,7 +81,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.generator = Generator(pool, options.generation, self.metrics)
         self.draining = False
         self.pending = PendingGate(options.limits.max_pending_requests)   # both doors: gRPC and HTTP
-        self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.front = RequestFront(self.tokenizer, self.model_config.vocab_size, options.limits,
+                                  lambda: self.max_model_len, served_model_names(options.config, options.model)[0])
 
     @property
     def max_model_len(self) -> int:
@@ -129,7 +121,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                                             deadline):
                 now = time.perf_counter()
                 if chunk.token_ids:
-                    self._observe_tokens(gen, len(chunk.token_ids), now)
+                    self.observe_tokens(gen, len(chunk.token_ids), now)
                     usage.completion_tokens += len(chunk.token_ids)
                 msg = router_pb2.GenerateResponse(request_id=parsed.request_id, token_ids=chunk.token_ids,
                                                   text=detok.add(chunk.token_ids, final=chunk.finish_reason is not None),
@@ -141,7 +133,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     usage.cached_tokens = gen.timing.cached_tokens
                     msg.usage.CopyFrom(usage)
                     msg.timings.CopyFrom(timings(gen, now))
-                    self._observe_finish(gen, usage, now)
+                    self.observe_finish(gen, usage, now)
                 yield msg
         except RouterError as exc:
             await abort_with(context, exc, parsed.request_id)
@@ -154,44 +146,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self.metrics.request_failure.inc()
 
     # ---- parsing ------------------------------------------------------------------
-    async def parse(self, request: router_pb2.GenerateRequest) -> ParsedRequest:
+    async def parse(self, request: router_pb2.GenerateRequest) -> ValidatedRequest:
         """Every check, cheapest first, before anything is allocated or tokenized. Raises RouterError."""
         if self.draining:
             raise RouterError("UNAVAILABLE", "the router is draining (shutting down)")
-        limits = self.options.limits
-        rid = request.request_id or uuid.uuid4().hex
-        check_count(len(rid), "request_id", limits.max_request_id_chars, "max_request_id_chars", "characters")
-        msg = request.params
-        check_count(len(msg.stop_token_ids), "stop_token_ids", limits.max_stop_token_ids, "max_stop_token_ids")
-        which = request.WhichOneof("input")
-        if which is None:
-            raise invalid("input", "input: give either text or token_ids")
-        if which == "text":
-            prompt = await self.tokenize(request.text)
-        else:
-            n = len(request.token_ids.ids)   # the length first: nothing is copied for a list over the limit
-            if n > self.max_model_len:
-                raise invalid("prompt", f"prompt has {n} tokens; max_model_len is {self.max_model_len}")
-            prompt = list(request.token_ids.ids)
-        params = params_from_proto(msg)
         try:
-            validate_request(prompt, params, self.model_config.vocab_size, self.max_model_len)
-        except ValueError as exc:
-            raise invalid(str(exc).split(" ", 1)[0], str(exc)) from None
-        skip = msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
-        return ParsedRequest(rid, prompt, params, skip)
-
-    async def tokenize(self, text: str) -> list[int]:
-        """Tokenize off the event loop, after checking the size limit."""
-        utf8_size(text, "prompt", self.options.limits.max_prompt_bytes)
-        loop = asyncio.get_running_loop()
-        ids = await loop.run_in_executor(self._tokenize, self.tokenizer.encode, text)
-        if len(ids) > self.max_model_len:
-            raise invalid("prompt", f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
-        return ids
+            return await self.front.prepare(front_request(request, self.front))
+        except InvalidRequest as exc:
+            raise RouterError("INVALID_ARGUMENT", exc.message, field=exc.field, too_large=exc.too_large) from None
 
     # ---- metrics --------------------------------------------------------------------
-    def _observe_tokens(self, gen: Generation, n: int, now: float) -> None:
+    def observe_tokens(self, gen: Generation, n: int, now: float) -> None:
         t = gen.timing
         if t.first_token is None:
             t.first_token = now
@@ -203,12 +168,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         t.last_token = now
         self.metrics.generation_tokens.inc(n)
 
-    def _observe_finish(self, gen: Generation, usage: router_pb2.Usage, now: float) -> None:
+    def observe_finish(self, gen: Generation, usage: router_pb2.Usage, now: float) -> None:
         self.metrics.request_success.inc()
         self.metrics.prompt_tokens.inc(usage.prompt_tokens)
         self.metrics.e2e_request_latency_seconds.observe(now - gen.timing.start)
         self.metrics.observe_tpot(gen.timing.first_token, now, usage.completion_tokens)
         self.metrics.kv_transfer_seconds.observe(gen.timing.kv_transfer_ms / 1e3)
+
+
+def front_request(request: router_pb2.GenerateRequest, front: RequestFront) -> FrontRequest:
+    """The gRPC request in the front's terms, after the counts it carries (request_id, stop_token_ids)."""
+    rid = request.request_id or uuid.uuid4().hex
+    front.check_request_id(rid)
+    msg = request.params
+    front.check_stop_token_ids(len(msg.stop_token_ids))
+    which = request.WhichOneof("input")
+    prompt = None if which is None else Prompt(text=request.text) if which == "text" else \
+        Prompt(token_ids=request.token_ids.ids)   # the repeated field itself: measured before it is copied
+    skip = msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
+    return FrontRequest(rid, params_from_proto(msg), prompt, skip_special_tokens=skip)
 
 
 def timings(gen: Generation, now: float) -> router_pb2.Timings:

@@ -21,7 +21,10 @@ from engine.tokenizer import load_tokenizer
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.detokenizer import IncrementalDetokenizer
 from services.launcher import Cluster, free_port
-from services.openai_api import HTTPError, OpenAIServer, StopMatcher, parse_body
+from services.openai_request import HTTPError, parse_body
+from services.request_checks import InvalidRequest, RequestLimits
+from services.request_front import RequestFront
+from services.stop_strings import StopMatcher
 from tests.conftest import random_prompts
 from tests.serving import assert_blocks_at_baseline, channel, metric, start_cluster, workers
 
@@ -137,12 +140,11 @@ def test_engine_logprobs_are_the_raw_model_distribution(tiny_qwen3: str) -> None
 
 def test_chat_without_template_is_a_clear_400(tiny_qwen3: str) -> None:
     import asyncio
-    tok = SimpleNamespace(chat_template=None)
-    servicer = SimpleNamespace(tokenizer=tok, options=SimpleNamespace(model=tiny_qwen3), metrics=None)
-    server = OpenAIServer(servicer, "m")
-    with pytest.raises(HTTPError) as info:
-        asyncio.run(server._render_chat(CHAT, True))
-    assert (info.value.status, info.value.param, info.value.code) == (400, "messages", "no_chat_template")
+    front = RequestFront(SimpleNamespace(chat_template=None), 1024, RequestLimits(), lambda: 64, "m")
+    with pytest.raises(InvalidRequest) as info:
+        asyncio.run(front.render_chat(CHAT, True))
+    err = HTTPError.from_invalid(info.value)
+    assert (err.status, err.param, err.code) == (400, "messages", "no_chat_template")
 
 
 def test_https_with_the_router_certificate(tmp_path) -> None:
