@@ -12,22 +12,18 @@ import os
 import sys
 
 from engine.config import EngineConfig
-from services.cli_parser import CLIParser
-from services.config_cli import add_config_args, config_from_args, config_to_argv, given
-from services.usage import EXIT_USAGE, RuntimeFailure, UsageError, check_model_dir, configure_logging, parse_log_level
+from engine.settings import ENV
+from services.cli_parser import CLIParser, add_engine_args, add_model_arg, model_dir
+from services.config_cli import add_config_args, config_from_args, config_to_argv, field_default, given
+from services.topology import DEFAULT_HOST, ENGINE_FIXED, ROUTER_PORT, SERVE_HTTP_PORT, UP_OWN, UP_PER_PROCESS
+from services.usage import EXIT_USAGE, RuntimeFailure, UsageError, configure_logging, parse_log_level
 
 # Importing this module, and `pdserve --help` or `pdserve generate --router`, must not import torch
 # or transformers (seconds on a small machine): the engine, the router and the workers are imported
 # in the handlers that run them, and a subcommand's flags are built only when it is the one given
 # (tests/test_cli_vllm_habits.py checks sys.modules).
-DEFAULT_PORT = 50051
-SERVE_HTTP_PORT = 8000                    # `pdserve serve`: the OpenAI HTTP API's port, as `vllm serve`
 CONNECT_TIMEOUT_S = 2.0                   # `generate --router`: an unreachable router fails this soon
-PARENT_PID_ENV = "PDSERVE_PARENT_PID"     # services.launcher.PARENT_PID_ENV: set in `pdserve up`'s children
-ENGINE_FIXED = ("model", "role")          # set by --model and the subcommand
-UP_PER_PROCESS = ("num_threads",)         # `up` sets these per worker (threads_per_worker)
-UP_ROUTER_OWN = ("drain_timeout_s",)      # `up` sets these on the router from its Deployment
-LOG_LEVEL_ENV = "PDSERVE_LOG_LEVEL"
+LOG_LEVEL_ENV = ENV.LOG_LEVEL.name
 
 
 def _log_level(text: str) -> str:
@@ -43,17 +39,6 @@ def _version() -> str:
         return version("pdserve")
     except PackageNotFoundError:
         return "unknown (not installed)"
-
-
-def _add_model_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, metavar="DIR",
-                   help="local Hugging Face checkpoint directory (default: a tiny random-weight Qwen3, made under "
-                        "$PDSERVE_HOME on first use)")
-
-
-def _add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    _add_model_arg(p)
-    add_config_args(p.add_argument_group("engine"), EngineConfig, exclude=(*ENGINE_FIXED, *exclude))
 
 
 def _add_security_args(p: argparse.ArgumentParser, router: bool = False, member: bool = False) -> None:
@@ -91,21 +76,10 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return read_secret(args.api_key_file, API_KEY_ENV, "API key")
 
 
-def _model_dir(args: argparse.Namespace, check: bool = True) -> str:
-    """--model, checked (one line saying what is wrong), or the default model, made on first use."""
-    if args.model:
-        return check_model_dir(args.model) if check else args.model
-    from engine.model_maker import default_model_dir, ensure_default_model
-    if default_model_dir().is_dir():
-        return str(default_model_dir())
-    from services.progress import Progress
-    with Progress().step(f"making the default model in {default_model_dir()} (first run only)"):
-        return str(ensure_default_model())
-
-
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    from engine.sampling_params import SamplingParams   # torch-free: the one default of every sampling flag
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    g.add_argument("--max-tokens", type=int, default=field_default(SamplingParams, "max_tokens"), help="tokens to generate at most")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: none, i.e. 1.0)")
     g.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (default: none, all)")
@@ -146,7 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     from engine import LLM, SamplingParams
     from services.progress import Progress
-    model = _model_dir(args)
+    model = model_dir(args)
     with Progress().step(f"loading {model}"):
         llm = LLM(model, **given(args, EngineConfig, ENGINE_FIXED))
     params = SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
@@ -172,10 +146,11 @@ def _router_error(address: str, exc) -> str:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from engine.parallel import RankFailure
-    from services.worker import WorkerConfig, WorkerOptions, serve_worker
+    from services.worker import WorkerOptions, serve_worker
+    from services.worker_config import WorkerConfig
     engine_kwargs = given(args, EngineConfig, ENGINE_FIXED)
     engine_kwargs.setdefault("num_threads", 1)
-    config = EngineConfig(model=_model_dir(args), role=args.role, **engine_kwargs)
+    config = EngineConfig(model=model_dir(args), role=args.role, **engine_kwargs)
     credentials = _credentials(args, f"{args.role} worker")
     print(f"pdserve {args.role} worker {args.worker_id or ''}: loading {config.model}".replace(" :", ":"),
           file=sys.stderr, flush=True)
@@ -212,12 +187,14 @@ def _check_port(host: str, port: int, what: str, flag: str) -> None:
 
 def cmd_router(args: argparse.Namespace) -> int:
     from services.generation import GenerationOptions
-    from services.router import RequestLimits, RouterConfig, RouterOptions, serve_router
+    from services.request_checks import RequestLimits
+    from services.router import RouterOptions, serve_router
+    from services.router_config import RouterConfig
     split = lambda s: [a for a in (s or "").split(",") if a]  # noqa: E731
     _check_port(args.host, args.port, "the router's port", "--port")
     if args.http_port:
         _check_port(args.host, args.http_port, "the HTTP API's port", "--http-port")
-    options = RouterOptions(model=_model_dir(args), prefill=split(args.prefill), decode=split(args.decode),
+    options = RouterOptions(model=model_dir(args), prefill=split(args.prefill), decode=split(args.decode),
                             colocated=split(args.colocated), generation=config_from_args(GenerationOptions, args),
                             limits=config_from_args(RequestLimits, args),
                             config=config_from_args(RouterConfig, args, served_model_name=_served_names(args)))
@@ -230,32 +207,33 @@ def cmd_router(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     import signal
 
-    from engine.model_maker import pdserve_home
+    from engine.settings import pdserve_home
     from services.generation import GenerationOptions
     from services.launcher import Cluster, Deployment, Stopped
     from services.progress import Progress
-    from services.router import RequestLimits, RouterConfig
-    from services.worker import WorkerConfig
+    from services.request_checks import RequestLimits
+    from services.router_config import RouterConfig
+    from services.worker_config import WorkerConfig
 
     progress = Progress()
     port_flag = "--grpc-port" if args.command == "serve" else "--port"
-    _check_port(args.host or "127.0.0.1", DEFAULT_PORT if args.port is None else args.port, "the router's port",
+    _check_port(args.host or DEFAULT_HOST, ROUTER_PORT if args.port is None else args.port, "the router's port",
                 port_flag)
     if args.http_port:
-        _check_port(args.host or "127.0.0.1", args.http_port, "the HTTP API's port",
+        _check_port(args.host or DEFAULT_HOST, args.http_port, "the HTTP API's port",
                     "--port" if args.command == "serve" else "--http-port")
-    engine = EngineConfig(model=_model_dir(args), **given(args, EngineConfig, (*ENGINE_FIXED, *UP_PER_PROCESS)))
-    router = config_from_args(RouterConfig, args, exclude=UP_ROUTER_OWN, served_model_name=_served_names(args))
+    engine = EngineConfig(model=model_dir(args), **given(args, EngineConfig, (*ENGINE_FIXED, *UP_PER_PROCESS)))
+    router = config_from_args(RouterConfig, args, exclude=UP_OWN, served_model_name=_served_names(args))
     router_args = [*config_to_argv(config_from_args(GenerationOptions, args)),
                    *config_to_argv(config_from_args(RequestLimits, args)),
-                   *config_to_argv(router, exclude=UP_ROUTER_OWN)]
+                   *config_to_argv(router, exclude=UP_OWN)]
     api_key = _api_key(args)
     if api_key:
-        os.environ["PDSERVE_API_KEY"] = api_key   # the router reads it from its environment, never argv
-    log_dir = args.log_dir or str(pdserve_home() / "logs" / f"up-{args.port or DEFAULT_PORT}")
+        ENV.API_KEY.set(api_key)   # the router reads it from its environment, never argv
+    log_dir = args.log_dir or str(pdserve_home() / "logs" / f"up-{args.port or ROUTER_PORT}")
     spec = config_from_args(Deployment, args, model=engine.model, engine_tp=engine.tensor_parallel_size,
                             engine_args=config_to_argv(engine, exclude=ENGINE_FIXED),
-                            worker_args=config_to_argv(config_from_args(WorkerConfig, args), exclude=("drain_timeout_s",)),
+                            worker_args=config_to_argv(config_from_args(WorkerConfig, args), exclude=UP_OWN),
                             router_args=router_args, credentials=_credentials(args),
                             log_dir=None if log_dir == "-" else log_dir)
     cluster = Cluster(spec)
@@ -305,11 +283,11 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from engine.model_maker import pdserve_home
+    from engine.settings import pdserve_home
     from services.planner.profile import ProfileConfig, run_profile
     engine_kwargs = given(args, EngineConfig, ENGINE_FIXED)
     engine_kwargs.setdefault("num_threads", 1)   # as each worker `pdserve up` starts
-    engine = EngineConfig(model=_model_dir(args), **engine_kwargs)
+    engine = EngineConfig(model=model_dir(args), **engine_kwargs)
     config = config_from_args(ProfileConfig, args)
     model = run_profile(engine, config, say=lambda line: print(line, file=sys.stderr, flush=True))
     out = config.out or str(pdserve_home() / "profiles" / f"{os.path.basename(os.path.normpath(engine.model))}.json")
@@ -341,9 +319,9 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         raise UsageError("choose a benchmark: `pdserve bench serve` or `pdserve bench offline` "
                          "(see `pdserve bench --help`)")
     if args.kind == "offline":
-        from bench.offline_throughput import main as bench_main
+        from services.loadtest.offline import main as bench_main
     else:
-        from bench.serve import main as bench_main
+        from services.loadtest.serve import main as bench_main
     try:
         return bench_main(rest) or 0
     except SystemExit as exc:     # argparse's --help (0) and usage errors (2)
@@ -364,7 +342,7 @@ def _p_generate(p: argparse.ArgumentParser) -> None:
                    help="a running router's address (default: none, generate offline in this process)")
     p.add_argument("--api-key", default=None,
                    help="the router's API key (default: $PDSERVE_API_KEY; argv is visible to other local users)")
-    _add_engine_args(p)
+    add_engine_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -374,8 +352,9 @@ def _add_up_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     (default 8000) and --grpc-port for the router's gRPC API."""
     from services.generation import GenerationOptions
     from services.launcher import Deployment
-    from services.router import RequestLimits, RouterConfig
-    from services.worker import WorkerConfig
+    from services.request_checks import RequestLimits
+    from services.router_config import RouterConfig
+    from services.worker_config import WorkerConfig
     if serve:
         p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                        help="local Hugging Face checkpoint directory, served under this name as given "
@@ -383,15 +362,15 @@ def _add_up_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
         p.add_argument("--port", dest="http_port", type=int, default=SERVE_HTTP_PORT,
                        help="the OpenAI-compatible HTTP API's port")
         p.add_argument("--grpc-port", dest="port", type=int, default=None,
-                       help=f"the router's gRPC port (default: {DEFAULT_PORT})")
+                       help=f"the router's gRPC port (default: {ROUTER_PORT})")
     else:
-        _add_model_arg(p)
+        add_model_arg(p)
     dep_exclude = ("model", "port") if serve else ("model",)
     add_config_args(p.add_argument_group("deployment"), Deployment, exclude=dep_exclude)
     add_config_args(p.add_argument_group("engine"), EngineConfig, exclude=(*ENGINE_FIXED, *UP_PER_PROCESS))
-    add_config_args(p.add_argument_group("workers"), WorkerConfig, exclude=("drain_timeout_s",))
+    add_config_args(p.add_argument_group("workers"), WorkerConfig, exclude=UP_OWN)
     add_config_args(p.add_argument_group("router"), RouterConfig,
-                    exclude=(*UP_ROUTER_OWN, "http_port") if serve else UP_ROUTER_OWN)
+                    exclude=(*UP_OWN, "http_port") if serve else UP_OWN)
     add_config_args(p.add_argument_group("generation"), GenerationOptions)
     add_config_args(p.add_argument_group("request limits"), RequestLimits)
     _add_security_args(p, router=True)
@@ -399,15 +378,15 @@ def _add_up_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
 
 
 def _p_worker(p: argparse.ArgumentParser, role: str | None) -> None:
-    from services.worker import WorkerConfig
-    _add_engine_args(p)
+    from services.worker_config import WorkerConfig
+    add_engine_args(p)
     add_config_args(p.add_argument_group("worker"), WorkerConfig)
     if role is None:
         p.add_argument("--role", required=True, choices=["prefill", "decode", "both"],
                        help="prefill, decode, or both (colocated)")
     else:
         p.set_defaults(role=role)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--host", default=DEFAULT_HOST, help="address to bind")
     p.add_argument("--port", type=int, default=0, help="gRPC port; 0: a free one, printed")
     p.add_argument("--worker-id", default="", help="name in metrics and status (default: ROLE-RANDOM)")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -421,13 +400,14 @@ def _p_worker(p: argparse.ArgumentParser, role: str | None) -> None:
 
 def _p_router(p: argparse.ArgumentParser) -> None:
     from services.generation import GenerationOptions
-    from services.router import RequestLimits, RouterConfig
-    _add_model_arg(p)
+    from services.request_checks import RequestLimits
+    from services.router_config import RouterConfig
+    add_model_arg(p)
     p.add_argument("--prefill", default="", metavar="ADDRS", help="comma-separated prefill worker addresses")
     p.add_argument("--decode", default="", metavar="ADDRS", help="comma-separated decode worker addresses")
     p.add_argument("--colocated", default="", metavar="ADDRS", help="comma-separated colocated worker addresses")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="the public gRPC port")
+    p.add_argument("--host", default=DEFAULT_HOST, help="address to bind")
+    p.add_argument("--port", type=int, default=ROUTER_PORT, help="the public gRPC port")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none, no endpoint)")
     p.add_argument("--metrics-token-file", default=None, metavar="FILE",
@@ -449,7 +429,7 @@ def _p_health(p: argparse.ArgumentParser) -> None:
 
 def _p_profile(p: argparse.ArgumentParser) -> None:
     from services.planner.profile import ProfileConfig
-    _add_engine_args(p)
+    add_engine_args(p)
     add_config_args(p.add_argument_group("profile"), ProfileConfig)
     p.set_defaults(func=cmd_profile)
 
@@ -514,7 +494,7 @@ def build_parser(command: str | None = ALL) -> argparse.ArgumentParser:
             build(p)
     if command in (ALL, "ray"):
         from services.ray_deploy.cli import add_ray_parser   # `pdserve ray up|down|status` (imports Ray only when run)
-        add_ray_parser(sub, _add_engine_args, parents=[common])
+        add_ray_parser(sub, parents=[common])
     else:
         sub.add_parser("ray", help="deploy onto a Ray cluster (ray up | ray down | ray status)", parents=[common])
     return parser
@@ -536,19 +516,19 @@ def _command_of(argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 ok, 1 a runtime failure (unreachable router, failed start), 2 a usage error;
     either failure is one `pdserve: error: ...` line on stderr (tracebacks with --log-level DEBUG)."""
-    if os.environ.get(PARENT_PID_ENV):
+    if ENV.PARENT_PID.is_set():
         from services.launcher import die_with_parent
         die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(_command_of(argv))
     args, rest = parser.parse_known_args(argv)
     try:
-        level = getattr(args, "log_level", None) or parse_log_level(os.environ.get(LOG_LEVEL_ENV) or "WARNING")
+        level = getattr(args, "log_level", None) or parse_log_level(ENV.LOG_LEVEL.get())
     except ValueError as exc:
         print(f"pdserve: error: ${LOG_LEVEL_ENV} {exc}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(level)
-    os.environ[LOG_LEVEL_ENV] = level   # the processes `up` starts inherit it
+    ENV.LOG_LEVEL.set(level)   # the processes `up` starts inherit it
     try:
         if args.command == "bench":
             return cmd_bench(args, rest)

@@ -1,11 +1,15 @@
 """The `pdserve` argument parser: one-line usage errors (exit 2) that point to the subcommand's
-help, and every flag's help ending with its default."""
+help, and every flag's help ending with its default; the --model and engine flags every command
+that runs the engine has (`pdserve up`, `ray up`, `profile`, ...)."""
 from __future__ import annotations
 
 import argparse
 from typing import NoReturn
 
-from services.usage import EXIT_USAGE
+from engine.config import EngineConfig
+from services.config_cli import add_config_args
+from services.topology import ENGINE_FIXED
+from services.usage import EXIT_USAGE, check_model_dir
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -41,3 +45,27 @@ class CLIParser(argparse.ArgumentParser):
         if not hasattr(namespace, "_parser") or getattr(namespace, "_parser") is None:
             namespace._parser = self
         return namespace, rest
+
+
+def add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="local Hugging Face checkpoint directory (default: a tiny random-weight Qwen3, made under "
+                        "$PDSERVE_HOME on first use)")
+
+
+def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """--model and the engine's generated flags (EngineConfig's fields but the fixed ones)."""
+    add_model_arg(p)
+    add_config_args(p.add_argument_group("engine"), EngineConfig, exclude=(*ENGINE_FIXED, *exclude))
+
+
+def model_dir(args: argparse.Namespace, check: bool = True) -> str:
+    """--model, checked (one line saying what is wrong), or the default model, made on first use."""
+    if args.model:
+        return check_model_dir(args.model) if check else args.model
+    from engine.model_maker import default_model_dir, ensure_default_model
+    if default_model_dir().is_dir():
+        return str(default_model_dir())
+    from services.progress import Progress
+    with Progress().step(f"making the default model in {default_model_dir()} (first run only)"):
+        return str(ensure_default_model())

@@ -25,6 +25,11 @@ def _default(f: dataclasses.Field) -> Any:
     return _MISSING
 
 
+def field_default(cls: type, name: str) -> Any:
+    """The default a dataclass declares for one field (a slots dataclass has no class attribute)."""
+    return _default(next(f for f in dataclasses.fields(cls) if f.name == name))
+
+
 def _base_type(tp: Any) -> tuple[Any, bool]:
     """(the type without None, whether None is allowed)."""
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:

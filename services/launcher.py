@@ -28,16 +28,17 @@ from typing import TYPE_CHECKING, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.settings import setting
+from engine.settings import ENV, setting
 from services.kv_transfer import shared_memory
 from services.ports import PortReservations, RESERVED_PORTS_ENV
 from services.security import Credentials, new_token
 from services.server import check_port_free
+from services.topology import DEFAULT_HOST, ROUTER_PORT, drain_timeout_setting, flags_argv, role_argv
 
 if TYPE_CHECKING:
     from services.progress import Progress
 
-PARENT_PID_ENV = "PDSERVE_PARENT_PID"
+PARENT_PID_ENV = ENV.PARENT_PID.name
 PROBE_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                  ("grpc.max_reconnect_backoff_ms", 500)]
 RESTART_BACKOFF_S = (1.0, 30.0)     # first and largest delay before restarting a dead child
@@ -62,8 +63,8 @@ class Deployment:
     prefill_workers: int = setting(1, "prefill worker processes")
     decode_workers: int = setting(1, "decode worker processes")
     colocated_workers: int = setting(0, "colocated (prefill + decode) worker processes instead: the baseline")
-    host: str = setting("127.0.0.1", "address every process binds")
-    port: int = setting(50051, "the router's public gRPC port")
+    host: str = setting(DEFAULT_HOST, "address every process binds")
+    port: int = setting(ROUTER_PORT, "the router's public gRPC port")
     metrics: bool = setting(False, "give every process a Prometheus /metrics endpoint (on free ports unless "
                               "--metrics-port-base is given)")
     metrics_port_base: int | None = setting(None, "fixed metrics ports: the router on N, the workers on N+1, N+2, ... "
@@ -76,7 +77,7 @@ class Deployment:
     restart: bool = setting(True, "restart a child that dies (with backoff) instead of stopping the deployment")
     pin_workers: bool = setting(True, "give each worker its own cores (one per torch thread) when the machine has "
                                  "enough for all of them; the router floats")
-    drain_timeout_s: float = setting(30.0, "on SIGTERM, in-flight requests get this long to finish")
+    drain_timeout_s: float = drain_timeout_setting()
     prefill_tp: int | None = setting(None, "tensor_parallel_size of the prefill workers (each starts its ranks); "
                                       "none: --tensor-parallel-size")
     decode_tp: int | None = setting(None, "tensor_parallel_size of the decode workers; none: --tensor-parallel-size "
@@ -194,7 +195,7 @@ def open_log(path: str):
 
 def die_with_parent() -> None:
     """In a child of `pdserve up`: be killed by the kernel when the supervisor dies (Linux)."""
-    parent = os.environ.get(PARENT_PID_ENV)
+    parent = ENV.PARENT_PID.raw()
     if not parent or not sys.platform.startswith("linux"):
         return
     try:
@@ -354,33 +355,41 @@ class Cluster:
         self._check_ports()
         if s.log_dir:
             os.makedirs(s.log_dir, mode=0o700, exist_ok=True)
-        worker_args = ["--model", s.model, "--num-threads", str(s.threads_per_worker),
-                       "--drain-timeout-s", str(s.drain_timeout_s), *s.engine_args, *s.worker_args]
         try:
             groups: dict[str, list[str]] = {}
             for role, count in s.roles():
                 for i in range(count):
-                    tp = ["--tensor-parallel-size", str(s.tp(role))] if s.tp(role) != s.engine_tp else []
-                    proc = self._process(f"{role}-{i}", ["worker", "--role", role, "--worker-id", f"{role}-{i}",
-                                                         *worker_args, *tp], port := self.ports.reserve(),
-                                         reserved=[port])
+                    proc = self._process(f"{role}-{i}", self.worker_argv(role, f"{role}-{i}"),
+                                         port := self.ports.reserve(), reserved=[port])
                     proc.start()
                     groups.setdefault(role, []).append(proc.address)
             workers = list(self.processes)
             self._wait_all(workers, timeout, progress, f"starting {len(workers)} worker(s) (loading the model)")
-            router_args = ["router", "--model", s.model, "--drain-timeout-s", str(s.drain_timeout_s), *s.router_args]
-            if not {"--worker-wait-s", "--worker-wait"} & {a.split("=")[0] for a in s.router_args}:   # unless given
-                router_args += ["--worker-wait-s", f"{self.restart_wait_s(workers):.1f}"]
-            for role, flag in (("prefill", "--prefill"), ("decode", "--decode"), ("both", "--colocated")):
-                if groups.get(role):
-                    router_args += [flag, ",".join(groups[role])]
-            router = self._process("router", router_args, s.port,
+            router = self._process("router", self.router_argv(groups, self.restart_wait_s(workers)), s.port,
                                    reserved=[p for p in (s.port, self.http_port) if p in self.ports.ports])
             router.start()
             self._wait_all([router], timeout, progress, "starting the router")
         except BaseException:
             self.stop()
             raise
+
+    def worker_argv(self, role: str, worker_id: str) -> list[str]:
+        """A worker's argv (before its --host/--port): the spec's engine and worker settings."""
+        s = self.spec
+        return [*role_argv("worker", role=role, worker_id=worker_id, model=s.model, num_threads=s.threads_per_worker,
+                           drain_timeout_s=s.drain_timeout_s), *s.engine_args, *s.worker_args,
+                *flags_argv(tensor_parallel_size=s.tp(role) if s.tp(role) != s.engine_tp else None)]
+
+    def router_argv(self, groups: dict[str, list[str]], worker_wait_s: float) -> list[str]:
+        """The router's argv: the spec's router settings, the workers' addresses by role, and (unless
+        given) a worker wait as long as a worker's restart."""
+        s = self.spec
+        given = {a.split("=")[0] for a in s.router_args}
+        wait = None if {"--worker-wait-s", "--worker-wait"} & given else f"{worker_wait_s:.1f}"
+        return [*role_argv("router", model=s.model, drain_timeout_s=s.drain_timeout_s), *s.router_args,
+                *flags_argv(worker_wait_s=wait, prefill=",".join(groups.get("prefill", [])) or None,
+                            decode=",".join(groups.get("decode", [])) or None,
+                            colocated=",".join(groups.get("both", [])) or None)]
 
     def _wait_all(self, procs: list[Process], timeout: float, progress: "Progress | None", what: str) -> None:
         """Wait until every process in procs is SERVING, probing them round-robin."""

@@ -16,18 +16,18 @@ listed is bound exclusively, as before (a second server on a busy port fails).
 from __future__ import annotations
 
 import errno
-import os
 import socket
 
-RESERVED_PORTS_ENV = "PDSERVE_RESERVED_PORTS"
+from engine.settings import ENV
+
+RESERVED_PORTS_ENV = ENV.RESERVED_PORTS.name
 
 
 def reuse_port(port: int) -> bool:
     """Whether this process's parent reserved port for it (then servers bind it with SO_REUSEPORT)."""
     if port == 0:
         return False
-    listed = os.environ.get(RESERVED_PORTS_ENV, "")
-    return str(port) in listed.split(",")
+    return port in ENV.RESERVED_PORTS.get()
 
 
 def _reservation_socket(port: int) -> socket.socket:

@@ -11,17 +11,17 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from engine import EngineConfig
-from engine.kv_connector import LeasePolicy
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.async_engine import AsyncEngine
 from services.colocated import ColocatedHandler
 from services.decode import DecodeHandler
 from services.kv_transfer import GrpcKVSender, KVSender, KVTransferServicer, register_kv_servicer
 from services.kv_transfer import shared_memory
-from services.kv_transfer.grpc_transport import SHARED_MEMORY_MAX_BYTES, SharedMemoryRoute, grpc_message_limit
+from services.kv_transfer.grpc_transport import SharedMemoryRoute, grpc_message_limit
 from services.prefill import PrefillHandler
 from services.security import Credentials
 from services.server import Server, options as channel_options, service_registration, start_server, stop_on_signals
+from services.worker_config import WorkerConfig
 from services.worker_state import WorkerState
 
 log = logging.getLogger(__name__)
@@ -57,38 +57,6 @@ def prompt_chunk_tokens(engine) -> int:
 def _round3(x: float) -> float:
     """3 significant digits: a published estimate changes the status only when it really moves."""
     return float(f"{x:.3g}")
-
-
-@dataclass(slots=True)
-class WorkerConfig:
-    """A worker's own settings (the engine's are EngineConfig)."""
-
-    drain_timeout_s: float = field(default=30.0, metadata={
-        "help": "on SIGTERM, in-flight requests get this long to finish"})
-    kv_lease_idle_s: float = field(default=10.0, metadata={
-        "help": "decode: a reservation whose KV makes no progress this long is freed"})
-    kv_lease_max_s: float = field(default=300.0, metadata={
-        "help": "decode: no reservation lives longer (prefill: nor do pinned blocks awaiting delivery)"})
-    kv_shared_memory: bool = field(default=True, metadata={
-        "help": "KV sends of 1 MiB or more between workers on this host's loopback go through /dev/shm "
-                "(0600 segments); the gRPC stream carries only headers. Both ends must allow it and share the "
-                "directory; otherwise (or when a segment cannot be written) KV goes inline"})
-    kv_shared_memory_dir: str = field(default=shared_memory.SHM_DIR, metadata={
-        "help": "the directory (a tmpfs) of KV shared-memory segments; sender and receiver must name the same"})
-    kv_shared_memory_max_bytes: int = field(default=SHARED_MEMORY_MAX_BYTES, metadata={
-        "help": "prefill: payload bytes in shared-memory segments not yet acknowledged, at most; beyond, KV goes "
-                "inline"})
-
-    def __post_init__(self) -> None:
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        self.lease   # validates the lease settings
-        if self.kv_shared_memory_max_bytes < 0:
-            raise ValueError(f"kv_shared_memory_max_bytes must be >= 0, got {self.kv_shared_memory_max_bytes}")
-
-    @property
-    def lease(self) -> LeasePolicy:
-        return LeasePolicy(self.kv_lease_idle_s, self.kv_lease_max_s)
 
 
 @dataclass(slots=True)

@@ -29,7 +29,9 @@ UP_TIMEOUT_S = 240    # the deployment's start on a loaded 2-core machine
 # ---------------------------------------------------------------- no torch on client and help paths
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["health", "--help"], ["--version"]])
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["health", "--help"], ["--version"],
+                                  ["up", "--help"], ["serve", "--help"], ["router", "--help"],
+                                  ["prefill", "--help"], ["ray", "up", "--help"]])
 def test_help_paths_do_not_import_torch(argv: list[str]) -> None:
     res = subprocess.run([sys.executable, "-X", "importtime", "-m", "services.entry", *argv],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -42,7 +44,7 @@ def test_help_paths_do_not_import_torch(argv: list[str]) -> None:
 def test_cli_and_client_modules_do_not_import_torch() -> None:
     """Importing the CLI, the clients and the generated parser of a client command loads no engine."""
     code = ("import sys\n"
-            "import services.cli, services.entry, services.client, bench.openai_backend\n"
+            "import services.cli, services.entry, services.client, services.loadtest.openai_backend\n"
             "from services.cli import build_parser, _command_of\n"
             "argv = ['generate', '--router', '127.0.0.1:1', 'hi', '--max-tokens', '3']\n"
             "args = build_parser(_command_of(argv)).parse_args(argv)\n"
@@ -104,7 +106,8 @@ def test_serve_is_up_with_the_http_api_on_8000() -> None:
 
 
 def test_served_model_name_takes_several_names() -> None:
-    from services.router import RouterConfig, served_model_names
+    from services.router import served_model_names
+    from services.router_config import RouterConfig
     args = build_parser().parse_args(["up", "--served-model-name", "a", "org/b", "--http-port", "1"])
     config = config_from_args(RouterConfig, args)
     assert config.served_model_name == ("a", "org/b")

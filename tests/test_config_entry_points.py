@@ -14,8 +14,9 @@ from services.config_cli import config_fields, config_to_argv, configs_from_argv
 from services.generation import GenerationOptions
 from services.launcher import Deployment
 from services.ray_deploy.deploy import RayDeployment
-from services.router import RequestLimits, RouterConfig
-from services.worker import WorkerConfig
+from services.request_checks import RequestLimits
+from services.router_config import RouterConfig
+from services.worker_config import WorkerConfig
 
 WORKER = (EngineConfig, WorkerConfig)
 ROUTER = (RouterConfig, GenerationOptions, RequestLimits)
@@ -86,7 +87,7 @@ def test_argv_round_trip_through_the_generated_parser(cls: type) -> None:
 
 def test_up_forwards_engine_settings_to_its_workers_as_their_cli_parses_them() -> None:
     """`pdserve up --block-size 8 ...` -> the argv a worker gets -> `pdserve worker`'s own parser."""
-    from services.cli import ENGINE_FIXED
+    from services.topology import ENGINE_FIXED
     from services.config_cli import config_from_args, given
 
     up = build_parser().parse_args(["up", "--block-size", "8", "--no-enable-prefix-caching", "--dtype", "float32",

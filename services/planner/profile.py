@@ -26,10 +26,10 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from engine.model_maker import pdserve_home
-from engine.settings import setting
+from engine.settings import pdserve_home, setting
 from services.planner.cost_model import CostModel, StepSample, step_features
 from services.planner.serving_costs import ServingCosts
+from services.topology import ENGINE_FIXED, UP_PER_PROCESS
 
 
 
@@ -190,7 +190,6 @@ def run_profile(engine_config, config: ProfileConfig, say: Callable[[str], None]
     model_json = json.loads((Path(engine_config.model) / "config.json").read_text())
     serving = ServingCosts()
     if config.serving:
-        from services.cli import ENGINE_FIXED, UP_PER_PROCESS
         from services.config_cli import config_to_argv
         from services.planner import serving_costs
         up_args = [*config_to_argv(engine_config, exclude=(*ENGINE_FIXED, *UP_PER_PROCESS)),

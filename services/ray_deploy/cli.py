@@ -4,20 +4,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Callable
+
+from services.cli_parser import add_engine_args, model_dir
+from services.topology import ENGINE_FIXED, UP_OWN
 
 
 RAY_UP_FIXED = ("model", "name", "namespace")   # --model, and the flags every ray command has
 
 
-def add_ray_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], None],
-                   parents: list[argparse.ArgumentParser] | tuple = ()) -> None:
-    from engine.config import EngineConfig
+def add_ray_parser(sub, parents: list[argparse.ArgumentParser] | tuple = ()) -> None:
     from services.config_cli import add_config_args
     from services.generation import GenerationOptions
     from services.ray_deploy.deploy import RayDeployment
-    from services.router import RequestLimits, RouterConfig
-    from services.worker import WorkerConfig
+    from services.request_checks import RequestLimits
+    from services.router_config import RouterConfig
+    from services.worker_config import WorkerConfig
 
     p = sub.add_parser("ray", help="deploy onto a Ray cluster (ray up | ray down | ray status)", parents=list(parents))
     rsub = p.add_subparsers(dest="ray_command", required=True, metavar="COMMAND")
@@ -39,7 +40,7 @@ def add_ray_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], Non
                     help="when the deployment exists: fail; keep it if its router is SERVING (else replace it); "
                          "replace it. `keep` makes `ray up` idempotent (the KubeRay submitter runs it in a loop)")
     add_config_args(up.add_argument_group("workers"), WorkerConfig)
-    add_config_args(up.add_argument_group("router"), RouterConfig, exclude=("drain_timeout_s", "ready_timeout_s"))
+    add_config_args(up.add_argument_group("router"), RouterConfig, exclude=(*UP_OWN, "ready_timeout_s"))
     gen = up.add_argument_group("generation")
     add_config_args(gen, GenerationOptions)
     add_config_args(up.add_argument_group("request limits"), RequestLimits)
@@ -66,12 +67,12 @@ def add_ray_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], Non
 def ray_spec(args: argparse.Namespace, model: str):
     """The RayDeployment of `pdserve ray up`'s flags; the roles' settings as argv."""
     from engine.config import EngineConfig
-    from services.cli import ENGINE_FIXED
     from services.config_cli import config_from_args, config_to_argv, given
     from services.generation import GenerationOptions
     from services.ray_deploy.deploy import RayDeployment
-    from services.router import RequestLimits, RouterConfig
-    from services.worker import WorkerConfig
+    from services.request_checks import RequestLimits
+    from services.router_config import RouterConfig
+    from services.worker_config import WorkerConfig
 
     engine = EngineConfig(model=model, **given(args, EngineConfig, ENGINE_FIXED))
     router_args = [*config_to_argv(config_from_args(GenerationOptions, args)),
@@ -104,7 +105,6 @@ def _existing(spec, if_exists: str):
 
 
 def cmd_ray_up(args: argparse.Namespace) -> int:
-    from services.cli import _model_dir
     from services.ray_deploy.cluster import AuthError, connect, stop_local_cluster
     from services.ray_deploy.deploy import DeploymentError, deploy, job_runtime_env
     from services.usage import RuntimeFailure, check_model_dir, looks_like_hub_id
@@ -113,7 +113,7 @@ def cmd_ray_up(args: argparse.Namespace) -> int:
         check_model_dir(args.model)   # raises: a hub id is never a model directory
     if args.model and (args.address == "local" or args.ship_model):
         check_model_dir(args.model)   # it must be here; on a remote cluster it must be on the nodes
-    spec = ray_spec(args, _model_dir(args, check=False))
+    spec = ray_spec(args, model_dir(args, check=False))
     spec.validate()
     started = []
     try:
@@ -162,7 +162,7 @@ def _shutdown_ray() -> None:
 
 
 def cmd_ray_down(args: argparse.Namespace) -> int:
-    from services.ray_deploy.cluster import connect, load_local_cluster, stop_local_cluster
+    from services.ray_deploy.cluster import load_local_cluster, stop_local_cluster
     from services.ray_deploy.deploy import teardown
 
     if args.address == "local":
@@ -196,7 +196,7 @@ def _connect(address: str, namespace: str):
 
 
 def cmd_ray_status(args: argparse.Namespace) -> int:
-    from services.ray_deploy.cluster import connect, load_local_cluster
+    from services.ray_deploy.cluster import load_local_cluster
     from services.ray_deploy.deploy import describe
 
     if args.address == "local" and (load_local_cluster() is None or not load_local_cluster().alive()):

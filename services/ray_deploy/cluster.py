@@ -35,11 +35,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from engine.settings import ENV
+
 log = logging.getLogger(__name__)
 
-AUTH_ENV = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
-AUTH_MODE_ENV = "RAY_AUTH_MODE"
-LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+AUTH_ENV = (ENV.RAY_AUTH_TOKEN.name, ENV.RAY_AUTH_TOKEN_PATH.name)
+AUTH_MODE_ENV = ENV.RAY_AUTH_MODE.name
+LOOPBACK_ENV = ENV.RAY_LOOPBACK.name
 SOURCE_ROOT = str(Path(__file__).resolve().parents[2])   # the directory holding services/, engine/, pdserve/
 
 
@@ -64,7 +66,7 @@ class LocalCluster:
 
 
 def state_dir() -> Path:
-    from engine.model_maker import pdserve_home
+    from engine.settings import pdserve_home
     return pdserve_home() / "ray"
 
 
@@ -104,7 +106,7 @@ def _write_local_token() -> str:
 
 
 def has_auth_token() -> bool:
-    return any(os.environ.get(v) for v in AUTH_ENV) or (Path.home() / ".ray" / "auth_token").exists()
+    return (ENV.RAY_AUTH_TOKEN.is_set() or ENV.RAY_AUTH_TOKEN_PATH.is_set()) or (Path.home() / ".ray" / "auth_token").exists()
 
 
 def _ray_cli() -> list[str]:
@@ -239,7 +241,7 @@ def use_loopback_node() -> None:
     Needed by a driver of a local cluster: otherwise ray.init rewrites a 127.0.0.1
     address to the machine's outward IP, where the loopback-only head is not listening.
     """
-    os.environ[LOOPBACK_ENV] = "0"
+    ENV.RAY_LOOPBACK.set("0")
     if "ray" in sys.modules:   # the flag is read at import: set it on the loaded module too
         from ray._private import ray_constants
         ray_constants.ENABLE_RAY_CLUSTER = False
@@ -278,7 +280,7 @@ def cluster_wants_token(gcs: str, timeout_s: float = 10.0) -> bool | None:
 
 def _set_auth_mode(mode: str) -> None:
     """RAY_AUTH_MODE for this process; Ray caches it, so a loaded Ray is told to read it again."""
-    os.environ[AUTH_MODE_ENV] = mode
+    ENV.RAY_AUTH_MODE.set(mode)
     if "ray" in sys.modules:
         try:
             from ray._raylet import AuthenticationTokenLoader, Config
@@ -296,8 +298,8 @@ def prepare_auth(address: str, local: LocalCluster | None) -> str | None:
     """Set this process up to join the cluster at address as it is secured. Returns a warning to
     show, if any (a cluster without authentication). Raises AuthError when a token is needed
     and none is configured."""
-    if local is not None and local.token_path and not os.environ.get("RAY_AUTH_TOKEN"):
-        os.environ["RAY_AUTH_TOKEN_PATH"] = local.token_path
+    if local is not None and local.token_path and not ENV.RAY_AUTH_TOKEN.is_set():
+        ENV.RAY_AUTH_TOKEN_PATH.set(local.token_path)
     gcs = gcs_address(address)
     wants = cluster_wants_token(gcs) if gcs else None
     if wants is True:

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.settings import setting
-from services.security import API_KEY_ENV, CLUSTER_TOKEN_ENV, new_token
+from engine.settings import ENV, setting
+from services.security import new_token
 
 HEAD_RESOURCE = "node:__internal_head__"
 DEFAULT_PLACEMENT_WAIT_S = 20.0   # placing a deployment that fits the cluster's nodes
@@ -239,10 +239,10 @@ def secret_files(spec: RayDeployment) -> dict[str, Any]:
     they are, else files written here from the environment (a fresh token if none is set)."""
     given = lambda path: os.path.abspath(path) if path else None  # noqa: E731 - the actors' cwd is not ours
     token_file = given(spec.cluster_token_file) or _write_secret(
-        secret_path(spec.name, spec.namespace, "cluster-token"), os.environ.get(CLUSTER_TOKEN_ENV) or new_token())
+        secret_path(spec.name, spec.namespace, "cluster-token"), ENV.CLUSTER_TOKEN.raw() or new_token())
     key_file = given(spec.api_key_file)
-    if key_file is None and os.environ.get(API_KEY_ENV):
-        key_file = _write_secret(secret_path(spec.name, spec.namespace, "api-key"), os.environ[API_KEY_ENV])
+    if key_file is None and ENV.API_KEY.is_set():
+        key_file = _write_secret(secret_path(spec.name, spec.namespace, "api-key"), ENV.API_KEY.get())
     tls = [given(spec.tls_cert), given(spec.tls_key), given(spec.tls_ca)] if spec.tls_cert else None
     return {"cluster_token_file": token_file, "api_key_file": key_file, "tls": tls}
 
@@ -368,7 +368,7 @@ def _deploy(spec: RayDeployment) -> DeploymentInfo:
             "model": spec.model, "ship_model": spec.ship_model, "engine_args": engine_args,
             "worker_args": worker_args, "cluster_token_file": files["cluster_token_file"], "tls": files["tls"]}
     # The log level reaches the actors through their environment (nothing secret goes there).
-    env = {"PDSERVE_LOG_LEVEL": os.environ["PDSERVE_LOG_LEVEL"]} if os.environ.get("PDSERVE_LOG_LEVEL") else {}
+    env = ENV.LOG_LEVEL.env(ENV.LOG_LEVEL.get()) if ENV.LOG_LEVEL.is_set() else {}
     runtime_env = {"env_vars": env} if env else None
     if spec.loopback_workers:
         _check_head_fits(spec, head, worker_bundles, router_cpus)
