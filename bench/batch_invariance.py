@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.offline_throughput import ensure_model, make_workload  # noqa: E402
+from services.loadtest.offline import ensure_model, make_workload  # noqa: E402
 from bench.step_profile import measure_decode, measure_prefill    # noqa: E402
 
 MODES = {"default": False, "invariant": True}

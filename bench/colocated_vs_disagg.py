@@ -65,7 +65,7 @@ def stop_up(popen: subprocess.Popen, timeout: float = 30.0) -> None:
 
 
 def run_setup(setup: str, args: argparse.Namespace, model: str, out_dir: Path) -> dict[str, Any]:
-    from bench.serve import main as bench_main
+    from services.loadtest.serve import main as bench_main
     from services.launcher import free_port, wait_serving
 
     port = free_port()
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in setups:
         if s not in SETUPS:
             raise SystemExit(f"unknown setup {s!r}; choose from {', '.join(SETUPS)}")
-    from bench.datasets import ensure_model
+    from engine.model_maker import ensure_model
     model = str(args.model or ensure_model("small"))
     out_dir = Path(args.result_dir or f"/tmp/pdserve-colocated-vs-disagg-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)

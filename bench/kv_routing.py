@@ -38,8 +38,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.datasets import DatasetOptions, SampleRequest, ensure_model, sample_requests  # noqa: E402
-from bench.serve import RequestResult, Sampling, run_load  # noqa: E402
+from engine.model_maker import ensure_model  # noqa: E402
+from services.loadtest.datasets import DatasetOptions, SampleRequest, sample_requests  # noqa: E402
+from services.loadtest.results import RequestResult, Sampling  # noqa: E402
+from services.loadtest.run import run_load  # noqa: E402
 from services.launcher import Cluster, Deployment, free_port  # noqa: E402
 from tests.serving import scrape  # noqa: E402
 

@@ -122,7 +122,7 @@ def wait_for_quiet(max_load: float | None, max_wait_s: float) -> None:
 
 
 def run_grpc(args: argparse.Namespace, port: int, seed: int, out_dir: Path, label: str = "grpc") -> dict[str, Any]:
-    from bench.serve import main as bench_main
+    from services.loadtest.serve import main as bench_main
     name = f"{label.replace('#', '-')}.json"
     argv = ["--router", f"127.0.0.1:{port}", "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs:
         if r not in RUNS:
             raise SystemExit(f"unknown run {r!r}; choose from {', '.join(RUNS)}")
-    from bench.datasets import ensure_model
+    from engine.model_maker import ensure_model
     from services.launcher import free_port, wait_serving
 
     model = str(args.model or ensure_model("small"))

@@ -59,7 +59,7 @@ def wait_quiet(max_load: float, max_wait_s: float) -> float:
 
 
 def measure(port: int, args: argparse.Namespace, rate: float, seed: int, out_dir: Path, name: str) -> dict[str, Any]:
-    from bench.serve import main as bench_main
+    from services.loadtest.serve import main as bench_main
     argv = ["--router", f"127.0.0.1:{port}", "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
             "--request-rate", str(rate), "--seed", str(seed), "--ignore-eos", "--num-warmups", str(args.num_warmups),
@@ -78,7 +78,8 @@ def measure(port: int, args: argparse.Namespace, rate: float, seed: int, out_dir
 def measured_attainment(result: dict[str, Any], slos: dict[str, float]) -> float:
     """Share of a bench serve run's requests meeting every SLO (failed requests miss), by bench
     serve's own goodput rule (calculate_metrics)."""
-    from bench.serve import RequestResult, calculate_metrics
+    from services.loadtest.metrics import calculate_metrics
+    from services.loadtest.results import RequestResult
     requests = [RequestResult(success=not err, output_len=n, ttft=ttft, latency=e2el)
                 for err, n, ttft, e2el in zip(result["errors"], result["output_lens"], result["ttfts"], result["e2els"])]
     if not requests:
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                         "instead of measuring")
     args = p.parse_args(argv)
 
-    from bench.datasets import ensure_model
+    from engine.model_maker import ensure_model
     from services.planner.cost_model import CostModel
     from services.planner.plan import Workload, parse_slos, simulate
     from services.planner.simulator import Overheads

@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for p in policies if p not in POLICIES]
     if bad:
         raise SystemExit(f"unknown policy {bad}; choose from {POLICIES}")
-    from bench.datasets import ensure_model
+    from engine.model_maker import ensure_model
     from engine.model_config import ModelConfig
     model_dir = str(args.model or ensure_model("small"))
     vocab = ModelConfig.from_dir(model_dir).vocab_size

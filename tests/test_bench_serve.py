@@ -14,10 +14,12 @@ import grpc
 import numpy as np
 import pytest
 
-from bench.datasets import MIN_TOKEN_ID, DatasetOptions, length_range, sample_requests
-from bench.serve import (RequestResult, arrival_offsets, build_parser, calculate_metrics, parse_goodput,
-                         percentile_key, send_request, Sampling)
-from bench.datasets import SampleRequest
+from services.loadtest.arrivals import arrival_offsets
+from services.loadtest.datasets import MIN_TOKEN_ID, DatasetOptions, SampleRequest, length_range, sample_requests
+from services.loadtest.grpc_backend import send_request
+from services.loadtest.metrics import calculate_metrics, parse_goodput, percentile_key
+from services.loadtest.results import RequestResult, Sampling
+from services.loadtest.serve import build_parser
 from pdserve.v1 import router_pb2
 from services.launcher import free_port
 from tests.serving import start_cluster
@@ -279,7 +281,7 @@ def test_bench_serve_cli_against_cluster(cluster, tmp_path: Path) -> None:
 
 
 def test_bench_serve_records_failures_and_sweeps(cluster, tmp_path: Path) -> None:
-    from bench.serve import main
+    from services.loadtest.serve import main
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps({"prompt_token_ids": [5] * 2100, "output_len": 4}) + "\n"   # > max_model_len 2048
                     + json.dumps({"prompt_token_ids": [5, 6, 7, 8], "output_len": 3}) + "\n")
@@ -304,7 +306,7 @@ def test_bench_serve_records_failures_and_sweeps(cluster, tmp_path: Path) -> Non
 def test_bench_serve_over_the_openai_http_api(cluster, tiny_qwen3: str, tmp_path: Path, backend: str) -> None:
     """The same load generator against pdserve's HTTP API (as against vLLM or SGLang): streaming SSE,
     TTFT and ITL from chunk arrival, every request completed, token counts from the usage chunk."""
-    from bench.serve import main
+    from services.loadtest.serve import main
     n, in_len, out_len = 5, 16, 6
     assert main(["--backend", backend, "--base-url", cluster.http_url + "/v1", "--model", tiny_qwen3,
                  "--random-input-len", str(in_len), "--random-output-len", str(out_len), "--num-prompts", str(n),

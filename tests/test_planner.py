@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from services.planner.cost_model import CostModel, KindFit, StepSample, fit_nonnegative, step_features
-from services.planner.plan import PlanConfig, Workload, candidates, parse_slos, rank, simulate
+from services.planner.plan import Workload, candidates, parse_slos, rank, simulate
 from services.planner.serving_costs import ServingCosts
 from services.planner.simulator import Candidate, Overheads, Simulation
 from services.cli import main

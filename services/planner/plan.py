@@ -3,10 +3,10 @@
 For every candidate within the core budget (colocated x K; xPyD), chunk budget
 (max_num_batched_tokens) and schedule policy, the simulator (services/planner/simulator.py: the real
 scheduler and block manager, step times from the profile's cost model) serves the same
-workload ``pdserve bench serve`` would send: bench/datasets.py's random dataset and
-bench/serve.py's Poisson arrivals, for the same seed. The metrics are bench/serve.py's own
-(``calculate_metrics``). The recommendation maximises goodput (requests meeting every SLO per
-second) per core; ties go to the lower TTFT p99.
+workload ``pdserve bench serve`` would send: services/loadtest's random dataset and Poisson
+arrivals, for the same seed. The metrics are the load generator's own (``calculate_metrics``).
+The recommendation maximises goodput (requests meeting every SLO per second) per core; ties go
+to the lower TTFT p99.
 
     pdserve plan --profile P.json --rate 2 --input-len 256 --output-len 128 --slo ttft:500 --slo tpot:50
 """
@@ -23,10 +23,7 @@ from engine.settings import setting
 from services.planner.cost_model import CostModel
 from services.planner.simulator import Candidate, Overheads, Simulation
 
-SLO_METRICS = ("ttft", "tpot", "e2el")
 PERCENTILES = (50, 90, 99)
-
-
 
 
 @dataclass(slots=True)
@@ -42,8 +39,8 @@ class Workload:
     seed: int = 0
 
     def requests(self, vocab_size: int, eos_token_id: int | None) -> tuple[list[list[int]], list[int], list[float]]:
-        from bench.datasets import DatasetOptions, sample_requests
-        from bench.serve import arrival_offsets
+        from services.loadtest.arrivals import arrival_offsets
+        from services.loadtest.datasets import DatasetOptions, sample_requests
         reqs = sample_requests(DatasetOptions("random", input_len=self.input_len, output_len=self.output_len,
                                               range_ratio=self.range_ratio), self.num_prompts, vocab_size,
                                seed=self.seed, eos_token_id=eos_token_id)
@@ -96,24 +93,11 @@ class PlanConfig:
 
 
 def parse_slos(items: Sequence[str]) -> dict[str, float]:
-    """["ttft:500", "tpot:50"] -> {"ttft": 500.0, "tpot": 50.0} (milliseconds, bench serve's --goodput keys)."""
-    out: dict[str, float] = {}
-    for item in items:
-        for part in str(item).split(","):
-            if not part.strip():
-                continue
-            key, sep, value = part.partition(":")
-            key = key.strip().lower()
-            if not sep or key not in SLO_METRICS:
-                raise ValueError(f"--slo takes METRIC:MS with METRIC one of {', '.join(SLO_METRICS)}, got {part!r}")
-            try:
-                ms = float(value)
-            except ValueError:
-                raise ValueError(f"--slo {part!r}: {value!r} is not a number of milliseconds") from None
-            if not ms > 0:
-                raise ValueError(f"--slo {part!r}: the limit must be > 0 ms")
-            out[key] = ms
-    return out
+    """["ttft:500", "tpot:50"] or ["ttft:500,tpot:50"] -> {"ttft": 500.0, "tpot": 50.0} (milliseconds,
+    bench serve's --goodput keys; each limit > 0)."""
+    from services.loadtest.metrics import parse_slo
+    return dict(parse_slo(part, "--slo", allow_zero=False) for item in items for part in str(item).split(",")
+                if part.strip())
 
 
 def candidates(cores: int, chunk_budgets: Sequence[int], policies: Sequence[str], threads: int = 1
@@ -136,7 +120,7 @@ def candidates(cores: int, chunk_budgets: Sequence[int], policies: Sequence[str]
 def simulate(cost: CostModel, candidate: Candidate, workload: Workload, overheads: Overheads | None = None,
              slos: dict[str, float] | None = None) -> dict[str, Any]:
     """bench serve's metrics of candidate under workload, predicted; plus the simulation itself."""
-    from bench.serve import calculate_metrics
+    from services.loadtest.metrics import calculate_metrics
     mc = cost.model_config
     eos = mc.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos

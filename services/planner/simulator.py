@@ -195,7 +195,7 @@ class SimWorker:
 
 class Simulation:
     """One candidate deployment under one workload. ``run`` returns one RequestResult per request
-    (bench/serve.py's, so the metrics are computed by the same code as measurements)."""
+    (the load generator's, so the metrics are computed by the same code as measurements)."""
 
     def __init__(self, cost: CostModel, candidate: Candidate, overheads: Overheads | None = None) -> None:
         self.cost = cost
@@ -269,7 +269,7 @@ class Simulation:
         heapq.heappush(self._events, (t, next(self._seq), fn, args))
 
     def run(self, prompts: Sequence[list[int]], output_lens: Sequence[int], offsets: Sequence[float]) -> list[Any]:
-        from bench.serve import RequestResult
+        from services.loadtest.results import RequestResult
         for i, (prompt, n_out, t) in enumerate(zip(prompts, output_lens, offsets)):
             req = SimRequest(f"sim-{i}", list(prompt), int(n_out), float(t))
             self.requests[req.request_id] = req

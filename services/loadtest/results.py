@@ -1,5 +1,5 @@
 """What the load generator records of one request, and the sampling settings it sends: shared by
-its gRPC client (bench/serve.py) and its OpenAI HTTP client (bench/openai_backend.py)."""
+its gRPC client (grpc_backend.py) and its OpenAI HTTP client (openai_backend.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -47,3 +47,17 @@ class Sampling:
         if self.top_k is not None:
             out["top_k"] = self.top_k
         return out
+
+
+def settle(res: RequestResult, finished: bool, unfinished: str) -> RequestResult:
+    """Classify a request whose stream ended without raising: a failure (res.error) when it never
+    finished (unfinished: the message), was aborted, or produced no tokens; else a success."""
+    if not finished:
+        res.error = unfinished
+    elif res.finish_reason == "abort":
+        res.error = "finish_reason=abort"
+    elif res.output_len == 0:
+        res.error = "no output tokens"
+    else:
+        res.success = True
+    return res

@@ -1,4 +1,4 @@
-"""Request workloads for ``pdserve bench serve`` and the benchmark scripts.
+"""Request workloads for ``pdserve bench serve``, the planner and the benchmark scripts.
 
 Every synthetic prompt is a list of token ids, so its input length is exact: ids are drawn
 uniformly from ``[MIN_TOKEN_ID, vocab_size)`` with the EOS id left out (pdserve's made models
@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -161,17 +160,3 @@ def _jsonl(opts: DatasetOptions, num_prompts: int) -> list[SampleRequest]:
     if not rows:
         raise ValueError(f"{opts.path}: no requests")
     return [rows[i % len(rows)] for i in range(num_prompts)]
-
-
-# ---------------------------------------------------------------- benchmark models
-
-
-def model_cache_dir(preset: str = "small", arch: str = "qwen3", seed: int = 0) -> Path:
-    from engine.model_maker import cached_model_dir
-    return cached_model_dir(preset, arch, seed)
-
-
-def ensure_model(preset: str = "small", arch: str = "qwen3", seed: int = 0) -> Path:
-    """The deterministic checkpoint of a preset, made once under $PDSERVE_HOME/models."""
-    from engine.model_maker import ensure_model as make_once
-    return make_once(preset, arch, seed)

@@ -22,12 +22,12 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
-from bench.datasets import SampleRequest
-from bench.request_result import RequestResult, Sampling
+from engine.settings import ENV
+from services.loadtest.datasets import SampleRequest
+from services.loadtest.results import RequestResult, Sampling, settle
 
 BACKENDS = ("pdserve", "openai", "openai-chat")   # pdserve: the router's gRPC API
 ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
-API_KEY_ENVS = ("OPENAI_API_KEY", "PDSERVE_API_KEY")
 MAX_HEADER_BYTES = 64 << 10
 MAX_EVENT_BYTES = 16 << 20      # one SSE event (a chunk of text and logprobs) at most
 MAX_ERROR_BODY = 4096           # bytes of an error response kept for the message
@@ -135,7 +135,7 @@ class OpenAIBackend:
                  timeout: float | None = 600.0) -> None:
         self.endpoint = Endpoint.parse(base_url)
         self.model, self.chat, self.timeout = model, chat, timeout
-        key = api_key or next((os.environ[e] for e in API_KEY_ENVS if os.environ.get(e)), None)
+        key = api_key or ENV.OPENAI_API_KEY.get() or ENV.API_KEY.get()
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     async def get_json(self, path: str) -> Any:
@@ -211,15 +211,7 @@ class OpenAIBackend:
         except Exception as exc:  # noqa: BLE001 - a benchmark records, it does not crash
             res.error = str(exc) if isinstance(exc, HTTPStatusError) else f"{type(exc).__name__}: {exc}"
             return res
-        if not done:
-            res.error = "stream ended without data: [DONE]"
-        elif res.finish_reason == "abort":
-            res.error = "finish_reason=abort"
-        elif res.output_len == 0:
-            res.error = "no output tokens"
-        else:
-            res.success = True
-        return res
+        return settle(res, done, "stream ended without data: [DONE]")
 
     async def _stream(self, res: RequestResult, req: SampleRequest, sampling: Sampling, st: float) -> bool:
         async with contextlib.aclosing(self.events(self.payload(req, sampling))) as events:

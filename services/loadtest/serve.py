@@ -1,0 +1,353 @@
+"""``pdserve bench serve``: a load generator and latency benchmark against a running router.
+
+Flags, metrics and JSON keys follow ``vllm bench serve`` wherever they mean the same thing::
+
+    pdserve bench serve --router 127.0.0.1:50051 --dataset-name random \\
+        --random-input-len 256 --random-output-len 128 --num-prompts 100 --request-rate 4 \\
+        --ignore-eos --save-result --result-dir results/
+
+Metrics (per successful request; times measured on this client with ``time.perf_counter``):
+
+* TTFT: request sent -> first stream message that carries tokens.
+* ITL: every gap between two consecutive token-carrying stream messages. A message that carries
+  k > 1 tokens contributes ONE gap (vLLM's convention for multi-token chunks); pdserve's
+  router sends one token per message today, so gaps and tokens coincide.
+* E2E latency (e2el): request sent -> the final (``finished``) message.
+* TPOT: (e2el - TTFT) / (output tokens - 1), for requests with more than one output token.
+  For goodput a request with a single output token has TPOT 0, as in vLLM.
+* Aggregates: mean, median, std and the ``--metric-percentiles`` of each metric (numpy's
+  linear-interpolation percentile), over requests (TTFT, TPOT, e2el) or over all gaps of all
+  requests (ITL). Request throughput = completed / duration, output throughput = output
+  tokens / duration, total token throughput = (input + output tokens) / duration, goodput =
+  requests meeting every ``--goodput`` SLO / duration. duration runs from the first benchmark
+  request (warmups excluded) to the end of the last one.
+* A request fails when its RPC raised (its gRPC status and details are recorded in
+  ``errors``), when the stream ended without a final message, or when it finished with reason
+  ``abort``. Failed requests count in ``failed`` and are left out of every latency metric.
+
+The JSON result (``--save-result``) has vLLM's keys: ``completed``, ``failed``, ``duration``,
+``total_input_tokens``, ``total_output_tokens``, ``request_throughput``, ``request_goodput``
+(null without ``--goodput``), ``output_throughput``, ``total_token_throughput``,
+``{mean,median,std,pNN}_{ttft,tpot,itl,e2el}_ms`` (all four metrics are always in the JSON;
+``--percentile-metrics`` picks what the console shows, default ttft,tpot,itl), and
+per-request arrays over all prompts in order (failed ones hold 0 / empty): ``input_lens``,
+``output_lens``, ``ttfts``, ``itls`` (list of gaps), ``e2els`` (these in seconds, as vLLM),
+``errors`` ("" on success), plus ``start_times`` (seconds after the benchmark start),
+``finish_reasons``, and the router's own per-request breakdown from the final message
+(``server_timings``: queue, prefill, exposed KV transfer, first decode step, TTFT and e2e as the
+router measured them, ms) with its mean over requests (``server_timings_mean_ms``).
+
+Plots (PNG, matplotlib; made with ``--save-result`` unless ``--no-plot``, or with ``--plot``):
+``<stem>_latency_cdf.png`` (CDFs of TTFT, TPOT and ITL, E2E) and ``<stem>_itl_over_time.png``
+(every ITL gap at the time its token arrived, long-prompt arrivals marked for ``mixed``). With
+``--sweep RATE,RATE,...`` one benchmark runs per rate (fresh prompts each, seed + index, so the
+prefix cache does not carry over) and ``<stem>_sweep.png`` plots latency percentiles against
+the achieved request throughput; ``<stem>_sweep.json`` holds the summary rows.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+from services.loadtest.datasets import DATASETS, DatasetOptions, SampleRequest, sample_requests
+from services.loadtest.metrics import METRICS, calculate_metrics, parse_goodput, server_breakdown
+from services.loadtest.openai_backend import BACKENDS, OpenAIBackend, prepare_chat_prompts, server_info
+from services.loadtest.plots import plot_itl_over_time, plot_latency_cdfs, plot_sweep
+from services.loadtest.report import print_server_breakdown, print_summary, print_sweep_table
+from services.loadtest.results import RequestResult, Sampling
+from services.loadtest.run import LoadProgress, run_load
+
+WARMUP_SEED_OFFSET = 1_000_003
+
+
+def build_result(args: argparse.Namespace, info, rate: float, metrics: dict[str, Any],
+                 results: Sequence[RequestResult]) -> dict[str, Any]:
+    return {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": args.backend,
+        "router": args.router if args.backend == "pdserve" else None,
+        "base_url": args.base_url if args.backend != "pdserve" else None,
+        "model_id": info.model_name,
+        "dataset_name": args.dataset_name,
+        "num_prompts": len(results),
+        "request_rate": rate if rate < math.inf else "inf",
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "num_warmups": args.num_warmups,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+        "percentile_metrics": list(args.percentile_metrics),
+        "metric_percentiles": list(args.metric_percentiles),
+        "goodput_config": args.goodput,
+        **metrics,
+        "input_lens": [r.prompt_len for r in results],
+        "output_lens": [r.output_len if r.success else 0 for r in results],
+        "ttfts": [r.ttft if r.success else 0.0 for r in results],
+        "itls": [list(r.itl) if r.success else [] for r in results],
+        "e2els": [r.latency if r.success else 0.0 for r in results],
+        "start_times": [r.start_time for r in results],
+        "finish_reasons": [r.finish_reason for r in results],
+        "errors": [r.error for r in results],
+        "server_timings_mean_ms": server_breakdown(results),
+        "server_timings": [r.server_timings for r in results],
+    }
+
+
+def _rate_name(rate: float) -> str:
+    return "inf" if rate == math.inf else (f"{rate:g}")
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"request rate must be > 0 (or inf), got {text}")
+    return value
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [_rate(t.strip()) for t in text.split(",") if t.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--sweep takes RATE,RATE,...: {exc}") from exc
+    if not rates:
+        raise argparse.ArgumentTypeError("--sweep needs at least one rate")
+    return rates
+
+
+def _metric_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in METRICS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"--percentile-metrics takes a subset of {','.join(METRICS)}, got {text!r}")
+    return names
+
+
+def _percentiles(text: str) -> list[float]:
+    try:
+        ps = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--metric-percentiles: {exc}") from exc
+    if not ps or any(not 0 <= p <= 100 for p in ps):
+        raise argparse.ArgumentTypeError(f"--metric-percentiles takes numbers in [0, 100], got {text!r}")
+    return ps
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench serve",
+                                description="Load-test a running pdserve router over gRPC, or any OpenAI-compatible "
+                                            "HTTP API (pdserve's, vLLM's, SGLang's) with --backend openai or "
+                                            "openai-chat (flags as vllm bench serve).")
+    p.add_argument("--backend", default="pdserve", choices=BACKENDS,
+                   help="pdserve: the router's gRPC API at --router; openai: streaming /v1/completions at --base-url; "
+                        "openai-chat: streaming /v1/chat/completions (default: pdserve)")
+    p.add_argument("--router", default="127.0.0.1:50051", help="router address HOST:PORT (--backend pdserve)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="--backend openai/openai-chat: the server, http(s)://HOST:PORT, with or without /v1 "
+                        "(default: http://127.0.0.1:8000, where `pdserve serve` and `vllm serve` listen)")
+    p.add_argument("--model", default=None,
+                   help="--backend openai/openai-chat: the model name to send (default: the first of /v1/models)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="--backend openai/openai-chat: the tokenizer that makes random prompts (default: --model, "
+                        "when it is a local directory)")
+    p.add_argument("--api-key", default=None,
+                   help="--backend openai/openai-chat: sent as Bearer (default: $OPENAI_API_KEY, else "
+                        "$PDSERVE_API_KEY)")
+    d = p.add_argument_group("dataset")
+    d.add_argument("--dataset-name", default="random", choices=DATASETS)
+    d.add_argument("--dataset-path", default=None, help="jsonl: one {\"prompt\" | \"prompt_token_ids\", "
+                                                       "\"output_len\"?} per line")
+    d.add_argument("--num-prompts", type=int, default=1000)
+    d.add_argument("--random-input-len", type=int, default=1024)
+    d.add_argument("--random-output-len", type=int, default=128)
+    d.add_argument("--random-range-ratio", type=float, default=0.0)
+    d.add_argument("--random-prefix-len", type=int, default=None,
+                   help="shared prefix tokens (random: default 0; shared-prefix: default 256)")
+    d.add_argument("--shared-prefix-num-prefixes", type=int, default=1,
+                   help="shared-prefix: distinct prefixes, each request drawing one uniformly")
+    d.add_argument("--mixed-short-input-len", type=int, default=64)
+    d.add_argument("--mixed-long-input-len", type=int, default=1024)
+    d.add_argument("--mixed-long-output-len", type=int, default=16)
+    d.add_argument("--mixed-long-fraction", type=float, default=0.125)
+    t = p.add_argument_group("traffic")
+    t.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s; inf sends all at once")
+    t.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    t.add_argument("--max-concurrency", type=int, default=None)
+    t.add_argument("--num-warmups", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--sweep", type=_rates, default=None, help="RATE,RATE,...: one run per request rate")
+    t.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline (s)")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=None)
+    s.add_argument("--top-k", type=int, default=None)
+    r = p.add_argument_group("results")
+    r.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
+    r.add_argument("--percentile-metrics", type=_metric_list, default=["ttft", "tpot", "itl"])
+    r.add_argument("--metric-percentiles", type=_percentiles, default=[99.0])
+    r.add_argument("--save-result", action="store_true")
+    r.add_argument("--result-dir", default=".")
+    r.add_argument("--result-filename", default=None)
+    r.add_argument("--plot", action=argparse.BooleanOptionalAction, default=None,
+                   help="write PNG plots (default: with --save-result)")
+    r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="requests done so far, on stderr: a bar on a terminal, a line per 10%% elsewhere "
+                        "(default: on)")
+    return p
+
+
+def _dataset_options(args: argparse.Namespace) -> DatasetOptions:
+    return DatasetOptions(name=args.dataset_name, path=args.dataset_path, input_len=args.random_input_len,
+                          output_len=args.random_output_len, range_ratio=args.random_range_ratio,
+                          prefix_len=args.random_prefix_len, mixed_short_input_len=args.mixed_short_input_len,
+                          mixed_long_input_len=args.mixed_long_input_len,
+                          mixed_long_output_len=args.mixed_long_output_len,
+                          mixed_long_fraction=args.mixed_long_fraction,
+                          num_prefixes=args.shared_prefix_num_prefixes)
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.num_prompts < 1:
+        p.error("--num-prompts must be >= 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        p.error("--max-concurrency must be >= 1")
+    if args.num_warmups < 0:
+        p.error("--num-warmups must be >= 0")
+    if not args.burstiness > 0:
+        p.error("--burstiness must be > 0")
+    if args.random_output_len < 1 or args.random_input_len < 0:
+        p.error("--random-output-len must be >= 1 and --random-input-len >= 0")
+    try:
+        args.goodput = parse_goodput(args.goodput)
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+def _result_stem(args: argparse.Namespace, model: str, rate: float | None) -> str:
+    if args.result_filename:
+        stem = Path(args.result_filename).stem
+        return stem if rate is None or not args.sweep else f"{stem}_rate{_rate_name(rate)}"
+    conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+    what = "sweep" if rate is None else f"{_rate_name(rate)}qps"
+    return f"pdserve-{what}{conc}-{Path(model).name or 'model'}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+async def _connect(args: argparse.Namespace):
+    """(server info, OpenAIBackend or None, tokenizer or None, one line naming the server), or an
+    error line (str) when it cannot be reached."""
+    if args.backend == "pdserve":
+        import grpc
+
+        from services.client import AsyncClient
+        try:
+            async with AsyncClient(args.router, timeout=30) as client:
+                info = await client.model_info()
+        except grpc.aio.AioRpcError as exc:
+            return f"cannot reach the router at {args.router}: {exc.code().name} {exc.details()}"
+        return info, None, None, (f"router {args.router}, model {info.model_name} (vocab {info.vocab_size}, "
+                                  f"{info.num_prefill_workers} prefill / {info.num_decode_workers} decode workers)")
+    backend = OpenAIBackend(args.base_url, args.model, chat=args.backend == "openai-chat", api_key=args.api_key,
+                            timeout=args.request_timeout)
+    try:
+        info, tokenizer = await server_info(backend, args.tokenizer, need_vocab=args.dataset_name != "jsonl")
+    except (OSError, asyncio.TimeoutError) as exc:
+        return f"cannot reach {backend.endpoint.url}: {type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - an HTTP error, a missing tokenizer: one line
+        return f"{backend.endpoint.url}: {exc}"
+    return info, backend, tokenizer, f"{args.backend} API at {backend.endpoint.url}, model {info.model_name}"
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    connected = await _connect(args)
+    if isinstance(connected, str):
+        print(f"pdserve bench serve: {connected}", file=sys.stderr)
+        return 1
+    info, backend, tokenizer, server = connected
+    opts = _dataset_options(args)
+    sampling = Sampling(args.temperature, args.top_p, args.top_k, args.ignore_eos)
+    rates = args.sweep or [args.request_rate]
+    plot = args.plot if args.plot is not None else args.save_result
+    out_dir = Path(args.result_dir)
+    if args.save_result or plot:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    eos = info.eos_token_id
+
+    def workload(seed: int, n: int) -> list[SampleRequest]:
+        reqs = sample_requests(opts, n, info.vocab_size, seed=seed, eos_token_id=eos)
+        too_long = sum(1 for r in reqs if r.prompt_len >= 0 and r.prompt_len + r.expected_output_len > info.max_model_len)
+        if too_long:
+            print(f"warning: {too_long} request(s) exceed max_model_len {info.max_model_len} and will fail",
+                  file=sys.stderr)
+        return prepare_chat_prompts(reqs, tokenizer) if args.backend == "openai-chat" else reqs
+
+    print(f"pdserve bench serve: {server}, dataset {args.dataset_name}, {args.num_prompts} prompts, "
+          f"rate(s) {', '.join(map(_rate_name, rates))}", flush=True)
+    if args.num_warmups:
+        warm = workload(args.seed + WARMUP_SEED_OFFSET, args.num_warmups)
+        wres, _ = await run_load(args.router, warm, rate=math.inf, max_concurrency=args.max_concurrency,
+                                 sampling=sampling, timeout=args.request_timeout, tag="warmup",
+                                 progress=LoadProgress(len(warm), "warmup", args.progress), backend=backend)
+        bad = [r.error for r in wres if not r.success]
+        print(f"warmup: {len(wres) - len(bad)}/{len(wres)} requests ok" + (f" (first error: {bad[0]})" if bad else ""),
+              flush=True)
+
+    rows: list[dict[str, Any]] = []
+    for i, rate in enumerate(rates):
+        seed = args.seed + i
+        requests = workload(seed, args.num_prompts)
+        results, duration = await run_load(args.router, requests, rate=rate, burstiness=args.burstiness,
+                                           max_concurrency=args.max_concurrency, seed=seed, sampling=sampling,
+                                           timeout=args.request_timeout,
+                                           progress=LoadProgress(len(requests), f"rate {_rate_name(rate)}",
+                                                                 args.progress), backend=backend)
+        metrics = calculate_metrics(results, duration, args.metric_percentiles, args.goodput)
+        title = " Serving Benchmark Result " if len(rates) == 1 else f" Serving Benchmark Result @ {_rate_name(rate)} req/s "
+        print_summary(metrics, max_concurrency=args.max_concurrency, percentile_metrics=args.percentile_metrics,
+                      percentiles=args.metric_percentiles, title=title)
+        print_server_breakdown(server_breakdown(results))
+        errors = [r.error for r in results if r.error]
+        if errors:
+            print(f"{len(errors)} failed request(s); first error: {errors[0]}", flush=True)
+        result = build_result(args, info, rate, metrics, results)
+        rows.append({k: v for k, v in result.items() if not isinstance(v, list) or k in ("percentile_metrics",
+                                                                                          "metric_percentiles")})
+        stem = _result_stem(args, info.model_name, rate)
+        if args.save_result:
+            path = out_dir / (args.result_filename if args.result_filename and not args.sweep else f"{stem}.json")
+            path.write_text(json.dumps(result, indent=1))
+            print(f"result: {path}", flush=True)
+        if plot:
+            try:
+                for written in (plot_latency_cdfs(result, out_dir / f"{stem}_latency_cdf.png"),
+                                plot_itl_over_time(result, out_dir / f"{stem}_itl_over_time.png",
+                                                   [r.kind for r in requests])):
+                    print(f"plot: {written}", flush=True)
+            except ImportError:
+                print("warning: matplotlib is not installed (pip install 'pdserve[bench]'); no plots", file=sys.stderr)
+                plot = False
+
+    if args.sweep:
+        print_sweep_table(rows, args.metric_percentiles)
+        stem = _result_stem(args, info.model_name, None)
+        if args.save_result:
+            path = out_dir / f"{stem}_sweep.json"
+            path.write_text(json.dumps(rows, indent=1))
+            print(f"sweep result: {path}", flush=True)
+        if plot:
+            print(f"plot: {plot_sweep(rows, out_dir / f'{stem}_sweep.png', args.metric_percentiles)}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    _check_args(parser, args)
+    return asyncio.run(_bench(args))
+
