@@ -33,7 +33,7 @@ from services.kv_transfer import shared_memory
 from services.ports import PortReservations, RESERVED_PORTS_ENV
 from services.security import Credentials, new_token
 from services.server import check_port_free
-from services.topology import DEFAULT_HOST, ROUTER_PORT, drain_timeout_setting, flags_argv, role_argv
+from services.topology import DEFAULT_HOST, ROUTER_PORT, Topology, drain_timeout_setting, flags_argv, role_argv
 
 if TYPE_CHECKING:
     from services.progress import Progress
@@ -89,16 +89,9 @@ class Deployment:
     credentials: Credentials = field(default_factory=Credentials, metadata={"cli": False})
 
     def __post_init__(self) -> None:
-        for name in ("prefill_workers", "decode_workers", "colocated_workers"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.colocated_workers == 0 and (self.prefill_workers < 1 or self.decode_workers < 1):
-            raise ValueError("a disaggregated deployment needs prefill_workers >= 1 and decode_workers >= 1")
+        self.topology   # validates the shape
         if self.threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
-        for name in ("prefill_tp", "decode_tp"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.metrics_port_base is not None:
             if not 1 <= self.metrics_port_base <= 65535 - self.num_workers:
                 raise ValueError(f"metrics_port_base must leave room for {self.num_workers + 1} ports below 65536, "
@@ -106,25 +99,26 @@ class Deployment:
             self.metrics = True
 
     @property
+    def topology(self) -> Topology:
+        """The deployment's shape (services/topology.py), read by the supervisor."""
+        return Topology(self.prefill_workers, self.decode_workers, self.colocated_workers, self.prefill_tp,
+                        self.decode_tp, self.engine_tp, self.host, self.port)
+
+    @property
     def num_workers(self) -> int:
-        return self.colocated_workers or self.prefill_workers + self.decode_workers
+        return self.topology.num_workers
 
     def tp(self, role: str) -> int:
         """The tensor_parallel_size of a role's workers."""
-        own = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
-        return own if own is not None else self.engine_tp
+        return self.topology.tp(role)
 
     def roles(self) -> list[tuple[str, int]]:
         """(role, count) in start order; metrics ports follow it."""
-        return ([("both", self.colocated_workers)] if self.colocated_workers
-                else [("prefill", self.prefill_workers), ("decode", self.decode_workers)])
+        return self.topology.roles()
 
     def metrics_ports(self) -> dict[str, int]:
         """name -> fixed metrics port (empty without metrics_port_base)."""
-        if self.metrics_port_base is None:
-            return {}
-        names = ["router"] + [f"{role}-{i}" for role, count in self.roles() for i in range(count)]
-        return {name: self.metrics_port_base + i for i, name in enumerate(names)}
+        return {} if self.metrics_port_base is None else self.topology.port_layout(self.metrics_port_base)
 
 
 @dataclass(eq=False)

@@ -8,6 +8,7 @@ dataclasses through services/config_cli.config_to_argv). Importing this module i
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from engine.settings import setting
@@ -22,6 +23,56 @@ ROLES = ("prefill", "decode", "both")
 ENGINE_FIXED = ("model", "role")  # EngineConfig fields set by --model and the subcommand, never as flags
 UP_PER_PROCESS = ("num_threads",)  # set by `up` per worker (threads_per_worker), not forwarded as given
 UP_OWN = ("drain_timeout_s",)     # set by `up` on every child from its Deployment
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """A deployment's shape: a router and its workers by role (N prefill + M decode, or K colocated),
+    each role's tensor parallelism, and the router's address. `pdserve up` (Deployment.topology),
+    `pdserve ray up` (RayDeployment.topology) and the compose file (tests/test_deploy_files.py) are
+    this shape; the names and port layout below are the ones they all use."""
+
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    colocated_workers: int = 0
+    prefill_tp: int | None = None      # none: engine_tp
+    decode_tp: int | None = None
+    engine_tp: int = 1                 # the engine's --tensor-parallel-size
+    host: str = DEFAULT_HOST
+    port: int = ROUTER_PORT
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_workers", "decode_workers", "colocated_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.colocated_workers == 0 and (self.prefill_workers < 1 or self.decode_workers < 1):
+            raise ValueError("a disaggregated deployment needs prefill_workers >= 1 and decode_workers >= 1")
+        for name in ("prefill_tp", "decode_tp"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def num_workers(self) -> int:
+        return self.colocated_workers or self.prefill_workers + self.decode_workers
+
+    def tp(self, role: str) -> int:
+        """The tensor_parallel_size of a role's workers."""
+        own = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
+        return own if own is not None else self.engine_tp
+
+    def roles(self) -> list[tuple[str, int]]:
+        """(role, count) in start order."""
+        return ([("both", self.colocated_workers)] if self.colocated_workers
+                else [("prefill", self.prefill_workers), ("decode", self.decode_workers)])
+
+    def names(self) -> list[str]:
+        """Every process's name: the router, then ROLE-I in start order."""
+        return ["router"] + [f"{role}-{i}" for role, count in self.roles() for i in range(count)]
+
+    def port_layout(self, base: int) -> dict[str, int]:
+        """name -> port when ports are fixed: the router on base, the workers on base+1, base+2, ...
+        (`up --metrics-port-base`, and compose's gRPC and metrics ports)."""
+        return {name: base + i for i, name in enumerate(self.names())}
 
 
 def drain_timeout_setting() -> Any:

@@ -203,3 +203,24 @@ def test_compose_cli_validates_the_file(tmp_path: Path, with_env: bool) -> None:
         shutil.copy(ROOT / ".env.example", tmp_path / ".env")
     res = subprocess.run([*_compose_cli(), "config", "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
+
+
+def test_compose_is_the_default_topology() -> None:
+    """Compose's roles, gRPC ports and metrics ports are services/topology.py's default shape and
+    port layout (the router on 50051 / 9100, then prefill-0, decode-0), and the router reaches the
+    workers by their compose names."""
+    from services.topology import ROUTER_PORT, SERVE_HTTP_PORT, Topology
+    topology = Topology()
+    compose = _compose()
+    services = compose["services"]
+    by_service = {"router": "router", **{f"{role}-0": role for role, _ in topology.roles()}}
+    assert set(by_service.values()) <= set(services)
+    flag_value = lambda cmd, flag: cmd[cmd.index(flag) + 1]  # noqa: E731
+    grpc = {name: int(flag_value(services[svc]["command"], "--port")) for name, svc in by_service.items()}
+    assert grpc == topology.port_layout(ROUTER_PORT)
+    metrics = _metrics_ports(compose)
+    assert {name: metrics[svc] for name, svc in by_service.items()} == topology.port_layout(metrics["router"])
+    router = services["router"]["command"]
+    for role, _ in topology.roles():
+        assert flag_value(router, f"--{role}") == f"{role}:{grpc[f'{role}-0']}"
+    assert int(flag_value(router, "--http-port")) == SERVE_HTTP_PORT

@@ -45,6 +45,7 @@ from typing import Any
 
 from engine.settings import ENV, setting
 from services.security import new_token
+from services.topology import DEFAULT_HOST, ROUTER_PORT, Topology
 
 HEAD_RESOURCE = "node:__internal_head__"
 DEFAULT_PLACEMENT_WAIT_S = 20.0   # placing a deployment that fits the cluster's nodes
@@ -74,9 +75,9 @@ class RayDeployment:
                                      "(any pair of layouts hands KV over)")
     name: str = setting("pdserve", "deployment name (actor name prefix)", cli=False)
     namespace: str = setting("pdserve", "Ray namespace of the actors", cli=False)
-    host: str = setting("127.0.0.1", "router bind address (node-ip: the head node's cluster IP)")
-    port: int = setting(50051, "router port")
-    worker_host: str = setting("127.0.0.1", "workers' gRPC bind address; loopback pins every actor to the head node, "
+    host: str = setting(DEFAULT_HOST, "router bind address (node-ip: the head node's cluster IP)")
+    port: int = setting(ROUTER_PORT, "router port")
+    worker_host: str = setting(DEFAULT_HOST, "workers' gRPC bind address; loopback pins every actor to the head node, "
                                        "node-ip lets workers spread over nodes")
     cluster_token_file: str | None = setting(None, "file (mode 0600) holding the internal-plane token, at this path on "
                                               "every node the actors run on; none: $PDSERVE_CLUSTER_TOKEN or a "
@@ -144,10 +145,17 @@ class RayDeployment:
     def num_workers(self) -> int:
         return self.prefill_workers + self.decode_workers
 
+    @property
+    def topology(self) -> Topology:
+        """The deployment's shape (services/topology.py): the same one `pdserve up` reads."""
+        return Topology(self.prefill_workers, self.decode_workers, 0, self.prefill_tp, self.decode_tp,
+                        self.engine_config().tensor_parallel_size, self.host, self.port)
+
     def tp(self, role: str) -> int:
         """The tensor_parallel_size of a role's workers."""
-        own = {"prefill": self.prefill_tp, "decode": self.decode_tp}[role]
-        return own if own is not None else self.engine_config().tensor_parallel_size
+        if role not in ("prefill", "decode"):
+            raise KeyError(role)
+        return self.topology.tp(role)
 
     @property
     def num_ranks(self) -> int:

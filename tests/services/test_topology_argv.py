@@ -14,7 +14,7 @@ from services.config_cli import config_to_argv, configs_from_argv, field_default
 from services.launcher import Cluster, Deployment
 from services.ray_deploy.deploy import RayDeployment
 from services.router_config import RouterConfig
-from services.topology import DRAIN_TIMEOUT_S, ROUTER_PORT, flags_argv, role_argv
+from services.topology import DRAIN_TIMEOUT_S, ROUTER_PORT, Topology, flags_argv, role_argv
 from services.worker_config import WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,6 +79,27 @@ def test_launcher_builds_children_argv_from_its_spec():
         assert given.router_argv({}, 12.0).count("--worker-wait-s") == 1
     finally:
         given.ports.close()
+
+
+def test_topology_shape_and_port_layout():
+    t = Topology(prefill_workers=2, decode_workers=1, prefill_tp=2, engine_tp=1)
+    assert t.roles() == [("prefill", 2), ("decode", 1)] and t.num_workers == 3
+    assert (t.tp("prefill"), t.tp("decode")) == (2, 1)
+    assert t.port_layout(9100) == {"router": 9100, "prefill-0": 9101, "prefill-1": 9102, "decode-0": 9103}
+    assert Topology(colocated_workers=2).names() == ["router", "both-0", "both-1"]
+    with pytest.raises(ValueError, match="needs prefill_workers >= 1 and decode_workers >= 1"):
+        Topology(decode_workers=0)
+    with pytest.raises(ValueError, match="decode_tp must be >= 1"):
+        Topology(decode_tp=0)
+
+
+def test_up_and_ray_up_read_the_same_topology():
+    up = Deployment(model="/m", prefill_workers=2, decode_tp=2)
+    ray = RayDeployment(model="/m", prefill_workers=2, decode_tp=2)
+    assert up.topology == ray.topology
+    assert up.metrics_ports() == {} and Deployment(model="/m", metrics_port_base=9100).metrics_ports() == \
+        Topology().port_layout(9100)
+    assert (ray.tp("prefill"), ray.tp("decode")) == (1, 2)
 
 
 @pytest.mark.parametrize("command", ["up", "serve", "router", "worker", "ray", "profile"])
