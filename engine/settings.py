@@ -39,6 +39,7 @@ class EnvVar(Generic[T]):
     default: T
     help: str
     parse: Callable[[str], T] = str  # type: ignore[assignment]
+    internal: bool = False   # set by pdserve for its own processes, or another tool's: not listed for users
 
     def raw(self) -> str | None:
         """The text as set, or None when unset or blank."""
@@ -70,34 +71,41 @@ class ENV:
     """The registry: one EnvVar per variable. ``ENV.all()`` lists them (for help and docs)."""
 
     HOME = EnvVar("PDSERVE_HOME", "~/.cache/pdserve",
-                  "models, logs, kernel builds, profiles and local Ray state")
+                  "models, logs, kernel builds, profiles and local Ray state (default ~/.cache/pdserve)")
     LOG_LEVEL = EnvVar("PDSERVE_LOG_LEVEL", "WARNING",
-                       "DEBUG, INFO, WARNING, ERROR or CRITICAL; `up` and `ray up` hand theirs to their processes")
+                       "DEBUG, INFO, WARNING, ERROR or CRITICAL, handed by `up` and `ray up` to their processes")
     CLUSTER_TOKEN = EnvVar("PDSERVE_CLUSTER_TOKEN", None, "the internal plane's secret (`up` makes one per "
-                           "deployment); a file given with --cluster-token-file wins")
+                           "deployment, --cluster-token-file wins)")
     API_KEY = EnvVar("PDSERVE_API_KEY", None, "the router's API key (clients send it as a bearer token)")
     OPENAI_API_KEY = EnvVar("OPENAI_API_KEY", None, "the load generator's API key for an OpenAI-compatible server "
-                            "(before $PDSERVE_API_KEY)")
+                            "(before $PDSERVE_API_KEY)", internal=True)
     METRICS_TOKEN = EnvVar("PDSERVE_METRICS_TOKEN", None, "scrapes of /metrics must send this bearer token")
     PARENT_PID = EnvVar("PDSERVE_PARENT_PID", None, "set by `pdserve up` in its children: they die with it",
-                        parse=int)
+                        parse=int, internal=True)
     RESERVED_PORTS = EnvVar("PDSERVE_RESERVED_PORTS", (), "ports the supervisor reserved for this child "
                             "(comma-separated; set by `pdserve up`)",
-                            parse=lambda s: tuple(int(p) for p in s.split(",") if p.strip().isdigit()))
+                            parse=lambda s: tuple(int(p) for p in s.split(",") if p.strip().isdigit()),
+                            internal=True)
     CPU_KERNELS = EnvVar("PDSERVE_CPU_KERNELS", True, "0: never build or use the C++ CPU kernels", parse=_flag)
-    CXX = EnvVar("CXX", "c++", "the C++ compiler the CPU kernels are built with")
+    CXX = EnvVar("CXX", "c++", "the C++ compiler the CPU kernels are built with", internal=True)
     # Ray's own variables, which `pdserve ray` reads and sets for the processes it starts.
-    RAY_AUTH_TOKEN = EnvVar("RAY_AUTH_TOKEN", None, "Ray: the cluster's auth token")
-    RAY_AUTH_TOKEN_PATH = EnvVar("RAY_AUTH_TOKEN_PATH", None, "Ray: a file holding the cluster's auth token")
-    RAY_AUTH_MODE = EnvVar("RAY_AUTH_MODE", None, "Ray: `token` for a token-authenticated cluster")
-    RAY_LOOPBACK = EnvVar("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None, "Ray: 0 keeps a local head on loopback")
-
+    RAY_AUTH_TOKEN = EnvVar("RAY_AUTH_TOKEN", None, "Ray: the cluster's auth token", internal=True)
+    RAY_AUTH_TOKEN_PATH = EnvVar("RAY_AUTH_TOKEN_PATH", None, "Ray: a file holding the cluster's auth token",
+                                 internal=True)
+    RAY_AUTH_MODE = EnvVar("RAY_AUTH_MODE", None, "Ray: `token` for a token-authenticated cluster", internal=True)
+    RAY_LOOPBACK = EnvVar("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None, "Ray: 0 keeps a local head on loopback",
+                          internal=True)
     PYTHONPATH = EnvVar("PYTHONPATH", None, "Python's import path; children started from a source checkout get "
-                        "the checkout prepended")
+                        "the checkout prepended", internal=True)
 
     @classmethod
     def all(cls) -> list[EnvVar]:
         return [v for v in vars(cls).values() if isinstance(v, EnvVar)]
+
+    @classmethod
+    def documented(cls) -> str:
+        """The user-facing variables, one `NAME: help` clause each (`pdserve --help`'s epilog)."""
+        return "; ".join(f"{v.name}: {v.help}" for v in cls.all() if not v.internal)
 
     @classmethod
     def named(cls, name: str) -> EnvVar:

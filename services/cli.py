@@ -79,7 +79,8 @@ def _api_key(args: argparse.Namespace) -> str | None:
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     from engine.sampling_params import SamplingParams   # torch-free: the one default of every sampling flag
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=field_default(SamplingParams, "max_tokens"), help="tokens to generate at most")
+    g.add_argument("--max-tokens", type=int, default=field_default(SamplingParams, "max_tokens"),
+                   help="tokens to generate at most")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: none, i.e. 1.0)")
     g.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (default: none, all)")
@@ -482,9 +483,7 @@ def build_parser(command: str | None = ALL) -> argparse.ArgumentParser:
                                    "model on 127.0.0.1:50051, `pdserve serve MODEL` serves MODEL with the "
                                    "OpenAI-compatible HTTP API on 127.0.0.1:8000; `pdserve COMMAND --help` explains "
                                    "each command.",
-                       epilog=f"environment: PDSERVE_HOME (models, logs, local Ray state; default ~/.cache/pdserve), "
-                              f"{LOG_LEVEL_ENV}, PDSERVE_CLUSTER_TOKEN (internal-plane secret), PDSERVE_API_KEY "
-                              f"(the router's API key)")
+                       epilog=f"environment: {ENV.documented()}")
     parser.add_argument("--version", action="version", version=f"pdserve {_version()}",
                         help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

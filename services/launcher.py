@@ -267,8 +267,7 @@ class Cluster:
         s = self.spec
         if not s.pin_workers or not hasattr(os, "sched_getaffinity"):
             return {}
-        names = ([f"both-{i}" for i in range(s.colocated_workers)] if s.colocated_workers else
-                 [*(f"prefill-{i}" for i in range(s.prefill_workers)), *(f"decode-{i}" for i in range(s.decode_workers))])
+        names = s.topology.names()[1:]   # the workers, in start order
         cores = sorted(os.sched_getaffinity(0))
         # A tensor-parallel worker's ranks pin themselves within its cores (engine/tp_rank.py).
         widths = [s.threads_per_worker * s.tp(name.rsplit("-", 1)[0]) for name in names]

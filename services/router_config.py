@@ -13,7 +13,8 @@ from services.topology import drain_timeout_setting
 class RouterConfig:
     drain_timeout_s: float = drain_timeout_setting()
     ready_timeout_s: float = setting(120.0, "workers must be up this soon after start")
-    http_port: int | None = setting(None, "serve the OpenAI-compatible HTTP API on this port, on --host (none: no HTTP)")
+    http_port: int | None = setting(None, "serve the OpenAI-compatible HTTP API on this port, on --host "
+                                          "(none: no HTTP)")
     served_model_name: tuple[str, ...] | None = setting(
         None, "model name(s) of the HTTP API, as vLLM's: the first is the one reported, every one is accepted; "
               "none: the --model argument as given (the default model: its directory's name). The checkpoint "

@@ -27,8 +27,9 @@ class WorkerConfig:
                                            "segment cannot be written) KV goes inline")
     kv_shared_memory_dir: str = setting(shared_memory.SHM_DIR, "the directory (a tmpfs) of KV shared-memory segments; "
                                                                "sender and receiver must name the same")
-    kv_shared_memory_max_bytes: int = setting(shared_memory.SHARED_MEMORY_MAX_BYTES, "prefill: payload bytes in shared-memory "
-                                              "segments not yet acknowledged, at most; beyond, KV goes inline")
+    kv_shared_memory_max_bytes: int = setting(shared_memory.SHARED_MEMORY_MAX_BYTES,
+                                              "prefill: payload bytes in shared-memory segments not yet "
+                                              "acknowledged, at most; beyond, KV goes inline")
 
     def __post_init__(self) -> None:
         if self.drain_timeout_s < 0:

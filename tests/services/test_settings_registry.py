@@ -67,6 +67,13 @@ def test_names_are_unique_and_documented():
         ENV.named("PDSERVE_NO_SUCH_THING")
 
 
+def test_pdserve_help_lists_the_user_facing_variables():
+    from services.cli import build_parser
+    epilog = build_parser(None).epilog
+    for var in ENV.all():
+        assert (f"{var.name}: {var.help}" in epilog) == (not var.internal), var.name
+
+
 def test_typed_reads(monkeypatch):
     monkeypatch.delenv("PDSERVE_RESERVED_PORTS", raising=False)
     assert ENV.RESERVED_PORTS.get() == ()
