@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 
+from engine.settings import ENV
 from services.security import read_secret
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ LABELS = ("model_name", "role", "worker")
 METRICS_PATH = "/metrics"
 READ_TIMEOUT_S = 5.0        # a connection that sends nothing this long is closed
 MAX_CONNECTIONS = 32        # served at once; more are closed when accepted
-METRICS_TOKEN_ENV = "PDSERVE_METRICS_TOKEN"
+METRICS_TOKEN_ENV = ENV.METRICS_TOKEN.name
 
 
 def scrape_by_name(address: str, timeout: float = 10.0, token: str | None = None) -> dict[str, float]:

@@ -43,10 +43,12 @@ from typing import Any, Callable, Sequence
 
 import grpc
 
+from engine.settings import ENV
+
 log = logging.getLogger(__name__)
 
-CLUSTER_TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
-API_KEY_ENV = "PDSERVE_API_KEY"
+CLUSTER_TOKEN_ENV = ENV.CLUSTER_TOKEN.name
+API_KEY_ENV = ENV.API_KEY.name
 AUTH_HEADER = "x-pdserve-auth"               # the caller's proof of the cluster token
 AUTH_REPLY_HEADER = "x-pdserve-auth-reply"   # the server's, in its initial metadata
 API_KEY_HEADER = "authorization"            # "Bearer <key>", as OpenAI-style clients send it
@@ -72,7 +74,7 @@ def read_secret(path: str | os.PathLike | None, env: str, what: str) -> str | No
         if not value:
             raise ValueError(f"{what} file {path} is empty")
     else:
-        value = os.environ.get(env, "").strip()
+        value = (ENV.named(env).raw() or "").strip()
         if not value:
             return None
     if len(value) < MIN_TOKEN_CHARS:
@@ -425,31 +427,28 @@ class _Proving:
     def __init__(self, make: Callable[[str], CallProof]) -> None:
         self.make = make
 
-    async def _run(self, continuation, details, request):
+    async def intercept(self, continuation, details, request):
         method = _text(details.method)
         proof = self.make(method)
         call = await continuation(_with_proof(details, proof), request)
         return call if proof.expected_reply is None else await checked_call(call, proof, method)
 
 
+# grpc.aio files an interceptor under the first of its four kinds it is: one class per kind.
 class _UnaryUnary(_Proving, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):
-        return await self._run(continuation, details, request)
+    intercept_unary_unary = _Proving.intercept
 
 
 class _UnaryStream(_Proving, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await self._run(continuation, details, request)
+    intercept_unary_stream = _Proving.intercept
 
 
 class _StreamUnary(_Proving, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, details, request_iterator):
-        return await self._run(continuation, details, request_iterator)
+    intercept_stream_unary = _Proving.intercept
 
 
 class _StreamStream(_Proving, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, details, request_iterator):
-        return await self._run(continuation, details, request_iterator)
+    intercept_stream_stream = _Proving.intercept
 
 
 def proving_interceptors(credentials: Credentials) -> list[grpc.aio.ClientInterceptor]:

@@ -32,9 +32,11 @@ import asyncio
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import ray
+
+from engine.settings import ENV
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ def _crash_if_unexpected(stop: asyncio.Event, name: str):
 
 def _setup_logging() -> None:
     """The deployment's log level (PDSERVE_LOG_LEVEL, from the runtime env) for pdserve's loggers."""
-    level = os.environ.get("PDSERVE_LOG_LEVEL")
+    level = ENV.LOG_LEVEL.raw()
     if level:
         logging.getLogger("services").setLevel(level)
         logging.getLogger("engine").setLevel(level)
@@ -92,7 +94,7 @@ def worker_configs(spec: dict[str, Any], model: str):
     """(EngineConfig, WorkerConfig) from the spec's argv, parsed by the CLI's generated flags."""
     from engine import EngineConfig
     from services.config_cli import configs_from_argv
-    from services.worker import WorkerConfig
+    from services.worker_config import WorkerConfig
 
     engine, = configs_from_argv(spec.get("engine_args", []), (EngineConfig, ()), model=model, role=spec["role"])
     worker, = configs_from_argv(spec.get("worker_args", []), (WorkerConfig, ()))
@@ -103,7 +105,8 @@ def router_configs(spec: dict[str, Any]):
     """(GenerationOptions, RequestLimits, RouterConfig) from the spec's router argv."""
     from services.config_cli import configs_from_argv
     from services.generation import GenerationOptions
-    from services.router import RequestLimits, RouterConfig
+    from services.request_checks import RequestLimits
+    from services.router_config import RouterConfig
 
     return configs_from_argv(spec.get("router_args", []), (GenerationOptions, ()), (RequestLimits, ()),
                              (RouterConfig, ()))
@@ -156,8 +159,36 @@ def _node_info() -> dict[str, Any]:
             "actor_id": ctx.get_actor_id()}
 
 
+class _ServerActor:
+    """What both actors do: read their spec, run their server as a task (the actor exits when it
+    ends unasked), answer its address, and stop for good when asked with proof."""
+
+    def _load(self, spec_json: str) -> dict[str, Any]:
+        _setup_logging()
+        spec = json.loads(spec_json)
+        self.spec, self.name, self.model = spec, spec["name"], model_dir(spec)
+        return spec
+
+    async def _start(self, serve: Callable[[asyncio.Event, Callable[[Any], None]], Awaitable[Any]]) -> Any:
+        """Run serve(stop, on_start) as the server task; what it gave on_start, once started."""
+        started: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(serve(self._stop, started.set_result))
+        running = await _until_started(started, self._task)
+        self._task.add_done_callback(_crash_if_unexpected(self._stop, self.name))
+        return running
+
+    async def address(self) -> str:
+        return self._address
+
+    async def stop(self, proof: str = "") -> None:
+        """Drain and exit (no restart); needs ``control_proof(credentials, name, "stop")``."""
+        self._control.require("stop", proof)
+        await _stop_for_good(self._stop, self._task)
+
+
 @ray.remote
-class WorkerActor:
+class WorkerActor(_ServerActor):
     """A prefill or decode worker (grpc Worker service + KVTransfer, and push_blocks for Ray KV)."""
 
     async def __init__(self, spec_json: str) -> None:
@@ -166,11 +197,8 @@ class WorkerActor:
         from services.server import options as channel_options
         from services.worker import WorkerOptions, serve_worker
 
-        _setup_logging()
-        spec = json.loads(spec_json)
-        self.spec = spec
-        self.name, self.role, namespace = spec["name"], spec["role"], spec["namespace"]
-        self.model = model_dir(spec)
+        spec = self._load(spec_json)
+        self.role, namespace = spec["role"], spec["namespace"]
         config, worker_config = worker_configs(spec, self.model)
         credentials = load_credentials(spec)   # the cluster token from its file on this node
         self._control = ControlGate(credentials, self.name)
@@ -183,18 +211,11 @@ class WorkerActor:
         host = bind_host(spec["host"])
         options = WorkerOptions(host=host, port=0, worker_id=self.name, kv_address=kv_address, kv_sender=sender,
                                 credentials=credentials, config=worker_config)
-        loop = asyncio.get_running_loop()
-        started: asyncio.Future = loop.create_future()
-        self._stop = asyncio.Event()
-        self._task = asyncio.create_task(serve_worker(config, options, stop=self._stop, on_start=started.set_result))
-        self.running = await _until_started(started, self._task)
-        self._task.add_done_callback(_crash_if_unexpected(self._stop, self.name))
+        self.running = await self._start(lambda stop, on_start: serve_worker(config, options, stop=stop,
+                                                                            on_start=on_start))
         self._address = join_host_port(host, self.running.server.port)
         self.kv_address = kv_address or self._address
         self.receiver = RayKVReceiver(self.running.aengine.engine.kv) if self.role == "decode" else None
-
-    async def address(self) -> str:
-        return self._address
 
     async def info(self) -> dict[str, Any]:
         receiver = self.receiver
@@ -224,11 +245,6 @@ class WorkerActor:
 
     async def kv_cancel(self, open_bytes: bytes) -> None:
         self._receiver().cancel(open_bytes)
-
-    async def stop(self, proof: str = "") -> None:
-        """Drain and exit (no restart); needs ``control_proof(credentials, name, "stop")``."""
-        self._control.require("stop", proof)
-        await _stop_for_good(self._stop, self._task)
 
 
 class ActorResolver:
@@ -273,18 +289,14 @@ class ActorResolver:
 
 
 @ray.remote
-class RouterActor:
+class RouterActor(_ServerActor):
     """The router: the client-facing pdserve.v1.Router gRPC API, unchanged."""
 
     async def __init__(self, spec_json: str) -> None:
         from services.router import RouterOptions, serve_router
         from services.security import API_KEY_ENV, read_secret
 
-        _setup_logging()
-        spec = json.loads(spec_json)
-        self.spec = spec
-        self.name = spec["name"]
-        self.model = model_dir(spec)
+        spec = self._load(spec_json)
         generation, limits, config = router_configs(spec)
         timeout = config.ready_timeout_s
         self.resolver = ActorResolver(spec["namespace"])
@@ -297,18 +309,10 @@ class RouterActor:
         self._control = ControlGate(self.credentials, self.name)
         key_file = spec.get("api_key_file")
         api_key = read_secret(key_file, API_KEY_ENV, "API key") if key_file else None
-        loop = asyncio.get_running_loop()
-        started: asyncio.Future = loop.create_future()
-        self._stop = asyncio.Event()
-        self._task = asyncio.create_task(serve_router(
-            options, self.host, spec["port"], credentials=self.credentials, api_key=api_key, stop=self._stop,
-            resolver=self.resolver.resolve, on_start=started.set_result))
-        port = await _until_started(started, self._task)
-        self._task.add_done_callback(_crash_if_unexpected(self._stop, self.name))
+        port = await self._start(lambda stop, on_start: serve_router(
+            options, self.host, spec["port"], credentials=self.credentials, api_key=api_key, stop=stop,
+            resolver=self.resolver.resolve, on_start=on_start))
         self._address = join_host_port(self.host, port)
-
-    async def address(self) -> str:
-        return self._address
 
     async def health(self) -> str:
         """grpc.health.v1 status of this router's server, checked from inside the actor."""
@@ -323,8 +327,3 @@ class RouterActor:
     async def info(self) -> dict[str, Any]:
         return {"name": self.name, "role": "router", "address": self._address, "model": self.model,
                 "workers": dict(self.resolver.names), **_node_info()}
-
-    async def stop(self, proof: str = "") -> None:
-        """Drain and exit (no restart); needs ``control_proof(credentials, name, "stop")``."""
-        self._control.require("stop", proof)
-        await _stop_for_good(self._stop, self._task)
