@@ -13,7 +13,7 @@ import sys
 
 from engine.config import EngineConfig
 from engine.settings import ENV
-from services.cli_parser import CLIParser, add_engine_args, add_model_arg, model_dir
+from services.cli_parser import CLIParser, add_engine_args, add_model_arg, add_router_args, model_dir, router_argv
 from services.config_cli import add_config_args, config_from_args, config_to_argv, field_default, given
 from services.topology import DEFAULT_HOST, ENGINE_FIXED, ROUTER_PORT, SERVE_HTTP_PORT, UP_OWN, UP_PER_PROCESS
 from services.usage import EXIT_USAGE, RuntimeFailure, UsageError, configure_logging, parse_log_level
@@ -209,10 +209,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     import signal
 
     from engine.settings import pdserve_home
-    from services.generation import GenerationOptions
     from services.launcher import Cluster, Deployment, Stopped
     from services.progress import Progress
-    from services.request_checks import RequestLimits
     from services.router_config import RouterConfig
     from services.worker_config import WorkerConfig
 
@@ -225,9 +223,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                     "--port" if args.command == "serve" else "--http-port")
     engine = EngineConfig(model=model_dir(args), **given(args, EngineConfig, (*ENGINE_FIXED, *UP_PER_PROCESS)))
     router = config_from_args(RouterConfig, args, exclude=UP_OWN, served_model_name=_served_names(args))
-    router_args = [*config_to_argv(config_from_args(GenerationOptions, args)),
-                   *config_to_argv(config_from_args(RequestLimits, args)),
-                   *config_to_argv(router, exclude=UP_OWN)]
+    router_args = router_argv(args, router)
     api_key = _api_key(args)
     if api_key:
         ENV.API_KEY.set(api_key)   # the router reads it from its environment, never argv
@@ -351,10 +347,7 @@ def _p_generate(p: argparse.ArgumentParser) -> None:
 def _add_up_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     """`up`'s flags; `serve` (vLLM's shape) has the model positional, --port for the HTTP API
     (default 8000) and --grpc-port for the router's gRPC API."""
-    from services.generation import GenerationOptions
     from services.launcher import Deployment
-    from services.request_checks import RequestLimits
-    from services.router_config import RouterConfig
     from services.worker_config import WorkerConfig
     if serve:
         p.add_argument("model", nargs="?", default=None, metavar="MODEL",
@@ -370,10 +363,7 @@ def _add_up_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     add_config_args(p.add_argument_group("deployment"), Deployment, exclude=dep_exclude)
     add_config_args(p.add_argument_group("engine"), EngineConfig, exclude=(*ENGINE_FIXED, *UP_PER_PROCESS))
     add_config_args(p.add_argument_group("workers"), WorkerConfig, exclude=UP_OWN)
-    add_config_args(p.add_argument_group("router"), RouterConfig,
-                    exclude=(*UP_OWN, "http_port") if serve else UP_OWN)
-    add_config_args(p.add_argument_group("generation"), GenerationOptions)
-    add_config_args(p.add_argument_group("request limits"), RequestLimits)
+    add_router_args(p, exclude=(*UP_OWN, "http_port") if serve else UP_OWN)
     _add_security_args(p, router=True)
     p.set_defaults(func=cmd_up)
 
@@ -400,9 +390,6 @@ def _p_worker(p: argparse.ArgumentParser, role: str | None) -> None:
 
 
 def _p_router(p: argparse.ArgumentParser) -> None:
-    from services.generation import GenerationOptions
-    from services.request_checks import RequestLimits
-    from services.router_config import RouterConfig
     add_model_arg(p)
     p.add_argument("--prefill", default="", metavar="ADDRS", help="comma-separated prefill worker addresses")
     p.add_argument("--decode", default="", metavar="ADDRS", help="comma-separated decode worker addresses")
@@ -414,9 +401,7 @@ def _p_router(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-token-file", default=None, metavar="FILE",
                    help="scrapes of /metrics must send this file's token as `Authorization: Bearer TOKEN` "
                         "(default: $PDSERVE_METRICS_TOKEN, else no token)")
-    add_config_args(p.add_argument_group("router"), RouterConfig)
-    add_config_args(p.add_argument_group("generation"), GenerationOptions)
-    add_config_args(p.add_argument_group("request limits"), RequestLimits)
+    add_router_args(p)
     _add_security_args(p, router=True, member=True)
     p.set_defaults(func=cmd_router)
 

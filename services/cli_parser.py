@@ -4,10 +4,10 @@ that runs the engine has (`pdserve up`, `ray up`, `profile`, ...)."""
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from engine.config import EngineConfig
-from services.config_cli import add_config_args
+from services.config_cli import add_config_args, config_from_args, config_to_argv
 from services.topology import ENGINE_FIXED
 from services.usage import EXIT_USAGE, check_model_dir
 
@@ -69,3 +69,23 @@ def model_dir(args: argparse.Namespace, check: bool = True) -> str:
     from services.progress import Progress
     with Progress().step(f"making the default model in {default_model_dir()} (first run only)"):
         return str(ensure_default_model())
+
+
+def add_router_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """The router's generated flags (`pdserve router`, `up`, `ray up`): RouterConfig's (but exclude),
+    GenerationOptions' and RequestLimits'."""
+    from services.generation import GenerationOptions
+    from services.request_checks import RequestLimits
+    from services.router_config import RouterConfig
+    add_config_args(p.add_argument_group("router"), RouterConfig, exclude=exclude)
+    add_config_args(p.add_argument_group("generation"), GenerationOptions)
+    add_config_args(p.add_argument_group("request limits"), RequestLimits)
+
+
+def router_argv(args: argparse.Namespace, router: Any) -> list[str]:
+    """The router's settings as given on this command line, as the argv of a router child (`up`) or
+    actor (`ray up`): generation and request-limit flags, then router's own non-default fields."""
+    from services.generation import GenerationOptions
+    from services.request_checks import RequestLimits
+    return [*config_to_argv(config_from_args(GenerationOptions, args)),
+            *config_to_argv(config_from_args(RequestLimits, args)), *config_to_argv(router)]

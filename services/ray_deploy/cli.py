@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from services.cli_parser import add_engine_args, model_dir
+from services.cli_parser import add_engine_args, add_router_args, model_dir, router_argv
 from services.topology import ENGINE_FIXED, UP_OWN
 
 
@@ -14,10 +14,7 @@ RAY_UP_FIXED = ("model", "name", "namespace")   # --model, and the flags every r
 
 def add_ray_parser(sub, parents: list[argparse.ArgumentParser] | tuple = ()) -> None:
     from services.config_cli import add_config_args
-    from services.generation import GenerationOptions
     from services.ray_deploy.deploy import RayDeployment
-    from services.request_checks import RequestLimits
-    from services.router_config import RouterConfig
     from services.worker_config import WorkerConfig
 
     p = sub.add_parser("ray", help="deploy onto a Ray cluster (ray up | ray down | ray status)", parents=list(parents))
@@ -40,10 +37,7 @@ def add_ray_parser(sub, parents: list[argparse.ArgumentParser] | tuple = ()) -> 
                     help="when the deployment exists: fail; keep it if its router is SERVING (else replace it); "
                          "replace it. `keep` makes `ray up` idempotent (the KubeRay submitter runs it in a loop)")
     add_config_args(up.add_argument_group("workers"), WorkerConfig)
-    add_config_args(up.add_argument_group("router"), RouterConfig, exclude=(*UP_OWN, "ready_timeout_s"))
-    gen = up.add_argument_group("generation")
-    add_config_args(gen, GenerationOptions)
-    add_config_args(up.add_argument_group("request limits"), RequestLimits)
+    add_router_args(up, exclude=(*UP_OWN, "ready_timeout_s"))
     local = up.add_argument_group("--address local")
     local.add_argument("--local-num-cpus", type=float, default=None, metavar="N",
                        help="logical CPUs of the local head (default: none, this machine's cores)")
@@ -68,16 +62,12 @@ def ray_spec(args: argparse.Namespace, model: str):
     """The RayDeployment of `pdserve ray up`'s flags; the roles' settings as argv."""
     from engine.config import EngineConfig
     from services.config_cli import config_from_args, config_to_argv, given
-    from services.generation import GenerationOptions
     from services.ray_deploy.deploy import RayDeployment
-    from services.request_checks import RequestLimits
     from services.router_config import RouterConfig
     from services.worker_config import WorkerConfig
 
     engine = EngineConfig(model=model, **given(args, EngineConfig, ENGINE_FIXED))
-    router_args = [*config_to_argv(config_from_args(GenerationOptions, args)),
-                   *config_to_argv(config_from_args(RequestLimits, args)),
-                   *config_to_argv(config_from_args(RouterConfig, args, exclude=("ready_timeout_s",)))]
+    router_args = router_argv(args, config_from_args(RouterConfig, args, exclude=("ready_timeout_s",)))
     fixed = {"model": model, "name": args.name, "namespace": args.namespace,
              "engine_args": config_to_argv(engine, exclude=ENGINE_FIXED),
              "worker_args": config_to_argv(config_from_args(WorkerConfig, args)), "router_args": router_args}
