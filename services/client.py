@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.settings import ENV
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.security import API_KEY_ENV, API_KEY_HEADER, metadata_interceptors
+from services.security import API_KEY_HEADER, metadata_interceptors
 from services.server import options as channel_options
 
 CONNECT_TIMEOUT_S = 5.0
@@ -38,7 +38,7 @@ class RouterUnreachable(grpc.RpcError):
 
 def _api_key_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     """Bearer credentials for the router's API key (the argument, else $PDSERVE_API_KEY)."""
-    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    key = api_key if api_key is not None else ENV.API_KEY.get()
     return ((API_KEY_HEADER, f"Bearer {key}"),) if key else ()
 
 

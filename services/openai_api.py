@@ -49,8 +49,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
-import ipaddress
 import logging
 import socket
 import time
@@ -66,7 +64,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engine import SamplingParams
 from services.detokenizer import IncrementalDetokenizer
 from services.errors import RouterError
-from services.http_connections import BoundedHttpToolsProtocol
+from services.http_connections import OPEN_PATHS, BoundedHttpToolsProtocol, RequestGuard
 from services.http_stream import (SSE_DONE, ClientGone, SSEResponse, cancel_all, gather_or_cancel, sse_event,
                                   until_disconnect)
 from services.openai_request import HTTPError, ParsedBody, front_requests, parse_body, read_json
@@ -76,9 +74,6 @@ from services.stop_strings import StopMatcher
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health",)              # no API key, no Host check (orchestrators probe it)
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-LOOPBACK_NAMES = ("localhost",)        # besides IP addresses: DNS rebinding needs a name
 
 
 # ---- one choice ------------------------------------------------------------------------------
@@ -118,9 +113,7 @@ class OpenAIServer:
         self.served_model_names = names
         self.served_model_name = names[0]
         self.accepted_model_names = frozenset((*names, *model_aliases))
-        self.api_key = api_key
-        self.allowed_hosts = frozenset(h.strip().lower().rstrip(".") for h in (allowed_hosts or "").split(",")
-                                       if h.strip())
+        self.guard = RequestGuard(api_key, allowed_hosts)
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.app = self._build_app()
@@ -178,54 +171,17 @@ class OpenAIServer:
         return app
 
     def asgi(self) -> Callable:
-        """The app behind the checks made before routing or reading the body (see _refusal)."""
-        app = self.app
+        """The app behind the checks made before routing or reading the body (RequestGuard)."""
+        app, guard = self.app, self.guard
 
         async def guarded(scope, receive, send):
             if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-                err = self._refusal(scope)
+                err = guard.refusal(scope)
                 if err is not None:
                     await err.response()(scope, receive, send)
                     return
             await app(scope, receive, send)
         return guarded
-
-    def _refusal(self, scope) -> HTTPError | None:
-        """What a browser could do to a server on the user's machine is refused here. With an
-        API key set, the key (compared in constant time; a web page does not have it). Without
-        one, the Host: a DNS-rebinding page reaches 127.0.0.1 under its own name, so only
-        localhost, IP addresses and --allowed-hosts are answered. Generation requests must be
-        application/json: a page can POST text/plain (or no type) cross-origin without a
-        CORS preflight, never JSON."""
-        headers = {k: v for k, v in scope.get("headers", ()) if k in (b"authorization", b"host", b"content-type")}
-        if self.api_key:
-            if not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode()):
-                return HTTPError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
-                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        elif b"host" in headers and not self._host_allowed(headers[b"host"].decode("latin-1")):
-            return HTTPError(421, f"Host header {headers[b'host'].decode('latin-1')[:100]!r} is not served without "
-                                  f"an API key: use localhost or an IP address, or start the router with "
-                                  f"--allowed-hosts NAME", "Host", "host_not_allowed")
-        if scope.get("method") == "POST" and scope["path"] in GENERATION_PATHS:
-            given = headers.get(b"content-type", b"").decode("latin-1")
-            if given.split(";", 1)[0].strip().lower() != "application/json":
-                return HTTPError(415, f"Content-Type header must be application/json, got {given[:100]!r}",
-                                 "Content-Type", "unsupported_media_type")
-        return None
-
-    def _host_allowed(self, host: str) -> bool:
-        if "*" in self.allowed_hosts:
-            return True
-        name = host[1:].split("]", 1)[0] if host.startswith("[") else host.rsplit(":", 1)[0] if host.count(":") == 1 \
-            else host
-        name = name.lower().rstrip(".")
-        if name in LOOPBACK_NAMES or name in self.allowed_hosts:
-            return True
-        try:
-            ipaddress.ip_address(name)
-        except ValueError:
-            return False
-        return True
 
     def _model_card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "pdserve",

@@ -21,43 +21,18 @@ from services.admission import PendingGate
 from services.convert import params_from_proto
 from services.detokenizer import IncrementalDetokenizer
 from services.errors import RouterError
-from services.generation import Generation, GenerationOptions, Generator
+from services.generation import GenerationOptions, Generator
+from services.generation_state import Generation
 from services.metrics import RouterMetrics
 from services.request_checks import InvalidRequest, RequestLimits
 from services.request_front import FrontRequest, Prompt, RequestFront, ValidatedRequest
 from services.security import Credentials, api_key_interceptor
+from services.router_config import RouterConfig
 from services.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_KEY = "retry-after-ms"   # trailing metadata on RESOURCE_EXHAUSTED: when to retry
-
-
-@dataclass(slots=True)
-class RouterConfig:
-    drain_timeout_s: float = field(default=30.0, metadata={
-        "help": "on SIGTERM, in-flight requests get this long to finish"})
-    ready_timeout_s: float = field(default=120.0, metadata={"help": "workers must be up this soon after start"})
-    http_port: int | None = field(default=None, metadata={
-        "help": "serve the OpenAI-compatible HTTP API on this port, on --host (none: no HTTP)"})
-    served_model_name: tuple[str, ...] | None = field(default=None, metadata={
-        "help": "model name(s) of the HTTP API, as vLLM's: the first is the one reported, every one is accepted; "
-                "none: the --model argument as given (the default model: its directory's name). The checkpoint "
-                "directory's name is accepted too", "metavar": "NAME"})
-    allowed_hosts: str | None = field(default=None, metadata={
-        "help": "comma-separated Host names the HTTP API answers without an API key, besides localhost and IP "
-                "addresses (DNS rebinding needs a name); '*': any"})
-
-    def __post_init__(self) -> None:
-        if self.http_port is not None and not 0 <= self.http_port <= 65535:
-            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
-        if self.served_model_name is not None:
-            names = (self.served_model_name,) if isinstance(self.served_model_name, str) else self.served_model_name
-            self.served_model_name = tuple(names)
-            if not self.served_model_name or any(not isinstance(n, str) or not n.strip() for n in names):
-                raise ValueError(f"served_model_name must be one or more non-empty names, got {names!r}")
-        if self.allowed_hosts is not None and not all(h.strip() for h in self.allowed_hosts.split(",")):
-            raise ValueError(f"allowed_hosts must be comma-separated names, got {self.allowed_hosts!r}")
 
 
 @dataclass(slots=True)

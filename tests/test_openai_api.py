@@ -53,6 +53,28 @@ def test_stop_matcher_across_boundaries_and_hold_back() -> None:
     assert StopMatcher([]).add("anything", False) == ("anything", False)
 
 
+def test_request_guard_without_a_server() -> None:
+    from services.http_connections import RequestGuard
+
+    def scope(host: str = "localhost:8000", content_type: str = "application/json", auth: str | None = None,
+              path: str = "/v1/completions") -> dict:
+        headers = [(b"host", host.encode()), (b"content-type", content_type.encode())]
+        if auth is not None:
+            headers.append((b"authorization", auth.encode()))
+        return {"type": "http", "method": "POST", "path": path, "headers": headers}
+
+    open_guard = RequestGuard(None, "models.example")
+    assert open_guard.refusal(scope()) is None and open_guard.refusal(scope("[::1]:80")) is None
+    assert open_guard.refusal(scope("Models.Example.:80")) is None and open_guard.refusal(scope("10.0.0.1")) is None
+    assert open_guard.refusal(scope("evil.example")).status == 421
+    assert open_guard.refusal(scope(content_type="text/plain")).status == 415
+    assert open_guard.refusal(scope(content_type="text/plain", path="/v1/models")) is None
+    keyed = RequestGuard(API_KEY, None)
+    assert keyed.refusal(scope("evil.example", auth=f"Bearer {API_KEY}")) is None   # the key is what counts
+    assert keyed.refusal(scope(auth="Bearer wrong")).status == 401
+    assert RequestGuard(None, "*").refusal(scope("any.example")) is None
+
+
 def test_parse_body_names_the_field() -> None:
     cases = [({"prompt": "x", "temperature": "hot"}, "temperature"), ({"prompt": "x", "n": 0}, "n"),
              ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"prompt": "x", "stop": [""]}, "stop"),
