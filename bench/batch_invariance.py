@@ -23,6 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench import drivers  # noqa: E402
 from services.loadtest.offline import ensure_model, make_workload  # noqa: E402
 from bench.step_profile import measure_decode, measure_prefill    # noqa: E402
 
@@ -58,16 +59,9 @@ def measure_offline(engine, args: argparse.Namespace) -> tuple[float, float]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--compute-dtype", default=None)
-    p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--ctx", type=int, default=256)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--prefill-len", type=int, default=512)
-    p.add_argument("--prefill-seqs", type=int, default=2)
-    p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--num-prompts", type=int, default=16)
+    p = drivers.parser(__doc__)
+    drivers.add_flags(p, threads=1, compute_dtype=None, batches="1,8,32", ctx=256, steps=10, prefill_len=512,
+                      prefill_seqs=2, reps=2, num_prompts=16)
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds per mode; the best of each is kept")
     p.add_argument("--json", dest="json_path", default=None)
     return p.parse_args(argv)

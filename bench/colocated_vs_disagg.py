@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -36,6 +35,8 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+from bench import drivers  # noqa: E402
 
 SETUPS = {
     "colocated": ["--colocated-workers", "1"],
@@ -48,20 +49,7 @@ def start_up(model: str, setup: str, port: int, threads: int, engine_args: list[
              ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--threads", str(threads), *SETUPS[setup], *engine_args]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    log = open(log_path, "w")
-    print(f"[{setup}] {shlex.join(cmd)}", flush=True)
-    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop_up(popen: subprocess.Popen, timeout: float = 30.0) -> None:
-    if popen.poll() is None:
-        popen.send_signal(signal.SIGTERM)   # `pdserve up` stops its router and workers on SIGTERM
-        try:
-            popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(popen.pid, signal.SIGKILL)
-            popen.wait()
+    return drivers.start_up(cmd, log_path, f"[{setup}]")
 
 
 def run_setup(setup: str, args: argparse.Namespace, model: str, out_dir: Path) -> dict[str, Any]:
@@ -91,7 +79,7 @@ def run_setup(setup: str, args: argparse.Namespace, model: str, out_dir: Path) -
             raise RuntimeError(f"bench serve failed for {setup} (rc {rc})")
         return json.loads((out_dir / result_name).read_text())
     finally:
-        stop_up(popen)
+        drivers.stop_up(popen)
 
 
 def _row(label: str, results: dict[str, dict[str, Any]], key: str, fmt: str = "{:.1f}") -> str:
@@ -139,27 +127,11 @@ def goal_check(results: dict[str, dict[str, Any]]) -> list[str]:
     ]
 
 
-def wait_for_quiet(max_load: float | None, max_wait_s: float) -> None:
-    """On a shared machine: wait (bounded) until the 1-minute load average drops to max_load."""
-    if max_load is None:
-        return
-    deadline = time.monotonic() + max_wait_s
-    while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
-        print(f"waiting for the machine to quiet down: load {os.getloadavg()[0]:.2f} > {max_load}", flush=True)
-        time.sleep(15)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = drivers.parser(__doc__)
     p.add_argument("--model", default=None, help="checkpoint dir (default: the small model, made on first use)")
     p.add_argument("--setups", default="colocated,disaggregated")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--request-rate", type=float, default=4.0)
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-warmups", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    drivers.add_load_flags(p)
     p.add_argument("--colocated-threads", type=int, default=None,
                    help="torch threads of the colocated worker (default: --threads); 2 gives it the two "
                         "threads the disaggregated pair has between them")
@@ -175,21 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setups = [s for s in args.setups.split(",") if s]
-    for s in setups:
-        if s not in SETUPS:
-            raise SystemExit(f"unknown setup {s!r}; choose from {', '.join(SETUPS)}")
+    setups = drivers.names(args.setups, SETUPS, "setup")
     from engine.model_maker import ensure_model
     model = str(args.model or ensure_model("small"))
-    out_dir = Path(args.result_dir or f"/tmp/pdserve-colocated-vs-disagg-{time.strftime('%Y%m%d-%H%M%S')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = drivers.result_dir(args.result_dir, "colocated-vs-disagg")
     print(f"model {model}; {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out tokens, "
           f"Poisson {args.request_rate} req/s, {args.threads} thread(s) per worker, {os.cpu_count()} CPUs; "
           f"results in {out_dir}", flush=True)
     results: dict[str, dict[str, Any]] = {}
     load: dict[str, list[float]] = {}
     for setup in setups:
-        wait_for_quiet(args.max_load, args.max_wait_s)
+        drivers.wait_for_quiet(args.max_load, args.max_wait_s)
         before = os.getloadavg()[0]
         results[setup] = run_setup(setup, args, model, out_dir)
         load[setup] = [round(before, 2), round(os.getloadavg()[0], 2)]

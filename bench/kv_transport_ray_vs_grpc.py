@@ -43,9 +43,9 @@ import secrets
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from unittest.mock import patch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
@@ -234,25 +234,6 @@ def _ray_left(pgid: int, pids: list[int], wait_s: float = 15.0) -> list[str]:
         time.sleep(0.2)
 
 
-@contextmanager
-def _scoped_env(**values: str | None) -> Iterator[None]:
-    """Set (None: unset) environment variables for the block."""
-    old = {k: os.environ.get(k) for k in values}
-    for k, v in values.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _row(tokens: int, run: dict[str, Any], transports: list[str]) -> dict[str, Any]:
     mib = run["bytes"] / MiB
     row: dict[str, Any] = {"tokens": tokens, "blocks": run["blocks"], "kv_mib": mib}
@@ -313,14 +294,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # A throwaway cluster with a throwaway Ray token in the environment: nothing is written under
     # $PDSERVE_HOME, where the token of a `pdserve ray up --address local` cluster may live.
-    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_AUTH_TOKEN_PATH": None,
-           LOOPBACK_ENV: "0"}
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), LOOPBACK_ENV: "0"}
     cluster_token = new_token()   # the gRPC KV server's cluster token (pdserve's own plane)
     rows: list[dict[str, Any]] = []
     pools: list[dict[str, Any]] = []
     info: dict[str, Any] = {}
     actor_pids: list[int] = []
-    with _scoped_env(**env):
+    with patch.dict(os.environ, env):        # the whole environment comes back at the end
+        os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
         use_loopback_node()
         local = start_local_cluster(num_cpus=2, object_store_bytes=args.object_store_mb * MiB, save=False)
         import ray

@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -45,6 +44,8 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+from bench import drivers  # noqa: E402
 
 RUNS = ("grpc", "openai", "openai-chat")
 PERCENTILES = (50, 90, 99)
@@ -59,20 +60,7 @@ def start_up(model: str, port: int, http_port: int, args: argparse.Namespace, lo
     cmd = [sys.executable, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--http-port", str(http_port), "--served-model-name", SERVED_NAME, "--threads", str(args.threads),
            *setup, *shlex.split(args.engine_args)]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    print(f"$ {shlex.join(cmd)}", flush=True)
-    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def stop_up(popen: subprocess.Popen, timeout: float = 60.0) -> None:
-    if popen.poll() is None:
-        popen.send_signal(signal.SIGTERM)
-        try:
-            popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(popen.pid, signal.SIGKILL)
-            popen.wait()
+    return drivers.start_up(cmd, log_path, "$")
 
 
 def _cpu_s(pid: int) -> float:
@@ -109,16 +97,6 @@ def router_histograms(http_port: int) -> dict[str, tuple[float, float]]:
     from services.metrics import scrape_by_name
     values = scrape_by_name(f"127.0.0.1:{http_port}")
     return {k: (values.get(f"{m}_sum", 0.0), values.get(f"{m}_count", 0.0)) for k, m in ROUTER_HISTOGRAMS.items()}
-
-
-def wait_for_quiet(max_load: float | None, max_wait_s: float) -> None:
-    """On a shared machine: wait (bounded) until the 1-minute load average drops to max_load."""
-    if max_load is None:
-        return
-    deadline = time.monotonic() + max_wait_s
-    while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
-        print(f"waiting for the machine to quiet down: load {os.getloadavg()[0]:.2f} > {max_load}", flush=True)
-        time.sleep(15)
 
 
 def run_grpc(args: argparse.Namespace, port: int, seed: int, out_dir: Path, label: str = "grpc") -> dict[str, Any]:
@@ -205,7 +183,7 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = drivers.parser(__doc__)
     p.add_argument("--model", default=None, help="checkpoint dir (default: the small model, made on first use)")
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, in order, of {', '.join(RUNS)}; "
                                                         "a run may repeat (e.g. grpc,openai,openai-chat,grpc)")
@@ -213,13 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before each run wait (up to --max-wait-s) until the 1-min load average is at most this")
     p.add_argument("--max-wait-s", type=float, default=600.0)
     p.add_argument("--colocated", action="store_true", help="one colocated worker instead of 1 prefill + 1 decode")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--request-rate", type=float, default=4.0)
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-warmups", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0, help="run i uses seed + i")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    drivers.add_load_flags(p, seed_help="run i uses seed + i")
     p.add_argument("--engine-args", default="", help="extra engine flags for every worker")
     p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
                    help="an interpreter with vLLM installed (for its benchmark only)")
@@ -229,16 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    runs = [r for r in args.runs.split(",") if r]
-    for r in runs:
-        if r not in RUNS:
-            raise SystemExit(f"unknown run {r!r}; choose from {', '.join(RUNS)}")
+    runs = drivers.names(args.runs, RUNS, "run")
     from engine.model_maker import ensure_model
     from services.launcher import free_port, wait_serving
 
     model = str(args.model or ensure_model("small"))
-    out_dir = Path(args.result_dir or f"/tmp/pdserve-openai-vs-grpc-{time.strftime('%Y%m%d-%H%M%S')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = drivers.result_dir(args.result_dir, "openai-vs-grpc")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                             text=True).stdout.strip()
     print(f"model {model}; {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out tokens, Poisson "
@@ -254,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         pids = cluster_pids(popen.pid)
         for i, run in enumerate(runs):
             label = run if runs[:i].count(run) == 0 else f"{run}#{runs[:i].count(run) + 1}"
-            wait_for_quiet(args.max_load, args.max_wait_s)
+            drivers.wait_for_quiet(args.max_load, args.max_wait_s)
             before = os.getloadavg()[0]
             seed = args.seed + i
             cpu0, hist0 = cpu_snapshot(pids), router_histograms(http_port)
@@ -274,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             load[label] = [round(before, 2), round(os.getloadavg()[0], 2)]
             print(f"[{label}] 1-min load average before / after: {load[label][0]} / {load[label][1]}", flush=True)
     finally:
-        stop_up(popen)
+        drivers.stop_up(popen, 60.0)
     table = comparison_table(results)
     print("\n" + table + "\n")
     summary = {"args": vars(args), "commit": commit, "model": model, "table_markdown": table,

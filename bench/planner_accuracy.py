@@ -32,7 +32,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.colocated_vs_disagg import start_up, stop_up  # noqa: E402
+from bench.colocated_vs_disagg import start_up  # noqa: E402
+from bench import drivers  # noqa: E402
 
 SETUPS = {"colocated": "colocated", "1P1D": "disaggregated"}
 SETUP_CORES = {"colocated": 1, "1P1D": 2}   # one torch thread per worker, a core each
@@ -186,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     cost = CostModel.load(args.profile)
     rates = [float(r) for r in args.rates.split(",")]
     setups = [s for s in args.setups.split(",") if s]
-    out_dir = Path(args.result_dir or f"/tmp/pdserve-planner-accuracy-{time.strftime('%Y%m%d-%H%M%S')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = drivers.result_dir(args.result_dir, "planner-accuracy")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
     print(f"commit {commit}; model {model}; {args.num_prompts} prompts {args.input_len} in / {args.output_len} out; "
           f"rates {rates}; results in {out_dir}", flush=True)
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                     client_s[rate] = float((out_dir / f"{setup}-{rate:g}.client").read_text())
                     (out_dir / f"{setup}-{rate:g}.load").write_text(f"{loads[rate]:.2f}\n")
             finally:
-                stop_up(popen)
+                drivers.stop_up(popen)
         predicted = {}
         for i, rate in enumerate(rates):   # after measuring: the client's CPU on this machine is known
             t0 = time.perf_counter()

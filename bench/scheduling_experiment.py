@@ -47,6 +47,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench import drivers  # noqa: E402
+
 POLICIES = ("prefill_first", "interleave", "mixed")
 KIND_CHAR = {"prefill": "P", "decode": "D", "mixed": "M"}
 
@@ -270,7 +272,7 @@ def print_side_by_side(summaries: list[dict[str, Any]]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = drivers.parser(__doc__)
     p.add_argument("--model", default=None, help="checkpoint dir (default: the small model, made on first use)")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--max-num-batched-tokens", type=int, default=128)
@@ -278,15 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: the engine's budget)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--short-input-len", type=int, default=32)
-    p.add_argument("--short-output-len", type=int, default=128)
-    p.add_argument("--late-output-len", type=int, default=64)
-    p.add_argument("--long-input-len", type=int, default=1024)
-    p.add_argument("--long-output-len", type=int, default=16)
-    p.add_argument("--long-arrival-s", type=float, default=0.3)
-    p.add_argument("--late-arrival-s", type=float, default=0.6)
-    p.add_argument("--seed", type=int, default=0)
+    drivers.add_flags(p, threads=1, short_input_len=32, short_output_len=128, late_output_len=64, long_input_len=1024,
+                      long_output_len=16, long_arrival_s=0.3, late_arrival_s=0.6, seed=0)
     p.add_argument("--repeat", type=int, default=3, help="runs per policy; the table shows medians")
     p.add_argument("--verbose", action="store_true", help="print every step (of the first repeat)")
     p.add_argument("--json", default=None, help="write summaries and step traces here")

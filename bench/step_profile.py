@@ -25,6 +25,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench import drivers  # noqa: E402
+
 
 def _engine(args: argparse.Namespace, max_seqs: int):
     from engine.config import EngineConfig
@@ -88,16 +90,9 @@ def measure_decode(engine, batch: int, args: argparse.Namespace, profile: bool =
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--compute-dtype", default=None)
-    p.add_argument("--quantization", default=None)
-    p.add_argument("--batches", default="1,8,32,64")
-    p.add_argument("--ctx", type=int, default=400)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--prefill-len", type=int, default=512)
-    p.add_argument("--prefill-seqs", type=int, default=4)
-    p.add_argument("--reps", type=int, default=3)
+    p = drivers.parser(__doc__)
+    drivers.add_flags(p, threads=1, compute_dtype=None, quantization=None, batches="1,8,32,64", ctx=400, steps=20,
+                      prefill_len=512, prefill_seqs=4, reps=3)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)

@@ -107,15 +107,10 @@ def median_ratio(pairs: Sequence[tuple[float, float]]) -> float | None:
     return statistics.median(ratios) if ratios else None
 
 
-TABLE_ROWS = (
-    ("TTFT p50 (ms)", "p50_ttft_ms", "{:.1f}"),
-    ("TTFT p99 (ms)", "p99_ttft_ms", "{:.1f}"),
-    ("ITL p50 (ms)", "p50_itl_ms", "{:.1f}"),
-    ("ITL p99 (ms)", "p99_itl_ms", "{:.1f}"),
-    ("TPOT p50 (ms)", "p50_tpot_ms", "{:.1f}"),
-    ("TPOT p99 (ms)", "p99_tpot_ms", "{:.1f}"),
-    ("E2E p50 (ms)", "p50_e2el_ms", "{:.0f}"),
-    ("E2E p99 (ms)", "p99_e2el_ms", "{:.0f}"),
+TABLE_ROWS = (   # (label, result key, format): p50 and p99 of each latency, then throughputs
+    *((f"{name} {p} (ms)", f"{p}_{key}_ms", fmt) for name, key, fmt in
+      (("TTFT", "ttft", "{:.1f}"), ("ITL", "itl", "{:.1f}"), ("TPOT", "tpot", "{:.1f}"), ("E2E", "e2el", "{:.0f}"))
+      for p in ("p50", "p99")),
     ("output throughput (tok/s)", "output_throughput", "{:.1f}"),
     ("request throughput (req/s)", "request_throughput", "{:.2f}"),
     ("duration (s)", "duration", "{:.1f}"),

@@ -47,3 +47,17 @@ def test_kv_transport_ray_vs_grpc_runs_and_stops_its_cluster(tiny_qwen3: str) ->
     assert out["ray_processes_left"] == []
     assert not _group_running(out["ray_pgid"])
     assert len(out["actor_pids"]) == 2 and not any(_running(p) for p in out["actor_pids"])
+
+
+DRIVERS = sorted(p.name for p in (REPO_ROOT / "bench").glob("*.py")
+                 if p.name != "__init__.py" and p.name != "drivers.py" and not p.name.startswith("vs_vllm_"))
+
+
+@pytest.mark.parametrize("script", DRIVERS)
+def test_every_bench_driver_parses_its_flags_from_a_checkout(script: str) -> None:
+    """`python bench/X.py --help` from the checkout: the driver finds what it imports (services/loadtest,
+    bench's shared modules) without bench being installed."""
+    proc = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "usage:" in proc.stdout

@@ -28,12 +28,12 @@ PERCENTILES = (50, 90, 99)
 
 @dataclass(slots=True)
 class Workload:
-    """bench serve's random dataset under Poisson (gamma) arrivals."""
+    """bench serve's random dataset under Poisson (gamma) arrivals (PlanConfig holds the CLI's defaults)."""
 
     rate: float
-    num_prompts: int = 200
-    input_len: int = 256
-    output_len: int = 128
+    num_prompts: int
+    input_len: int
+    output_len: int
     range_ratio: float = 0.0
     burstiness: float = 1.0
     seed: int = 0
