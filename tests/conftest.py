@@ -1,8 +1,24 @@
-"""Shared fixtures: tiny checkpoints made once per session, HF reference outputs."""
+"""Shared fixtures (tiny checkpoints made once per session, HF reference outputs) and the suite's
+markers and parallel layout.
+
+Markers set here, from what a test does rather than by hand:
+- ``e2e``: the test (or a fixture or helper of its module it reaches) starts processes: a deployment,
+  a CLI child, rank processes, a Ray cluster. ``pytest -m "not e2e"`` is the quick loop.
+- ``exclusive``: timing-sensitive (a stall watchdog of a second, token gaps under a second); under
+  pytest-xdist it runs with no other test running beside it (a lock the other workers wait on).
+Under pytest-xdist's ``--dist loadgroup`` (``pytest_xdist_make_scheduler`` below) one group runs on
+one worker, in order: every test of a module together (its module-scoped deployment is started
+once), every Ray test together (one local Ray cluster at a time), every fault-injection module
+together. Groups are handed out longest first (``GROUP_SECONDS``, a serial run's figures), so the
+workers end together.
+"""
 from __future__ import annotations
 
+import fcntl
+import inspect
 import os
 import random
+import types
 from pathlib import Path
 
 # Ray reads its auth mode once, when first imported; whichever test module imports it first,
@@ -14,6 +30,147 @@ import pytest
 from engine.model_maker import make_model
 
 ARCHS = ("qwen3", "llama")
+_TESTS = Path(__file__).resolve().parent
+
+# ---- markers and parallel layout ------------------------------------------------------------------
+# Names whose use means "starts a process": launchers, subprocess, Ray, the multi-rank engine.
+_STARTERS = {"start_cluster", "FaultCluster", "Cluster", "subprocess", "Popen", "fork", "start_local_cluster",
+             "tensor_parallel_size"}
+# Modules every test of which is end to end, whatever the scan finds (ranks, actors, clusters
+# started through engine or deployment objects the scan does not follow: rank processes, actors).
+_E2E_MODULES = {"test_ray_serving", "test_ray_quickstart", "test_tensor_parallel", "test_cli_up",
+                "test_bench_scripts", "test_metrics_e2e", "test_serving_e2e", "test_serving_large_kv"}
+_GROUPS = {"test_ray_serving": "ray", "test_ray_quickstart": "ray", "test_bench_scripts": "ray",
+           "test_fault_matrix": "faults", "test_supervisor": "faults", "test_leases": "faults",
+           "test_restart_outage": "faults"}
+# Seconds per group in a serial run (for the order groups are handed out in; unknown: 1 s).
+GROUP_SECONDS = {"ray": 300, "faults": 275, "test_tensor_parallel": 50, "test_security": 49,
+                 "test_batch_invariance": 45, "test_serving_e2e": 39, "test_internal_plane": 36, "test_cli_up": 33,
+                 "test_planner": 32, "test_openai_api": 32, "test_exhaustion_and_shm": 27, "test_kv_routing": 24,
+                 "test_front_door": 21, "test_router_runtime": 19, "test_cli_vllm_habits": 17,
+                 "test_metrics_e2e": 14, "test_bench_serve": 13, "test_serving_large_kv": 10}
+EXCLUSIVE = {"test_request_queued_longer_than_the_stall_timeout_is_not_migrated",
+             "test_a_huge_text_prompt_is_refused_fast_without_memory_growth_or_stalls"}
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """Global and attribute names a function's code (nested functions included) uses, and the
+    keyword names of its calls."""
+    out = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            out |= _names(const)
+        elif isinstance(const, tuple):   # a call's keyword names
+            out |= {c for c in const if isinstance(c, str) and c.isidentifier()}
+    return out
+
+
+def _starts_processes(obj, module: types.ModuleType, seen: set) -> bool:
+    """Whether obj (a function or class of module) reaches a process-starting name, following the
+    module's own functions and classes it names."""
+    if id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    funcs = [m for _, m in inspect.getmembers(obj, inspect.isfunction)] if inspect.isclass(obj) else [obj]
+    for func in funcs:
+        code = getattr(inspect.unwrap(func), "__code__", None)
+        if code is None:
+            continue
+        names = _names(code)
+        if names & _STARTERS:
+            return True
+        for name in names:
+            target = getattr(module, name, None)
+            if ((inspect.isfunction(target) or inspect.isclass(target))
+                    and getattr(target, "__module__", None) == module.__name__
+                    and _starts_processes(target, module, seen)):
+                return True
+    return False
+
+
+def _is_e2e(item: pytest.Item) -> bool:
+    module = item.module
+    if Path(module.__file__).stem in _E2E_MODULES or Path(module.__file__).parent.name == "faults":
+        return True
+    seen: set = set()
+    if _starts_processes(item.function, module, seen):
+        return True
+    fixturedefs = [d for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+    while fixturedefs:   # the fixtures it uses, transitively
+        fixturedef = fixturedefs.pop()
+        func = fixturedef.func
+        fmod = inspect.getmodule(func)
+        if fmod is None or not Path(getattr(fmod, "__file__", "/")).is_relative_to(_TESTS):
+            continue
+        if _starts_processes(func, fmod, seen):
+            return True
+        if "getfixturevalue" in _names(inspect.unwrap(func).__code__):   # params naming other fixtures
+            for name in fixturedef.params or ():
+                if isinstance(name, str):
+                    fixturedefs += item.session._fixturemanager.getfixturedefs(name, item) or ()
+    return False
+
+
+def _group(nodeid: str) -> str:
+    """The group of a test, from its node id: its module's stem, or the shared group it belongs to."""
+    stem = Path(nodeid.split("::", 1)[0]).stem
+    return _GROUPS.get(stem, stem)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _is_e2e(item):
+            item.add_marker(pytest.mark.e2e)
+        if item.originalname in EXCLUSIVE:
+            item.add_marker(pytest.mark.exclusive)
+    if os.environ.get("PYTEST_XDIST_WORKER"):   # the longest groups first (stable: each keeps its order)
+        items.sort(key=lambda item: -GROUP_SECONDS.get(_group(item.nodeid), 1))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup``: whole groups (``_group``) to one worker each, handed out in collection
+    order (the longest first). xdist's own loadgroup reads ``xdist_group`` marks by rewriting node
+    ids, which pytest 9 no longer allows; the group here is derived from the node id instead."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    config.option.loadscopereorder = False
+    return GroupScheduling(config, log)
+
+
+def _lock_path(config: pytest.Config) -> Path | None:
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:   # not under xdist: nothing runs beside anything
+        return None
+    return config._tmp_path_factory.getbasetemp().parent / f"exclusive-{run}.lock"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    """Under xdist: an ``exclusive`` test holds the lock alone (setup, call and teardown); every other
+    test holds it shared. A turnstile taken first keeps a waiting exclusive test from being starved
+    by the other workers' back-to-back shared holds."""
+    path = _lock_path(item.config)
+    if path is None:
+        return (yield)
+    exclusive = item.get_closest_marker("exclusive") is not None
+    with open(path.with_suffix(".turnstile"), "a") as turnstile, open(path, "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if not exclusive:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            return (yield)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            if exclusive:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")

@@ -61,7 +61,10 @@ class _FakeActor:
 
 
 def _segments() -> set[str]:
-    return {n for n in os.listdir(shared_memory.SHM_DIR) if shared_memory.NAME.fullmatch(n)}
+    """This process's segments (the senders here are in-process; other tests' deployments, running
+    beside this one under pytest-xdist, write theirs to the same directory)."""
+    mine = shared_memory.owner_prefix(os.getpid())
+    return {n for n in os.listdir(shared_memory.SHM_DIR) if shared_memory.NAME.fullmatch(n) and n.startswith(mine)}
 
 
 @pytest.fixture(autouse=True)

@@ -114,15 +114,35 @@ def _wait_up(proc: subprocess.Popen, timeout: float = 120) -> list[str]:
     return lines
 
 
+@pytest.fixture(scope="module")
+def _shared_up(tiny_qwen3: str):
+    """One `pdserve up` for the module's tests (each leaves it serving again: a child it killed is
+    restarted by the supervisor); started anew only after a test took the supervisor down."""
+    current: dict = {}
+
+    def get() -> tuple[subprocess.Popen, str, list[str]]:
+        if not current or current["proc"].poll() is not None:
+            if current:
+                _stop(current["proc"], _children(current["proc"].pid))
+            port = free_port()
+            proc = _up(tiny_qwen3, port, "--stall-timeout-s", "3")
+            current.update(proc=proc, address=f"127.0.0.1:{port}", lines=_wait_up(proc))
+        return current["proc"], current["address"], current["lines"]
+
+    yield get
+    if current:
+        _stop(current["proc"], _children(current["proc"].pid))
+
+
 @pytest.fixture
-def up(tiny_qwen3: str):
-    port = free_port()
-    proc = _up(tiny_qwen3, port, "--stall-timeout-s", "3")
-    lines = _wait_up(proc)
+def up(_shared_up):
+    proc, address, lines = _shared_up()
+    # what the previous test killed or drained is back: every role once, the router SERVING
+    wait_for(lambda: sorted(_children(proc.pid).values()) == ["decode", "prefill", "router"]
+             and _health(address) == health_pb2.HealthCheckResponse.SERVING, 120, "the deployment serving")
     children = _children(proc.pid)
     assert sorted(children.values()) == ["decode", "prefill", "router"]
-    yield proc, f"127.0.0.1:{port}", children
-    _stop(proc, children | _children(proc.pid))
+    yield proc, address, children
     print("".join(lines[-80:]))   # the supervisor's log, shown when the test failed
 
 
