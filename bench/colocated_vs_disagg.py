@@ -140,7 +140,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-load", type=float, default=None,
                    help="before each setup wait until the 1-min load average is at most this (shared machines)")
     p.add_argument("--max-wait-s", type=float, default=600.0, help="longest wait for --max-load")
-    p.add_argument("--result-dir", default=None, help="default: a new folder under /tmp")
     p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True)
     return p
 
@@ -148,9 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setups = drivers.names(args.setups, SETUPS, "setup")
-    from engine.model_maker import ensure_model
-    model = str(args.model or ensure_model("small"))
-    out_dir = drivers.result_dir(args.result_dir, "colocated-vs-disagg")
+    model, out_dir = drivers.model_and_results(args, "colocated-vs-disagg")
     print(f"model {model}; {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out tokens, "
           f"Poisson {args.request_rate} req/s, {args.threads} thread(s) per worker, {os.cpu_count()} CPUs; "
           f"results in {out_dir}", flush=True)

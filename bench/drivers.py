@@ -32,6 +32,7 @@ def add_load_flags(p: argparse.ArgumentParser, seed_help: str | None = None) -> 
     add_flags(p, num_prompts=100, request_rate=4.0, input_len=256, output_len=128, num_warmups=2)
     p.add_argument("--seed", type=int, default=0, help=seed_help)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--result-dir", default=None, help="default: a new folder under /tmp")
 
 
 def names(text: str, known: Iterable[str], what: str) -> list[str]:
@@ -44,11 +45,25 @@ def names(text: str, known: Iterable[str], what: str) -> list[str]:
     return out
 
 
+def model_dir(given: str | None) -> str:
+    """--model, else the deterministic ``small`` checkpoint (made once under $PDSERVE_HOME)."""
+    if given:
+        return str(given)
+    from engine.model_maker import ensure_model
+    return str(ensure_model("small"))
+
+
 def result_dir(given: str | None, name: str) -> Path:
     """--result-dir, else a new folder /tmp/pdserve-NAME-<time>; made if missing."""
     out = Path(given or f"/tmp/pdserve-{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def model_and_results(args: argparse.Namespace, name: str) -> tuple[str, Path]:
+    """A comparison run's model (--model, else the small one) and result folder (--result-dir, else
+    a new /tmp/pdserve-NAME-<time>)."""
+    return model_dir(args.model), result_dir(args.result_dir, name)
 
 
 def start_up(cmd: list[str], log_path: Path, label: str) -> subprocess.Popen:

@@ -20,6 +20,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from services.loadtest.offline import hf_greedy  # noqa: E402
+
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
@@ -28,20 +30,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
-
-
-def hf_greedy(model_dir: str, prompts: list[list[int]], tokens: int, dtype) -> list[list[int]]:
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=tokens, do_sample=False)
-            out.append(ids[0, len(p):].tolist())
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -195,18 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-args", default="", help="extra engine flags for every worker")
     p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
                    help="an interpreter with vLLM installed (for its benchmark only)")
-    p.add_argument("--result-dir", default=None, help="default: a new folder under /tmp")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     runs = drivers.names(args.runs, RUNS, "run")
-    from engine.model_maker import ensure_model
     from services.launcher import free_port, wait_serving
 
-    model = str(args.model or ensure_model("small"))
-    out_dir = drivers.result_dir(args.result_dir, "openai-vs-grpc")
+    model, out_dir = drivers.model_and_results(args, "openai-vs-grpc")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                             text=True).stdout.strip()
     print(f"model {model}; {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out tokens, Poisson "

@@ -169,13 +169,12 @@ def main(argv: list[str] | None = None) -> int:
                         "instead of measuring")
     args = p.parse_args(argv)
 
-    from engine.model_maker import ensure_model
     from services.planner.cost_model import CostModel
     from services.planner.plan import Workload, parse_slos, simulate
     from services.planner.simulator import Overheads
     from services.launcher import free_port, wait_serving
 
-    model = str(args.model or ensure_model("small"))
+    model = drivers.model_dir(args.model)
     if args.profile_first:
         load = wait_quiet(args.max_load, args.max_wait_s)
         print(f"profiling (1-min load average {load:.2f})", flush=True)

@@ -294,9 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for p in policies if p not in POLICIES]
     if bad:
         raise SystemExit(f"unknown policy {bad}; choose from {POLICIES}")
-    from engine.model_maker import ensure_model
     from engine.model_config import ModelConfig
-    model_dir = str(args.model or ensure_model("small"))
+    model_dir = drivers.model_dir(args.model)
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     arrivals = workload(args, vocab)
     print(f"model {model_dir}; max_num_batched_tokens={args.max_num_batched_tokens} max_num_seqs={args.max_num_seqs} "

@@ -154,6 +154,21 @@ def run_hf(model_dir: Path, wl: Workload, args: argparse.Namespace, warmup: Work
             "output_tok_s": results[best]["output_tok_s"], "dtype": str(model.dtype).removeprefix("torch.")}
 
 
+def hf_greedy(model_dir: str, prompts: list[list[int]], tokens: int, dtype) -> list[list[int]]:
+    """Hugging Face transformers' greedy continuations (tokens each, EOS not stopping) in dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=tokens, do_sample=False)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
 # ---------------------------------------------------------------- main
 
 
