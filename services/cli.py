@@ -15,7 +15,8 @@ from engine.config import EngineConfig
 from engine.settings import ENV
 from services.cli_parser import CLIParser, add_engine_args, add_model_arg, add_router_args, model_dir, router_argv
 from services.config_cli import add_config_args, config_from_args, config_to_argv, field_default, given
-from services.topology import DEFAULT_HOST, ENGINE_FIXED, ROUTER_PORT, SERVE_HTTP_PORT, UP_OWN, UP_PER_PROCESS
+from services.topology import (DEFAULT_HOST, ENGINE_FIXED, ROUTER_PORT, SERVE_HTTP_PORT, UP_OWN, UP_PER_PROCESS,
+                               WORKER_THREADS)
 from services.usage import EXIT_USAGE, RuntimeFailure, UsageError, configure_logging, parse_log_level
 
 # Importing this module, and `pdserve --help` or `pdserve generate --router`, must not import torch
@@ -150,7 +151,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from services.worker import WorkerOptions, serve_worker
     from services.worker_config import WorkerConfig
     engine_kwargs = given(args, EngineConfig, ENGINE_FIXED)
-    engine_kwargs.setdefault("num_threads", 1)
+    engine_kwargs.setdefault("num_threads", WORKER_THREADS)
     config = EngineConfig(model=model_dir(args), role=args.role, **engine_kwargs)
     credentials = _credentials(args, f"{args.role} worker")
     print(f"pdserve {args.role} worker {args.worker_id or ''}: loading {config.model}".replace(" :", ":"),
@@ -283,7 +284,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from engine.settings import pdserve_home
     from services.planner.profile import ProfileConfig, run_profile
     engine_kwargs = given(args, EngineConfig, ENGINE_FIXED)
-    engine_kwargs.setdefault("num_threads", 1)   # as each worker `pdserve up` starts
+    engine_kwargs.setdefault("num_threads", WORKER_THREADS)   # as each worker `pdserve up` starts
     engine = EngineConfig(model=model_dir(args), **engine_kwargs)
     config = config_from_args(ProfileConfig, args)
     model = run_profile(engine, config, say=lambda line: print(line, file=sys.stderr, flush=True))

@@ -17,7 +17,6 @@ import ctypes
 import errno
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -30,10 +29,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.settings import ENV, setting
 from services.kv_transfer import shared_memory
-from services.ports import PortReservations, RESERVED_PORTS_ENV
+from services.ports import PortReservations, RESERVED_PORTS_ENV, free_port
 from services.security import Credentials, new_token
 from services.server import check_port_free
-from services.topology import DEFAULT_HOST, ROUTER_PORT, Topology, drain_timeout_setting, flags_argv, role_argv
+from services.topology import (DEFAULT_HOST, ROUTER_PORT, WORKER_THREADS, Topology, drain_timeout_setting, flags_argv,
+                               role_argv)
 
 if TYPE_CHECKING:
     from services.progress import Progress
@@ -73,7 +73,7 @@ class Deployment:
                                               "(default: $PDSERVE_METRICS_TOKEN, else none)")
     log_dir: str | None = setting(None, "write each child's output to DIR/NAME.log instead of this terminal "
                                    "(`pdserve up` default: $PDSERVE_HOME/logs/up-PORT)")
-    threads_per_worker: int = setting(1, "torch threads of each worker process", aliases=("--threads",))
+    threads_per_worker: int = setting(WORKER_THREADS, "torch threads of each worker process", aliases=("--threads",))
     restart: bool = setting(True, "restart a child that dies (with backoff) instead of stopping the deployment")
     pin_workers: bool = setting(True, "give each worker its own cores (one per torch thread) when the machine has "
                                  "enough for all of them; the router floats")
@@ -199,12 +199,6 @@ def die_with_parent() -> None:
         return
     if os.getppid() != int(parent):    # it died before the prctl took effect
         os._exit(1)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def probe_serving(stub: health_pb2_grpc.HealthStub) -> bool:

@@ -19,6 +19,7 @@ import errno
 import socket
 
 from engine.settings import ENV
+from services.topology import DEFAULT_HOST
 
 RESERVED_PORTS_ENV = ENV.RESERVED_PORTS.name
 
@@ -45,6 +46,13 @@ def _reservation_socket(port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def free_port(host: str = DEFAULT_HOST) -> int:
+    """A port free on host now (unreserved: for tests and for ports a child binds at once)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class PortReservations:

@@ -19,6 +19,7 @@ ROUTER_PORT = 50051               # the router's public gRPC port
 SERVE_HTTP_PORT = 8000            # `pdserve serve`: the OpenAI HTTP API's port, as `vllm serve`
 DRAIN_TIMEOUT_S = 30.0            # router and workers: on SIGTERM, in-flight requests get this long
 ROLES = ("prefill", "decode", "both")
+WORKER_THREADS = 1                # torch threads per worker process unless told: none oversubscribes
 
 ENGINE_FIXED = ("model", "role")  # EngineConfig fields set by --model and the subcommand, never as flags
 UP_PER_PROCESS = ("num_threads",)  # set by `up` per worker (threads_per_worker), not forwarded as given

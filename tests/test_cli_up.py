@@ -14,15 +14,17 @@ import socket
 from pathlib import Path
 
 from services.client import Client
-from services.launcher import free_port, wait_serving
+from services.launcher import wait_serving
+from services.ports import free_port
 from tests.conftest import hf_greedy, random_prompts
 from tests.serving import scrape
 
 
 def _free_port_run(n: int) -> int:
-    """A base port B with B..B+n-1 all free on 127.0.0.1."""
+    """A base port B with B..B+n-1 all free on 127.0.0.1, below the kernel's ephemeral range (so
+    no port-0 bind of a test running beside this one can take one of them meanwhile)."""
     for _ in range(200):
-        base = random.randrange(20000, 60000 - n)
+        base = random.randrange(20000, 32768 - n)
         try:
             with contextlib.ExitStack() as stack:
                 for port in range(base, base + n):

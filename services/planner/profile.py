@@ -29,7 +29,7 @@ from typing import Any, Callable
 from engine.settings import pdserve_home, setting
 from services.planner.cost_model import CostModel, StepSample, step_features
 from services.planner.serving_costs import ServingCosts
-from services.topology import ENGINE_FIXED, UP_PER_PROCESS, flags_argv
+from services.topology import ENGINE_FIXED, UP_PER_PROCESS, WORKER_THREADS, flags_argv
 
 
 
@@ -193,7 +193,7 @@ def run_profile(engine_config, config: ProfileConfig, say: Callable[[str], None]
         from services.config_cli import config_to_argv
         from services.planner import serving_costs
         up_args = [*config_to_argv(engine_config, exclude=(*ENGINE_FIXED, *UP_PER_PROCESS)),
-                   *flags_argv(threads_per_worker=engine_config.num_threads or 1)]
+                   *flags_argv(threads_per_worker=engine_config.num_threads or WORKER_THREADS)]
         log_dir = Path(config.out).parent if config.out else Path(pdserve_home()) / "profiles"
         serving = serving_costs.measure(engine_config.model, up_args, engine.runner.kv_bytes_per_block,
                                         engine.model_config.vocab_size, log_dir, say=say)

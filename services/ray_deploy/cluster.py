@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.settings import ENV
+from services.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +113,6 @@ def has_auth_token() -> bool:
 def _ray_cli() -> list[str]:
     exe = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
     return [exe] if exe else [sys.executable, "-m", "ray.scripts.scripts"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def local_env(base: dict[str, str] | None = None) -> dict[str, str]:
