@@ -52,10 +52,21 @@ def scrape_by_name(address: str, timeout: float = 10.0, token: str | None = None
 
 
 class _Metrics:
+    """The registry of one process, and the metrics every role publishes under the same names
+    (as vLLM does); what each counts there is its class's ``SHARED`` help."""
+
+    SHARED: dict[str, str] = {}
+
     def __init__(self, role: str, worker_id: str, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)   # process_cpu_seconds_total, memory, open fds (as vLLM)
         self.labels = {"model_name": model_name, "role": role, "worker": worker_id}
+        doc = self.SHARED
+        self.num_requests_running = self.gauge("num_requests_running", doc["num_requests_running"])
+        self.prompt_tokens = self.counter("prompt_tokens", doc["prompt_tokens"])
+        self.generation_tokens = self.counter("generation_tokens", doc["generation_tokens"])
+        self.request_queue_time_seconds = self.histogram("request_queue_time_seconds", doc["request_queue_time_seconds"])
+        self.kv_transfer_seconds = self.histogram("kv_transfer_seconds", doc["kv_transfer_seconds"])
 
     def counter(self, name: str, doc: str) -> Counter:
         return Counter(f"pdserve:{name}", doc, LABELS, registry=self.registry).labels(**self.labels)
@@ -72,20 +83,21 @@ class WorkerMetrics(_Metrics):
     """Engine-side metrics: counters and histograms from the engine thread after every step,
     gauges read from the engine when scraped (see ``attach``)."""
 
+    SHARED = {"num_requests_running": "Sequences in the running batch",
+              "prompt_tokens": "Prompt tokens of requests prefilled here",
+              "generation_tokens": "Tokens sampled here",
+              "request_queue_time_seconds": "Arrival to first scheduled",
+              "kv_transfer_seconds": "Seconds per KV send of a chunk's blocks"}
+
     def __init__(self, role: str, worker_id: str, model_name: str = "") -> None:
         super().__init__(role, worker_id, model_name)
-        self.num_requests_running = self.gauge("num_requests_running", "Sequences in the running batch")
         self.num_requests_waiting = self.gauge("num_requests_waiting", "Sequences waiting to be scheduled")
         self.kv_cache_usage_perc = self.gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
         self.prefix_cache_queries = self.counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = self.counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.num_preemptions = self.counter("num_preemptions", "Sequences preempted for recompute")
-        self.prompt_tokens = self.counter("prompt_tokens", "Prompt tokens of requests prefilled here")
-        self.generation_tokens = self.counter("generation_tokens", "Tokens sampled here")
         self.kv_transfer_bytes = self.counter("kv_transfer_bytes", "KV bytes sent (prefill) or received (decode)")
-        self.kv_transfer_seconds = self.histogram("kv_transfer_seconds", "Seconds per KV send of a chunk's blocks")
         self.kv_transfer_failures = self.counter("kv_transfer_failures", "KV blocks refused or failed to send")
-        self.request_queue_time_seconds = self.histogram("request_queue_time_seconds", "Arrival to first scheduled")
         self.engine_step_seconds = self.histogram("engine_step_seconds", "Wall time of each engine step")
         self.engine_step_cpu_seconds = self.counter(
             "engine_step_cpu_seconds", "CPU time the engine thread spent in steps (the rest of the process's CPU "
@@ -140,11 +152,14 @@ class WorkerMetrics(_Metrics):
 class RouterMetrics(_Metrics):
     """Request-level latency metrics, as the client sees them."""
 
+    SHARED = {"num_requests_running": "Requests in flight through the router",
+              "prompt_tokens": "Prompt tokens of finished requests",
+              "generation_tokens": "Tokens streamed to clients",
+              "request_queue_time_seconds": "Time queued before prefill",
+              "kv_transfer_seconds": "Exposed KV transfer time per request"}
+
     def __init__(self, worker_id: str = "router", model_name: str = "") -> None:
         super().__init__("router", worker_id, model_name)
-        self.num_requests_running = self.gauge("num_requests_running", "Requests in flight through the router")
-        self.prompt_tokens = self.counter("prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = self.counter("generation_tokens", "Tokens streamed to clients")
         self.request_success = self.counter("request_success", "Requests finished normally")
         self.request_failure = self.counter("request_failure", "Requests that ended in an error")
         self.time_to_first_token_seconds = self.histogram("time_to_first_token_seconds", "Time to first token")
@@ -152,8 +167,6 @@ class RouterMetrics(_Metrics):
         self.time_per_output_token_seconds = self.histogram(
             "time_per_output_token_seconds", "Per request: (e2e - TTFT) / (output tokens - 1), requests of 2+ tokens")
         self.e2e_request_latency_seconds = self.histogram("e2e_request_latency_seconds", "Request latency")
-        self.request_queue_time_seconds = self.histogram("request_queue_time_seconds", "Time queued before prefill")
-        self.kv_transfer_seconds = self.histogram("kv_transfer_seconds", "Exposed KV transfer time per request")
         self.migrations = self.counter("request_migrations", "Requests moved to another worker after a fault")
         self.prefix_waits = self.counter("router_prefix_waits", "Requests that waited for their prefix to be computed "
                                          "or received on their worker by another request routed there before")
