@@ -20,19 +20,16 @@ import time
 from pathlib import Path
 
 from engine.cpu_features import cpu_identity
+from engine.settings import ENV, pdserve_home
 
 log = logging.getLogger(__name__)
 
 
-def pdserve_home() -> Path:
-    """``$PDSERVE_HOME`` or ``~/.cache/pdserve``."""
-    env = os.environ.get("PDSERVE_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pdserve"
 
 
 def find_compiler() -> str | None:
     """$CXX if it names a runnable compiler, else g++, c++ or clang++ from PATH; None if none."""
-    env = os.environ.get("CXX")
+    env = ENV.CXX.raw()
     if env:
         return shutil.which(env)
     return shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")

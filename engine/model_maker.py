@@ -31,6 +31,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from engine.settings import pdserve_home
+
 Arch = Literal["qwen3", "llama"]
 PresetName = Literal["tiny", "tiny-kv1", "tiny-kv4", "tiny-d64", "small"]
 
@@ -337,10 +339,6 @@ def make_model(
     return out
 
 
-def pdserve_home() -> Path:
-    """``$PDSERVE_HOME`` or ``~/.cache/pdserve``."""
-    env = os.environ.get("PDSERVE_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pdserve"
 
 
 def cached_model_dir(preset: str = DEFAULT_PRESET, arch: str = DEFAULT_ARCH, seed: int = DEFAULT_SEED) -> Path:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from engine.settings import ENV
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -105,7 +107,7 @@ def load() -> ctypes.CDLL | None:
         return _lib
     with _lock:
         if not _tried:
-            if os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0" and platform.system() in ("Linux", "Darwin"):
+            if ENV.CPU_KERNELS.get() and platform.system() in ("Linux", "Darwin"):
                 try:
                     _lib = _build()
                 except Exception as exc:   # any failure leaves the torch path in place
