@@ -60,6 +60,14 @@ def _add_security_args(p: argparse.ArgumentParser, router: bool = False, member:
         g.add_argument("--api-key-file", default=None, help="file holding the API key")
 
 
+def _add_metrics_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none, no endpoint)")
+    p.add_argument("--metrics-token-file", default=None, metavar="FILE",
+                   help="scrapes of /metrics must send this file's token as `Authorization: Bearer TOKEN` "
+                        "(default: $PDSERVE_METRICS_TOKEN, else no token)")
+
+
 def _credentials(args: argparse.Namespace, role: str | None = None):
     """The process's credentials; for a role of the internal plane (role given), a cluster token is
     required unless --insecure-no-auth (ValueError: exit code 2, one line naming the flag)."""
@@ -381,11 +389,7 @@ def _p_worker(p: argparse.ArgumentParser, role: str | None) -> None:
     p.add_argument("--host", default=DEFAULT_HOST, help="address to bind")
     p.add_argument("--port", type=int, default=0, help="gRPC port; 0: a free one, printed")
     p.add_argument("--worker-id", default="", help="name in metrics and status (default: ROLE-RANDOM)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none, no endpoint)")
-    p.add_argument("--metrics-token-file", default=None, metavar="FILE",
-                   help="scrapes of /metrics must send this file's token as `Authorization: Bearer TOKEN` "
-                        "(default: $PDSERVE_METRICS_TOKEN, else no token)")
+    _add_metrics_args(p)
     _add_security_args(p, member=True)
     p.set_defaults(func=cmd_worker)
 
@@ -397,11 +401,7 @@ def _p_router(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", default="", metavar="ADDRS", help="comma-separated colocated worker addresses")
     p.add_argument("--host", default=DEFAULT_HOST, help="address to bind")
     p.add_argument("--port", type=int, default=ROUTER_PORT, help="the public gRPC port")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none, no endpoint)")
-    p.add_argument("--metrics-token-file", default=None, metavar="FILE",
-                   help="scrapes of /metrics must send this file's token as `Authorization: Bearer TOKEN` "
-                        "(default: $PDSERVE_METRICS_TOKEN, else no token)")
+    _add_metrics_args(p)
     add_router_args(p)
     _add_security_args(p, router=True, member=True)
     p.set_defaults(func=cmd_router)
