@@ -16,7 +16,7 @@ A reservation holds blocks for the whole sequence (the blocks this pool already 
 computed are shared, not shipped). Its lease lapses after ``idle_s`` without progress (a
 received block, or a heartbeat from the prefill side) and can never outlive ``max_s``. Any
 refused block fails the request at once. Every path that ends a handle frees its blocks here,
-through the engine, and remembers why (bounded), so a later ``admit`` gets a clear error.
+through the pool, and remembers why (bounded), so a later ``admit`` gets a clear error.
 
 A block is checked exactly once, by ``accept``: the caller's transfer token, the block's
 index, its chain hash (recomputed from the reserved tokens), its layout against this pool,
@@ -25,9 +25,17 @@ its CRC-32. Received blocks get prefix-cache keys only when the whole request is
 Tensor-parallel layouts. A block may arrive as pieces, each carrying KV heads
 [head_start, head_end) (a prefill worker with TP=p ships each rank's heads as they are held);
 each piece is checked as above, may not repeat a head already received, and is written
-through ``runner.write_block``, which gives each of this worker's ranks the heads it holds
+through the pool's ``write`` (the runner's ``write_block``), which gives each of this worker's ranks the heads it holds
 (re-sharding happens here, not in the model). A block is complete once every head arrived, so
 any prefill layout feeds any decode layout.
+
+The engine calls the connector at fixed points and never reads its tables: ``on_add`` (a
+request queued), ``on_chunk`` / ``on_first_token`` (a prompt chunk computed, the first token
+sampled: the producer exports, and on the first token keeps the sequence's blocks pinned),
+``owns``, ``abort``, ``fail_all``, ``expire`` and ``stats``. The worker's role picks the side once,
+at construction: "prefill" installs the producer hooks, "decode" paces its local prompts by the
+engine's learned step costs, "both" does neither (every role may reserve and receive).
+Blocks are reached only through a :class:`engine.kv_pool.KVBlockPool`.
 
 Thread safety: the public methods take the engine's (re-entrant) lock, which the engine
 thread holds only between forward passes, so transports call in from any thread and never
@@ -44,15 +52,13 @@ import warnings
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+import threading
+from typing import Callable
 
 import torch
 
-from engine.block_manager import salt_root, transfer_block_hashes
+from engine.kv_pool import KVBlockPool
 from engine.sequence import Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
 
 MAX_REMEMBERED_FAILURES = 1024
 
@@ -65,7 +71,7 @@ def _locked(method: Callable) -> Callable:
     """Run the method under the owning engine's (re-entrant) lock."""
     @functools.wraps(method)
     def wrapper(self: "KVConnector", *args, **kwargs):
-        with self.engine.lock:
+        with self.lock:
             return method(self, *args, **kwargs)
     return wrapper
 
@@ -134,7 +140,6 @@ class ReceiveHandle:
     deadline: float                 # lease cap (monotonic)
     expires_at: float               # idle lapse (monotonic)
     state: HandoffState = HandoffState.RESERVED
-    received_bytes: int = 0
     heads: dict[int, int] = field(default_factory=dict)   # block index -> bit mask of KV heads received
 
     @property
@@ -158,12 +163,16 @@ class Failure:
 
 
 class KVConnector:
-    """Owned by an LLMEngine; see the module docstring."""
+    """Owned by an LLMEngine; see the module docstring. lock: the engine's (re-entrant) lock."""
 
-    def __init__(self, engine: "LLMEngine", lease: LeasePolicy | None = None) -> None:
-        self.engine = engine
+    def __init__(self, pool: KVBlockPool, lock: threading.RLock, role: str = "both",
+                 lease: LeasePolicy | None = None) -> None:
+        self.pool = pool
+        self.lock = lock
         self.lease = lease or LeasePolicy()
-        self.block_size = engine.config.block_size
+        self.block_size = pool.block_size
+        self.exports = role == "prefill"              # producer hooks: export, pin until delivered
+        self.paces_local_prompts = role == "decode"   # a local prompt's chunk fits beside decodes
         self.receiving: dict[str, ReceiveHandle] = {}
         self.sending: dict[str, SendHandle] = {}
         self.failures: OrderedDict[str, Failure] = OrderedDict()
@@ -172,17 +181,53 @@ class KVConnector:
         self.on_change: Callable[[str, HandoffState], None] | None = None
         self.on_block: Callable[[int], None] | None = None
 
-    # ---- shared ----------------------------------------------------------------------
+    # ---- the engine's hooks ---------------------------------------------------------------
+    def owns(self, request_id: str) -> bool:
+        """The request is being received or its blocks are held for sending."""
+        return request_id in self.receiving or request_id in self.sending
+
+    def on_add(self, seq: Sequence) -> None:
+        """A request was queued for a local prefill."""
+        if self.exports:
+            self.sending[seq.request_id] = SendHandle(seq)
+
+    def on_drop(self, request_id: str) -> None:
+        """The engine ended a sequence it schedules (it frees the blocks)."""
+        self.sending.pop(request_id, None)
+
+    def on_chunk(self, seq: Sequence) -> list[int] | None:
+        """A prompt chunk was computed: the blocks exportable now (None: nothing is exported)."""
+        return self._export(seq, final=False) if self.exports else None
+
+    def on_first_token(self, seq: Sequence) -> list[int] | None:
+        """The prompt is computed and its next token sampled. The producer exports the rest and
+        keeps the blocks pinned until ``release``: returns the blocks exportable now, and the
+        engine ends the sequence without freeing them. None: the sequence goes on decoding here."""
+        if not self.exports:
+            return None
+        ready = self._export(seq, final=True)
+        self.sending[seq.request_id].pinned_until = time.monotonic() + self.lease.max_s
+        return ready
+
     @_locked
-    def forget(self, request_id: str) -> Sequence | None:
-        """Drop whatever hand-off state the request has (the engine frees its blocks)."""
-        handle = self.receiving.pop(request_id, None)
-        if handle is not None:
-            return handle.seq
-        send = self.sending.pop(request_id, None)
-        if send is not None and send.pinned_until is not None:
-            return send.seq
-        return None
+    def abort(self, request_id: str) -> bool:
+        """A request the engine does not schedule: fail its reception or drop its pin (blocks freed)."""
+        if request_id in self.receiving:
+            return self.fail(request_id, "ABORTED", f"request {request_id!r} was aborted")
+        return self.release(request_id)
+
+    @_locked
+    def fail_all(self, code: str, message: str) -> None:
+        """Every reception fails and every pin is dropped (the worker cannot step again)."""
+        for rid in list(self.receiving):
+            self.fail(rid, code, message)
+        for rid in list(self.sending):
+            self.release(rid)
+
+    @_locked
+    def stats(self) -> dict[str, int]:
+        return {"num_reserved": len(self.receiving),
+                "num_pinned": sum(1 for h in self.sending.values() if h.pinned_until is not None)}
 
     @_locked
     def expire(self, now: float | None = None) -> list[str]:
@@ -194,7 +239,7 @@ class KVConnector:
             self._end(h, HandoffState.EXPIRED, "DEADLINE_EXCEEDED", f"reservation of {h.request_id!r} expired ({why})")
         stale = [s for s in self.sending.values() if s.pinned_until is not None and now >= s.pinned_until]
         for s in stale:
-            self.engine._release_blocks(self.sending.pop(s.seq.request_id).seq)
+            self.pool.free(self.sending.pop(s.seq.request_id).seq)
         return [h.request_id for h in lapsed] + [s.seq.request_id for s in stale]
 
     def failure(self, request_id: str) -> Failure | None:
@@ -209,7 +254,8 @@ class KVConnector:
     def _end(self, handle: ReceiveHandle, state: HandoffState, code: str, message: str) -> None:
         handle.state = state
         self.receiving.pop(handle.request_id, None)
-        self.engine._drop(handle.seq, "abort")
+        handle.seq.status, handle.seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        self.pool.free(handle.seq)
         self._remember(handle.request_id, Failure(code, message))
         self._notify(handle.request_id, state)
 
@@ -218,10 +264,7 @@ class KVConnector:
             self.on_change(request_id, state)
 
     # ---- producer (prefill role) --------------------------------------------------------
-    def track(self, seq: Sequence) -> None:
-        self.sending[seq.request_id] = SendHandle(seq)
-
-    def export(self, seq: Sequence, final: bool) -> list[int]:
+    def _export(self, seq: Sequence, final: bool) -> list[int]:
         """Block indices completed since the last export (a final export includes the partial tail)."""
         handle = self.sending[seq.request_id]
         bs = self.block_size
@@ -230,14 +273,6 @@ class KVConnector:
         handle.exported = max(handle.exported, done)
         return ready
 
-    def pin(self, seq: Sequence) -> None:
-        """The prompt is computed: keep its blocks until release() (or the lease cap)."""
-        self.sending[seq.request_id].pinned_until = time.monotonic() + self.lease.max_s
-
-    def is_pinned(self, request_id: str) -> bool:
-        handle = self.sending.get(request_id)
-        return handle is not None and handle.pinned_until is not None
-
     @_locked
     def release(self, request_id: str) -> bool:
         """The pinned blocks were delivered (or will not be): they fall back to the prefix cache."""
@@ -245,32 +280,35 @@ class KVConnector:
         if handle is None or handle.pinned_until is None:
             return False
         del self.sending[request_id]
-        self.engine._release_blocks(handle.seq)
+        self.pool.free(handle.seq)
         return True
 
     @_locked
     def read_blocks(self, request_id: str, block_indices: list[int]) -> torch.Tensor:
         table = self.sending[request_id].seq.block_table
-        return self.engine.runner.read_blocks([table[i] for i in block_indices])
+        return self.pool.read([table[i] for i in block_indices])
 
     @_locked
-    def read_block_pieces(self, request_id: str, block_indices: list[int]) -> list[tuple[int, int, torch.Tensor]]:
+    def read_block_pieces(self, request_id: str,
+                          block_indices: list[int]) -> list[tuple[int, int, torch.Tensor]] | None:
         """The blocks as the ranks hold them: (head_start, head_end, [n, *block shape with those heads])
-        per distinct tensor-parallel slice; one piece with every head without tensor parallelism."""
-        table = self.sending[request_id].seq.block_table
-        return self.engine.runner.read_block_pieces([table[i] for i in block_indices])
+        per distinct tensor-parallel slice; one piece with every head without tensor parallelism.
+        None when the request's blocks are not held for sending (it was aborted)."""
+        handle = self.sending.get(request_id)
+        if handle is None:
+            return None
+        return self.pool.read_pieces([handle.seq.block_table[i] for i in block_indices])
 
     # ---- consumer (decode role) ---------------------------------------------------------
     @_locked
     def reserve(self, seq: Sequence, lease_s: float | None = None, reserve_blocks: int = 0) -> Reservation:
         """Allocate blocks for the whole sequence; raises NoFreeBlocks."""
-        bm = self.engine.block_manager
-        cached = bm.allocate(seq, max_cached_tokens=seq.num_tokens, receiving=True, reserve_blocks=reserve_blocks)
+        cached = self.pool.allocate_for_receive(seq, reserve_blocks=reserve_blocks)
         seq.status = SequenceStatus.RECEIVING
         seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
         seq.first_scheduled_time = time.monotonic()
         bs = self.block_size
-        hashes = transfer_block_hashes(seq.token_ids, bs, salt_root(seq.params.cache_salt))
+        hashes = self.pool.transfer_hashes(seq)
         first_needed = cached // bs
         idle = min(lease_s, self.lease.idle_s) if lease_s else self.lease.idle_s
         now = time.monotonic()
@@ -314,18 +352,18 @@ class KVConnector:
         handle = self._handle(meta.request_id, token)
         if handle.state not in (HandoffState.RESERVED, HandoffState.RECEIVING):
             raise HandoffError("FAILED_PRECONDITION", f"request {meta.request_id!r} is {handle.state.value}")
-        runner = self.engine.runner
+        pool = self.pool
         try:
             if meta.block_index not in handle.needed:
                 raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r} was not requested "
                                                 f"or already received")
             if handle.hashes[meta.block_index] != meta.block_hash:
                 raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r}: chain hash mismatch")
-            n_layers, _, _, n_heads, _ = runner.block_shape
+            n_layers, _, _, n_heads, _ = pool.block_shape
             start, end = self._head_range(meta, n_heads)
-            shape = list(runner.block_shape)
+            shape = list(pool.block_shape)
             shape[3] = end - start
-            layout = (runner.kv_dtype_name, tuple(shape), runner.kv_bytes_per_block // n_heads * (end - start))
+            layout = (pool.dtype_name, tuple(shape), pool.bytes_per_block // n_heads * (end - start))
             got = (meta.dtype, tuple(meta.shape), meta.nbytes)
             if got != layout or (meta.layer_start, meta.layer_end) not in ((0, 0), (0, n_layers)):
                 raise HandoffError("DATA_LOSS", f"block layout {meta.dtype}{list(meta.shape)} ({meta.nbytes} bytes, "
@@ -354,21 +392,19 @@ class KVConnector:
         except HandoffError as exc:
             self._end(handle, HandoffState.FAILED, exc.code, str(exc))
             raise
-        runner = self.engine.runner
-        n_heads = runner.block_shape[3]
+        n_heads = self.pool.block_shape[3]
         start, end = self._head_range(meta, n_heads)
         with warnings.catch_warnings():   # a transport's read-only buffer: the pool copies from it
             warnings.simplefilter("ignore", UserWarning)
-            data = torch.frombuffer(view, dtype=runner.dtype).view(meta.shape)
+            data = torch.frombuffer(view, dtype=self.pool.dtype).view(meta.shape)
         # Re-sharding happens here: the runner writes each rank's share of these heads.
-        runner.write_block(handle.seq.block_table[meta.block_index], data, head_start=start)
+        self.pool.write(handle.seq.block_table[meta.block_index], data, head_start=start)
         got = handle.heads.get(meta.block_index, 0) | _head_mask(start, end)
         if got == _head_mask(0, n_heads):
             handle.heads.pop(meta.block_index, None)
             handle.needed.discard(meta.block_index)
         else:
             handle.heads[meta.block_index] = got
-        handle.received_bytes += meta.nbytes
         if self.on_block is not None:
             self.on_block(meta.nbytes)
         handle.state = HandoffState.RECEIVING
@@ -423,7 +459,3 @@ class KVConnector:
                                f"request {request_id!r} still misses blocks {sorted(handle.needed)[:8]}")
         del self.receiving[request_id]
         return handle.seq
-
-    @property
-    def num_reserved_blocks(self) -> int:
-        return sum(len(h.seq.block_table) for h in self.receiving.values())

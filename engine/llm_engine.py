@@ -1,11 +1,11 @@
-"""The step-level engine every worker role drives.
+"""The step-level engine every worker role drives; it has no role of its own.
 
-role "both":    prompts are prefilled and decoded here (offline LLM, colocated worker).
-role "prefill": a prompt is prefilled and its next token sampled; its blocks are exported
-                chunk by chunk and stay pinned until released (see kv_connector).
-role "decode":  reserve() blocks for a sequence whose KV arrives from elsewhere, the KV
-                connector verifies and stores each block, admit() joins continuous batching.
-                Prompts added with add_request() are prefilled locally, as in "both".
+Prompts are prefilled and decoded here. What a role adds lives in the KV connector
+(engine/kv_connector.py), which the engine calls at fixed points: a prefill worker's connector
+exports each computed chunk and, once the first token is sampled, keeps the sequence's blocks
+pinned until release(); on a decode worker reserve() allocates blocks for a sequence whose KV
+arrives from elsewhere, the connector verifies and stores each block, and admit() joins the
+sequence to continuous batching.
 
 Concurrency: one lock guards the scheduler, the block pool and the hand-off state. step()
 holds it while it schedules and while it applies the results, never during the forward
@@ -27,6 +27,7 @@ from engine.block_manager import BlockManager, NoFreeBlocks
 from engine.parallel import RankFailure
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnector, LeasePolicy, Reservation
+from engine.kv_pool import KVBlockPool
 from engine.kv_events import KVEventBatch, KVEventLog
 from engine.logprobs import TokenLogprob, logprob_of
 from engine.model_config import ModelConfig
@@ -80,12 +81,12 @@ class LLMEngine:
         # decode-only steps, by sequences: a slope over a spread of a sequence or two needs more steps
         self.decode_step_cost = StepCost(decay=DECODE_FIT_DECAY, min_spread=MIN_SPREAD_SEQS)
         self.scheduler = Scheduler(config, self.block_manager)
-        self._learn_prompt_chunk = config.prompt_tokens_with_decodes is None and config.role == "decode"
-        self.kv = KVConnector(self, lease)
+        self.lock = threading.RLock()
+        self.kv = KVConnector(KVBlockPool(self.block_manager, self.runner), self.lock, config.role, lease)
+        self._learn_prompt_chunk = config.prompt_tokens_with_decodes is None and self.kv.paces_local_prompts
         self.requests: dict[str, Sequence] = {}     # sequences the scheduler holds
         self.trace: deque[StepTrace] = deque(maxlen=trace_limit)
         self.num_steps = 0
-        self.lock = threading.RLock()
 
     # ---- validation -------------------------------------------------------------
     def validate_request(self, prompt_token_ids: Seq[int], params: SamplingParams,
@@ -98,7 +99,7 @@ class LLMEngine:
 
     def _new_sequence(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                       output_token_ids: Seq[int]) -> Sequence:
-        if request_id in self.requests or request_id in self.kv.receiving or request_id in self.kv.sending:
+        if request_id in self.requests or self.kv.owns(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params, output_token_ids)
         return Sequence(request_id, [*prompt_token_ids, *output_token_ids], params,
@@ -112,8 +113,7 @@ class LLMEngine:
         with self.lock:
             seq = self._new_sequence(request_id, prompt_token_ids, params, output_token_ids)
             self.requests[request_id] = seq
-            if self.config.role == "prefill":
-                self.kv.track(seq)
+            self.kv.on_add(seq)
             self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -121,20 +121,14 @@ class LLMEngine:
         with self.lock:
             seq = self.requests.get(request_id)
             if seq is not None:
-                self.kv.sending.pop(request_id, None)
                 self._drop(seq, "abort")
                 return True
-            if request_id in self.kv.receiving:
-                return self.kv.fail(request_id, "ABORTED", f"request {request_id!r} was aborted")
-            return self.kv.release(request_id)
+            return self.kv.abort(request_id)
 
     def _fail_everything(self) -> None:
         for rid in list(self.requests):
             self.abort(rid)
-        for rid in list(self.kv.receiving):
-            self.kv.fail(rid, "UNAVAILABLE", "a tensor-parallel rank of this worker died")
-        for rid in list(self.kv.sending):
-            self.kv.release(rid)
+        self.kv.fail_all("UNAVAILABLE", "a tensor-parallel rank of this worker died")
 
     def check_ranks(self) -> None:
         """Between steps: raise RankFailure, after failing every request and freeing its blocks, if a
@@ -155,15 +149,15 @@ class LLMEngine:
 
     def _drop(self, seq: Sequence, reason: str) -> None:
         """End a sequence: out of the scheduler, blocks freed (after its forward pass, if one is running)."""
-        self.scheduler.remove(seq)
-        self.requests.pop(seq.request_id, None)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        self._end(seq, reason)
+        self.kv.on_drop(seq.request_id)
         if not seq.in_flight:
             self.block_manager.free(seq)
 
-    def _release_blocks(self, seq: Sequence) -> None:
-        if not seq.in_flight:
-            self.block_manager.free(seq)
+    def _end(self, seq: Sequence, reason: str | None) -> None:
+        self.scheduler.remove(seq)
+        self.requests.pop(seq.request_id, None)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def prompt_chunk_with_decodes(self) -> int:
         """A decode worker's prompt chunk while sequences decode (a prompt the router had it
@@ -221,22 +215,25 @@ class LLMEngine:
     def _apply(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
-        prefill_role = self.config.role == "prefill"
         for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, tokens):
             if seq.status is SequenceStatus.FINISHED:
                 continue
             seq.num_computed_tokens += n
             self.block_manager.mark_computed(seq)
             if tok is None:
-                if prefill_role:
+                ready = self.kv.on_chunk(seq)
+                if ready is not None:
                     outputs.append(RequestOutput(seq.request_id, [], False, None, seq.num_prompt_tokens,
-                                                 seq.num_cached_tokens, ready_blocks=self.kv.export(seq, final=False)))
+                                                 seq.num_cached_tokens, ready_blocks=ready))
                 continue
             logprob, tok = logprob_of(tok), int(tok)
             seq.token_ids.append(tok)
             reason = self._stop_reason(seq, tok)
-            if prefill_role:
-                out = self._finish_prefill(seq, tok, reason)
+            ready = self.kv.on_first_token(seq)
+            if ready is not None:   # the connector holds the blocks now: the sequence ends here
+                self._end(seq, reason)
+                out = RequestOutput(seq.request_id, [tok], reason is not None, reason, seq.num_prompt_tokens,
+                                    seq.num_cached_tokens, prefill_done=True, ready_blocks=ready)
             else:
                 if reason is not None:
                     self._drop(seq, reason)
@@ -260,23 +257,12 @@ class LLMEngine:
             return "length"
         return None
 
-    # ---- prefill role -----------------------------------------------------------
-    def _finish_prefill(self, seq: Sequence, tok: int, reason: str | None) -> RequestOutput:
-        """The sequence's KV is complete and its next token sampled: pin its blocks for export."""
-        self.scheduler.remove(seq)
-        self.requests.pop(seq.request_id, None)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        ready = self.kv.export(seq, final=True)
-        self.kv.pin(seq)
-        return RequestOutput(seq.request_id, [tok], reason is not None, reason, seq.num_prompt_tokens,
-                             seq.num_cached_tokens, prefill_done=True, ready_blocks=ready)
-
+    # ---- the KV hand-off (engine/kv_connector.py) ------------------------------------------
     def release(self, request_id: str) -> bool:
         """Prefill role: the pinned blocks were delivered; they fall back to the prefix cache."""
         with self.lock:
             return self.kv.release(request_id)
 
-    # ---- decode role ----------------------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                 output_token_ids: Seq[int] = (), lease_s: float | None = None) -> Reservation:
         """Reserve blocks for the sequence (prompt + tokens already generated) whose KV arrives
@@ -330,8 +316,7 @@ class LLMEngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting),
-                "num_reserved": len(self.kv.receiving),
-                "num_pinned": sum(1 for h in self.kv.sending.values() if h.pinned_until is not None),
+                **self.kv.stats(),
                 "num_queued_prompt_tokens": self.scheduler.num_queued_prompt_tokens,
             }
 

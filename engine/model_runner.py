@@ -18,7 +18,7 @@ from engine.layers.sampler import Sampler
 from engine.loader import load_weights
 from engine.model_config import ModelConfig
 from engine.models import MODEL_CLASSES
-from engine.parallel import TPGroup, TPLayout, check_divisible
+from engine.parallel import RankProcesses, TPGroup, TPLayout, check_divisible
 from engine.scheduler import ScheduledBatch
 from engine.step_plan import OP_READ_KV, OP_WRITE_KV, StepPlan
 
@@ -53,9 +53,8 @@ class ModelRunner:
         dtype_name = model_config.torch_dtype if config.dtype == "auto" else config.dtype
         self.dtype = TORCH_DTYPES.get(dtype_name, torch.float32)        # checkpoint / KV cache dtype
         self.compute_dtype = self._compute_dtype()
-        self.ranks = None   # engine.tp_rank.RankProcesses on a tensor-parallel driver
+        self.ranks = None   # RankProcesses on a tensor-parallel driver
         if group is None and tp_size > 1:   # the ranks compute in the dtype chosen here
-            from engine.tp_rank import RankProcesses   # (it is also the rank processes' __main__)
             compute = str(self.compute_dtype).removeprefix("torch.")
             self.ranks = RankProcesses(dataclasses.replace(config, compute_dtype=compute), self.device)
             group = self.ranks.group

@@ -59,7 +59,3 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         return self.num_pending_tokens > 1
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED

@@ -151,9 +151,6 @@ class AsyncEngine:
         self.status_changed()
         return found
 
-    def wake(self) -> None:
-        self._wake.set()
-
     # ---- KV hand-off ------------------------------------------------------------------
     async def wait_kv(self, request_id: str, timeout: float) -> HandoffState | None:
         """Wait until the request's KV is READY, or its hand-off ended (FAILED / EXPIRED / gone: None)."""
@@ -246,9 +243,7 @@ class AsyncEngine:
         results = []
         with self.engine.lock:
             for out in outputs:
-                blocks = None
-                if out.ready_blocks and out.request_id in self.engine.kv.sending:
-                    blocks = self.engine.kv.read_block_pieces(out.request_id, out.ready_blocks)
+                blocks = self.engine.kv.read_block_pieces(out.request_id, out.ready_blocks) if out.ready_blocks else None
                 results.append(StepResult(out, blocks))
         return results
 

@@ -1,0 +1,117 @@
+"""Scheduler (engine/scheduler.py), pure Python: a real block manager, no model, no forward pass."""
+from __future__ import annotations
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, StepKind
+from engine.sequence import Sequence, SequenceStatus
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+def make(policy: str = "mixed", blocks: int = 64, budget: int = 8, max_seqs: int = 8,
+         with_decodes: int | None = None) -> Scheduler:
+    config = EngineConfig(model="none", block_size=4, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                          schedule_policy=policy, prompt_tokens_with_decodes=with_decodes)
+    return Scheduler(config, BlockManager(blocks, 4))
+
+
+def seq(rid: str, n: int, base: int = 0) -> Sequence:
+    return Sequence(rid, [base + i for i in range(n)], PARAMS)
+
+
+def run(s: Scheduler) -> list[tuple[str, int]]:
+    """One step as the engine applies it: tokens computed, a token sampled at each prompt's end."""
+    batch = s.schedule()
+    assert batch is not None
+    for q, n in zip(batch.seqs, batch.num_new_tokens):
+        q.num_computed_tokens += n
+        s.block_manager.mark_computed(q)
+        if not q.is_prefilling:
+            q.token_ids.append(1)
+    return [(q.request_id, n) for q, n in zip(batch.seqs, batch.num_new_tokens)]
+
+
+def test_chunked_prefill_under_the_budget() -> None:
+    s = make(budget=8)
+    s.add(seq("a", 20))
+    assert [run(s) for _ in range(3)] == [[("a", 8)], [("a", 8)], [("a", 4)]]
+    assert s.running[0].num_computed_tokens == 20 and s.running[0].num_output_tokens == 1
+
+
+def test_continuous_batching_admits_new_work_into_a_running_batch() -> None:
+    s = make(budget=16)
+    s.add(seq("a", 4))
+    assert run(s) == [("a", 4)]
+    s.add(seq("b", 6, base=100))
+    assert run(s) == [("a", 1), ("b", 6)]          # mixed: a's decode and b's prompt in one step
+    assert s.last_kind is StepKind.MIXED
+    assert run(s) == [("a", 1), ("b", 1)]
+    assert s.last_kind is StepKind.DECODE
+
+
+def test_max_num_seqs_keeps_the_rest_waiting() -> None:
+    s = make(budget=64, max_seqs=2)
+    for i in range(3):
+        s.add(seq(f"r{i}", 4, base=10 * i))
+    assert [rid for rid, _ in run(s)] == ["r0", "r1"]
+    assert [q.request_id for q in s.waiting] == ["r2"]
+
+
+def policy_steps(policy: str) -> list[str]:
+    """A sequence decodes; a 16-token prompt arrives under an 8-token budget: each step's contents."""
+    s = make(policy, budget=8)
+    s.add(seq("d", 4))
+    run(s)
+    s.add(seq("p", 16, base=50))
+    steps = []
+    while s.waiting or any(q.is_prefilling for q in s.running):
+        contents = run(s)
+        steps.append(s.last_kind.value + ":" + ",".join(f"{r}{n}" for r, n in contents))
+    return steps
+
+
+def test_each_policy_step_contents() -> None:
+    assert policy_steps("mixed") == ["mixed:d1,p7", "mixed:d1,p7", "mixed:d1,p2"]
+    assert policy_steps("prefill_first") == ["prefill:p8", "prefill:p8"]
+    # the step before was d's prompt: decoders get a step after each prompt step
+    assert policy_steps("interleave") == ["decode:d1", "prefill:p8", "decode:d1", "prefill:p8"]
+
+
+def test_prompt_tokens_with_decodes_caps_a_mixed_step() -> None:
+    s = make(budget=16, with_decodes=4)
+    s.add(seq("d", 4))
+    run(s)
+    s.add(seq("p", 16, base=50))
+    assert run(s) == [("d", 1), ("p", 4)]
+
+
+def test_recompute_preemption_frees_the_youngest_and_requeues_it_first() -> None:
+    s = make(budget=64, blocks=5)
+    s.add(seq("old", 8))
+    s.add(seq("young", 8, base=100))
+    run(s)                                           # both prompts fill 2 blocks each, 1 left
+    assert s.block_manager.num_free_blocks == 1
+    batch = s.schedule()                             # old's 9th token takes the last block: young goes
+    assert [q.request_id for q in batch.seqs] == ["old"]
+    young = s.waiting[0]
+    assert young.request_id == "young" and young.status is SequenceStatus.WAITING
+    assert young.num_computed_tokens == 0 and young.block_table == []
+    assert s.num_preemptions == 1
+    assert s.trace(1, batch).preempted == ["young"]
+
+
+def test_watermark_holds_admission_back_while_others_run() -> None:
+    s = make(budget=1024, blocks=200)                # watermark: 200 // 100 = 2 blocks
+    assert s.watermark_blocks == 2
+    s.add(seq("a", 4 * 190 - 1))
+    run(s)
+    assert s.block_manager.num_free_blocks == 10
+    s.add(seq("b", 4 * 9, base=9999))                # would leave 1 < 2 free: not admitted
+    assert [rid for rid, _ in run(s)] == ["a"]
+    assert [q.request_id for q in s.waiting] == ["b"]
+    a = s.running[0]
+    s.remove(a)
+    s.block_manager.free(a)                          # nothing runs: the watermark does not apply
+    assert [rid for rid, _ in run(s)] == ["b"]
