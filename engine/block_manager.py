@@ -245,3 +245,6 @@ class BlockManager:
                 break
             held.append(h)
         return held
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
