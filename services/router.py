@@ -67,10 +67,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     # ---- RPCs -----------------------------------------------------------------
     async def GetModelInfo(self, request, context):
         eos = self.model_config.eos_token_ids
-        block_sizes = [w.status.block_size for w in self.pool.workers if w.status is not None]
         return router_pb2.ModelInfo(
             model_name=self.options.model, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
-            eos_token_id=eos[0] if eos else 0, block_size=block_sizes[0] if block_sizes else 0,
+            eos_token_id=eos[0] if eos else 0, block_size=self.pool.block_size,
             num_prefill_workers=len(self.pool.of_role("prefill")) + len(self.pool.of_role("both")),
             num_decode_workers=len(self.pool.of_role("decode")) + len(self.pool.of_role("both")))
 

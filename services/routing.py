@@ -71,10 +71,7 @@ class Placement:
 
     @property
     def block_size(self) -> int:
-        for w in self.pool.workers:
-            if w.status is not None and w.status.block_size:
-                return w.status.block_size
-        return 0
+        return self.pool.block_size
 
     def describe(self) -> str:
         text = f"routing {self.routing}, disaggregation {self.disaggregation}"

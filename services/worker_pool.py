@@ -115,6 +115,11 @@ class WorkerPool:
     def colocated(self) -> bool:
         return any(w.role == "both" for w in self.workers)
 
+    @property
+    def block_size(self) -> int:
+        """The deployment's KV block size, as its workers report it (their EngineConfig's); 0 before any has."""
+        return next((w.status.block_size for w in self.workers if w.status is not None and w.status.block_size), 0)
+
     def of_role(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers if w.role == role]
 

@@ -159,6 +159,6 @@ def test_the_checker_sees_cycles_and_upward_imports(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     g = _graph_without_self_packages()
-    print("cycles:", *(" <-> ".join(c) for c in cycles(g)) or ["none"], sep="\n  ")
+    print("cycles:", *[" <-> ".join(c) for c in cycles(g)] or ["none"], sep="\n  ")
     print("upward imports:", *upward_imports(import_graph()) or ["none"], sep="\n  ")
     print("oversized:", *oversized_modules() or ["none"], sep="\n  ")

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from engine.settings import ENV
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SETUPS = {"colocated": ["--colocated-workers", "1"], "disaggregated": ["--prefill-workers", "1", "--decode-workers", "1"]}
 COUNTERS = ("process_cpu_seconds_total", "pdserve:engine_step_cpu_seconds_total", "pdserve:engine_step_seconds_count",
@@ -101,7 +103,7 @@ def _run_setup(setup: str, model: str, engine_args: list[str], loads: dict[str, 
     base = port + 1
     cmd = [sys.executable, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--metrics-port-base", str(base), *SETUPS[setup], *engine_args]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + (ENV.PYTHONPATH.raw() or "")}
     with open(log_path, "w") as log:
         popen = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
