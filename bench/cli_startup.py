@@ -10,7 +10,7 @@
 
     python bench/cli_startup.py [--router HOST:PORT] [--runs 5] [--json out.json]
 
-Each run is a fresh process (the console script on PATH, else ``python -m services.entry``), so
+Each run is a fresh process (the console script on PATH, else ``python -m services.cli.entry``), so
 imports count as a user pays them. Measure on a quiet machine: on a shared one the numbers are
 the neighbours' as much as pdserve's.
 """
@@ -36,7 +36,7 @@ RUN_TIMEOUT_S = 120.0
 
 def pdserve_command() -> list[str]:
     exe = shutil.which("pdserve")
-    return [exe] if exe else [sys.executable, "-m", "services.entry"]
+    return [exe] if exe else [sys.executable, "-m", "services.cli.entry"]
 
 
 def timed_run(argv: list[str]) -> tuple[float | None, float, int, str]:
@@ -87,13 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be >= 1")
-    from services.launcher import free_port
+    from services.deployment.launcher import free_port
 
     cmd = pdserve_command()
     cluster = None
     if args.router is None:
         from engine.model_maker import ensure_default_model
-        from services.launcher import Cluster, Deployment
+        from services.deployment.launcher import Cluster, Deployment
         cluster = Cluster(Deployment(model=str(ensure_default_model()), port=free_port()))
         print("starting a 1P1D deployment of the default model ...", file=sys.stderr, flush=True)
         cluster.start()

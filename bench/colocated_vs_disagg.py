@@ -54,7 +54,7 @@ def start_up(model: str, setup: str, port: int, threads: int, engine_args: list[
 
 def run_setup(setup: str, args: argparse.Namespace, model: str, out_dir: Path) -> dict[str, Any]:
     from services.loadtest.serve import main as bench_main
-    from services.launcher import free_port, wait_serving
+    from services.deployment.launcher import free_port, wait_serving
 
     port = free_port()
     threads = args.colocated_threads if setup == "colocated" and args.colocated_threads else args.threads

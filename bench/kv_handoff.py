@@ -103,7 +103,7 @@ async def handoff_seconds(address: str, token: str, tokens: int, iters: int, shm
     from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
     from services.kv_transfer import GrpcKVSender, KVBlock
     from services.security import Credentials
-    from services.server import options
+    from services.grpc_setup import options
 
     creds = Credentials(token)
     sender = GrpcKVSender(lambda a: creds.channel(a, options(), attach_token=False), proof=creds.call_proof,
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args(argv)
 
-    from services.launcher import free_port, wait_serving
+    from services.deployment.launcher import free_port, wait_serving
     from services.security import CLUSTER_TOKEN_ENV, Credentials, new_token
     if args.model is None:
         from engine.model_maker import ensure_model

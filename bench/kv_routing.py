@@ -12,7 +12,7 @@
    p50/p99 of the short prompts, ITL p50/p99, how many prompts were prefilled locally, and the
    learned local-prefill threshold (the router's /metrics, sampled through the run).
 
-Each setup is a fresh deployment (``services.launcher.Cluster``: real processes, real gRPC on
+Each setup is a fresh deployment (``services.deployment.launcher.Cluster``: real processes, real gRPC on
 127.0.0.1) with a few warm-up requests (the step costs are learned from them), then the same
 requests at the same Poisson arrival times. Model: the ``small`` qwen3 checkpoint, made once
 under ``$PDSERVE_HOME/models``. Example::
@@ -42,7 +42,7 @@ from engine.model_maker import ensure_model  # noqa: E402
 from services.loadtest.datasets import DatasetOptions, SampleRequest, sample_requests  # noqa: E402
 from services.loadtest.results import RequestResult, Sampling  # noqa: E402
 from services.loadtest.run import run_load  # noqa: E402
-from services.launcher import Cluster, Deployment, free_port  # noqa: E402
+from services.deployment.launcher import Cluster, Deployment, free_port  # noqa: E402
 from tests.serving import scrape  # noqa: E402
 
 THRESHOLD_METRIC = "pdserve:router_local_prefill_threshold_tokens"

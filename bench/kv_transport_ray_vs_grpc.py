@@ -68,7 +68,7 @@ class DecodeActor:
         from services.kv_transfer import shared_memory
         from services.kv_transfer.ray_transport import RayKVReceiver
         from services.security import Credentials
-        from services.server import start_server
+        from services.grpc_setup import start_server
 
         torch.set_num_threads(1)
         self.engine = LLMEngine(EngineConfig(model=model, role="decode", num_kv_blocks=num_kv_blocks, num_threads=1))
@@ -128,7 +128,7 @@ class PrefillActor:
         from services.kv_transfer.grpc_transport import grpc_message_limit
         from services.kv_transfer.ray_transport import RayKVSender, ray_kv_address
         from services.security import Credentials
-        from services.server import options
+        from services.grpc_setup import options
 
         torch.set_num_threads(1)
         self.decode = decode

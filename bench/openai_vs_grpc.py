@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     runs = drivers.names(args.runs, RUNS, "run")
-    from services.launcher import free_port, wait_serving
+    from services.deployment.launcher import free_port, wait_serving
 
     model, out_dir = drivers.model_and_results(args, "openai-vs-grpc")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,

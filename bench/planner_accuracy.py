@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.planner.cost_model import CostModel
     from services.planner.plan import Workload, parse_slos, simulate
     from services.planner.simulator import Overheads
-    from services.launcher import free_port, wait_serving
+    from services.deployment.launcher import free_port, wait_serving
 
     model = drivers.model_dir(args.model)
     if args.profile_first:

@@ -203,7 +203,7 @@ def run_vllm_server_load(args: argparse.Namespace, rec: Record, model: str, wl_p
 
 def run_pdserve_load(args: argparse.Namespace, rec: Record, model: str, wl: dict[str, Any], wl_path: Path, tag: str,
                      generator: str) -> dict[str, Any]:
-    from services.launcher import wait_serving
+    from services.deployment.launcher import wait_serving
     port = free_port()
     http_port = free_port() if generator == "vllm" else None
     cmd = pdserve_up_command(sys.executable, model, port, args.pdserve_setup, args.threads,

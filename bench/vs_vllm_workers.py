@@ -45,7 +45,7 @@ def pdserve_offline_worker(argv: Sequence[str]) -> int:
     torch.set_num_threads(a.threads)
     from engine import LLM, SamplingParams
     from engine.config import EngineConfig
-    from services.config_cli import add_config_args, given   # the engine flags `pdserve up` forwards
+    from services.cli.config_flags import add_config_args, given   # the engine flags `pdserve up` forwards
     ep = argparse.ArgumentParser(prog="--pdserve-args")
     add_config_args(ep, EngineConfig, exclude=("model", "role"))
     eargs = ep.parse_args(shlex.split(a.pdserve_args))

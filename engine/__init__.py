@@ -6,8 +6,9 @@ and transformers with it.
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from engine.lazy_exports import lazy_getattr
 
 _EXPORTS = {"EngineConfig": "engine.config", "LLM": "engine.llm", "CompletionOutput": "engine.llm",
             "LLMEngine": "engine.llm_engine", "NoCapacity": "engine.llm_engine", "RequestOutput": "engine.llm_engine",
@@ -22,10 +23,4 @@ if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

@@ -3,7 +3,7 @@ registry of environment variables (``ENV``).
 
 A setting is a dataclass field whose metadata holds its help text (and, optionally, ``choices``,
 ``aliases``, ``metavar`` or ``cli=False``); the command-line flags are generated from these
-(services/config_cli.py), so each default is written once, where the field is declared.
+(services/cli/config_flags.py), so each default is written once, where the field is declared.
 This module imports nothing heavy: the CLI's ``--help`` reads it without torch.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ running sequence adds that fit's slope to every step, and a decode worker that h
 knows nothing of what a prompt token costs it (fitting its decode steps by tokens, through the
 origin, prices a prompt token at a whole step per sequence, 5-10x too high).
 
-The router turns these into the costs it routes by (services/cost_model.py): how long a
+The router turns these into the costs it routes by (services/router/cost_model.py): how long a
 prompt takes to prefill here, and how much a prompt chunk adds to the steps of the
 sequences decoding here (the inter-token latency inflation of a local prefill).
 """

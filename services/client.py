@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.settings import ENV
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.security import API_KEY_HEADER, metadata_interceptors
-from services.server import options as channel_options
+from services.grpc_setup import options as channel_options
 
 CONNECT_TIMEOUT_S = 5.0
 

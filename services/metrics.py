@@ -24,8 +24,8 @@ from services.security import read_secret
 
 if TYPE_CHECKING:
     from engine import LLMEngine, RequestOutput
-    from services.async_engine import StepTime
-    from services.routing import Placement
+    from services.workers.async_engine import StepTime
+    from services.router.placement import Placement
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)

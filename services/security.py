@@ -14,7 +14,7 @@ members of the deployment, and members trust only each other:
   process that took a member's port receives no token and hands no invented token to a user.
 - With TLS configured every channel is mutually authenticated against the deployment's CA too.
 - Health checks stay open and carry nothing secret (orchestrators probe them); at most
-  ``MAX_HEALTH_WATCHES`` Watch streams are open at once (services/server.py).
+  ``MAX_HEALTH_WATCHES`` Watch streams are open at once (services/grpc_setup.py).
 
 A refused call gets UNAUTHENTICATED before any validation or allocation. A role refuses to
 start without a token unless ``--insecure-no-auth`` is given, and then only on a loopback
@@ -356,7 +356,9 @@ def _refusing(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMe
 
 def _proving(handler: grpc.RpcMethodHandler | None, metadata: tuple[tuple[str, str], ...]
              ) -> grpc.RpcMethodHandler | None:
-    """The same handler, sending metadata (the server's proof) before anything else."""
+    """The same handler, sending metadata (the server's proof) before anything else, and again
+    in the trailers: grpcio's asyncio client can record a call that ends at once (an immediate
+    refusal) with empty initial metadata, and the proof in the trailers still vouches for its status."""
     if handler is None:
         return None
     kind = (handler.request_streaming, handler.response_streaming)
@@ -364,11 +366,13 @@ def _proving(handler: grpc.RpcMethodHandler | None, metadata: tuple[tuple[str, s
 
     if inspect.isasyncgenfunction(behavior):
         async def wrapped(request, context):
+            context.set_trailing_metadata(metadata)
             await context.send_initial_metadata(metadata)
             async for item in behavior(request, context):
                 yield item
     else:
         async def wrapped(request, context):
+            context.set_trailing_metadata(metadata)
             await context.send_initial_metadata(metadata)
             result = behavior(request, context)
             return await result if inspect.isawaitable(result) else result
@@ -407,8 +411,8 @@ async def checked_call(call: Any, proof: CallProof, method: str) -> Any:
         with contextlib.suppress(asyncio.TimeoutError, grpc.RpcError):
             await asyncio.wait_for(asyncio.shield(call.code()), UNPROVEN_STATUS_WAIT_S)
     code = await call.code() if call.done() else None
-    if code in _UNPROVEN_PASS:
-        return call
+    if code in _UNPROVEN_PASS or (code is not None and proof.verify(await call.trailing_metadata())):
+        return call   # no claim of its server, or a status its server vouched for in the trailers
     call.cancel()
     raise unproven_error(method, metadata, code)
 

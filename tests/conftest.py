@@ -90,7 +90,7 @@ def _starts_processes(obj, module: types.ModuleType, seen: set) -> bool:
 
 def _is_e2e(item: pytest.Item) -> bool:
     module = item.module
-    if Path(module.__file__).stem in _E2E_MODULES or Path(module.__file__).parent.name == "faults":
+    if Path(module.__file__).stem in _E2E_MODULES or Path(module.__file__).parent.name in ("faults", "e2e"):
         return True
     seen: set = set()
     if _starts_processes(item.function, module, seen):
@@ -204,22 +204,13 @@ _HF_CACHE: dict[tuple, list[list[int]]] = {}
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Hugging Face transformers greedy continuations in float32: the correctness oracle."""
+    """Hugging Face transformers greedy continuations in float32: the correctness oracle (cached)."""
     key = (model_dir, tuple(map(tuple, prompts)), max_new_tokens)
     if key not in _HF_CACHE:
         import torch
-        from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        # ignore_eos semantics: EOS may be generated but does not stop (min_new_tokens would ban it instead).
-        model.generation_config.eos_token_id = None
-        model.generation_config.pad_token_id = 0
-        outs = []
-        with torch.inference_mode():
-            for p in prompts:
-                ids = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)
-                outs.append(ids[0, len(p):].tolist())
-        _HF_CACHE[key] = outs
+        from services.loadtest.offline import hf_greedy as reference
+        _HF_CACHE[key] = reference(model_dir, prompts, max_new_tokens, torch.float32)
     return _HF_CACHE[key]
 
 

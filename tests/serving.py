@@ -7,7 +7,7 @@ import urllib.request
 import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.launcher import Cluster, Deployment, free_port
+from services.deployment.launcher import Cluster, Deployment, free_port
 
 TEST_ENGINE_ARGS = ["--block-size", "8", "--num-kv-blocks", "512", "--dtype", "float32"]
 

@@ -6,8 +6,7 @@ The names below load on first use, so a process that needs only ``shared_memory`
 supervisor of `pdserve up` removing a dead child's segments) does not import torch."""
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from engine.lazy_exports import lazy_getattr
 
 _WHERE = {
     **dict.fromkeys(("DEFAULT_FRAME_BYTES", "SUPPORTED_DTYPES", "KVBlock", "KVSender", "KVSink", "KVStream",
@@ -19,10 +18,4 @@ _WHERE = {
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _WHERE, globals())

@@ -459,6 +459,23 @@ class _Pending:
     filled: int = 0
 
 
+# A refused stream is read to its end (frames discarded, for at most this long) before its status
+# goes out: grpcio's asyncio client reports a write that meets an already-closed stream as
+# INTERNAL "Internal error from Core" and loses the server's status (grpc/grpc#36066), so a sender
+# still writing when the refusal came would see INTERNAL instead of NOT_FOUND / DATA_LOSS.
+REFUSAL_DRAIN_S = 0.5
+
+
+async def _drain(request_iterator: AsyncIterator[Frame], limit_s: float) -> None:
+    async def read_all() -> None:
+        async for _ in request_iterator:
+            pass
+    try:
+        await asyncio.wait_for(read_all(), limit_s)
+    except (asyncio.TimeoutError, grpc.RpcError, HandoffError, ValueError):
+        pass   # a sender that keeps writing, or frames that do not parse: the status goes out anyway
+
+
 class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
     """Reassembles blocks and hands them to the sink; the first refusal ends the call."""
 
@@ -528,6 +545,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
             return session.complete()
         except HandoffError as exc:
             session.fail(exc)
+            await _drain(request_iterator, REFUSAL_DRAIN_S)
             await context.abort(getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL), str(exc))
         except asyncio.CancelledError:
             session.cancelled()

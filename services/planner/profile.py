@@ -29,7 +29,7 @@ from typing import Any, Callable
 from engine.settings import pdserve_home, setting
 from services.planner.cost_model import CostModel, StepSample, step_features
 from services.planner.serving_costs import ServingCosts
-from services.topology import ENGINE_FIXED, UP_PER_PROCESS, WORKER_THREADS, flags_argv
+from services.deployment.topology import ENGINE_FIXED, UP_PER_PROCESS, WORKER_THREADS, flags_argv
 
 
 
@@ -190,7 +190,7 @@ def run_profile(engine_config, config: ProfileConfig, say: Callable[[str], None]
     model_json = json.loads((Path(engine_config.model) / "config.json").read_text())
     serving = ServingCosts()
     if config.serving:
-        from services.config_cli import config_to_argv
+        from services.cli.config_flags import config_to_argv
         from services.planner import serving_costs
         up_args = [*config_to_argv(engine_config, exclude=(*ENGINE_FIXED, *UP_PER_PROCESS)),
                    *flags_argv(threads_per_worker=engine_config.num_threads or WORKER_THREADS)]

@@ -96,7 +96,7 @@ async def _load(address: str, prompts: list[list[int]], max_tokens: int, concurr
 def _run_setup(setup: str, model: str, engine_args: list[str], loads: dict[str, list[list[int]]], max_tokens: int,
                concurrency: int, log_path: Path) -> dict[str, dict[str, dict[str, float]]]:
     """Start `pdserve up`, serve each load in turn; per load, each process's counter deltas."""
-    from services.launcher import wait_serving
+    from services.deployment.launcher import wait_serving
     from services.metrics import scrape_by_name
     names = ["router", *(["both-0"] if setup == "colocated" else ["prefill-0", "decode-0"])]
     port = _free_port_base(len(names) + 1)

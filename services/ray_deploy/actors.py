@@ -93,8 +93,8 @@ def _setup_logging() -> None:
 def worker_configs(spec: dict[str, Any], model: str):
     """(EngineConfig, WorkerConfig) from the spec's argv, parsed by the CLI's generated flags."""
     from engine import EngineConfig
-    from services.config_cli import configs_from_argv
-    from services.worker_config import WorkerConfig
+    from services.cli.config_flags import configs_from_argv
+    from services.workers.config import WorkerConfig
 
     engine, = configs_from_argv(spec.get("engine_args", []), (EngineConfig, ()), model=model, role=spec["role"])
     worker, = configs_from_argv(spec.get("worker_args", []), (WorkerConfig, ()))
@@ -103,10 +103,10 @@ def worker_configs(spec: dict[str, Any], model: str):
 
 def router_configs(spec: dict[str, Any]):
     """(GenerationOptions, RequestLimits, RouterConfig) from the spec's router argv."""
-    from services.config_cli import configs_from_argv
-    from services.generation import GenerationOptions
-    from services.request_checks import RequestLimits
-    from services.router_config import RouterConfig
+    from services.cli.config_flags import configs_from_argv
+    from services.router.generator import GenerationOptions
+    from services.api.request_limits import RequestLimits
+    from services.router.config import RouterConfig
 
     return configs_from_argv(spec.get("router_args", []), (GenerationOptions, ()), (RequestLimits, ()),
                              (RouterConfig, ()))
@@ -194,8 +194,8 @@ class WorkerActor(_ServerActor):
     async def __init__(self, spec_json: str) -> None:
         from services.kv_transfer import GrpcKVSender
         from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender, ray_kv_address
-        from services.server import options as channel_options
-        from services.worker import WorkerOptions, serve_worker
+        from services.grpc_setup import options as channel_options
+        from services.workers.worker_process import WorkerOptions, serve_worker
 
         spec = self._load(spec_json)
         self.role, namespace = spec["role"], spec["namespace"]
@@ -293,7 +293,7 @@ class RouterActor(_ServerActor):
     """The router: the client-facing pdserve.v1.Router gRPC API, unchanged."""
 
     async def __init__(self, spec_json: str) -> None:
-        from services.router import RouterOptions, serve_router
+        from services.api.grpc_router import RouterOptions, serve_router
         from services.security import API_KEY_ENV, read_secret
 
         spec = self._load(spec_json)

@@ -5,17 +5,17 @@ import argparse
 import json
 import sys
 
-from services.cli_parser import add_engine_args, add_router_args, model_dir, router_argv
-from services.topology import ENGINE_FIXED, UP_OWN
+from services.cli.parser import add_engine_args, add_router_args, model_dir, router_argv
+from services.deployment.topology import ENGINE_FIXED, UP_OWN
 
 
 RAY_UP_FIXED = ("model", "name", "namespace")   # --model, and the flags every ray command has
 
 
 def add_ray_parser(sub, parents: list[argparse.ArgumentParser] | tuple = ()) -> None:
-    from services.config_cli import add_config_args
+    from services.cli.config_flags import add_config_args
     from services.ray_deploy.deploy import RayDeployment
-    from services.worker_config import WorkerConfig
+    from services.workers.config import WorkerConfig
 
     p = sub.add_parser("ray", help="deploy onto a Ray cluster (ray up | ray down | ray status)", parents=list(parents))
     rsub = p.add_subparsers(dest="ray_command", required=True, metavar="COMMAND")
@@ -61,10 +61,10 @@ def add_ray_parser(sub, parents: list[argparse.ArgumentParser] | tuple = ()) -> 
 def ray_spec(args: argparse.Namespace, model: str):
     """The RayDeployment of `pdserve ray up`'s flags; the roles' settings as argv."""
     from engine.config import EngineConfig
-    from services.config_cli import config_from_args, config_to_argv, given
+    from services.cli.config_flags import config_from_args, config_to_argv, given
     from services.ray_deploy.deploy import RayDeployment
-    from services.router_config import RouterConfig
-    from services.worker_config import WorkerConfig
+    from services.router.config import RouterConfig
+    from services.workers.config import WorkerConfig
 
     engine = EngineConfig(model=model, **given(args, EngineConfig, ENGINE_FIXED))
     router_args = router_argv(args, config_from_args(RouterConfig, args, exclude=("ready_timeout_s",)))
@@ -97,7 +97,7 @@ def _existing(spec, if_exists: str):
 def cmd_ray_up(args: argparse.Namespace) -> int:
     from services.ray_deploy.cluster import AuthError, connect, stop_local_cluster
     from services.ray_deploy.deploy import DeploymentError, deploy, job_runtime_env
-    from services.usage import RuntimeFailure, check_model_dir, looks_like_hub_id
+    from services.cli.usage_errors import RuntimeFailure, check_model_dir, looks_like_hub_id
 
     if args.model and looks_like_hub_id(args.model):
         check_model_dir(args.model)   # raises: a hub id is never a model directory
@@ -121,7 +121,7 @@ def cmd_ray_up(args: argparse.Namespace) -> int:
             if info is not None:
                 print(f"pdserve: deployment {spec.name!r} is already up", file=sys.stderr, flush=True)
             else:
-                from services.progress import Progress
+                from services.cli.progress import Progress
                 with Progress().step(f"deploying {spec.prefill_workers} prefill + {spec.decode_workers} decode "
                                      f"worker(s) and a router on Ray", done="up"):
                     info = deploy(spec)
@@ -178,7 +178,7 @@ def cmd_ray_down(args: argparse.Namespace) -> int:
 
 def _connect(address: str, namespace: str):
     from services.ray_deploy.cluster import AuthError, connect
-    from services.usage import RuntimeFailure
+    from services.cli.usage_errors import RuntimeFailure
     try:
         return connect(address, namespace)
     except AuthError as exc:

@@ -36,7 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.settings import ENV
-from services.ports import free_port
+from services.deployment.ports import free_port
+from services.process_table import group_running
 
 log = logging.getLogger(__name__)
 
@@ -169,25 +170,6 @@ def start_local_cluster(*, num_cpus: float | None = None, num_gpus: int | None =
     return cluster
 
 
-def _group_running(pgid: int) -> bool:
-    """Any process of the group that is not a zombie (Linux /proc; elsewhere: any process)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    if not os.path.isdir("/proc/self"):
-        return True
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
-
-
 def _kill_group(pgid: int, timeout_s: float = 3.0) -> None:
     """SIGTERM the group, SIGKILL what is left after timeout_s (GCS and raylet take ~10 s to go
     gracefully; a local throwaway cluster need not wait for that)."""
@@ -197,7 +179,7 @@ def _kill_group(pgid: int, timeout_s: float = 3.0) -> None:
         return
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not _group_running(pgid):
+        if not group_running(pgid):
             return
         time.sleep(0.1)
     try:

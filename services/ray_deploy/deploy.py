@@ -45,7 +45,7 @@ from typing import Any
 
 from engine.settings import ENV, setting
 from services.security import new_token
-from services.topology import DEFAULT_HOST, ROUTER_PORT, Topology
+from services.deployment.topology import DEFAULT_HOST, ROUTER_PORT, Topology
 
 HEAD_RESOURCE = "node:__internal_head__"
 DEFAULT_PLACEMENT_WAIT_S = 20.0   # placing a deployment that fits the cluster's nodes
@@ -147,7 +147,7 @@ class RayDeployment:
 
     @property
     def topology(self) -> Topology:
-        """The deployment's shape (services/topology.py): the same one `pdserve up` reads."""
+        """The deployment's shape (services/deployment/topology.py): the same one `pdserve up` reads."""
         return Topology(self.prefill_workers, self.decode_workers, 0, self.prefill_tp, self.decode_tp,
                         self.engine_config().tensor_parallel_size, self.host, self.port)
 
@@ -174,7 +174,7 @@ class RayDeployment:
 
     def _engine_argv(self) -> list[str]:
         from engine.config import EngineConfig
-        from services.config_cli import config_to_argv
+        from services.cli.config_flags import config_to_argv
 
         engine = list(self.engine_args)
         if self.engine:
@@ -184,7 +184,7 @@ class RayDeployment:
     def engine_config(self):
         """The workers' EngineConfig (model "-", role both) as the actors parse it; a bad setting raises."""
         from engine.config import EngineConfig
-        from services.config_cli import configs_from_argv
+        from services.cli.config_flags import configs_from_argv
 
         return configs_from_argv(self._engine_argv(), (EngineConfig, ("model", "role")), model="-")[0]
 

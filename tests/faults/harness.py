@@ -17,7 +17,7 @@ import grpc
 
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.client import Client
-from services.launcher import Cluster
+from services.deployment.launcher import Cluster
 from tests.conftest import random_prompts
 from tests.serving import channel, start_cluster, worker_status, workers
 

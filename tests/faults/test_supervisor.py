@@ -15,7 +15,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.client import Client
-from services.launcher import PARENT_PID_ENV, free_port
+from services.process_table import is_alive
+from services.deployment.launcher import PARENT_PID_ENV, free_port
 from tests.conftest import hf_greedy, random_prompts
 from tests.faults.harness import observe, wait_for
 
@@ -50,22 +51,11 @@ def _spawned_by(supervisor: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if marker in open(f"/proc/{entry}/environ", "rb").read().split(b"\0") and _alive(int(entry)):
+                if marker in open(f"/proc/{entry}/environ", "rb").read().split(b"\0") and is_alive(int(entry)):
                     found.append(int(entry))
             except OSError:
                 continue
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:   # a zombie is dead too
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _stop(up: subprocess.Popen, children: dict[int, str]) -> str:
@@ -82,7 +72,7 @@ def _stop(up: subprocess.Popen, children: dict[int, str]) -> str:
                 up.wait()
         output = ""
     for pid in {*children, *_spawned_by(up.pid)}:   # never leave a child behind, even when a test failed
-        if _alive(pid):
+        if is_alive(pid):
             os.kill(pid, signal.SIGKILL)
     return output
 
@@ -159,7 +149,7 @@ def test_a_dead_worker_is_restarted_and_used_again_at_once(up, tiny_qwen3: str) 
     with Client(address, timeout=30) as client:
         out = client.generate(PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True)
     assert out.token_ids == hf_greedy(tiny_qwen3, [PROMPT], 6)[0]
-    assert time.monotonic() - t0 < 30 and _alive(new)
+    assert time.monotonic() - t0 < 30 and is_alive(new)
 
 
 def test_router_health_follows_its_workers(up) -> None:
@@ -198,7 +188,7 @@ def test_sigterm_drains_a_decode_worker_without_losing_its_streams(up, tiny_qwen
     assert obs.done.wait(60)
     assert obs.code is None and obs.migrations == 0     # it finished where it ran
     assert obs.tokens == hf_greedy(tiny_qwen3, [PROMPT], 300)[0]
-    wait_for(lambda: not _alive(decode), 30, "the drained worker to exit")
+    wait_for(lambda: not is_alive(decode), 30, "the drained worker to exit")
     wait_for(lambda: _health(address) == health_pb2.HealthCheckResponse.SERVING, 60, "a new decode worker")
 
 

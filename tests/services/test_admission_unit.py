@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from services.admission import AdmissionQueue, PendingGate
-from services.errors import RouterError
+from services.router.admission import AdmissionQueue, PendingGate
+from services.router.errors import RouterError
 
 
 def test_requests_are_admitted_in_arrival_order() -> None:

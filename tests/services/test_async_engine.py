@@ -1,4 +1,4 @@
-"""AsyncEngine (services/async_engine.py) on the tiny model, in process: submit, stream, abort,
+"""AsyncEngine (services/workers/async_engine.py) on the tiny model, in process: submit, stream, abort,
 shutdown, errors propagate to the caller, no leaked blocks."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from engine import EngineConfig, LLM, SamplingParams
 from engine.kv_connector import HandoffError, HandoffState
-from services.async_engine import AsyncEngine
+from services.workers.async_engine import AsyncEngine
 from tests.conftest import assert_no_leak
 
 KW = dict(dtype="float32", block_size=8, num_kv_blocks=64, max_num_batched_tokens=64, max_model_len=256)

@@ -1,4 +1,4 @@
-"""The incremental detokenizer (services/detokenizer.py) and stop strings (services/stop_strings.py)
+"""The incremental detokenizer (services/api/detokenizer.py) and stop strings (services/api/stop_strings.py)
 on a real tokenizer, without servers: multi-byte characters split over tokens are never split in
 the text, the deltas add up to the full decode, stop strings match across token boundaries."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engine.tokenizer import load_tokenizer
-from services.detokenizer import IncrementalDetokenizer
-from services.stop_strings import StopMatcher
+from services.api.detokenizer import IncrementalDetokenizer
+from services.api.stop_strings import StopMatcher
 
 TEXT = "naïve café — 日本語 🙂 𝕳𝖊𝖑𝖑𝖔 한국어, then plain words at the end"
 

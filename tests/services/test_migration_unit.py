@@ -12,10 +12,10 @@ import pytest
 
 from engine import SamplingParams
 from pdserve.v1 import worker_pb2
-from services.errors import RouterError, WorkerFailure
-from services.generation_state import Chunk, Generation, Timing
-from services.migration import MigrationLoop, WorkerWatch
-from services.worker_pool import NoWorker, WorkerPool
+from services.router.errors import RouterError, WorkerFailure
+from services.router.generation_state import Chunk, Generation, Timing
+from services.router.migration import MigrationLoop, WorkerWatch
+from services.router.worker_pool import NoWorker, WorkerPool
 
 
 def _gen(rid: str = "r", deadline: float | None = None) -> Generation:

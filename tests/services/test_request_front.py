@@ -1,4 +1,4 @@
-"""The request front (services/request_front.py) without servers: limits named in its errors,
+"""The request front (services/api/request_front.py) without servers: limits named in its errors,
 token-id and text prompts, chat rendering, sampling validation, tokenizing off the event loop,
 and the gRPC and HTTP mappings of one request giving the same validated request."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 from engine import SamplingParams
 from engine.tokenizer import load_tokenizer
 from pdserve.v1 import common_pb2, router_pb2
-from services.convert import params_from_proto, params_to_proto
-from services.openai_request import HTTPError, front_requests, parse_body
-from services.request_checks import InvalidRequest, RequestLimits
-from services.request_front import FrontRequest, Prompt, RequestFront, ValidatedRequest
-from services.router import front_request
+from services.proto_convert import params_from_proto, params_to_proto
+from services.api.http_request import HTTPError, front_requests, parse_body
+from services.api.request_limits import InvalidRequest, RequestLimits
+from services.api.request_front import FrontRequest, Prompt, RequestFront, ValidatedRequest
+from services.api.grpc_router import front_request
 
 MAX_LEN = 128
 CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Tell me a story."}]

@@ -1,4 +1,4 @@
-"""services.topology: each deployment default declared once, one way to build a child's argv, and
+"""services.deployment.topology: each deployment default declared once, one way to build a child's argv, and
 the parser's configs torch-free (this file also runs as a script)."""
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from services.config_cli import config_to_argv, configs_from_argv, field_default
-from services.launcher import Cluster, Deployment
+from services.cli.config_flags import config_to_argv, configs_from_argv, field_default
+from services.deployment.launcher import Cluster, Deployment
 from services.ray_deploy.deploy import RayDeployment
-from services.router_config import RouterConfig
-from services.topology import DRAIN_TIMEOUT_S, ROUTER_PORT, Topology, flags_argv, role_argv
-from services.worker_config import WorkerConfig
+from services.router.config import RouterConfig
+from services.deployment.topology import DRAIN_TIMEOUT_S, ROUTER_PORT, Topology, flags_argv, role_argv
+from services.workers.config import WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ def test_router_port_and_host_defaults_are_shared():
 
 def test_generate_max_tokens_is_the_sampling_default():
     from engine.sampling_params import SamplingParams
-    from services.cli import build_parser
+    from services.cli.commands import build_parser
     args = build_parser("generate").parse_args(["generate", "hi"])
     assert args.max_tokens == SamplingParams().max_tokens
 
@@ -104,7 +104,7 @@ def test_up_and_ray_up_read_the_same_topology():
 
 @pytest.mark.parametrize("command", ["up", "serve", "router", "worker", "ray", "profile"])
 def test_building_a_commands_parser_imports_no_torch(command):
-    code = ("import sys\nfrom services.cli import build_parser\n"
+    code = ("import sys\nfrom services.cli.commands import build_parser\n"
             f"build_parser({command!r})\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)

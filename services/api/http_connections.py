@@ -1,0 +1,117 @@
+"""Bounds on the HTTP API's connections that uvicorn lacks.
+
+uvicorn times a connection out only between requests (its keep-alive timer starts when a
+response completes), so a socket that connects and never sends a complete request head holds a
+file descriptor for ever, and it accepts any number of them. ``BoundedHttpToolsProtocol`` (its
+httptools protocol, which the router uses) closes a connection whose first request head has not
+arrived within ``head_timeout_s``, and closes at once any connection past ``max_connections``.
+Slow bodies are bounded by the API itself (``--http-body-timeout-s``). ``RequestGuard``: the API
+key, Host and Content-Type checks made on each request's head, before routing.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import resource
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from services.api.http_request import HTTPError
+
+MAX_HTTP_CONNECTIONS = 1024     # open connections at once (at most a quarter of the fd limit); more are
+                                # closed as they are accepted
+HEAD_TIMEOUT_S = 10.0           # from accept to a complete first request head
+OPEN_PATHS = ("/health",)              # no API key, no Host check (orchestrators probe it)
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+LOOPBACK_NAMES = ("localhost",)        # besides IP addresses: DNS rebinding needs a name
+
+
+def connection_cap() -> int:
+    """MAX_HTTP_CONNECTIONS, or a quarter of this process's file-descriptor limit if lower, so
+    idle sockets never starve gRPC accepts and shared-memory opens."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_HTTP_CONNECTIONS
+    return max(16, min(MAX_HTTP_CONNECTIONS, soft // 4))
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    max_connections = connection_cap()
+    head_timeout_s = HEAD_TIMEOUT_S
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            transport.close()
+            return
+        self._head_deadline = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def _cancel_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def on_headers_complete(self) -> None:
+        self._cancel_head_deadline()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_deadline()
+        super().connection_lost(exc)
+
+
+class RequestGuard:
+    """The checks made on a request's head, before routing or reading its body.
+    allowed_hosts: see RouterConfig."""
+
+    def __init__(self, api_key: str | None, allowed_hosts: str | None) -> None:
+        self.api_key = api_key
+        self.allowed_hosts = frozenset(h.strip().lower().rstrip(".") for h in (allowed_hosts or "").split(",")
+                                       if h.strip())
+
+    def refusal(self, scope) -> HTTPError | None:
+        """What a browser could do to a server on the user's machine is refused here. With an
+        API key set, the key (compared in constant time; a web page does not have it). Without
+        one, the Host: a DNS-rebinding page reaches 127.0.0.1 under its own name, so only
+        localhost, IP addresses and --allowed-hosts are answered. Generation requests must be
+        application/json: a page can POST text/plain (or no type) cross-origin without a
+        CORS preflight, never JSON."""
+        headers = {k: v for k, v in scope.get("headers", ()) if k in (b"authorization", b"host", b"content-type")}
+        if self.api_key:
+            if not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode()):
+                return HTTPError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        elif b"host" in headers and not self.host_allowed(headers[b"host"].decode("latin-1")):
+            return HTTPError(421, f"Host header {headers[b'host'].decode('latin-1')[:100]!r} is not served without "
+                                  f"an API key: use localhost or an IP address, or start the router with "
+                                  f"--allowed-hosts NAME", "Host", "host_not_allowed")
+        if scope.get("method") == "POST" and scope["path"] in GENERATION_PATHS:
+            given = headers.get(b"content-type", b"").decode("latin-1")
+            if given.split(";", 1)[0].strip().lower() != "application/json":
+                return HTTPError(415, f"Content-Type header must be application/json, got {given[:100]!r}",
+                                 "Content-Type", "unsupported_media_type")
+        return None
+
+    def host_allowed(self, host: str) -> bool:
+        if "*" in self.allowed_hosts:
+            return True
+        name = host[1:].split("]", 1)[0] if host.startswith("[") else host.rsplit(":", 1)[0] if host.count(":") == 1 \
+            else host
+        name = name.lower().rstrip(".")
+        if name in LOOPBACK_NAMES or name in self.allowed_hosts:
+            return True
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return True

@@ -1,0 +1,339 @@
+"""OpenAI request bodies: read with a byte cap and a deadline, parsed, every field checked for
+type and limit, in OpenAI's error shape (HTTPError), before anything is tokenized.
+
+Counts come first (prompts x n, messages, stop strings, token ids), then the bytes of every
+string the request hands on (each prompt, every string of every message: role and name
+included, each stop string), so that a body's cost to the router is bounded by its size and
+the limits, whatever its shape. front_requests hands the parsed body to the request front
+(services/api/request_front.py), which tokenizes and applies the engine's own rules."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from engine import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS
+from services.router.errors import RouterError
+from services.api.request_limits import InvalidRequest, RequestLimits, check_count, utf8_size
+from services.api.request_front import FrontRequest, Prompt, field_of_message
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_STRINGS = 4                   # OpenAI's limit
+STATUS_OF_CODE = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "FAILED_PRECONDITION": 400,
+                  "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
+                  "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
+                  "ABORTED": 500, "DATA_LOSS": 500, "INTERNAL": 500, "UNIMPLEMENTED": 501}
+TYPE_OF_STATUS = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+                  404: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+                  415: "invalid_request_error", 421: "invalid_request_error", 429: "rate_limit_error",
+                  503: "service_unavailable_error"}
+# Sampling fields pdserve does not implement: accepted only at their neutral value.
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "best_of": None,
+           "echo": False, "suffix": None, "logit_bias": None, "tools": None, "functions": None,
+           "response_format": None}
+NEUTRAL_OK = {"best_of": (1,), "logit_bias": ({},), "tools": ([],), "functions": ([],),
+              "response_format": ({"type": "text"},), "suffix": ("",)}
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": TYPE_OF_STATUS.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> Response:
+        # ASCII JSON: a message that quotes the client (a model name with a lone surrogate) still encodes
+        return Response(json.dumps(self.body()), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
+
+    @classmethod
+    def from_router(cls, exc: RouterError, request_id: str | None = None) -> "HTTPError":
+        """exc in OpenAI's shape; its internal detail goes to the log, under the request id."""
+        if exc.detail is not None:
+            log.warning("request %s: %s: %s", request_id, exc.message, exc.detail)
+        status = 413 if exc.too_large else STATUS_OF_CODE.get(exc.code, 500)
+        headers = {}
+        if exc.retry_after_s:
+            headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        param = (exc.field or field_of_message(exc.message)) if status in (400, 413) else None
+        code = "request_too_large" if exc.too_large else exc.code.lower()
+        return cls(status, exc.public_message(request_id), param, code, headers)
+
+    @classmethod
+    def from_invalid(cls, exc: InvalidRequest) -> "HTTPError":
+        """A request front's refusal: 413 for a size limit, else 400, naming the field."""
+        return cls(413 if exc.too_large else 400, exc.message, exc.field, exc.code)
+
+
+# ---- reading the body ----------------------------------------------------------------------------
+
+async def read_json(request: Request, limit: int, timeout_s: float) -> dict:
+    """The body as a JSON object: refused (413) as soon as it passes limit bytes, before any
+    parsing; (408) if it has not all arrived within timeout_s; (400) if it is not JSON."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise HTTPError(413, f"request body has {length} bytes; the limit is {limit} (max_http_body_bytes)",
+                        code="request_too_large")
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HTTPError(413, f"request body is over {limit} bytes (max_http_body_bytes)",
+                                code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        raw = await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise HTTPError(408, f"request body did not arrive within {timeout_s:g}s (http_body_timeout_s)",
+                        code="request_timeout") from None
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise HTTPError(400, "request body is nested too deeply to parse") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise HTTPError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "request body must be a JSON object")
+    return body
+
+
+# ---- request parsing --------------------------------------------------------------------------
+
+def _field(body: dict, name: str, types: type | tuple[type, ...], default: Any = None) -> Any:
+    """body[name] if present and not null, checked against types (bool is not an int here)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    types = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, bool) and bool not in types:
+        raise HTTPError(400, f"{name} must be of type {'/'.join(t.__name__ for t in types)}, got a boolean", name)
+    if float in types and isinstance(value, int) and not isinstance(value, bool):
+        try:
+            value = float(value)
+        except OverflowError:
+            raise HTTPError(400, f"{name} is out of range, got {value}", name) from None
+    if not isinstance(value, types):
+        raise HTTPError(400, f"{name} must be of type {'/'.join(t.__name__ for t in types)}, "
+                             f"got {type(value).__name__}", name)
+    return value
+
+
+def _int_list(value: Any, name: str, max_len: int | None = None, setting: str = "max_model_len") -> list[int]:
+    if not isinstance(value, list):
+        raise HTTPError(400, f"{name} must be a list of integers", name)
+    if max_len is not None and len(value) > max_len:   # the length before the scan
+        raise HTTPError(400, f"{name} has {len(value)} token ids; the limit is {max_len} ({setting})", name)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise HTTPError(400, f"{name} must be a list of integers", name)
+    return value
+
+
+@dataclass(slots=True)
+class ParsedBody:
+    prompts: list[Prompt]
+    params: SamplingParams
+    n: int
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    skip_special_tokens: bool
+    model: str
+    max_tokens_given: bool
+    chat: bool = False
+    messages: list[dict] = field(default_factory=list)
+    add_generation_prompt: bool = True
+
+
+def _stop_strings(body: dict, limits: RequestLimits) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list):
+        raise HTTPError(400, "stop must be a string or a list of strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise HTTPError(400, f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
+    if not all(isinstance(s, str) for s in stop):
+        raise HTTPError(400, "stop must be a string or a list of strings", "stop")
+    if any(not s for s in stop):
+        raise HTTPError(400, "stop strings must not be empty", "stop")
+    for s in stop:
+        try:
+            size = len(s.encode())   # the body's cap bounds this
+        except UnicodeEncodeError:
+            raise HTTPError(400, "stop is not valid Unicode: a lone surrogate", "stop") from None
+        if size > limits.max_stop_bytes:
+            raise HTTPError(400, f"stop has a string of {size} bytes; the limit is {limits.max_stop_bytes} "
+                                 f"(max_stop_bytes)", "stop")
+    return stop
+
+
+def _choices_limit(n_prompts: int, n: int, limits: RequestLimits) -> None:
+    """Before any prompt is looked at further: prompts x n within max_choices."""
+    if n_prompts > limits.max_choices:
+        raise HTTPError(400, f"prompt has {n_prompts} prompts; the limit is {limits.max_choices} (max_choices)",
+                        "prompt")
+    if n_prompts * n > limits.max_choices:
+        raise HTTPError(400, f"{n_prompts} prompt(s) x n={n} = {n_prompts * n} choices; the limit is "
+                             f"{limits.max_choices} (max_choices)", "n")
+
+
+def _completion_prompts(body: dict, n: int, limits: RequestLimits, max_prompt_tokens: int | None) -> list[Prompt]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise HTTPError(400, "prompt is required", "prompt")
+    if isinstance(prompt, str):
+        _choices_limit(1, n, limits)
+        utf8_size(prompt, "prompt", limits.max_prompt_bytes)
+        return [Prompt(text=prompt)]
+    if not isinstance(prompt, list) or not prompt:
+        raise HTTPError(400, "prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
+    first = prompt[0]
+    if isinstance(first, int) and not isinstance(first, bool):
+        _choices_limit(1, n, limits)
+        return [Prompt(token_ids=_int_list(prompt, "prompt", max_prompt_tokens))]
+    _choices_limit(len(prompt), n, limits)
+    if all(isinstance(p, str) for p in prompt):
+        for p in prompt:
+            utf8_size(p, "prompt", limits.max_prompt_bytes)
+        return [Prompt(text=p) for p in prompt]
+    if all(isinstance(p, list) and p for p in prompt):
+        return [Prompt(token_ids=_int_list(p, "prompt", max_prompt_tokens)) for p in prompt]
+    raise HTTPError(400, "prompt must be a string, a list of token ids, or a list of strings or of token-id lists",
+                    "prompt")
+
+
+def _chat_messages(body: dict, limits: RequestLimits) -> list[dict]:
+    """The messages with their text content; every string a template may print is counted
+    against max_prompt_bytes, and values of other types (which no text template needs) are
+    dropped, so that rendering costs what the body's size allows."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise HTTPError(400, "messages must be a non-empty list", "messages")
+    if len(messages) > limits.max_chat_messages:
+        raise HTTPError(400, f"messages has {len(messages)} messages; the limit is {limits.max_chat_messages} "
+                             f"(max_chat_messages)", "messages")
+    budget = limits.max_prompt_bytes
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise HTTPError(400, f"messages[{i}] must be an object with a string role", "messages")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):   # content parts: only text is understood
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise HTTPError(400, f"messages[{i}].content: only text parts are supported", "messages")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif not isinstance(content, str):
+            raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+        kept = {k: v for k, v in m.items() if isinstance(k, str) and isinstance(v, str)}
+        kept["content"] = content
+        for key, value in kept.items():
+            budget -= len(key) + utf8_size(value, "messages", limits.max_prompt_bytes)
+            if budget < 0:
+                raise HTTPError(413, f"messages have more than {limits.max_prompt_bytes} bytes (max_prompt_bytes)",
+                                "messages", "request_too_large")
+        out.append(kept)
+    return out
+
+
+def parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimits | None = None,
+               max_prompt_tokens: int | None = None) -> ParsedBody:
+    """Every field, checked for type and limits (counts before sizes, sizes before any work);
+    the engine's own rules come after tokenizing (validate_request). Raises HTTPError naming the
+    field. max_prompt_tokens: the longest token-id prompt (max_model_len)."""
+    try:
+        return _parse_body(body, chat, default_model, limits or RequestLimits(), max_prompt_tokens)
+    except InvalidRequest as exc:   # a shared check (services/api/request_limits.py)
+        raise HTTPError.from_invalid(exc) from None
+
+
+def _parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimits,
+                max_prompt_tokens: int | None) -> ParsedBody:
+    for name, neutral in NEUTRAL.items():
+        value = body.get(name)
+        if value is not None and value != neutral and value not in NEUTRAL_OK.get(name, ()):
+            raise HTTPError(400, f"{name}={value!r} is not supported by pdserve", name)
+    model = _field(body, "model", str, default_model)
+    max_tokens = _field(body, "max_completion_tokens", int) if chat else None
+    if max_tokens is None:
+        max_tokens = _field(body, "max_tokens", int)
+    stop_ids = body.get("stop_token_ids") or []
+    if isinstance(stop_ids, list):
+        check_count(len(stop_ids), "stop_token_ids", limits.max_stop_token_ids, "max_stop_token_ids")
+    params = SamplingParams(temperature=_field(body, "temperature", float, 1.0),
+                            top_p=_field(body, "top_p", float, 1.0),
+                            top_k=_field(body, "top_k", int, 0),
+                            seed=_field(body, "seed", int),
+                            stop_token_ids=_int_list(stop_ids, "stop_token_ids"),
+                            ignore_eos=_field(body, "ignore_eos", bool, False),
+                            min_tokens=_field(body, "min_tokens", int, 0),
+                            cache_salt=_field(body, "cache_salt", str))
+    if max_tokens is not None:   # else SamplingParams' default (a chat request: the rest of the context)
+        params.max_tokens = max_tokens
+    if chat:   # logprobs: bool, top_logprobs: how many alternatives
+        top = _field(body, "top_logprobs", int)
+        if _field(body, "logprobs", bool, False):
+            params.logprobs = top or 0
+        elif top is not None:
+            raise HTTPError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    else:      # logprobs: how many alternatives (0: only the sampled token's)
+        params.logprobs = _field(body, "logprobs", int)
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
+        name = "top_logprobs" if chat else "logprobs"
+        raise HTTPError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {params.logprobs}", name)
+    if params.top_k < 0:   # vLLM's -1: disabled
+        params.top_k = 0 if params.top_k == -1 else params.top_k
+    n = _field(body, "n", int, 1)
+    if n < 1:
+        raise HTTPError(400, f"n must be >= 1, got {n}", "n")
+    stream = _field(body, "stream", bool, False)
+    options = _field(body, "stream_options", dict)
+    if options is not None and not stream:
+        raise HTTPError(400, "stream_options is only allowed with stream=true", "stream_options")
+    _field(body, "user", str)
+    parsed = ParsedBody(prompts=[], params=params, n=n, stop=_stop_strings(body, limits), stream=stream,
+                        include_usage=bool(options and options.get("include_usage")),
+                        skip_special_tokens=_field(body, "skip_special_tokens", bool, True), model=model,
+                        max_tokens_given=max_tokens is not None, chat=chat)
+    if chat:
+        _choices_limit(1, n, limits)
+        parsed.messages = _chat_messages(body, limits)
+        parsed.add_generation_prompt = _field(body, "add_generation_prompt", bool, True)
+    else:
+        parsed.prompts = _completion_prompts(body, n, limits, max_prompt_tokens)
+    return parsed
+
+
+def front_requests(parsed: ParsedBody, request_id: str) -> list[FrontRequest]:
+    """The body's prompts (a chat: its messages) in the request front's terms, one per prompt."""
+    def one(prompt: Prompt | None = None, messages: list[dict] | None = None) -> FrontRequest:
+        return FrontRequest(request_id, parsed.params, prompt, messages, parsed.add_generation_prompt,
+                            parsed.max_tokens_given, parsed.skip_special_tokens)
+    if parsed.chat:
+        return [one(messages=parsed.messages)]
+    return [one(prompt) for prompt in parsed.prompts]

@@ -1,0 +1,154 @@
+"""The request front both doors share (the gRPC Router and the OpenAI HTTP API): a request in
+protocol-free terms (a text or token-id prompt, or chat messages; sampling parameters) becomes a
+validated, tokenized request for the Generator (services/router/generator.py).
+
+Each door maps its own wire format to a FrontRequest (services/api/grpc_router.py from the proto,
+services/api/http_request.py from the JSON body, each after the counts and sizes it can check on
+the wire) and maps the InvalidRequest raised here back (gRPC INVALID_ARGUMENT, HTTP 400/413 in
+OpenAI's error shape). Order: the prompt's size, then tokenizing or chat rendering (on one
+thread, off the event loop), then its length against max_model_len, then the engine's own rules
+(engine.validation.validate_request). Every refusal names the field and the limit."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import jinja2
+
+from engine import SamplingParams
+from engine.validation import validate_request
+from services.api.request_limits import InvalidRequest, RequestLimits, check_count, utf8_size
+
+log = logging.getLogger(__name__)
+
+# Fields the engine's validation messages start with (its first word names the field).
+KNOWN_FIELDS = frozenset({"temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "min_tokens",
+                          "prompt", "output", "request_id", "ignore_eos", "logprobs", "cache_salt"})
+
+
+def field_of_message(message: str) -> str | None:
+    """The field a validation message is about (the engine's messages start with it)."""
+    word = message.split(" ", 1)[0].strip(":(")
+    if word in KNOWN_FIELDS:
+        return word
+    if message.startswith("prompt tokens") or message.startswith("prompt has"):
+        return "prompt"
+    return None
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One prompt: token ids, or text still to tokenize."""
+
+    text: str | None = None
+    token_ids: Sequence[int] | None = None
+
+
+@dataclass(slots=True)
+class FrontRequest:
+    """One request as either door received it. prompt, or messages (chat: rendered by the
+    model's chat template); max_tokens_given False on a chat request: it may generate to the end
+    of the context."""
+
+    request_id: str
+    params: SamplingParams
+    prompt: Prompt | None = None
+    messages: list[dict] | None = None
+    add_generation_prompt: bool = True
+    max_tokens_given: bool = True
+    skip_special_tokens: bool = True
+
+
+@dataclass(slots=True)
+class ValidatedRequest:
+    """Ready for Generator.generate(request_id, prompt, params)."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    skip_special_tokens: bool = True
+
+
+class RequestFront:
+    """Checks, tokenizes and validates requests for one model. max_model_len: called per request
+    (the workers report theirs); model_name: what a missing chat template's message calls it."""
+
+    def __init__(self, tokenizer, vocab_size: int, limits: RequestLimits, max_model_len: Callable[[], int],
+                 model_name: str = "this model") -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.limits = limits
+        self.max_model_len = max_model_len
+        self.model_name = model_name
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    def check_request_id(self, request_id: str) -> None:
+        check_count(len(request_id), "request_id", self.limits.max_request_id_chars, "max_request_id_chars",
+                    "characters")
+
+    def check_stop_token_ids(self, n: int) -> None:
+        check_count(n, "stop_token_ids", self.limits.max_stop_token_ids, "max_stop_token_ids")
+
+    async def prepare(self, request: FrontRequest) -> ValidatedRequest:
+        """The request tokenized and validated; raises InvalidRequest naming the field."""
+        chat = request.messages is not None
+        if chat:
+            ids = await self.render_chat(request.messages, request.add_generation_prompt)
+        elif request.prompt is not None:
+            ids = await self.prompt_ids(request.prompt)
+        else:
+            raise InvalidRequest("input: give either text or token_ids", "input")
+        max_len = self.max_model_len()
+        params = dataclasses.replace(request.params, stop_token_ids=list(request.params.stop_token_ids))
+        if chat and not request.max_tokens_given:   # chat's default: the rest of the context
+            params.max_tokens = max(1, max_len - len(ids))
+        try:
+            validate_request(ids, params, self.vocab_size, max_len)
+        except ValueError as exc:
+            msg = str(exc)
+            raise InvalidRequest(msg, field_of_message(msg) or ("messages" if chat else None)) from None
+        return ValidatedRequest(request.request_id, ids, params, request.skip_special_tokens)
+
+    async def prompt_ids(self, prompt: Prompt) -> list[int]:
+        if prompt.token_ids is not None:
+            self._check_length(len(prompt.token_ids), "prompt")   # measured before it is copied
+            return list(prompt.token_ids)
+        return await self.encode(prompt.text, "prompt", add_special_tokens=True)
+
+    async def encode(self, text: str, what: str, add_special_tokens: bool) -> list[int]:
+        """Tokenize off the event loop, after checking the size limit."""
+        utf8_size(text, what, self.limits.max_prompt_bytes)
+        ids = await self._off_loop(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        self._check_length(len(ids), what)
+        return ids
+
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """The messages through the model's chat template, then tokenized (the template adds the
+        special tokens). The caller has counted every string of the messages."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequest(f"model {self.model_name} has no chat template (tokenizer_config.json "
+                                 f"chat_template or chat_template.jinja); use /v1/completions", "messages",
+                                 "no_chat_template")
+        try:
+            text = await self._off_loop(self.tokenizer.apply_chat_template, messages, tokenize=False,
+                                        add_generation_prompt=add_generation_prompt)
+        except jinja2.TemplateError as exc:   # the template's own message (raise_exception: roles must alternate)
+            raise InvalidRequest(f"chat template failed: {exc}", "messages") from None
+        except Exception:  # noqa: BLE001 - the request's, but its text is internal
+            log.warning("chat template failed", exc_info=True)
+            raise InvalidRequest("chat template failed on these messages", "messages") from None
+        return await self.encode(text, "messages", add_special_tokens=False)
+
+    def _check_length(self, n: int, what: str) -> None:
+        max_len = self.max_model_len()
+        if n > max_len:
+            raise InvalidRequest(f"{what} has {n} tokens; max_model_len is {max_len}", what)
+
+    async def _off_loop(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))

@@ -1,0 +1,1 @@
+"""Deployments on one machine: the topology, the supervisor (`pdserve up`) and the ports it holds."""

@@ -1,0 +1,1 @@
+"""The router's core: placement, admission, the generation routes and the migration loop, the workers it knows."""

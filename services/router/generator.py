@@ -1,0 +1,132 @@
+"""The router's generation core, independent of the client protocol (gRPC, HTTP): a thin
+coordinator of one request's attempts.
+
+Each attempt follows a route strategy: disaggregated (services/router/route_disaggregated.py: decode
+blocks reserved, prefill on a prefill worker shipping the KV, decode continuing from the first
+token; or, with conditional disaggregation, prefill on the decode worker itself) or colocated
+(services/router/route_colocated.py: one worker does both). Placement (services/router/placement.py) chooses the
+workers and the route by their estimated cost to serve. Faults (services/router/migration.py): every
+worker stream runs under a progress watchdog, a role restarting holds its requests for at most
+``worker_wait_s``, and a request whose worker dies, stalls or loses the KV migrates: the prompt
+plus every token already sent is prefilled again elsewhere, so the client sees one unbroken
+stream; greedy and seeded requests produce exactly the tokens of a run without the fault.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from engine import SamplingParams
+from engine.settings import setting
+from services.router.admission import AdmissionQueue
+from services.router.cost_model import CostModel
+from services.router.errors import RouterError
+from services.router.generation_state import Chunk, Generation, Timing
+from services.router.prefix_index import DEFAULT_MAX_KEYS
+from services.metrics import RouterMetrics
+from services.router.migration import MigrationLoop, WorkerWatch
+from services.router.route_colocated import colocated
+from services.router.route_context import RouteContext
+from services.router.route_disaggregated import DisaggregatedRoute
+from services.router.placement import DISAGGREGATION_MODES, ROUTING_POLICIES, Placement
+from services.router.worker_pool import WorkerHandle, WorkerPool
+
+
+@dataclass(slots=True)
+class GenerationOptions:
+    migration_limit: int = setting(3, "times one request may move to another worker after a fault before it fails")
+    stall_timeout_s: float = setting(10.0, "a worker stream silent this long is treated as failed (and the request "
+                                           "migrates)")
+    queue_timeout_s: float = setting(60.0, "how long a request may wait for decode capacity")
+    max_queued_requests: int = setting(256, "requests waiting for decode capacity; more are refused at once with a "
+                                            "retry hint")
+    kv_lease_ms: int = setting(0, "idle KV lease asked for each reservation (0: the decode worker's default)")
+    worker_wait_s: float = setting(
+        60.0, "a role with no healthy worker (a restart) holds the requests that need it for at most this long, "
+              "counted from when its last worker was lost, and every waiter by the same time (or its own "
+              "deadline, sooner); then they fail UNAVAILABLE. `pdserve up` sets it from its workers' measured "
+              "restart time", aliases=("--worker-wait",))
+    routing: str = setting(
+        "kv-aware", "how workers are chosen: kv-aware (by estimated cost to serve: uncached prompt tokens, from the "
+                    "workers' prefix-cache events, queue and running load, KV blocks to ship) or load (fewest in "
+                    "flight / queued prompt tokens)", choices=ROUTING_POLICIES)
+    disaggregation: str = setting(
+        "always", "always: every prompt is prefilled on a prefill worker; conditional: on the chosen decode worker "
+                  "instead when the learned costs say it is cheaper (see /metrics and the response timings)",
+        choices=DISAGGREGATION_MODES)
+    itl_weight: float = setting(1.0, "conditional disaggregation: ms of time to first token worth one ms of delay "
+                                     "added to each sequence decoding on the worker that would prefill locally")
+    cache_affinity_weight: float = setting(
+        1.0, "kv-aware routing: ms of cost per ms of prefill time of the prefix blocks another decode worker holds "
+             "and the candidate lacks (0: only the transfer counts; 1: a prefix leaves its worker only when that "
+             "worker's extra decode load costs more than computing the prefix again)")
+    kv_index_max_keys: int = setting(DEFAULT_MAX_KEYS, "kv-aware routing: prefix-cache keys remembered per worker "
+                                                       "(least recently seen dropped)")
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        if self.disaggregation not in DISAGGREGATION_MODES:
+            raise ValueError(f"disaggregation must be one of {DISAGGREGATION_MODES}, got {self.disaggregation!r}")
+        if self.itl_weight < 0:
+            raise ValueError(f"itl_weight must be >= 0, got {self.itl_weight}")
+        if self.cache_affinity_weight < 0:
+            raise ValueError(f"cache_affinity_weight must be >= 0, got {self.cache_affinity_weight}")
+        if self.kv_index_max_keys < 1:
+            raise ValueError(f"kv_index_max_keys must be >= 1, got {self.kv_index_max_keys}")
+        for name in ("migration_limit", "max_queued_requests", "kv_lease_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("stall_timeout_s", "queue_timeout_s", "worker_wait_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+
+class Generator:
+    def __init__(self, pool: WorkerPool, options: GenerationOptions, metrics: RouterMetrics) -> None:
+        self.pool = pool
+        self.options = options
+        self.metrics = metrics
+        self.admission = AdmissionQueue(options.max_queued_requests)
+        costs = CostModel(options.itl_weight, options.cache_affinity_weight)
+        self.placement = Placement(pool, options.routing, options.disaggregation, costs, self._tokens_left)
+        self.active: dict[str, Generation] = {}
+        self.routes = RouteContext(pool, options, metrics, self.placement, self.admission,
+                                   WorkerWatch(pool, options.stall_timeout_s, options.worker_wait_s))
+        self.migration = MigrationLoop(options.migration_limit, metrics)
+        self._disaggregated = DisaggregatedRoute(self.routes)
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       deadline: float | None = None) -> AsyncIterator[tuple[Chunk, Generation]]:
+        """Chunks of new tokens; the last has a finish_reason. Raises RouterError. deadline: the
+        client's (time.monotonic()), which bounds its wait for a restarting worker."""
+        if request_id in self.active:
+            raise RouterError("INVALID_ARGUMENT", f"request_id {request_id!r} is already in flight")
+        gen = Generation(request_id, prompt, params, Timing(time.perf_counter()), deadline=deadline)
+        self.active[request_id] = gen
+        try:
+            async with contextlib.aclosing(self.migration.run(gen, self._attempt, self.routes.release)) as chunks:
+                async for chunk in chunks:
+                    yield chunk, gen
+        finally:
+            self.active.pop(request_id, None)
+            if gen.workers:
+                await self.routes.release(gen)
+
+    async def abort(self, request_id: str) -> bool:
+        gen = self.active.get(request_id)
+        if gen is None:
+            return False
+        gen.aborted = True
+        await self.routes.release(gen)
+        return True
+
+    def _attempt(self, gen: Generation) -> AsyncIterator[Chunk]:
+        return colocated(self.routes, gen) if self.pool.colocated else self._disaggregated(gen)
+
+    def _tokens_left(self, worker: WorkerHandle) -> list[int]:
+        """Output tokens still to come of each request placed on worker (routing's decode load)."""
+        return [gen.params.max_tokens - len(gen.generated) for gen in self.active.values() if worker in gen.workers]

@@ -1,0 +1,205 @@
+"""Where a request goes: which decode worker, which prefill worker, and whether the prompt is
+prefilled remotely (KV shipped) or locally on the decode worker.
+
+``kv-aware`` (the default) scores candidates by their cost to serve, in estimated milliseconds
+(services/router/cost_model.py): the uncached prompt tokens each would compute (from the prefix index
+the workers' KV events keep, services/router/prefix_index.py), the prompt tokens queued ahead and the
+sequences running there, the KV blocks a decode worker lacks and would be shipped, its decode
+load over the request's output, and cache affinity: the prefill time of the prefix blocks
+another decode worker holds and it lacks (a prefix stays where it is until that worker's extra
+load costs more than the prefix). ``load`` is the policy before it: decode workers by fewest
+requests in flight then most free blocks, prefill workers by fewest queued prompt tokens.
+
+Disaggregation ``always`` prefills every prompt on a prefill worker; ``conditional`` prefills it
+on the chosen decode worker when that is cheaper (the rule and its threshold: cost_model.py).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from services.router.cost_model import CostModel, Load, StepCostView
+from services.router.worker_pool import NoWorker, WorkerHandle, WorkerPool
+
+log = logging.getLogger(__name__)
+
+ROUTING_POLICIES = ("kv-aware", "load")
+DISAGGREGATION_MODES = ("always", "conditional")
+THRESHOLD_LOG_INTERVAL_S = 5.0
+
+
+@dataclass(slots=True)
+class Route:
+    """One decode worker's offer for a request."""
+
+    decode: WorkerHandle
+    local: bool                    # prefill on the decode worker itself
+    decode_cached_blocks: int      # leading blocks it is expected to hold
+    local_ms: float                # estimated cost of each route (0: not considered)
+    remote_ms: float
+    threshold_tokens: float | None  # the decode worker's local-prefill threshold now (None: not conditional)
+    cost: float                    # what candidates are ranked by
+
+
+class Placement:
+    def __init__(self, pool: WorkerPool, routing: str = "kv-aware", disaggregation: str = "always",
+                 cost_model: CostModel | None = None,
+                 tokens_left: Callable[[WorkerHandle], list[int]] = lambda worker: []) -> None:
+        """tokens_left(worker): output tokens still to come of each request this router has placed
+        on a decode (or colocated) worker."""
+        if routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {routing!r}")
+        if disaggregation not in DISAGGREGATION_MODES:
+            raise ValueError(f"disaggregation must be one of {DISAGGREGATION_MODES}, got {disaggregation!r}")
+        self.pool = pool
+        self.routing = routing
+        self.disaggregation = disaggregation
+        self.costs = cost_model or CostModel()
+        self.tokens_left = tokens_left
+        self._threshold_logged: dict[str, tuple[float, float]] = {}   # worker -> (threshold, when)
+
+    @property
+    def kv_aware(self) -> bool:
+        return self.routing == "kv-aware"
+
+    @property
+    def conditional(self) -> bool:
+        return self.disaggregation == "conditional" and not self.pool.colocated
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    def describe(self) -> str:
+        text = f"routing {self.routing}, disaggregation {self.disaggregation}"
+        if self.conditional:
+            text += (f": prefill on the decode worker D when prefill_ms(D) + overhead_local + "
+                     f"{self.costs.itl_weight:g} * running(D) * ms_per_token(D) * uncached(D) < prefill_ms(P) + "
+                     f"overhead_remote + transfer_ms(blocks D lacks)")
+        return text
+
+    # ---- estimates of one worker ----------------------------------------------------------
+    def step_cost(self, worker: WorkerHandle) -> StepCostView:
+        return self.costs.step_cost(worker.status, [w.status for w in self.pool.workers if w.status is not None])
+
+    @staticmethod
+    def load(worker: WorkerHandle) -> Load:
+        s = worker.status
+        queued = max(s.num_queued_prompt_tokens if s else 0, worker.inflight_prompt_tokens)
+        running = 0 if worker.role == "prefill" else max(s.num_running if s else 0, worker.inflight)
+        return Load(queued, running)
+
+    def _matched(self, worker: WorkerHandle, keys: Sequence[int]) -> int:
+        return worker.index.matched_blocks(keys) if self.kv_aware else 0
+
+    # ---- prefill ------------------------------------------------------------------------
+    def pick_prefill(self, keys: Sequence[int], n_tokens: int, exclude: set[str] = frozenset()
+                     ) -> tuple[WorkerHandle, float]:
+        """The prefill worker to use and its estimated cost (ms). Raises NoWorker."""
+        healthy = [w for w in self.pool.healthy("prefill") if w.address not in exclude] or self.pool.healthy("prefill")
+        if not healthy:
+            raise NoWorker("prefill")
+        if not self.kv_aware:
+            best = min(healthy, key=lambda w: w.inflight_prompt_tokens + (w.status.num_queued_prompt_tokens
+                                                                          if w.status else 0))
+            return best, self._prefill_cost(best, keys, n_tokens)
+        scored = [(self._prefill_cost(w, keys, n_tokens), -w.free_blocks, i) for i, w in enumerate(healthy)]
+        cost, _, i = min(scored)
+        return healthy[i], cost
+
+    def _prefill_cost(self, worker: WorkerHandle, keys: Sequence[int], n_tokens: int) -> float:
+        uncached = self.uncached(worker, keys, n_tokens)
+        return self.costs.prefill_ms(self.step_cost(worker), self.load(worker), uncached)
+
+    def uncached(self, worker: WorkerHandle, keys: Sequence[int], n_tokens: int) -> int:
+        return max(1, n_tokens - self._matched(worker, keys) * self.block_size)
+
+    # ---- decode (and the route) -------------------------------------------------------------
+    def decode_routes(self, keys: Sequence[int], n_tokens: int, max_tokens: int, exclude: set[str] = frozenset()
+                      ) -> list[Route]:
+        """Every healthy decode worker's offer, best first. Raises NoWorker."""
+        candidates = self.pool.decode_candidates(exclude)   # load order: fewest in flight, most free blocks
+        if self.pool.colocated:   # prefill and decode where the request goes: by both costs
+            routes = []
+            for i, w in enumerate(candidates):
+                cost = float(i)
+                if self.kv_aware:
+                    step, load = self.step_cost(w), self.load(w)
+                    cost = (self.costs.prefill_ms(step, load, self.uncached(w, keys, n_tokens))
+                        + self._decode_ms(candidates, w, load, max_tokens))
+                routes.append(Route(w, True, self._matched(w, keys), 0.0, 0.0, None, cost))
+            routes.sort(key=lambda r: (r.cost, -r.decode.free_blocks))
+            return routes
+        try:
+            prefill, prefill_ms = self.pick_prefill(keys, n_tokens, exclude)
+        except NoWorker:
+            prefill, prefill_ms = None, math.inf
+        bs = self.block_size or 1
+        n_blocks = -(-n_tokens // bs)
+        held_by = {d.address: self._matched(d, keys) for d in candidates}
+        most_held = max(held_by.values(), default=0)
+        prefill_cost = self.step_cost(prefill) if prefill is not None else None
+        routes = []
+        for i, d in enumerate(candidates):
+            held = held_by[d.address]
+            remote = prefill_ms + self.costs.overhead_ms["remote"].value + self.costs.transfer_ms(n_blocks - held)
+            local, threshold = 0.0, None
+            cost_d = self.step_cost(d)
+            load_d = self.load(d)
+            if self.conditional:
+                local = self.costs.local_ms(cost_d, load_d, max(1, n_tokens - held * bs))
+                if prefill is not None:
+                    threshold = self.costs.threshold_tokens(cost_d, load_d, self.step_cost(prefill),
+                                                            self.load(prefill), bs)
+                    self._log_threshold(d, threshold, cost_d, load_d)
+            is_local = self.conditional and local < remote
+            if self.kv_aware:
+                cost = (local if is_local else remote) + self._decode_ms(candidates, d, load_d, max_tokens)
+                if prefill_cost is not None:
+                    cost += self.costs.affinity_ms(prefill_cost, bs, most_held - held)
+            else:
+                cost = float(i)
+            routes.append(Route(d, is_local, held, local, remote if math.isfinite(remote) else 0.0, threshold, cost))
+        routes.sort(key=lambda r: (r.cost, -r.decode.free_blocks))
+        return routes
+
+    def _decode_ms(self, peers: list[WorkerHandle], worker: WorkerHandle, load: Load, max_tokens: int) -> float:
+        """What the sequences decoding there add to this request's decode: the decode steps they
+        share with it (each runs until its own output ends: the router knows the tokens left of
+        those it placed, and counts any other running one for the whole output) times their cost
+        per sequence in a step. That cost is the peers' mean, so that noise between the fits of
+        identical workers cannot outweigh a cached prefix."""
+        per_seq = sum(self.step_cost(w).ms_per_seq for w in peers) / len(peers)
+        known = [min(left, max_tokens) for left in self.tokens_left(worker)]
+        shared_steps = sum(known) + max(0, load.running - len(known)) * max_tokens
+        return per_seq * shared_steps
+
+    def threshold_now(self, decode: WorkerHandle) -> float:
+        """The decode worker's local-prefill threshold against the best prefill worker now (metrics)."""
+        try:
+            prefill, _ = self.pick_prefill((), 1)
+        except NoWorker:
+            return math.inf
+        return self.costs.threshold_tokens(self.step_cost(decode), self.load(decode), self.step_cost(prefill),
+                                           self.load(prefill), self.block_size or 1)
+
+    def _log_threshold(self, worker: WorkerHandle, threshold: float, cost: StepCostView, load: Load) -> None:
+        """Say so when a decode worker's threshold moved by a fifth or more (at most every few seconds)."""
+        now = time.monotonic()
+        last = self._threshold_logged.get(worker.address)
+        if last is not None:
+            before, when = last
+            same = (before == threshold or (math.isfinite(before) and math.isfinite(threshold)
+                                            and abs(threshold - before) <= 0.2 * max(before, 1.0)))
+            if same or now - when < THRESHOLD_LOG_INTERVAL_S:
+                return
+        self._threshold_logged[worker.address] = (threshold, now)
+        log.info("local-prefill threshold of %s: %s uncached tokens (decode step %.3g ms + %.3g ms/token%s, "
+                 "%d running, %d queued; transfer %.3g ms/block; overhead local %.3g ms, remote %.3g ms)",
+                 worker.address, "unbounded" if math.isinf(threshold) else f"{threshold:.0f}", cost.base_ms,
+                 cost.ms_per_token, "" if cost.learned else " (borrowed)", load.running, load.queued_tokens,
+                 self.costs.transfer_ms_per_block, self.costs.overhead_ms["local"].value,
+                 self.costs.overhead_ms["remote"].value)

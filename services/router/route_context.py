@@ -1,0 +1,116 @@
+"""What the route strategies (route_colocated, route_disaggregated) share: the pool and its
+placement, the watchdog, the prefix-in-flight wait, a request's first-token bookkeeping, and
+releasing a request on its workers in the background."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from pdserve.v1 import common_pb2, worker_pb2
+from services.router.admission import AdmissionQueue
+from services.router.errors import WorkerFailure
+from services.router.generation_state import Chunk, Generation
+from services.router.prefix_index import request_keys
+from services.metrics import RouterMetrics
+from services.router.migration import WorkerWatch
+from services.router.placement import Placement, Route
+from services.router.worker_pool import NoWorker, WorkerHandle, WorkerPool
+
+if TYPE_CHECKING:
+    from services.router.generator import GenerationOptions
+
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 10.0           # unary internal calls (Reserve, Abort, FailTransfer)
+
+
+@dataclass(eq=False)
+class RouteContext:
+    pool: WorkerPool
+    options: GenerationOptions
+    metrics: RouterMetrics
+    placement: Placement
+    admission: AdmissionQueue
+    watch: WorkerWatch
+    _background: set[asyncio.Task] = field(default_factory=set, repr=False)   # prefill followers, aborts
+
+    def keys(self, gen: Generation) -> list[int]:
+        """The chain keys of the request's full blocks (what the workers' prefix caches hold)."""
+        bs = self.placement.block_size
+        return request_keys([*gen.prompt, *gen.generated], bs, gen.params.cache_salt) \
+            if bs and self.placement.kv_aware else []
+
+    def best_route(self, gen: Generation, keys: list[int]) -> Route:
+        return self.placement.decode_routes(keys, gen.n_tokens, gen.params.max_tokens, gen.failed)[0]
+
+    def prefix_in_flight(self, route: Route, keys: list[int]) -> bool:
+        """The route's worker has this prompt's prefix only in flight: an earlier request routed
+        there is still computing or receiving those blocks, and a sequence cannot share blocks
+        that are not computed yet (they would be shipped or computed a second time, and a burst
+        sharing a new prefix would never hit)."""
+        return bool(keys) and self.placement.kv_aware and bool(self.placement.costs.affinity_weight) \
+            and route.decode.index.pending_blocks(keys) > 0
+
+    async def await_prefix_in_flight(self, gen: Generation, keys: list[int], deadline: float) -> None:
+        """Wait until the best route's worker holds the prefix it has in flight, or the request
+        computing it there has its KV in place or is gone (PrefixIndex.settle), or deadline (loop
+        time). A remote prefill would queue behind that request at the prefill worker anyway."""
+        loop = asyncio.get_running_loop()
+        while loop.time() < deadline:
+            try:
+                route = self.best_route(gen, keys)
+            except NoWorker:
+                return
+            if not self.prefix_in_flight(route, keys):
+                return
+            await self.pool.wait_changed(deadline - loop.time())
+
+    def first_token(self, gen: Generation, first: worker_pb2.FirstToken, route: str, routed_at: float) -> None:
+        """Record the first token's worker-side breakdown, and learn the route's overhead from it."""
+        if gen.generated:
+            return
+        t = gen.timing
+        t.queue_ms, t.prefill_ms, t.cached_tokens = first.queue_ms, first.prefill_ms, first.num_cached_tokens
+        self.placement.costs.observe_overhead(route, (time.perf_counter() - routed_at) * 1e3,
+                                              first.queue_ms + first.prefill_ms)
+
+    @staticmethod
+    def first_chunk(first: worker_pb2.FirstToken, finish: bool) -> Chunk:
+        return Chunk([first.token_id], first.finish_reason if finish else None,
+                     [first.logprob] if first.HasField("logprob") else None)
+
+    @staticmethod
+    def decode_chunk(event: worker_pb2.DecodeEvent, worker: WorkerHandle, gen: Generation) -> Chunk:
+        """A decode event as a chunk. A worker ending the request with "abort" that nobody asked
+        for (its engine failed, or it was told by a stale abort) is a fault: the request moves."""
+        if event.finished and event.finish_reason == "abort" and not gen.aborted:
+            raise WorkerFailure(worker.address, "ABORTED", "the worker aborted the request")
+        return Chunk(list(event.token_ids), event.finish_reason if event.finished else None,
+                     list(event.logprobs) or None)
+
+    async def release(self, gen: Generation) -> None:
+        """Free the request on every worker that may hold it (reservations, pins, sequences). The
+        aborts run in the background: a frozen worker must not hold up a migration (it frees the
+        request itself anyway, when its streams break or its lease lapses)."""
+        workers, gen.workers = gen.workers, set()
+        for worker in workers:
+            self.spawn(self._abort_on(worker, gen.worker_request_id))
+
+    def spawn(self, coro) -> asyncio.Task:
+        """A task that outlives its creator: held here until done (the loop keeps only weak
+        references, and a collected task would cancel its call mid-way)."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _abort_on(self, worker: WorkerHandle, request_id: str) -> None:
+        try:
+            await worker.info.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=RPC_TIMEOUT_S / 2)
+        except grpc.aio.AioRpcError as exc:
+            log.info("abort of %s on %s: %s", request_id, worker.address, exc.code().name)

@@ -1,0 +1,231 @@
+"""The disaggregated route: reserve decode blocks (waiting in the admission queue while every
+decode worker is full) → prefill on a prefill worker, which ships the KV chunk by chunk and
+streams the sampled token at once → that token goes to the client (TTFT) while the last blocks
+are still in flight, and the decode worker is asked to continue from it → tokens stream back.
+With conditional disaggregation the chosen route may instead prefill on the decode worker
+itself (route_colocated.on_one_worker)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator
+
+import grpc
+
+from pdserve.v1 import worker_pb2
+from services.proto_convert import params_to_proto
+from services.router.errors import RouterError, WorkerFailure
+from services.router.generation_state import Chunk, Generation
+from services.router.migration import own_deadline, refused
+from services.router.route_colocated import on_one_worker
+from services.router.route_context import RPC_TIMEOUT_S, RouteContext
+from services.router.placement import Route
+from services.router.worker_pool import NoWorker, WorkerHandle
+
+log = logging.getLogger(__name__)
+
+MIN_TURN_S = 0.01              # the least time a request is given to be placed, deadline or not
+
+Placed = tuple[WorkerHandle, Route, "worker_pb2.ReserveResponse | None", float]
+
+
+class DisaggregatedRoute:
+    def __init__(self, ctx: RouteContext) -> None:
+        self.ctx = ctx
+
+    async def __call__(self, gen: Generation) -> AsyncIterator[Chunk]:
+        """One attempt: place it, then prefill (remote or local) and decode."""
+        ctx = self.ctx
+        # A role restarting: wait here, every request on its own clock, rather than at the head of
+        # the admission queue (one at a time) or holding a decode reservation whose lease may lapse.
+        await ctx.watch.await_role(gen, "decode")
+        if not ctx.placement.conditional:   # conditional: with no prefill worker it prefills locally
+            await ctx.watch.await_role(gen, "prefill")
+        keys = ctx.keys(gen)
+        loop = asyncio.get_running_loop()
+        wait_until = None   # for a prefix in flight on the chosen worker: at most the stall timeout
+        while True:
+            picked = await self._reserve(gen, keys, wait_for_prefix=wait_until is None or loop.time() < wait_until)
+            if picked is not None:
+                break
+            if wait_until is None:
+                wait_until = loop.time() + ctx.options.stall_timeout_s
+                ctx.metrics.prefix_waits.inc()
+            await ctx.await_prefix_in_flight(gen, keys, wait_until)
+        decode = picked[0]
+        try:
+            async with contextlib.aclosing(self._run(gen, keys, *picked)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            ctx.pool.settle(decode, keys)
+
+    async def _run(self, gen: Generation, keys: list[int], decode: WorkerHandle, route: Route,
+                   reservation: worker_pb2.ReserveResponse | None, routed_at: float) -> AsyncIterator[Chunk]:
+        ctx, t = self.ctx, gen.timing
+        if not gen.generated:
+            t.prefill_route = "local" if route.local else "remote"
+            t.estimated_local_ms, t.estimated_remote_ms = route.local_ms, route.remote_ms
+            t.threshold_tokens = route.threshold_tokens
+        ctx.metrics.count_route("local" if route.local else "remote")
+        decode.index.note_routed(keys)
+        if route.local:
+            async for chunk in on_one_worker(ctx, gen, decode, decode.decode.Generate, routed_at,
+                                             ctx.placement.uncached(decode, keys, gen.n_tokens), keys):
+                yield chunk
+            return
+        if not gen.generated:
+            t.decode_cached_tokens = len(reservation.held_block_hashes) * (ctx.placement.block_size or 0)
+        with ctx.pool.placed(decode):
+            prefill, _ = await ctx.watch.pick(gen, lambda: ctx.placement.pick_prefill(keys, gen.n_tokens, gen.failed))
+            prefill.index.note_routed(keys)
+            gen.workers.add(prefill)
+            with ctx.pool.placed(prefill, ctx.placement.uncached(prefill, keys, gen.n_tokens)):
+                call = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
+                    request_id=gen.worker_request_id, prompt_token_ids=gen.prompt, output_token_ids=gen.generated,
+                    params=params_to_proto(gen.params),
+                    target=worker_pb2.KVTarget(address=decode.kv_address, transfer_token=reservation.transfer_token,
+                                               needed_block_indices=reservation.needed_block_indices)))
+                first_token: asyncio.Future[worker_pb2.FirstToken] = asyncio.get_running_loop().create_future()
+                follow = ctx.spawn(self._follow_prefill(call, prefill, decode, gen, first_token))
+                try:
+                    first = await first_token
+                    ctx.first_token(gen, first, "remote", routed_at)
+                    if first.HasField("finish_reason"):   # the first token ends it: no decode needed
+                        await ctx.release(gen)
+                        yield ctx.first_chunk(first, True)
+                        return
+                    yield ctx.first_chunk(first, False)
+                    async with contextlib.aclosing(self._decode(gen, keys, decode, first.token_id)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
+                except Exception:   # a fault: stop following this prefill
+                    follow.cancel()
+                    raise
+                finally:
+                    # On success, or when the caller stops reading (GeneratorExit, cancellation), the
+                    # follower runs on until the prefill stream ends: KVDelivered still comes, and the
+                    # prefill worker is not cancelled mid-acknowledgement.
+                    if not first_token.done():
+                        first_token.cancel()
+                    ctx.pool.settle(prefill, keys)
+
+    async def _decode(self, gen: Generation, keys: list[int], decode: WorkerHandle,
+                      first_token_id: int) -> AsyncIterator[Chunk]:
+        """The decode worker continues from the first token once its KV is in place."""
+        ctx = self.ctx
+        call = decode.decode.Decode(worker_pb2.DecodeRequest(
+            request_id=gen.worker_request_id, first_token_id=first_token_id,
+            kv_wait_ms=int(ctx.options.stall_timeout_s * 1e3)))
+        first_event = True
+        async for event in ctx.watch.events(call, decode, gen):
+            if first_event:
+                ctx.pool.settle(decode, keys)   # admitted: every block of the prompt is held there
+                if not gen.timing.first_decode_step_ms:
+                    gen.timing.first_decode_step_ms = event.first_decode_step_ms
+            first_event = False
+            yield ctx.decode_chunk(event, decode, gen)
+            if event.finished:
+                return
+        if not gen.aborted:
+            raise WorkerFailure(decode.address, "UNAVAILABLE", "decode stream ended early")
+
+    async def _follow_prefill(self, call, prefill: WorkerHandle, decode: WorkerHandle, gen: Generation,
+                              first_token: asyncio.Future) -> None:
+        """The whole prefill stream: the sampled token resolves first_token, KVDelivered gives the
+        exposed transfer time. A fault before the token fails first_token; one after it (the KV
+        may be incomplete) is reported to the decode worker."""
+        try:
+            async for event in self.ctx.watch.events(call, prefill, gen):
+                if event.HasField("first_token") and not first_token.done():
+                    first_token.set_result(event.first_token)
+                elif event.HasField("kv_delivered") and not gen.timing.kv_transfer_ms:
+                    delivered = event.kv_delivered
+                    gen.timing.kv_transfer_ms = delivered.exposed_ms
+                    gen.timing.kv_bytes += delivered.bytes
+                    self.ctx.placement.costs.observe_transfer(delivered.exposed_blocks, delivered.exposed_ms)
+            if not first_token.done():
+                raise WorkerFailure(prefill.address, "UNAVAILABLE", "prefill ended without a token")
+        except (WorkerFailure, RouterError) as exc:
+            if not first_token.done():
+                first_token.set_exception(exc)
+                return
+            # The KV may not all have arrived: if the decode worker still waits for blocks, it fails
+            # the reservation now (the decode call then fails and the request migrates); a request
+            # it already admitted is left alone.
+            log.info("prefill of %s ended after its token: %s", gen.request_id, exc)
+            try:
+                await decode.decode.FailTransfer(worker_pb2.FailTransferRequest(
+                    request_id=gen.worker_request_id, reason=str(exc)), timeout=RPC_TIMEOUT_S / 2)
+            except grpc.aio.AioRpcError as rpc:
+                log.info("FailTransfer of %s on %s: %s", gen.request_id, decode.address, rpc.code().name)
+
+    # ---- placement ------------------------------------------------------------------------
+    async def _reserve(self, gen: Generation, keys: list[int], wait_for_prefix: bool) -> Placed | None:
+        """The decode worker and route, waiting in the admission queue while every decode worker
+        is full. A remote route reserves blocks for the whole sequence there (the response); a
+        local one needs no reservation (None). Also returns when the route was chosen. None (with
+        wait_for_prefix) when the chosen worker has the prompt's prefix only in flight: the caller
+        waits for it out of the queue, and asks again."""
+        ctx = self.ctx
+        request = worker_pb2.ReserveRequest(request_id=gen.worker_request_id, prompt_token_ids=gen.prompt,
+                                            output_token_ids=gen.generated, params=params_to_proto(gen.params),
+                                            lease_ms=ctx.options.kv_lease_ms)
+        now = time.monotonic()
+        deadline, own = own_deadline(gen, now + ctx.options.queue_timeout_s)   # the client's deadline bounds the queue too
+        t0 = time.perf_counter()
+        # A deadline already inside the margin still gets one try at placement (no wait).
+        deadline = max(deadline, now + MIN_TURN_S)
+        try:
+            async with ctx.admission.turn(deadline - now):
+                return await self._place(gen, request, keys, wait_for_prefix, deadline, t0)
+        except RouterError as exc:   # it waited behind a request waiting for a restarting role: say so
+            role = "both" if ctx.pool.colocated else "decode"
+            if exc.code == "RESOURCE_EXHAUSTED" and ctx.pool.outage_started(role) is not None:
+                raise ctx.watch.outage_error(NoWorker(role), own) from None
+            raise
+
+    async def _place(self, gen: Generation, request: worker_pb2.ReserveRequest, keys: list[int],
+                     wait_for_prefix: bool, deadline: float, t0: float) -> Placed | None:
+        """_reserve as the head of the admission queue, until deadline (monotonic)."""
+        ctx, n_tokens = self.ctx, gen.n_tokens
+        while True:
+            routes = await ctx.watch.pick(gen, lambda: ctx.placement.decode_routes(
+                keys, n_tokens, gen.params.max_tokens, gen.failed))
+            for route in routes:
+                worker = route.decode
+                bs = worker.status.block_size if worker.status and worker.status.block_size else 1
+                if worker.status is not None and worker.free_blocks < -(-n_tokens // bs):
+                    continue   # cannot fit: do not ask
+                if wait_for_prefix and ctx.prefix_in_flight(route, keys):
+                    return None
+                routed_at = time.perf_counter()
+                response = None
+                if not route.local:
+                    try:
+                        response = await worker.decode.Reserve(request, timeout=RPC_TIMEOUT_S)
+                    except grpc.aio.AioRpcError as exc:
+                        code = exc.code().name
+                        error = refused(code, worker, exc.details())
+                        if error is not None:
+                            raise error from None
+                        if code != "RESOURCE_EXHAUSTED":
+                            ctx.pool.mark_down(worker)
+                        continue
+                gen.workers.add(worker)
+                if not gen.generated:
+                    ctx.metrics.request_queue_time_seconds.observe(time.perf_counter() - t0)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("route %s: %s", gen.request_id, "; ".join(
+                        f"{r.decode.address}{'*' if r is route else ''} {'local' if r.local else 'remote'} "
+                        f"held={r.decode_cached_blocks} local={r.local_ms:.1f} remote={r.remote_ms:.1f} "
+                        f"cost={r.cost:.1f} running={ctx.placement.load(r.decode).running} "
+                        f"free={r.decode.free_blocks}" for r in routes))
+                return worker, route, response, routed_at
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RouterError("RESOURCE_EXHAUSTED", f"no decode capacity for {n_tokens} tokens within "
+                                  f"{ctx.options.queue_timeout_s:g}s", retry_after_s=ctx.admission.retry_after_s())
+            await ctx.pool.wait_changed(remaining)

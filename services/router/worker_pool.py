@@ -1,0 +1,262 @@
+"""The router's view of its workers: one status stream per worker (WatchStatus), health from
+that stream, and the router's own count of what it has placed on each worker.
+
+A worker is healthy while its status stream delivers (it sends at least every second; a
+stream silent for ``stale_s`` counts as a frozen worker) and it is not draining. A broken
+stream is retried at once and then every ``retry_s``, so a restarted worker is used again
+within a second; a resolver (Ray) may supply a restarted worker's new address. Every status
+change wakes ``changed`` waiters: the admission queue and the router's health. A role left
+with no healthy worker has an outage start (``outage_started``): requests waiting for one of
+its workers to come back are bounded from that moment, all of them by the same time.
+
+With ``watch_kv`` each worker's prefix-cache keys stream in too (``WatchKVEvents``) and keep
+its ``index`` (services/router/prefix_index.py) for KV-aware routing; a broken stream empties the index
+(the worker may have restarted with an empty cache) until the next snapshot arrives.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Iterator
+
+import grpc
+
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from services.change_signal import ChangeSignal
+from services.router.prefix_index import DEFAULT_MAX_KEYS, PrefixIndex
+from services.security import Credentials
+from services.grpc_setup import options as channel_options
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    address: str
+    role: str                                  # "prefill" | "decode" | "both"
+    credentials: Credentials = field(default_factory=Credentials, repr=False)
+    status: worker_pb2.WorkerStatus | None = None
+    connected: bool = False                    # its status stream is live
+    inflight: int = 0                          # requests the router has on it now
+    inflight_prompt_tokens: int = 0
+    last_seen: float = 0.0
+    healthy_at: float | None = None            # when it was last heard healthy (monotonic)
+    index: PrefixIndex = field(default_factory=PrefixIndex, repr=False)   # its prefix-cache keys, as last heard
+
+    def __post_init__(self) -> None:
+        self._connect(self.address)
+
+    def _connect(self, address: str) -> None:
+        self.address = address
+        self.channel = self.credentials.channel(address, channel_options())
+        self.info = worker_pb2_grpc.WorkerStub(self.channel)
+        self.prefill = worker_pb2_grpc.PrefillWorkerStub(self.channel)
+        self.decode = worker_pb2_grpc.DecodeWorkerStub(self.channel)
+        self.colocated = worker_pb2_grpc.ColocatedWorkerStub(self.channel)
+
+    async def rebind(self, address: str) -> None:
+        """Point at the worker's new address (it was restarted elsewhere)."""
+        old = self.channel
+        self._connect(address)
+        await old.close()
+
+    @property
+    def healthy(self) -> bool:
+        return self.connected and self.status is not None and not self.status.draining
+
+    @property
+    def kv_address(self) -> str:
+        return self.status.kv_address if self.status and self.status.kv_address else self.address
+
+    @property
+    def free_blocks(self) -> int:
+        return self.status.num_free_blocks if self.status else 0
+
+
+class NoWorker(RuntimeError):
+    """No healthy worker of the wanted role."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(f"no healthy {role} worker")
+        self.role = role
+
+
+class WorkerPool:
+    def __init__(self, prefill: list[str], decode: list[str], colocated: list[str],
+                 credentials: Credentials | None = None, *, stale_s: float = 3.0, retry_s: float = 0.25,
+                 resolver: Callable[[WorkerHandle], Awaitable[str | None]] | None = None,
+                 watch_kv: bool = False, kv_index_max_keys: int = DEFAULT_MAX_KEYS) -> None:
+        creds = credentials or Credentials()
+        self.workers = ([WorkerHandle(a, "prefill", creds) for a in prefill]
+                        + [WorkerHandle(a, "decode", creds) for a in decode]
+                        + [WorkerHandle(a, "both", creds) for a in colocated])
+        if not self.workers:
+            raise ValueError("the router needs at least one worker")
+        if bool(prefill) != bool(decode):
+            raise ValueError("disaggregated serving needs both prefill and decode workers")
+        if colocated and prefill:
+            raise ValueError("a router serves either colocated workers or prefill + decode workers, not both")
+        self.stale_s = stale_s
+        self.retry_s = retry_s
+        self.resolver = resolver   # the current address of an unreachable worker (e.g. a restarted Ray actor)
+        self.watch_kv = watch_kv
+        for w in self.workers:
+            w.index = PrefixIndex(kv_index_max_keys)
+        self._tasks: list[asyncio.Task] = []
+        self._changed = ChangeSignal()
+        self.started_at = time.monotonic()
+
+    @property
+    def colocated(self) -> bool:
+        return any(w.role == "both" for w in self.workers)
+
+    @property
+    def block_size(self) -> int:
+        """The deployment's KV block size, as its workers report it (their EngineConfig's); 0 before any has."""
+        return next((w.status.block_size for w in self.workers if w.status is not None and w.status.block_size), 0)
+
+    def of_role(self, role: str) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.role == role]
+
+    def healthy(self, role: str) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.role == role and w.healthy]
+
+    def outage_started(self, role: str) -> float | None:
+        """Since when (monotonic) the role has had no healthy worker: when the last of them was
+        last heard healthy, or the pool's start when none ever was; None while one is healthy."""
+        workers = self.of_role(role)
+        if any(w.healthy for w in workers):
+            return None
+        heard = [w.healthy_at for w in workers if w.healthy_at is not None]
+        return max(heard) if heard else self.started_at
+
+    @property
+    def serving(self) -> bool:
+        """Every role the router needs has a healthy worker."""
+        roles = ("both",) if self.colocated else ("prefill", "decode")
+        return all(self.healthy(r) for r in roles)
+
+    # ---- status streams -----------------------------------------------------------------
+    def start(self) -> None:
+        self.started_at = time.monotonic()
+        self._tasks = [asyncio.create_task(self._watch(w), name=f"watch {w.address}") for w in self.workers]
+        if self.watch_kv:
+            self._tasks += [asyncio.create_task(self._watch_kv(w), name=f"kv events {w.address}") for w in self.workers]
+
+    async def _watch_kv(self, worker: WorkerHandle) -> None:
+        """Keep worker.index from its KV events; retried like the status stream. A worker that
+        does not publish them (UNIMPLEMENTED) is routed by load alone."""
+        while True:
+            call = worker.info.WatchKVEvents(worker_pb2.StatusRequest())
+            try:
+                async for events in call:
+                    worker.index.apply(events.reset, events.stored, events.removed)
+                    self._notify()   # a request waiting for a prefix in flight there may go on
+                raise ConnectionError("KV event stream ended")
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            except (grpc.aio.AioRpcError, ConnectionError) as exc:
+                call.cancel()
+                worker.index.clear()
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.warning("worker %s publishes no KV events: routed by load", worker.address)
+                    return
+                await asyncio.sleep(self.retry_s)
+
+    async def _watch(self, worker: WorkerHandle) -> None:
+        while True:
+            try:
+                call = worker.info.WatchStatus(worker_pb2.StatusRequest())
+                while True:
+                    status = await asyncio.wait_for(call.read(), self.stale_s)
+                    if status is grpc.aio.EOF:
+                        raise ConnectionError("status stream ended")
+                    if not worker.connected:
+                        log.info("worker %s (%s) is up", worker.address, worker.role)
+                    worker.status, worker.connected, worker.last_seen = status, True, time.monotonic()
+                    if not status.draining:
+                        worker.healthy_at = worker.last_seen
+                    self._notify()
+            except asyncio.CancelledError:
+                raise
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError) as exc:
+                call.cancel()
+                if worker.connected:
+                    why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "no status"
+                    log.warning("worker %s (%s) lost: %s", worker.address, worker.role, why)
+                    worker.connected = False
+                    self._notify()
+                await self._follow(worker)
+                await asyncio.sleep(self.retry_s)
+
+    async def _follow(self, worker: WorkerHandle) -> None:
+        if self.resolver is None:
+            return
+        address = await self.resolver(worker)
+        if address and address != worker.address:
+            log.info("worker %s (%s) moved to %s", worker.address, worker.role, address)
+            await worker.rebind(address)
+
+    def mark_down(self, worker: WorkerHandle) -> None:
+        """A call failed in a way that says the worker is gone; its stream will confirm or revive it."""
+        if worker.connected:
+            worker.connected = False
+            self._notify()
+
+    async def wait_ready(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not all(w.healthy for w in self.workers):
+            if loop.time() > deadline:
+                down = [w.address for w in self.workers if not w.healthy]
+                raise TimeoutError(f"workers not ready after {timeout}s: {down}")
+            await self.wait_changed(deadline - loop.time())
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for w in self.workers:
+            await w.channel.close()
+
+    def settle(self, worker: WorkerHandle, keys: list[int]) -> None:
+        """The request that noted these prefix keys on worker has its KV in place there, or is
+        gone: stop expecting them (PrefixIndex.settle), and wake requests waiting for them."""
+        worker.index.settle(keys)
+        self._notify()
+
+    # ---- change notification --------------------------------------------------------------
+    def _notify(self) -> None:
+        self._changed.notify()
+
+    async def wait_changed(self, timeout: float | None = None) -> None:
+        """Until any worker's status or health changes (or timeout)."""
+        await self._changed.wait(timeout)
+
+    # ---- placement --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def placed(self, worker: WorkerHandle, prompt_tokens: int = 0, count: bool = True) -> Iterator[WorkerHandle]:
+        """Count a request (unless count is False) and prompt_tokens to compute on worker for as long
+        as the block runs."""
+        n = 1 if count else 0
+        worker.inflight += n
+        worker.inflight_prompt_tokens += prompt_tokens
+        try:
+            yield worker
+        finally:
+            worker.inflight -= n
+            worker.inflight_prompt_tokens -= prompt_tokens
+
+    def decode_candidates(self, exclude: set[str] = frozenset()) -> list[WorkerHandle]:
+        """Healthy decode (or colocated) workers, least loaded first: fewest in-flight requests,
+        then most free KV blocks."""
+        role = "both" if self.colocated else "decode"
+        healthy = [w for w in self.healthy(role) if w.address not in exclude] or self.healthy(role)
+        if not healthy:
+            raise NoWorker(role)
+        return sorted(healthy, key=lambda w: (w.inflight, -w.free_blocks))

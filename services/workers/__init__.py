@@ -1,0 +1,1 @@
+"""Worker processes: the engine in one role (prefill, decode, colocated) behind its gRPC services."""

@@ -1,0 +1,46 @@
+"""A worker's own settings (the engine's are EngineConfig): torch-free, so that the CLI builds its
+flags without importing the worker (services/workers/worker_process.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.settings import setting
+from services.kv_transfer import shared_memory
+from services.deployment.topology import drain_timeout_setting
+
+if TYPE_CHECKING:
+    from engine.kv_connector import LeasePolicy
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """A worker's own settings (the engine's are EngineConfig)."""
+
+    drain_timeout_s: float = drain_timeout_setting()
+    kv_lease_idle_s: float = setting(10.0, "decode: a reservation whose KV makes no progress this long is freed")
+    kv_lease_max_s: float = setting(300.0, "decode: no reservation lives longer (prefill: nor do pinned blocks "
+                                           "awaiting delivery)")
+    kv_shared_memory: bool = setting(True, "KV sends of 1 MiB or more between workers on this host's loopback go "
+                                           "through /dev/shm (0600 segments); the gRPC stream carries only headers. "
+                                           "Both ends must allow it and share the directory; otherwise (or when a "
+                                           "segment cannot be written) KV goes inline")
+    kv_shared_memory_dir: str = setting(shared_memory.SHM_DIR, "the directory (a tmpfs) of KV shared-memory segments; "
+                                                               "sender and receiver must name the same")
+    kv_shared_memory_max_bytes: int = setting(shared_memory.SHARED_MEMORY_MAX_BYTES,
+                                              "prefill: payload bytes in shared-memory segments not yet "
+                                              "acknowledged, at most; beyond, KV goes inline")
+
+    def __post_init__(self) -> None:
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if not 0 < self.kv_lease_idle_s <= self.kv_lease_max_s:   # as LeasePolicy's check, without torch
+            raise ValueError(f"kv_lease_idle_s ({self.kv_lease_idle_s}) must be > 0 and <= kv_lease_max_s "
+                             f"({self.kv_lease_max_s})")
+        if self.kv_shared_memory_max_bytes < 0:
+            raise ValueError(f"kv_shared_memory_max_bytes must be >= 0, got {self.kv_shared_memory_max_bytes}")
+
+    @property
+    def lease(self) -> "LeasePolicy":
+        from engine.kv_connector import LeasePolicy   # the engine floor (torch): only in the worker itself
+        return LeasePolicy(self.kv_lease_idle_s, self.kv_lease_max_s)

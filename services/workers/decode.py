@@ -1,0 +1,99 @@
+"""Decode role: reserve blocks for a sequence whose KV arrives from a prefill worker, admit it
+once the KV connector has every block verified, and decode it with continuous batching."""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import AsyncIterator
+
+import grpc
+
+from engine import NoCapacity
+from engine.kv_connector import HandoffError, HandoffState
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.workers.async_engine import AsyncEngine
+from services.workers.colocated import generate_local
+from services.proto_convert import logprobs_to_proto, params_from_proto
+from services.workers.lifecycle import WorkerState
+
+
+def status_code(code: str) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL)
+
+
+class DecodeHandler(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, aengine: AsyncEngine, state: WorkerState) -> None:
+        self.aengine = aengine
+        self.state = state
+
+    async def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+                      ) -> worker_pb2.ReserveResponse:
+        await self.state.refuse_if_draining(context)
+        try:
+            res = self.aengine.engine.reserve(request.request_id, request.prompt_token_ids,
+                                              params_from_proto(request.params), request.output_token_ids,
+                                              lease_s=request.lease_ms / 1e3 or None)
+        except NoCapacity as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker is full: {exc}")
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.aengine.status_changed()
+        return worker_pb2.ReserveResponse(needed_block_indices=res.needed_block_indices,
+                                          held_block_hashes=res.held_block_hashes, num_blocks=res.num_blocks,
+                                          transfer_token=res.transfer_token, lease_ms=int(res.lease_s * 1e3))
+
+    async def FailTransfer(self, request: worker_pb2.FailTransferRequest, context: grpc.aio.ServicerContext
+                           ) -> common_pb2.AbortResponse:
+        found = self.aengine.engine.kv.fail(request.request_id, "UNAVAILABLE",
+                                             f"the prefill worker could not deliver the KV: {request.reason[:512]}")
+        return common_pb2.AbortResponse(found=found)
+
+    async def Generate(self, request: worker_pb2.GenerateLocalRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[worker_pb2.GenerateLocalEvent]:
+        """Conditional disaggregation: prefill the prompt here, in the mixed steps, and decode it."""
+        async with contextlib.aclosing(generate_local(self.aengine, self.state, request, context)) as events:
+            async for event in events:
+                yield event
+
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[worker_pb2.DecodeEvent]:
+        rid = request.request_id
+        engine = self.aengine.engine
+        t0 = time.perf_counter()
+        wait_s = request.kv_wait_ms / 1e3 if request.kv_wait_ms else engine.kv.lease.max_s
+        state = await self.aengine.wait_kv(rid, wait_s)
+        if state is not HandoffState.READY:
+            failure = engine.kv.failure(rid)
+            if failure is not None:
+                await context.abort(status_code(failure.code), f"KV of {rid!r}: {failure.message}")
+            if state is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no reservation for request {rid!r}")
+            engine.abort(rid)   # still incomplete after kv_wait: give the blocks back
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"KV of {rid!r} incomplete after waiting {wait_s:g}s")
+        kv_wait_ms = (time.perf_counter() - t0) * 1e3
+        try:
+            stream, reason = self.aengine.admit(rid, request.first_token_id)
+        except HandoffError as exc:
+            await context.abort(status_code(exc.code), str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        with self.state.track():
+            async with stream:
+                if reason is not None:
+                    yield worker_pb2.DecodeEvent(finished=True, finish_reason=reason, kv_wait_ms=kv_wait_ms)
+                    return
+                t_admit, first = time.perf_counter(), True
+                while True:
+                    out = (await stream.get()).output
+                    event = worker_pb2.DecodeEvent(token_ids=out.new_token_ids, finished=out.finished,
+                                                   logprobs=logprobs_to_proto(out.logprobs))
+                    if out.finish_reason is not None:
+                        event.finish_reason = out.finish_reason
+                    if first:
+                        event.kv_wait_ms = kv_wait_ms
+                        event.first_decode_step_ms = (time.perf_counter() - t_admit) * 1e3
+                        first = False
+                    yield event
+                    if out.finished:
+                        return

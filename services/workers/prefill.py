@@ -1,0 +1,96 @@
+"""Prefill role: chunked prefill; each chunk's finished blocks go to the decode worker while the
+next chunk computes; the sampled token goes back to the router at once, before the KV lands."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+import grpc
+
+from engine.block_manager import salt_root, transfer_block_hashes
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from services.workers.async_engine import AsyncEngine
+from services.proto_convert import first_token_proto, params_from_proto
+from services.kv_transfer import KVBlock, KVSender, KVTransferError
+from services.workers.lifecycle import WorkerState
+
+HEARTBEAT_S = 0.5          # Progress to the router and a KV heartbeat to the decode worker, while computing
+KV_ACK_TIMEOUT_S = 30.0    # the decode worker must acknowledge the last block within this
+
+
+class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, aengine: AsyncEngine, sender: KVSender, state: WorkerState, metrics=None,
+                 heartbeat_s: float = HEARTBEAT_S, kv_ack_timeout_s: float = KV_ACK_TIMEOUT_S) -> None:
+        self.aengine = aengine
+        self.sender = sender
+        self.state = state
+        self.metrics = metrics
+        self.block_size = aengine.config.block_size
+        self.heartbeat_s = heartbeat_s
+        self.kv_ack_timeout_s = kv_ack_timeout_s
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[worker_pb2.PrefillEvent]:
+        rid = request.request_id
+        await self.state.refuse_if_draining(context)
+        tokens = [*request.prompt_token_ids, *request.output_token_ids]
+        try:
+            stream = self.aengine.add(rid, request.prompt_token_ids, params_from_proto(request.params),
+                                      request.output_token_ids)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        target = request.target
+        needed = set(target.needed_block_indices)
+        kv = self.sender.open(target.address, rid, target.transfer_token) if needed else None
+        salt = request.params.cache_salt if request.params.HasField("cache_salt") else None
+        hashes = transfer_block_hashes(tokens, self.block_size, salt_root(salt))
+        delivered = False
+        last_sent = 0
+        try:
+            with self.state.track():
+                async with stream:
+                    while True:
+                        try:
+                            res = await stream.get(timeout=self.heartbeat_s)
+                        except asyncio.TimeoutError:   # queued, or in a long step: say so, both ways
+                            if kv is not None:
+                                await kv.heartbeat()
+                            yield worker_pb2.PrefillEvent(progress=worker_pb2.Progress())
+                            continue
+                        out = res.output
+                        if out.finish_reason == "abort":
+                            await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
+                        if kv is not None and out.ready_blocks:   # each block as its ranks' head ranges
+                            await kv.send([KVBlock(rid, idx, hashes[idx], data[j],
+                                                   head_start=start, head_end=end)
+                                           for j, idx in enumerate(out.ready_blocks) if idx in needed
+                                           for start, end, data in res.blocks])
+                            # the final send's blocks are the exposed ones
+                            last_sent = sum(1 for idx in out.ready_blocks if idx in needed)
+                        if out.prefill_done:
+                            break
+                        if out.ready_blocks:
+                            yield worker_pb2.PrefillEvent(progress=worker_pb2.Progress())
+                sampled_at = time.perf_counter()
+                yield worker_pb2.PrefillEvent(first_token=first_token_proto(out))
+                blocks = nbytes = 0
+                if kv is not None:
+                    try:
+                        result = await kv.finish(timeout=self.kv_ack_timeout_s)
+                    except KVTransferError as exc:
+                        if self.metrics is not None:
+                            self.metrics.kv_failure()
+                        code = getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNAVAILABLE)
+                        await context.abort(code, f"KV transfer to {target.address} failed: {exc}")
+                    delivered = True
+                    blocks, nbytes = result.blocks, result.bytes
+                    if self.metrics is not None:
+                        self.metrics.kv_sent(nbytes, result.seconds)
+                yield worker_pb2.PrefillEvent(kv_delivered=worker_pb2.KVDelivered(
+                    blocks=blocks, bytes=nbytes, exposed_ms=(time.perf_counter() - sampled_at) * 1e3,
+                    exposed_blocks=last_sent if kv is not None else 0))
+        finally:
+            if kv is not None and not delivered:
+                await kv.cancel()
+            self.aengine.engine.release(rid)   # pinned blocks fall back to the prefix cache

@@ -1,0 +1,222 @@
+"""A worker process: the engine in one role behind that role's gRPC service (plus the common
+Worker service, and KVTransfer on decode workers), with health, reflection, metrics, the
+cluster-token check on every internal call, and a graceful drain on SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from engine import EngineConfig
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.workers.async_engine import AsyncEngine
+from services.workers.colocated import ColocatedHandler
+from services.workers.decode import DecodeHandler
+from services.kv_transfer import GrpcKVSender, KVSender, KVTransferServicer, register_kv_servicer
+from services.kv_transfer import shared_memory
+from services.kv_transfer.grpc_transport import SharedMemoryRoute, grpc_message_limit
+from services.workers.prefill import PrefillHandler
+from services.security import Credentials
+from services.grpc_setup import Server, options as channel_options, service_registration, start_server, stop_on_signals
+from services.workers.config import WorkerConfig
+from services.workers.lifecycle import WorkerState
+
+log = logging.getLogger(__name__)
+
+ROLE_ENUM = {"prefill": worker_pb2.WORKER_ROLE_PREFILL, "decode": worker_pb2.WORKER_ROLE_DECODE,
+             "both": worker_pb2.WORKER_ROLE_BOTH}
+STATUS_HEARTBEAT_S = 1.0     # WatchStatus sends the status at least this often
+STATUS_MIN_INTERVAL_S = 0.01  # and at most once per this interval
+MAX_KEYS_PER_MESSAGE = 16384  # WatchKVEvents: prefix-cache keys in one message (128 KiB)
+
+
+def step_cost_fields(engine) -> tuple[float, float, float]:
+    """What a worker publishes of its learned step costs (engine/step_cost.py): (base_ms,
+    ms_per_token, ms_per_seq). ms_per_token is 0 until a step computed prompt tokens here (a
+    decode worker that has only decoded: the router borrows a peer's); base_ms then comes from the
+    decode-only fit. ms_per_seq is 0 unless the decode-only steps identify it (the router then
+    uses its peers')."""
+    base_ms, ms_per_token = engine.step_cost.coefficients()
+    decode_base, ms_per_seq = engine.decode_step_cost.line() or (0.0, 0.0)
+    if not engine.step_cost.fitted:
+        base_ms = decode_base
+    return base_ms, ms_per_token, ms_per_seq
+
+
+def prompt_chunk_tokens(engine) -> int:
+    """Prompt tokens one step computes here (the router's estimate of a prompt's steps): the step
+    budget, or less while sequences decode (a decode worker prefilling a prompt locally)."""
+    budget = engine.config.max_num_batched_tokens
+    chunk = engine.scheduler.prompt_tokens_with_decodes
+    return budget if chunk is None or engine.config.role != "decode" else min(budget, chunk)
+
+
+def _round3(x: float) -> float:
+    """3 significant digits: a published estimate changes the status only when it really moves."""
+    return float(f"{x:.3g}")
+
+
+@dataclass(slots=True)
+class WorkerOptions:
+    host: str = "127.0.0.1"
+    port: int = 0
+    worker_id: str = ""
+    metrics_port: int | None = None   # Prometheus /metrics; None: no endpoint
+    metrics_token: str | None = None  # scrapes must send it as a bearer token
+    kv_address: str = ""              # advertised as WorkerStatus.kv_address ("": the Worker address)
+    kv_sender: KVSender | None = None  # prefill: how KV blocks leave (None: gRPC)
+    credentials: Credentials = field(default_factory=Credentials)
+    config: WorkerConfig = field(default_factory=WorkerConfig)
+
+
+class WorkerInfoServicer(worker_pb2_grpc.WorkerServicer):
+    """Status, status stream and abort: served by every role."""
+
+    def __init__(self, aengine: AsyncEngine, worker_id: str, state: WorkerState, kv_address: str = "") -> None:
+        self.aengine = aengine
+        self.role = aengine.config.role
+        self.worker_id = worker_id
+        self.state = state
+        self.kv_address = kv_address
+
+    def status(self) -> worker_pb2.WorkerStatus:
+        stats = self.aengine.engine.stats()
+        engine = self.aengine.engine
+        mc = engine.model_config
+        base_ms, ms_per_token, ms_per_seq = step_cost_fields(engine)
+        return worker_pb2.WorkerStatus(
+            role=ROLE_ENUM[self.role], worker_id=self.worker_id, model_name=self.aengine.config.model,
+            kv_address=self.kv_address,
+            num_total_blocks=stats["num_total_blocks"], num_free_blocks=stats["num_free_blocks"],
+            num_running=stats["num_running"], num_waiting=stats["num_waiting"],
+            num_reserved=stats["num_reserved"], num_queued_prompt_tokens=stats["num_queued_prompt_tokens"],
+            block_size=self.aengine.config.block_size, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim, kv_dtype=engine.runner.kv_dtype_name, max_model_len=engine.max_model_len,
+            draining=self.state.draining, num_sending=stats["num_pinned"],
+            step_base_ms=_round3(base_ms), step_ms_per_token=_round3(ms_per_token),
+            decode_ms_per_seq=_round3(ms_per_seq),
+            max_num_batched_tokens=prompt_chunk_tokens(engine))
+
+    async def GetStatus(self, request, context):
+        return self.status()
+
+    async def WatchStatus(self, request, context) -> AsyncIterator[worker_pb2.WorkerStatus]:
+        last, sent_at = None, 0.0
+        while True:
+            status = self.status()
+            now = time.monotonic()
+            if status != last or now - sent_at >= STATUS_HEARTBEAT_S:
+                yield status
+                last, sent_at = status, now
+            await self.aengine.wait_status_change(STATUS_HEARTBEAT_S)
+            await asyncio.sleep(STATUS_MIN_INTERVAL_S)
+
+    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
+        return common_pb2.AbortResponse(found=self.aengine.abort(request.request_id))
+
+    async def WatchKVEvents(self, request, context) -> AsyncIterator[worker_pb2.KVEvents]:
+        """A snapshot of the prefix-cache keys, then their net changes, woken by the same
+        notifications as WatchStatus (every step, admission, abort) and batched as densely."""
+        cursor = None
+        while True:
+            batch = self.aengine.engine.read_kv_events(cursor)
+            cursor = batch.cursor
+            if batch:
+                reset = batch.reset
+                stored, removed = batch.stored, batch.removed
+                while reset or stored or removed:
+                    n_removed = min(len(removed), MAX_KEYS_PER_MESSAGE)
+                    n_stored = min(len(stored), MAX_KEYS_PER_MESSAGE - n_removed)
+                    yield worker_pb2.KVEvents(reset=reset, stored=stored[:n_stored], removed=removed[:n_removed])
+                    stored, removed, reset = stored[n_stored:], removed[n_removed:], False
+            await self.aengine.wait_status_change(STATUS_HEARTBEAT_S)
+            await asyncio.sleep(STATUS_MIN_INTERVAL_S)
+
+
+@dataclass(eq=False)
+class RunningWorker:
+    """What serve_worker hands to on_start (Ray actors use it)."""
+
+    aengine: AsyncEngine
+    info: WorkerInfoServicer
+    server: Server
+    metrics: object
+    sender: KVSender | None
+
+
+async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: asyncio.Event | None = None,
+                       on_start: Callable[[RunningWorker], None] | None = None) -> None:
+    """Run one worker until stop is set (or SIGINT/SIGTERM), then drain. on_start runs once serving.
+    Raises RankFailure, after draining, when a tensor-parallel rank died: the worker cannot step
+    again, and its supervisor (`pdserve up`, Ray) restarts it."""
+    from services.metrics import WorkerMetrics, start_metrics_server
+
+    worker_id = options.worker_id or f"{config.role}-{uuid.uuid4().hex[:8]}"
+    metrics = WorkerMetrics(config.role, worker_id, model_name=config.model)
+    aengine = AsyncEngine(config, lease=options.config.lease, on_step=metrics.on_step)
+    metrics.attach(aengine.engine)   # gauges read at scrape time: exact after admission, cancel, finish
+    aengine.start()
+    state = WorkerState()
+    info = WorkerInfoServicer(aengine, worker_id, state, options.kv_address)
+    services = worker_pb2.DESCRIPTOR.services_by_name
+    registrations: list[tuple[Callable, object, str]] = [service_registration(services["Worker"], info)]
+    sender = None
+    if config.role == "prefill":
+        creds = options.credentials
+        wc = options.config
+        if wc.kv_shared_memory and shared_memory.available(wc.kv_shared_memory_dir):
+            # segments a previous sender died holding; no live hand-off outlives a lease (and the
+            # sender sweeps again periodically)
+            shared_memory.sweep(wc.kv_lease_max_s, wc.kv_shared_memory_dir)
+        sender = options.kv_sender or GrpcKVSender(
+            lambda address: creds.channel(address, channel_options([("grpc.max_send_message_length",
+                                                                     grpc_message_limit())]), attach_token=False),
+            proof=creds.call_proof if creds.key is not None else None, shared_memory=wc.kv_shared_memory,
+            shared_memory_route=SharedMemoryRoute(wc.kv_shared_memory_dir, max_bytes=wc.kv_shared_memory_max_bytes,
+                                                  sweep_after_s=wc.kv_lease_max_s))
+        registrations.append(service_registration(services["PrefillWorker"],
+                                                  PrefillHandler(aengine, sender, state, metrics)))
+    elif config.role == "decode":
+        registrations.append(service_registration(services["DecodeWorker"], DecodeHandler(aengine, state)))
+        kv = aengine.engine.kv
+        kv.on_block = metrics.kv_received
+        notify = kv.on_change
+        kv.on_change = lambda rid, st: (metrics.kv_handoff_ended(st), notify(rid, st))
+        kv_servicer = KVTransferServicer(kv, shared_memory=options.config.kv_shared_memory,
+                                         shared_memory_dir=options.config.kv_shared_memory_dir)
+        registrations.append((lambda servicer, server: register_kv_servicer(servicer, server), kv_servicer,
+                              "pdserve.v1.KVTransfer"))
+    else:
+        registrations.append(service_registration(services["ColocatedWorker"], ColocatedHandler(aengine, state)))
+    server = await start_server(registrations, options.host, options.port,
+                                interceptors=options.credentials.server_interceptors(),
+                                credentials=options.credentials.server_credentials())
+    metrics_note = ""
+    if options.metrics_port is not None:
+        mport = start_metrics_server(metrics.registry, options.host, options.metrics_port, options.metrics_token)
+        metrics_note = f", metrics on http://{options.host}:{mport}/metrics"
+    print(f"pdserve {config.role} worker {worker_id} listening on {options.host}:{server.port}{metrics_note}",
+          flush=True)
+    stop = stop or asyncio.Event()
+    stop_on_signals(stop)
+    aengine.on_fatal = stop.set   # a dead tensor-parallel rank: drain, then raise aengine.failure
+    if on_start is not None:
+        on_start(RunningWorker(aengine, info, server, metrics, sender))
+    try:
+        await stop.wait()
+        state.draining = True               # refuse new work, tell the router, let the rest finish
+        aengine.status_changed()
+        await server.set_serving(False)
+        if not await state.wait_idle(options.config.drain_timeout_s):
+            log.warning("drain timeout: %d request(s) still in flight on %s", state.inflight, worker_id)
+    finally:
+        await server.server.stop(grace=1)
+        if sender is not None:
+            await sender.close()
+        aengine.stop()
+    if aengine.failure is not None:
+        raise aengine.failure
+
