@@ -212,23 +212,14 @@ class PrefillActor:
             await sender.close()
 
 
-def _running(pid: int) -> bool:
-    """Whether the process exists and is not a zombie (Linux /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _ray_left(pgid: int, pids: list[int], wait_s: float = 15.0) -> list[str]:
     """What is still running of the stopped cluster: its head's process group, and the actors'
     worker processes (Ray starts each worker in a session of its own), after up to wait_s."""
-    from services.ray_deploy.cluster import _group_running
+    from services.process_table import group_running, is_alive
 
     deadline = time.monotonic() + wait_s
     while True:
-        left = ([f"process group {pgid}"] if _group_running(pgid) else []) + [f"pid {p}" for p in pids if _running(p)]
+        left = ([f"process group {pgid}"] if group_running(pgid) else []) + [f"pid {p}" for p in pids if is_alive(p)]
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)

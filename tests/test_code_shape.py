@@ -145,6 +145,43 @@ def test_no_hand_written_module_over_the_line_limit() -> None:
     assert not found, f"modules over {MAX_LINES} lines:\n" + "\n".join(found)
 
 
+def imported_project_names() -> list[tuple[str, str, str]]:
+    """(importing module, imported module, name) of every ``from X import name`` of a project
+    module, function-level ones included (they run only when called, so nothing else sees a
+    stale one), typing-only blocks aside."""
+    modules = project_modules()
+    found = []
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+
+        def visit(node: ast.AST) -> None:
+            if isinstance(node, ast.If) and _is_type_checking(node.test):
+                for child in node.orelse:
+                    visit(child)
+                return
+            if isinstance(node, ast.ImportFrom):
+                target = sorted(_imported_names(ast.Module(body=[node], type_ignores=[]), name, is_package))[0]
+                if target in modules:
+                    found.extend((name, target, alias.name) for alias in node.names if alias.name != "*")
+            for child in ast.iter_child_nodes(node):
+                visit(child)
+
+        visit(ast.parse(path.read_text(), str(path)))
+    return found
+
+
+def test_every_imported_name_exists() -> None:
+    import importlib
+
+    missing = []
+    for importer, target, name in imported_project_names():
+        if f"{target}.{name}" in project_modules():
+            continue
+        if not hasattr(importlib.import_module(target), name):
+            missing.append(f"{importer}: from {target} import {name}")
+    assert not missing, "imports of names that do not exist:\n" + "\n".join(sorted(set(missing)))
+
+
 def test_the_checker_sees_cycles_and_upward_imports(tmp_path: Path) -> None:
     """The checks above are only as good as the graph: a known cycle and a known upward edge
     (function-level, relative) are found; a TYPE_CHECKING import is not."""

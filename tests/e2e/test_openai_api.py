@@ -494,8 +494,17 @@ def test_chat_completions_match_offline(served: Served, offline: LLM) -> None:
 
 # ---- disconnects ---------------------------------------------------------------------------
 
+def _idle_router_metrics(served: Served) -> dict:
+    """The router's metrics once no request is in flight (a request still finishing would count
+    its success later, inside the caller's window)."""
+    deadline = time.monotonic() + 60
+    while metric(served.router_metrics(), "pdserve:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return served.router_metrics()
+
+
 def test_disconnect_mid_stream_frees_blocks(served: Served) -> None:
-    before = served.router_metrics()
+    before = _idle_router_metrics(served)
     host, port = served.base.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     body = json.dumps({"model": served.model, "prompt": PROMPTS[0], "max_tokens": 2000 - len(PROMPTS[0]),
@@ -513,10 +522,7 @@ def test_disconnect_mid_stream_frees_blocks(served: Served) -> None:
     conn.sock.shutdown(2)
     conn.close()
     assert_blocks_at_baseline(served.cluster, timeout=60)
-    deadline = time.monotonic() + 60
-    while metric(served.router_metrics(), "pdserve:num_requests_running") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    after = served.router_metrics()
+    after = _idle_router_metrics(served)
     # it was cancelled, not run to its end
     assert metric(after, "pdserve:request_success_total") == metric(before, "pdserve:request_success_total")
     assert metric(after, "pdserve:request_failure_total") == metric(before, "pdserve:request_failure_total") + 1
