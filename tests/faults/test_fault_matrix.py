@@ -55,6 +55,9 @@ def _reach_phase(fc: FaultCluster, role: str, phase: str, prompt: list[int], bus
     if phase == "queued":   # both prefill workers kept busy with long prompts: the request waits in a queue
         busy += [fc.busy_prefill(name, 1800) for name in fc.names("prefill")]
         wait_for(lambda: all(fc.status(n).num_running for n in fc.names("prefill")), 30, "busy prefill workers")
+    if (role, phase) == ("decode", "mid-transfer"):   # the KV each decode worker holds before this request
+        received = {n: metric(scrape(fc.process(n).metrics_address), "pdserve:kv_transfer_bytes_total")
+                    for n in fc.names("decode")}
     obs = observe(fc.router, prompt, MAX_TOKENS)
     if role == "prefill" and phase == "queued":
         victim = _await_holder(fc, "prefill", "num_waiting")
@@ -74,11 +77,16 @@ def _reach_phase(fc: FaultCluster, role: str, phase: str, prompt: list[int], bus
     elif role == "decode" and phase == "queued":
         victim = _await_holder(fc, "decode", "num_reserved")
     else:   # decode mid-transfer: reserved there, blocks arriving chunk by chunk, no token yet
-        victim = _await_holder(fc, "decode", "num_reserved")
-        address = fc.process(victim).metrics_address
-        before = metric(scrape(address), "pdserve:kv_transfer_bytes_total")
-        wait_for(lambda: metric(scrape(address), "pdserve:kv_transfer_bytes_total") > before, 30, "KV arriving",
+        # one poll sees both at once (the transfer lasts well under a second on a fast machine:
+        # finding the reservation first and then waiting for more KV could miss all of it)
+        def receiving() -> str | None:
+            return next((n for n, before in received.items() if fc.status(n).num_reserved and
+                         metric(scrape(fc.process(n).metrics_address), "pdserve:kv_transfer_bytes_total") > before),
+                        None)
+        found: list[str | None] = []
+        wait_for(lambda: bool(found.append(receiving()) or found[-1]), 30, "KV arriving at a reserved decode worker",
                  interval=0.01)
+        victim = found[-1]
     assert not obs.done.is_set(), (role, phase, obs)
     return victim, obs
 
