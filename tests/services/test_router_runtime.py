@@ -9,6 +9,7 @@ import random
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -199,6 +200,7 @@ def test_log_file_is_never_written_through_a_symlink(tmp_path: Path) -> None:
 
 # ---- a queue is not a stall --------------------------------------------------------------------
 STALL_S = 1.0
+AHEAD_MAX_TOKENS = 1900   # the tiny model's max_model_len is 2048
 
 
 @pytest.fixture(scope="module")
@@ -227,15 +229,31 @@ def test_request_queued_longer_than_the_stall_timeout_is_not_migrated(one_slot) 
         t0 = time.monotonic()
         list(calibration)
         per_token = (time.monotonic() - t0) / 64
-        ahead = min(1900, 64 + int(5 * STALL_S / per_token))
-        long_stream = client.generate_stream([5, 6, 7, 8], max_tokens=ahead, ignore_eos=True, temperature=0.0)
-        first = next(long_stream)   # the long one holds the only slot now
-        assert first.token_ids
+        # requests ahead holding the slot for about 5 stall timeouts, each under max_model_len
+        # (a fast CPU decodes one request's 1,900 tokens in less than 2 stall timeouts)
+        total = 64 + int(5 * STALL_S / per_token)
+        lengths = [min(AHEAD_MAX_TOKENS, total - start) for start in range(0, total, AHEAD_MAX_TOKENS)]
+        finals: list = [None] * len(lengths)
+        holding = threading.Event()
+
+        def run_ahead(i: int, max_tokens: int) -> None:
+            for msg in client.generate_stream([5 + i, 6, 7, 8], max_tokens=max_tokens, ignore_eos=True,
+                                              temperature=0.0):
+                holding.set()
+                finals[i] = msg
+
+        ahead = [threading.Thread(target=run_ahead, args=(i, n), daemon=True) for i, n in enumerate(lengths)]
+        ahead[0].start()
+        assert holding.wait(60)   # the first one holds the only slot now
+        for thread in ahead[1:]:
+            thread.start()
+        time.sleep(0.5)   # the others queue first
         t0 = time.monotonic()
         queued = client.generate([9, 10, 11], max_tokens=4, ignore_eos=True, temperature=0.0)
         waited = time.monotonic() - t0
-        rest = list(long_stream)
-    assert rest[-1].finished and rest[-1].timings.migrations == 0
+        for thread in ahead:
+            thread.join(120)
+    assert all(f is not None and f.finished and f.timings.migrations == 0 for f in finals), finals
     assert waited > 2 * STALL_S, f"the queued request waited only {waited:.2f}s: the test did not queue it"
     assert queued.finish_reason == "length" and len(queued.token_ids) == 4
     assert queued.timings["migrations"] == 0
