@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -306,8 +307,9 @@ def measure_throughput(sender: Host, receiver: Host, mib: int = 32, port: int = 
     rx = receiver.popen([sys.executable, "-c", _RECEIVER, receiver.address, str(port), str(timeout)],
                         stdout=subprocess.PIPE, text=True)
     try:
-        if rx.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"the receiver in {receiver.name} did not start (exit code {rx.wait(timeout)})")
+        ready, _, _ = select.select([rx.stdout], [], [], timeout)
+        if not ready or rx.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the receiver in {receiver.name} did not start within {timeout:g}s (exit code {rx.poll()})")
         sender.run([sys.executable, "-c", _SENDER, receiver.address, str(port), str(mib), str(timeout)],
                    timeout=timeout, check=True)
         out, _ = rx.communicate(timeout=timeout)

@@ -31,16 +31,22 @@ INSECURE_FLAG = "--insecure-internal-plane"
 pytestmark = pytest.mark.skipif(not netns.available()[0], reason=f"no network namespaces: {netns.available()[1]}")
 
 
-def _help_lists_insecure_flag() -> bool:
-    out = subprocess.run([sys.executable, "-m", "services.cli", "prefill", "--help"], capture_output=True,
+def _help_lists_insecure_flag(role: str) -> bool:
+    out = subprocess.run([sys.executable, "-m", "services.cli", role, "--help"], capture_output=True,
                          text=True, timeout=60).stdout
     return INSECURE_FLAG in out
 
 
 @pytest.fixture(scope="module")
-def insecure_args() -> list[str]:
-    """The flag a non-loopback bind without TLS needs, once the CLI has it."""
-    return [INSECURE_FLAG] if _help_lists_insecure_flag() else []
+def insecure_args() -> dict[str, list[str]]:
+    """Per role, the flag a non-loopback bind without TLS needs, once the CLI has it."""
+    return {role: [INSECURE_FLAG] if _help_lists_insecure_flag(role) else [] for role in ("prefill", "decode", "router")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_stale_hosts() -> None:
+    """Namespaces a killed earlier run left behind go first."""
+    netns.sweep_stale()
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +94,7 @@ class HostDeployment:
     model: str
     net: netns.HostNetwork
     log_dir: Path
-    security: list[str]                      # --tls-* flags, or the insecure flag, or nothing
+    security: dict[str, list[str]]           # per role: --tls-* flags, or the insecure flag, or nothing
     env: dict[str, str] = field(default_factory=lambda: {**os.environ, CLUSTER_TOKEN_ENV: new_token(),
                                                          "OMP_NUM_THREADS": "1"})
     workers: list[tuple[str, str]] = field(default_factory=list)    # (address, metrics address)
@@ -97,7 +103,7 @@ class HostDeployment:
     def _start(self, host: netns.Host, name: str, argv: list[str]) -> None:
         with open(self.log_dir / f"{name}.log", "ab") as log:
             host.popen([sys.executable, "-m", "services.cli", *argv, "--model", self.model, "--host", host.address,
-                        *self.security], env=self.env, stdout=log, stderr=subprocess.STDOUT)
+                        *self.security[argv[0]]], env=self.env, stdout=log, stderr=subprocess.STDOUT)
 
     def worker(self, host: netns.Host, role: str, *extra: str) -> str:
         port = WORKER_PORT + len(self.workers)
@@ -115,10 +121,10 @@ class HostDeployment:
         self.client_host = host
 
     def tls(self) -> dict[str, str] | None:
-        if "--tls-ca" not in self.security:
+        flags = self.security["router"]
+        if "--tls-ca" not in flags:
             return None
-        at = self.security.index
-        return {k: self.security[at(f"--tls-{k}") + 1] for k in ("cert", "key", "ca")}
+        return {k: flags[flags.index(f"--tls-{k}") + 1] for k in ("cert", "key", "ca")}
 
     def drive(self, prompts: list[list[int]]) -> dict:
         """Run the client inside the router's host: wait for every process, generate the prompts
@@ -188,12 +194,15 @@ def _check(result: dict, want: list[list[int]]) -> None:
     assert all(n > 0 for n in result["generated"]), result["generated"]   # every worker took part
 
 
-@pytest.mark.parametrize("mode", ["plain", "mtls"])
-def test_router_prefill_decode_on_three_hosts(tiny_qwen3, offline_reference, insecure_args, mode, tmp_path) -> None:
-    with netns.HostNetwork(3) as net:
+@pytest.mark.parametrize("mode, rate_bps", [("plain", None), ("mtls", None), ("plain", 1_000_000_000)],
+                         ids=["plain", "mtls", "plain-1gbit"])
+def test_router_prefill_decode_on_three_hosts(tiny_qwen3, offline_reference, insecure_args, mode, rate_bps,
+                                              tmp_path) -> None:
+    with netns.HostNetwork(3, rate_bps) as net:
         if mode == "mtls":
             certs = make_certs(tmp_path, [h.address for h in net.hosts])
-            security = [x for k in ("cert", "key", "ca") for x in (f"--tls-{k}", str(certs[k]))]
+            tls = [x for k in ("cert", "key", "ca") for x in (f"--tls-{k}", str(certs[k]))]
+            security = {role: tls for role in insecure_args}
         else:
             security = insecure_args
         d = HostDeployment(tiny_qwen3, net, tmp_path, security)
