@@ -20,7 +20,8 @@ through the pool, and remembers why (bounded), so a later ``admit`` gets a clear
 
 A block is checked exactly once, by ``accept``: the caller's transfer token, the block's
 index, its chain hash (recomputed from the reserved tokens), its layout against this pool,
-its CRC-32. Received blocks get prefix-cache keys only when the whole request is verified.
+its CRC-32 when the header carries one (non-zero; the transports instead MAC each frame before
+any of its blocks reaches here, which supersedes it). Received blocks get prefix-cache keys only when the whole request is verified.
 
 Tensor-parallel layouts. A block may arrive as pieces, each carrying KV heads
 [head_start, head_end) (a prefill worker with TP=p ships each rank's heads as they are held);
@@ -385,7 +386,7 @@ class KVConnector:
         try:
             if view.nbytes != meta.nbytes:
                 raise HandoffError("DATA_LOSS", f"block {meta.block_index}: {view.nbytes} bytes, header says {meta.nbytes}")
-            crc = zlib.crc32(view) & 0xFFFFFFFF
+            crc = zlib.crc32(view) & 0xFFFFFFFF if meta.checksum else 0
             if crc != meta.checksum:
                 raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r}: checksum mismatch "
                                                 f"(header {meta.checksum:#010x}, payload {crc:#010x})")

@@ -7,12 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVStreamOpen(_message.Message):
-    __slots__ = ("request_id", "transfer_token")
+    __slots__ = ("request_id", "transfer_token", "mac")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_token: bytes
-    def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[bytes] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class KVBlockHeader(_message.Message):
     __slots__ = ("request_id", "block_index", "block_hash", "num_tokens", "layer_start", "layer_end", "dtype", "shape", "nbytes", "checksum", "head_start", "head_end")
@@ -51,16 +53,18 @@ class KVSharedMemory(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class KVFrame(_message.Message):
-    __slots__ = ("open", "headers", "payload", "shm")
+    __slots__ = ("open", "headers", "payload", "shm", "mac")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     HEADERS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     open: KVStreamOpen
     headers: _containers.RepeatedCompositeFieldContainer[KVBlockHeader]
     payload: bytes
     shm: KVSharedMemory
-    def __init__(self, open: _Optional[_Union[KVStreamOpen, _Mapping]] = ..., headers: _Optional[_Iterable[_Union[KVBlockHeader, _Mapping]]] = ..., payload: _Optional[bytes] = ..., shm: _Optional[_Union[KVSharedMemory, _Mapping]] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, open: _Optional[_Union[KVStreamOpen, _Mapping]] = ..., headers: _Optional[_Iterable[_Union[KVBlockHeader, _Mapping]]] = ..., payload: _Optional[bytes] = ..., shm: _Optional[_Union[KVSharedMemory, _Mapping]] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("blocks_received", "bytes_received", "error_code", "error")

@@ -69,8 +69,10 @@ class KVBlock:
     head_start: int = 0     # data holds KV heads [head_start, head_end); 0, 0: all (data.shape[3])
     head_end: int = 0
 
-    def encode(self) -> tuple[kv_pb2.KVBlockHeader, memoryview]:
-        """The block's header (with its CRC-32) and a zero-copy view of its bytes."""
+    def encode(self, with_checksum: bool = False) -> tuple[kv_pb2.KVBlockHeader, memoryview]:
+        """The block's header and a zero-copy view of its bytes. The transports MAC every frame
+        (services/kv_transfer/integrity.py), which supersedes a per-block CRC-32: with_checksum
+        adds one anyway (checksum 0 means none)."""
         tensor = self.data.detach()
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
@@ -79,7 +81,7 @@ class KVBlock:
             request_id=self.request_id, block_index=self.block_index, block_hash=self.block_hash,
             layer_start=self.layer_start, layer_end=self.layer_end or tensor.shape[0],
             dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape), nbytes=payload.nbytes,
-            checksum=zlib.crc32(payload) & 0xFFFFFFFF, head_start=self.head_start,
+            checksum=zlib.crc32(payload) & 0xFFFFFFFF if with_checksum else 0, head_start=self.head_start,
             head_end=self.head_end or (self.head_start + tensor.shape[3] if tensor.dim() == 5 else 0))
         return header, payload
 

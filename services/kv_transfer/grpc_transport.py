@@ -19,14 +19,18 @@ import mmap
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
 import grpc
 
 from engine.kv_connector import BlockMeta, HandoffError
 from pdserve.v1 import kv_pb2, kv_pb2_grpc
-from services.kv_transfer import shared_memory
+from services.kv_transfer import integrity, shared_memory
+from services.kv_transfer.frames import (  # noqa: F401 - re-exported: the wire format's users import it here
+    MAX_SEGMENT_BYTES, Frame, encode_frames, encode_heartbeat, encode_open, encode_probe, encode_shm_frames,
+    parse_frame,
+)
 from services.kv_transfer.receive_session import ReceiveSession
 from services.kv_transfer.shared_memory import SHARED_MEMORY_MAX_BYTES, available as shared_memory_available
 from services.kv_transfer.base import (
@@ -40,8 +44,6 @@ SERVICE = "pdserve.v1.KVTransfer"
 METHOD = f"/{SERVICE}/PushBlocks"
 FRAME_OVERHEAD_BYTES = 64 << 10    # room for headers and framing in one message
 
-_OPEN, _HEADER, _PAYLOAD, _SHM = 1, 2, 3, 4
-MAX_SEGMENT_BYTES = 64 << 20       # payload bytes per shared-memory segment
 # Smaller sends stay in the stream: a segment's create/map/unlink costs more than it saves there
 # (bench/kv_handoff.py on a 2-core AVX2 EPYC: 0.12 MiB 4.2 ms through a segment against 3.7 ms
 # inline; 2 MiB 8.7 against 13.2 ms; 8 MiB 33 against 39 ms).
@@ -54,154 +56,6 @@ SHM_SWEEP_INTERVAL_S = 30.0           # how often a sender removes segments olde
 def grpc_message_limit(frame_bytes: int = DEFAULT_FRAME_BYTES) -> int:
     """The gRPC message size that frames of ``frame_bytes`` need."""
     return frame_bytes + FRAME_OVERHEAD_BYTES
-
-
-# ---- hand encoding / decoding of KVFrame ------------------------------------------------
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _field(number: int, data: bytes | memoryview) -> list[bytes | memoryview]:
-    return [bytes([(number << 3) | 2]), _varint(len(data) if isinstance(data, bytes) else data.nbytes), data]
-
-
-def encode_open(request_id: str, token: bytes) -> bytes:
-    return b"".join(_field(_OPEN, kv_pb2.KVStreamOpen(request_id=request_id, transfer_token=token).SerializeToString()))
-
-
-def encode_probe(name: str, size: int) -> bytes:
-    """The one frame of a shared-memory probe: an open without a request, naming a segment."""
-    shm = kv_pb2.KVSharedMemory(name=name, size=size).SerializeToString()
-    return b"".join([*_field(_OPEN, b""), *_field(_SHM, shm)])
-
-
-def encode_shm_frames(blocks: Sequence[KVBlock], directory: str = shared_memory.SHM_DIR
-                      ) -> tuple[list[bytes], list[str]]:
-    """Serialized KVFrames whose payloads go through shared-memory segments in directory (whole
-    blocks per frame, up to MAX_SEGMENT_BYTES each); returns the frames and the segments' names.
-    Raises OSError when a segment cannot be written, after removing those it wrote."""
-    frames: list[bytes] = []
-    names: list[str] = []
-    group: list[tuple[kv_pb2.KVBlockHeader, memoryview]] = []
-    group_bytes = 0
-
-    def flush() -> None:
-        nonlocal group_bytes
-        if not group:
-            return
-        name = shared_memory.write_segment([p for _, p in group], directory)
-        names.append(name)
-        shm = kv_pb2.KVSharedMemory(name=name, size=group_bytes).SerializeToString()
-        parts = [x for h, _ in group for x in _field(_HEADER, h.SerializeToString())]
-        frames.append(b"".join([*parts, *_field(_SHM, shm)]))
-        group.clear()
-        group_bytes = 0
-
-    try:
-        for block in blocks:
-            header, payload = block.encode()
-            if group and group_bytes + payload.nbytes > MAX_SEGMENT_BYTES:
-                flush()
-            group.append((header, payload))
-            group_bytes += payload.nbytes
-        flush()
-    except OSError:
-        for name in names:
-            shared_memory.remove(name, directory)
-        raise
-    return frames, names
-
-
-def encode_frames(blocks: Sequence[KVBlock], frame_bytes: int) -> list[bytes]:
-    """Serialized KVFrames for blocks: headers announce each block in the frame where its bytes
-    begin; payloads run back to back, cut at frame_bytes."""
-    frames: list[bytes] = []
-    parts: list[bytes | memoryview] = []
-    chunks: list[memoryview] = []
-    room = frame_bytes
-
-    def flush() -> None:
-        nonlocal parts, chunks, room
-        if parts or chunks:
-            size = sum(c.nbytes for c in chunks)
-            frames.append(b"".join([*parts, bytes([(_PAYLOAD << 3) | 2]), _varint(size), *chunks] if chunks else parts))
-        parts, chunks, room = [], [], frame_bytes
-
-    for block in blocks:
-        header, payload = block.encode()
-        parts.extend(_field(_HEADER, header.SerializeToString()))
-        while payload.nbytes:
-            if room == 0:
-                flush()
-            take = min(room, payload.nbytes)
-            chunks.append(payload[:take])
-            payload = payload[take:]
-            room -= take
-    flush()
-    return frames
-
-
-@dataclass(slots=True)
-class Frame:
-    """A received KVFrame: the payload is a view of the message bytes."""
-
-    open: kv_pb2.KVStreamOpen | None = None
-    headers: list[kv_pb2.KVBlockHeader] = field(default_factory=list)
-    payload: memoryview = memoryview(b"")
-    shm: kv_pb2.KVSharedMemory | None = None
-    error: str = ""
-
-
-def parse_frame(data: bytes) -> Frame:
-    frame = Frame()
-    view = memoryview(data)
-    pos, end = 0, len(data)
-    try:
-        while pos < end:
-            key, pos = _read_varint(data, pos)
-            number, wire = key >> 3, key & 7
-            if wire == 2:
-                size, pos = _read_varint(data, pos)
-                if pos + size > end:
-                    raise ValueError("truncated field")
-                chunk = view[pos:pos + size]
-                pos += size
-                if number == _OPEN:
-                    frame.open = kv_pb2.KVStreamOpen.FromString(chunk)
-                elif number == _HEADER:
-                    frame.headers.append(kv_pb2.KVBlockHeader.FromString(chunk))
-                elif number == _PAYLOAD:
-                    frame.payload = chunk
-                elif number == _SHM:
-                    frame.shm = kv_pb2.KVSharedMemory.FromString(chunk)
-            elif wire == 0:
-                _, pos = _read_varint(data, pos)
-            elif wire in (1, 5):
-                pos += 8 if wire == 1 else 4
-            else:
-                raise ValueError(f"wire type {wire}")
-    except Exception as exc:  # noqa: BLE001 - any malformed input is the caller's error
-        frame.error = f"malformed KVFrame: {exc}"
-    return frame
-
-
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    value, shift = 0, 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise ValueError("bad varint")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
 
 
 # ---- sender ------------------------------------------------------------------------------
@@ -292,10 +146,13 @@ class SharedMemoryRoute:
 
 class GrpcKVStream(KVStream):
     def __init__(self, call: grpc.aio.StreamUnaryCall, request_id: str, token: bytes, frame_bytes: int,
-                 shared: "tuple[SharedMemoryRoute, str, Any, tuple] | None" = None, proof: Any = None) -> None:
+                 shared: "tuple[SharedMemoryRoute, str, Any, tuple] | None" = None, proof: Any = None,
+                 cluster_token: str | bytes | None = None) -> None:
         """shared: (route, target, method, metadata) when sends to this loopback target may go
         through shared memory (None: never). proof: the call's services.security.CallProof, whose
-        reply the receiver must send before any frame goes out (None: nothing to check)."""
+        reply the receiver must send before any frame goes out (None: nothing to check).
+        cluster_token: keys every frame's MAC with the transfer token (integrity.py)."""
+        self._mac = integrity.StreamMac(integrity.mac_key(token, cluster_token))
         self._call = call
         self._proof = proof
         self._frame_bytes = frame_bytes
@@ -304,7 +161,7 @@ class GrpcKVStream(KVStream):
         self._segments: list[str] = []   # written, maybe not yet taken by the receiver
         self._segment_bytes = 0
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self._queue.put_nowait(encode_open(request_id, token))
+        self._queue.put_nowait(encode_open(request_id, token, self._mac))
         self._blocks = self._bytes = 0
         self._start = time.perf_counter()
         self._writer = asyncio.create_task(self._write_loop())
@@ -324,7 +181,7 @@ class GrpcKVStream(KVStream):
         nbytes = sum(b.data.numel() * b.data.element_size() for b in blocks)
         frames = await self._shm_frames(blocks, nbytes) if self._shared is not None else None
         if frames is None:
-            frames = encode_frames(blocks, self._frame_bytes)
+            frames = encode_frames(blocks, self._frame_bytes, self._mac)
         for frame in frames:
             self._queue.put_nowait(frame)
         self._blocks += len(blocks)
@@ -339,7 +196,7 @@ class GrpcKVStream(KVStream):
         if not route.reserve(nbytes):
             return None
         try:
-            frames, names = encode_shm_frames(blocks, route.directory)
+            frames, names = encode_shm_frames(blocks, route.directory, self._mac)
         except OSError as exc:
             route.release(nbytes)
             log.warning("KV of %d bytes to %s goes inline: shared memory write failed (%s)", nbytes, target, exc)
@@ -351,7 +208,7 @@ class GrpcKVStream(KVStream):
 
     async def heartbeat(self) -> None:
         if self._queue.empty():
-            self._queue.put_nowait(b"")
+            self._queue.put_nowait(encode_heartbeat(self._mac))
 
     async def finish(self, timeout: float | None = None) -> SendResult:
         self._queue.put_nowait(None)
@@ -406,8 +263,10 @@ class GrpcKVSender(KVSender):
                  frame_bytes: int = DEFAULT_FRAME_BYTES, metadata: tuple[tuple[str, str], ...] = (),
                  shared_memory: bool = False, shared_memory_min_bytes: int = SHARED_MEMORY_MIN_BYTES,
                  shared_memory_route: SharedMemoryRoute | None = None,
-                 proof: Callable[[str], Any] | None = None) -> None:
-        """metadata: sent on every stream. proof: method -> a fresh services.security.CallProof
+                 proof: Callable[[str], Any] | None = None, cluster_token: str | bytes | None = None) -> None:
+        """cluster_token: the deployment's (Credentials.cluster_token), which keys every frame's MAC
+        with the reservation's transfer token; None (--insecure-no-auth) keys by the transfer token
+        alone, which guards against accidents only (integrity.py). metadata: sent on every stream. proof: method -> a fresh services.security.CallProof
         for each stream (when the factory's channels do not prove membership themselves); the
         receiver's reply is checked before any KV leaves. shared_memory: payloads to a loopback target that shares our
         memory, in sends of at least shared_memory_min_bytes, go through /dev/shm (or the route's
@@ -420,6 +279,7 @@ class GrpcKVSender(KVSender):
         self.frame_bytes = frame_bytes
         self.metadata = metadata
         self.proof = proof
+        self.cluster_token = cluster_token
         self._channel_factory = channel_factory
         self._channels: dict[str, tuple[grpc.aio.Channel, Any]] = {}
 
@@ -440,7 +300,7 @@ class GrpcKVSender(KVSender):
         shared = None
         if self.route is not None and shared_memory.is_local(target):   # the probe's own proof: each is used once
             shared = (self.route, target, self._method(target), self.proof(METHOD).metadata if self.proof else self.metadata)
-        return GrpcKVStream(call, request_id, transfer_token, self.frame_bytes, shared, proof)
+        return GrpcKVStream(call, request_id, transfer_token, self.frame_bytes, shared, proof, self.cluster_token)
 
     async def close(self) -> None:
         if self.route is not None:
@@ -480,16 +340,18 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
     """Reassembles blocks and hands them to the sink; the first refusal ends the call."""
 
     def __init__(self, sink: KVSink, shared_memory: bool = False,
-                 shared_memory_dir: str = shared_memory.SHM_DIR) -> None:
+                 shared_memory_dir: str = shared_memory.SHM_DIR, cluster_token: str | bytes | None = None) -> None:
         """shared_memory: accept frames whose payload is in a same-host shared-memory segment
-        (in shared_memory_dir)."""
+        (in shared_memory_dir). cluster_token: the deployment's, which keys the frames' MACs (as
+        the sender's; None: the transfer token alone)."""
         self.sink = sink
+        self.cluster_token = cluster_token
         self.shared_memory = shared_memory
         self.shared_memory_dir = shared_memory_dir
 
     async def PushBlocks(self, request_iterator: AsyncIterator[Frame], context: grpc.aio.ServicerContext
                          ) -> kv_pb2.PushAck:
-        session = ReceiveSession(self.sink)
+        session = ReceiveSession(self.sink, self.cluster_token)
         pending: deque[_Pending] = deque()
         try:
             async for frame in request_iterator:
@@ -502,7 +364,9 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
                                  frame.open.transfer_token if frame.open is not None else b"")
                 elif frame.open is not None:
                     session.open(frame.open.request_id, frame.open.transfer_token)   # refused: opened once
-                if not frame.headers and not frame.payload.nbytes:
+                if frame.shm is None:
+                    session.verify([frame.signed], frame.mac)   # before any of its bytes are used
+                if not frame.headers and not frame.payload.nbytes and frame.shm is None:
                     session.heartbeat()
                     continue
                 if frame.shm is not None and pending:
@@ -512,6 +376,12 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
                         raise HandoffError("INVALID_ARGUMENT", f"more than {MAX_PENDING_HEADERS} blocks announced ahead")
                     pending.append(_Pending(session.announce(header)))
                 segment = self._map(frame, pending) if frame.shm is not None else None
+                if segment is not None:
+                    try:
+                        session.verify([frame.signed, memoryview(segment)], frame.mac)
+                    except HandoffError:
+                        _close(segment)
+                        raise
                 data = memoryview(segment) if segment is not None else frame.payload
                 while data.nbytes:
                     if not pending:
@@ -534,10 +404,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
                     session.accept(p.meta, chunk)
                 if segment is not None:
                     del chunk, data
-                    try:
-                        segment.close()
-                    except BufferError:   # a view still alive: the mapping goes with it
-                        pass
+                    _close(segment)
             if context.cancelled():
                 raise asyncio.CancelledError()
             if pending:
@@ -582,6 +449,13 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
             raise HandoffError("INVALID_ARGUMENT", f"shared-memory segment of {frame.shm.size} bytes for blocks of "
                                                    f"{declared}")
         return self._read_segment(frame.shm)
+
+
+def _close(segment: "mmap.mmap") -> None:
+    try:
+        segment.close()
+    except BufferError:   # a view still alive: the mapping goes with it
+        pass
 
 
 def register_kv_servicer(servicer: KVTransferServicer, server: grpc.aio.Server) -> None:

@@ -1,16 +1,16 @@
 """KV block transport through Ray's object store: the same stream semantics as gRPC.
 
-Sender (prefill side, ``RayKVSender``): for each ``send`` the blocks are encoded (header with
-CRC-32), their raw bytes put into the object store as flat ``numpy.uint8`` arrays (one object
+Sender (prefill side, ``RayKVSender``): for each ``send`` the blocks are encoded, their raw bytes put into the object store as flat ``numpy.uint8`` arrays (one object
 per chunk of about 32 MiB: a ``ray.put`` costs a round trip to the store; Ray keeps numpy
 buffers out of band, as raw bytes), and the decode actor's ``push_blocks`` is called with the
-serialized ``KVStreamOpen`` (request id + transfer token), the serialized ``KVBlockHeader``s
-and the object references. Heartbeats and a cancel are calls of their own. ``finish`` awaits
+serialized ``KVStreamOpen`` (request id + transfer token + the call's MAC over its headers and
+payloads, keyed as over gRPC: integrity.py), the serialized ``KVBlockHeader``s and the object
+references. Heartbeats and a cancel are calls of their own. ``finish`` awaits
 every call's ``PushAck``.
 
 Receiver (decode side, ``RayKVReceiver``): checks the token and every header with the decode
 engine's KV connector *before* fetching any object, fetches the arrays (zero-copy from shared
-memory on the same node), then hands each block to the connector, which verifies and stores
+memory on the same node), checks the call's MAC over what it fetched, then hands each block to the connector, which verifies and stores
 it, or fails the whole request. A refusal comes back as ``PushAck.error_code``.
 
 Targets are ``ray://<namespace>/<actor-name>`` (or ``ray://<actor-name>``): the decode worker
@@ -28,6 +28,7 @@ import numpy as np
 
 from engine.kv_connector import HandoffError
 from pdserve.v1 import kv_pb2
+from services.kv_transfer import integrity
 from services.kv_transfer.base import KVBlock, KVSender, KVSink, KVStream, KVTransferError, SendResult
 from services.kv_transfer.receive_session import ReceiveSession
 
@@ -75,8 +76,10 @@ async def _await(ref: Any) -> Any:
 
 class RayKVStream(KVStream):
     def __init__(self, actor: Any, target: str, request_id: str, token: bytes, chunk_bytes: int,
-                 put: Callable[[Any], Any]) -> None:
+                 put: Callable[[Any], Any], cluster_token: str | bytes | None = None) -> None:
         self._actor = actor
+        self._request_id, self._token = request_id, token
+        self._key = integrity.mac_key(token, cluster_token)
         self._put = put
         self._target = target
         self._open = kv_pb2.KVStreamOpen(request_id=request_id, transfer_token=token).SerializeToString()
@@ -92,7 +95,10 @@ class RayKVStream(KVStream):
             arrays = [np.frombuffer(payload, dtype=np.uint8) for _, payload in encoded]
             ref = await loop.run_in_executor(None, self._put, arrays)   # copies into the store off the loop
             headers = [h.SerializeToString() for h, _ in encoded]
-            self._calls.append(self._actor.push_blocks.remote(self._open, headers, [ref]))
+            mac = integrity.compute(self._key, [*headers, *(p for _, p in encoded)])
+            opened = kv_pb2.KVStreamOpen(request_id=self._request_id, transfer_token=self._token,
+                                         mac=mac).SerializeToString()
+            self._calls.append(self._actor.push_blocks.remote(opened, headers, [ref]))
             self._blocks += len(chunk)
 
     async def heartbeat(self) -> None:
@@ -127,7 +133,10 @@ class RayKVSender(KVSender):
     Must run in a process connected to Ray."""
 
     def __init__(self, *, default_namespace: str | None = None, fallback: KVSender | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, put: Callable[[Any], Any] | None = None) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, put: Callable[[Any], Any] | None = None,
+                 cluster_token: str | bytes | None = None) -> None:
+        """cluster_token: keys each call's MAC with the transfer token (integrity.py)."""
+        self.cluster_token = cluster_token
         self.default_namespace = default_namespace
         self.fallback = fallback
         self.chunk_bytes = chunk_bytes
@@ -155,7 +164,8 @@ class RayKVSender(KVSender):
         if self.put is None:
             import ray
             self.put = ray.put
-        return RayKVStream(self._actor(target), target, request_id, transfer_token, self.chunk_bytes, self.put)
+        return RayKVStream(self._actor(target), target, request_id, transfer_token, self.chunk_bytes, self.put,
+                           self.cluster_token)
 
     async def close(self) -> None:
         self._actors.clear()
@@ -166,27 +176,29 @@ class RayKVSender(KVSender):
 class RayKVReceiver:
     """Decode side: call these from the receiving actor's methods of the same names."""
 
-    def __init__(self, sink: KVSink, *, fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S) -> None:
+    def __init__(self, sink: KVSink, *, fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
+                 cluster_token: str | bytes | None = None) -> None:
         self.sink = sink
+        self.cluster_token = cluster_token
         self.fetch_timeout_s = fetch_timeout_s
         self.blocks_received = 0
         self.bytes_received = 0
 
-    def _open(self, open_bytes: bytes) -> ReceiveSession:
+    def _open(self, open_bytes: bytes) -> tuple[ReceiveSession, bytes]:
         """A session for the request that open_bytes (a serialized KVStreamOpen) names, authorized."""
         try:
             msg = kv_pb2.KVStreamOpen.FromString(bytes(open_bytes))
         except Exception as exc:  # noqa: BLE001 - malformed: the caller's error
             raise HandoffError("INVALID_ARGUMENT", f"malformed KVStreamOpen: {exc}") from None
-        session = ReceiveSession(self.sink)
+        session = ReceiveSession(self.sink, self.cluster_token)
         session.open(msg.request_id, msg.transfer_token)
-        return session
+        return session, msg.mac
 
     async def push_blocks(self, open_bytes: bytes, headers: Sequence[bytes], refs: Sequence[Any]) -> bytes:
         """Receive blocks of one request; returns a serialized PushAck."""
         session = ReceiveSession(self.sink)
         try:
-            session = self._open(open_bytes)
+            session, mac = self._open(open_bytes)
             metas = []
             for raw in headers:
                 try:
@@ -197,6 +209,7 @@ class RayKVReceiver:
             payloads = await self._fetch(refs)
             if len(payloads) != len(metas):
                 raise HandoffError("INVALID_ARGUMENT", f"{len(metas)} headers for {len(payloads)} payloads")
+            session.verify_call([*(bytes(h) for h in headers), *payloads], mac)
             for meta, payload in zip(metas, payloads):
                 session.accept(meta, payload)
             self.blocks_received += session.blocks
@@ -208,11 +221,11 @@ class RayKVReceiver:
 
     def heartbeat(self, open_bytes: bytes) -> None:
         with contextlib.suppress(HandoffError):
-            self._open(open_bytes).heartbeat()
+            self._open(open_bytes)[0].heartbeat()
 
     def cancel(self, open_bytes: bytes) -> None:
         with contextlib.suppress(HandoffError):
-            self._open(open_bytes).cancelled()
+            self._open(open_bytes)[0].cancelled()
 
     async def _fetch(self, refs: Sequence[Any]) -> list[memoryview]:
         try:

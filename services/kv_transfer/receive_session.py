@@ -10,14 +10,21 @@ from a stream that never proved it may speak for the request.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 from engine.kv_connector import BlockMeta, HandoffError, HandoffState
 from pdserve.v1 import kv_pb2
+from services.kv_transfer import integrity
 from services.kv_transfer.base import KVSink, block_meta
 
 
 class ReceiveSession:
-    def __init__(self, sink: KVSink) -> None:
+    def __init__(self, sink: KVSink, cluster_token: str | bytes | None = None) -> None:
+        """cluster_token: the deployment's, which keys the frames' MACs (None: the transfer
+        token alone does; see integrity.py)."""
         self.sink = sink
+        self.cluster_token = cluster_token
+        self.mac: integrity.StreamMac | None = None
         self.request_id = ""
         self.token = b""
         self.blocks = 0
@@ -30,6 +37,20 @@ class ReceiveSession:
             raise HandoffError("INVALID_ARGUMENT", "the first KV frame must open the stream")
         self.request_id, self.token = request_id, token
         self.sink.authorize(request_id, token)
+        self.mac = integrity.StreamMac(integrity.mac_key(token, self.cluster_token))
+
+    def verify(self, parts: Iterable[bytes | bytearray | memoryview], mac: bytes) -> None:
+        """The next frame's MAC (over parts) is right, or DATA_LOSS; nothing of a frame reaches
+        the connector before this."""
+        if self.mac is None:
+            raise HandoffError("INVALID_ARGUMENT", "a KV frame before the stream was opened")
+        self.mac.verify(parts, mac, f"KV of {self.request_id!r}")
+
+    def verify_call(self, parts: Iterable[bytes | bytearray | memoryview], mac: bytes) -> None:
+        """One uncounted MAC over parts (a Ray push_blocks call), or DATA_LOSS."""
+        if self.mac is None:
+            raise HandoffError("INVALID_ARGUMENT", "KV blocks before the stream was opened")
+        integrity.verify_once(self.mac.key, parts, mac, f"KV of {self.request_id!r}")
 
     def heartbeat(self) -> None:
         self.sink.heartbeat(self.request_id, self.token)

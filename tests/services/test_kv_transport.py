@@ -20,7 +20,7 @@ from engine.block_manager import transfer_block_hashes
 from engine.kv_connector import HandoffState
 from pdserve.v1 import kv_pb2
 from services.kv_transfer import GrpcKVSender, KVBlock, KVSender, KVTransferError, KVTransferServicer
-from services.kv_transfer import shared_memory
+from services.kv_transfer import integrity, shared_memory
 from services.kv_transfer.grpc_transport import encode_open, register_kv_servicer
 from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender
 from services.grpc_setup import options as channel_options
@@ -129,6 +129,16 @@ def _run(coro):
     return asyncio.run(coro)
 
 
+def _sealed(token: bytes, bodies: list[bytes], segments: list[bytes] | None = None) -> list[bytes]:
+    """Hand-made frames, each with its MAC (keyed without a cluster token, as these receivers are;
+    over the body and then its shared-memory segment's bytes, if any) appended as the last field,
+    as a sender seals them."""
+    mac = integrity.StreamMac(integrity.mac_key(token, None))
+    segments = segments or [b""] * len(bodies)
+    return [body + kv_pb2.KVFrame(mac=mac.seal([body, seg])).SerializeToString()
+            for body, seg in zip(bodies, segments)]
+
+
 @pytest.mark.parametrize("kind", TRANSPORTS)
 @pytest.mark.parametrize("chunk_bytes", [4096, 4 << 20], ids=["blocks-span-frames", "blocks-share-frames"])
 def test_blocks_land_bit_exact_and_the_request_becomes_ready(engine: LLMEngine, kind: str, chunk_bytes: int) -> None:
@@ -179,8 +189,8 @@ def test_a_bad_block_fails_the_whole_request_and_frees_it(engine: LLMEngine, kin
     if fault == "checksum":
         original = KVBlock.encode
 
-        def flipped(self):
-            header, payload = original(self)
+        def flipped(self, with_checksum: bool = False):
+            header, payload = original(self, with_checksum=True)   # a CRC the bytes then miss
             corrupted = bytearray(payload)
             corrupted[5] ^= 0xFF
             return header, memoryview(corrupted)
@@ -239,8 +249,8 @@ def test_a_huge_declared_block_allocates_nothing(engine: LLMEngine) -> None:
     res = engine.reserve(rid, PROMPT, GREEDY)
     header = kv_pb2.KVBlockHeader(request_id=rid, block_index=0, block_hash=transfer_block_hashes(PROMPT, 8)[0],
                                   dtype="float32", shape=[64 << 20], nbytes=256 << 20, checksum=0)
-    frame = b"".join([encode_open(rid, res.transfer_token),
-                      kv_pb2.KVFrame(headers=[header]).SerializeToString()])
+    frames = _sealed(res.transfer_token, [kv_pb2.KVFrame(open=kv_pb2.KVStreamOpen(
+        request_id=rid, transfer_token=res.transfer_token), headers=[header]).SerializeToString()])
 
     async def run():
         server = grpc.aio.server()
@@ -252,7 +262,7 @@ def test_a_huge_declared_block_allocates_nothing(engine: LLMEngine) -> None:
                 call = ch.stream_unary("/pdserve.v1.KVTransfer/PushBlocks", request_serializer=lambda b: b,
                                        response_deserializer=kv_pb2.PushAck.FromString)()
                 tracemalloc.start()
-                await call.write(frame)
+                await call.write(frames[0])
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await call
                 peak = tracemalloc.get_traced_memory()[1]
@@ -355,7 +365,8 @@ def test_a_bad_shared_memory_frame_is_refused_and_frees_the_request(engine: LLME
         inline = data
     if name.startswith("pdserve-kv-"):
         made.append(name)
-    frames = [encode_open(rid, res.transfer_token), _shm_frame([header], name, size, inline)]
+    frames = _sealed(res.transfer_token, [encode_open(rid, res.transfer_token),
+                                          _shm_frame([header], name, size, inline)])
 
     async def run():
         async with kv_server(engine, shm=case != "receiver-refuses-shm") as target:
@@ -376,9 +387,10 @@ def test_a_shared_memory_segment_is_unlinked_once_mapped(engine: LLMEngine) -> N
     res = engine.reserve(rid, PROMPT, GREEDY)
     blocks = _blocks(rid, list(range(8)), engine, seed=3)
     encoded = [b.encode() for b in blocks]
-    name = _private_segment(b"".join(bytes(p) for _, p in encoded))
-    frames = [encode_open(rid, res.transfer_token),
-              _shm_frame([h for h, _ in encoded], name, sum(p.nbytes for _, p in encoded))]
+    data = b"".join(bytes(p) for _, p in encoded)
+    name = _private_segment(data)
+    frames = _sealed(res.transfer_token, [encode_open(rid, res.transfer_token),
+                                          _shm_frame([h for h, _ in encoded], name, len(data))], [b"", data])
 
     async def run():
         async with kv_server(engine, shm=True) as target:

@@ -1,0 +1,185 @@
+"""KVFrame's hand encoding and zero-copy parsing (the standard protobuf wire format, so plain
+generated stubs interoperate): the sender's payload is copied once, into the frame; the
+receiver's payload is a view of the received message. Every frame after the stream opens is
+sealed with its MAC as its last field (integrity.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from pdserve.v1 import kv_pb2
+from services.kv_transfer import integrity, shared_memory
+from services.kv_transfer.base import KVBlock
+
+_OPEN, _HEADER, _PAYLOAD, _SHM, _MAC = 1, 2, 3, 4, 5
+MAX_SEGMENT_BYTES = 64 << 20       # payload bytes per shared-memory segment
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _field(number: int, data: bytes | memoryview) -> list[bytes | memoryview]:
+    return [bytes([(number << 3) | 2]), _varint(len(data) if isinstance(data, bytes) else data.nbytes), data]
+
+
+def _sealed(parts: list[bytes | memoryview], mac: "integrity.StreamMac | None",
+            covered: Sequence[memoryview] = ()) -> bytes:
+    """parts joined (the one copy of the payload), with the frame's MAC (over parts, then
+    covered: a shared-memory segment's bytes) as the last field; no MAC when mac is None."""
+    if mac is not None:
+        parts = [*parts, *_field(_MAC, mac.seal([*parts, *covered]))]
+    return b"".join(parts)
+
+
+def encode_open(request_id: str, token: bytes, mac: "integrity.StreamMac | None" = None) -> bytes:
+    return _sealed(_field(_OPEN, kv_pb2.KVStreamOpen(request_id=request_id, transfer_token=token).SerializeToString()),
+                   mac)
+
+
+def encode_heartbeat(mac: "integrity.StreamMac | None" = None) -> bytes:
+    return _sealed([], mac)
+
+
+def encode_probe(name: str, size: int) -> bytes:
+    """The one frame of a shared-memory probe: an open without a request, naming a segment."""
+    shm = kv_pb2.KVSharedMemory(name=name, size=size).SerializeToString()
+    return b"".join([*_field(_OPEN, b""), *_field(_SHM, shm)])
+
+
+def encode_shm_frames(blocks: Sequence[KVBlock], directory: str = shared_memory.SHM_DIR,
+                      mac: "integrity.StreamMac | None" = None) -> tuple[list[bytes], list[str]]:
+    """Serialized KVFrames whose payloads go through shared-memory segments in directory (whole
+    blocks per frame, up to MAX_SEGMENT_BYTES each); returns the frames and the segments' names.
+    Raises OSError when a segment cannot be written, after removing those it wrote."""
+    frames: list[bytes] = []
+    names: list[str] = []
+    group: list[tuple[kv_pb2.KVBlockHeader, memoryview]] = []
+    group_bytes = 0
+
+    def flush() -> None:
+        nonlocal group_bytes
+        if not group:
+            return
+        name = shared_memory.write_segment([p for _, p in group], directory)
+        names.append(name)
+        shm = kv_pb2.KVSharedMemory(name=name, size=group_bytes).SerializeToString()
+        parts = [x for h, _ in group for x in _field(_HEADER, h.SerializeToString())]
+        frames.append(_sealed([*parts, *_field(_SHM, shm)], mac, [p for _, p in group]))
+        group.clear()
+        group_bytes = 0
+
+    try:
+        for block in blocks:
+            header, payload = block.encode()
+            if group and group_bytes + payload.nbytes > MAX_SEGMENT_BYTES:
+                flush()
+            group.append((header, payload))
+            group_bytes += payload.nbytes
+        flush()
+    except OSError:
+        for name in names:
+            shared_memory.remove(name, directory)
+        raise
+    return frames, names
+
+
+def encode_frames(blocks: Sequence[KVBlock], frame_bytes: int, mac: "integrity.StreamMac | None" = None
+                  ) -> list[bytes]:
+    """Serialized KVFrames for blocks: headers announce each block in the frame where its bytes
+    begin; payloads run back to back, cut at frame_bytes."""
+    frames: list[bytes] = []
+    parts: list[bytes | memoryview] = []
+    chunks: list[memoryview] = []
+    room = frame_bytes
+
+    def flush() -> None:
+        nonlocal parts, chunks, room
+        if parts or chunks:
+            size = sum(c.nbytes for c in chunks)
+            frames.append(_sealed([*parts, bytes([(_PAYLOAD << 3) | 2]), _varint(size), *chunks] if chunks else parts,
+                                  mac))
+        parts, chunks, room = [], [], frame_bytes
+
+    for block in blocks:
+        header, payload = block.encode()
+        parts.extend(_field(_HEADER, header.SerializeToString()))
+        while payload.nbytes:
+            if room == 0:
+                flush()
+            take = min(room, payload.nbytes)
+            chunks.append(payload[:take])
+            payload = payload[take:]
+            room -= take
+    flush()
+    return frames
+
+
+@dataclass(slots=True)
+class Frame:
+    """A received KVFrame: the payload is a view of the message bytes; signed, the bytes its
+    MAC covers (those before the mac field, which must be the last)."""
+
+    open: kv_pb2.KVStreamOpen | None = None
+    headers: list[kv_pb2.KVBlockHeader] = field(default_factory=list)
+    payload: memoryview = memoryview(b"")
+    shm: kv_pb2.KVSharedMemory | None = None
+    mac: bytes = b""
+    signed: memoryview = memoryview(b"")
+    error: str = ""
+
+
+def parse_frame(data: bytes) -> Frame:
+    frame = Frame()
+    view = memoryview(data)
+    pos, end = 0, len(data)
+    frame.signed = view
+    try:
+        while pos < end:
+            start = pos
+            key, pos = _read_varint(data, pos)
+            number, wire = key >> 3, key & 7
+            if wire == 2:
+                size, pos = _read_varint(data, pos)
+                if pos + size > end:
+                    raise ValueError("truncated field")
+                chunk = view[pos:pos + size]
+                pos += size
+                if number == _OPEN:
+                    frame.open = kv_pb2.KVStreamOpen.FromString(chunk)
+                elif number == _HEADER:
+                    frame.headers.append(kv_pb2.KVBlockHeader.FromString(chunk))
+                elif number == _PAYLOAD:
+                    frame.payload = chunk
+                elif number == _SHM:
+                    frame.shm = kv_pb2.KVSharedMemory.FromString(chunk)
+                elif number == _MAC:
+                    if pos != end:
+                        raise ValueError("the mac field must be the frame's last")
+                    frame.mac, frame.signed = bytes(chunk), view[:start]
+            elif wire == 0:
+                _, pos = _read_varint(data, pos)
+            elif wire in (1, 5):
+                pos += 8 if wire == 1 else 4
+            else:
+                raise ValueError(f"wire type {wire}")
+    except Exception as exc:  # noqa: BLE001 - any malformed input is the caller's error
+        frame.error = f"malformed KVFrame: {exc}"
+    return frame
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise ValueError("bad varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7

@@ -1,0 +1,75 @@
+"""The KV hand-off's integrity check: a MAC over every frame, keyed per reservation.
+
+Key: ``HMAC-SHA256(cluster_token, MAC_CONTEXT + transfer_token)``. The cluster token never
+travels (only HMAC proofs of it do), so an on-path host that reads the transfer token off the
+wire still cannot compute the key, and a block rewritten on the path (bytes and header CRC
+together) fails closed with DATA_LOSS. Without a cluster token (``--insecure-no-auth``,
+loopback only) the key is ``HMAC-SHA256(MAC_CONTEXT, transfer_token)``: anyone who reads the
+stream can compute it, so it protects against accidents (corruption, a misrouted stream), not
+against an attacker.
+
+One MAC per send window rather than per block: over gRPC, a frame's MAC covers a counter (the
+frame's position on its stream, so frames cannot be dropped, replayed or reordered), the
+frame's bytes before its ``mac`` field (headers and payload, or the shared-memory field), and,
+for a shared-memory frame, the segment's bytes (what the receiver reads). Over Ray, one MAC per
+``push_blocks`` call covers its headers and payloads (a replayed block is refused by the
+connector as already received). HMAC-SHA256 is used: on the hosts measured it is faster than
+keyed BLAKE2b (a 2-core AMD EPYC: 1.8 GB/s against 1.25 GB/s over 4 MiB, SHA extensions).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Iterable
+
+from engine.kv_connector import HandoffError
+
+MAC_CONTEXT = b"pdserve-kv-mac-v1"
+MAC_BYTES = 32
+
+
+def mac_key(transfer_token: bytes, cluster_token: str | bytes | None) -> bytes:
+    """The reservation's MAC key (see the module docstring)."""
+    if cluster_token:
+        secret = cluster_token.encode() if isinstance(cluster_token, str) else cluster_token
+        return hmac.new(secret, MAC_CONTEXT + transfer_token, hashlib.sha256).digest()
+    return hmac.new(MAC_CONTEXT, transfer_token, hashlib.sha256).digest()
+
+
+def compute(key: bytes, parts: Iterable[bytes | bytearray | memoryview], counter: int | None = None) -> bytes:
+    """The MAC of parts concatenated (no copy), after the 8-byte counter when there is one."""
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    if counter is not None:
+        h.update(counter.to_bytes(8, "little"))
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+class StreamMac:
+    """One stream's MACs, in frame order: the sender seals, the receiver verifies."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.counter = 0
+
+    def seal(self, parts: Iterable[bytes | bytearray | memoryview]) -> bytes:
+        mac = compute(self.key, parts, self.counter)
+        self.counter += 1
+        return mac
+
+    def verify(self, parts: Iterable[bytes | bytearray | memoryview], mac: bytes, what: str) -> None:
+        """Raises DATA_LOSS unless mac is this frame's MAC."""
+        expected = compute(self.key, parts, self.counter)
+        self.counter += 1
+        if not mac:
+            raise HandoffError("DATA_LOSS", f"{what}: frame {self.counter - 1} carries no MAC")
+        if not hmac.compare_digest(expected, bytes(mac)):
+            raise HandoffError("DATA_LOSS", f"{what}: frame {self.counter - 1} fails its MAC (rewritten on the path, "
+                                            f"or keyed by another deployment's cluster token)")
+
+
+def verify_once(key: bytes, parts: Iterable[bytes | bytearray | memoryview], mac: bytes, what: str) -> None:
+    """An uncounted MAC (a Ray push_blocks call): right, or DATA_LOSS."""
+    if not mac or not hmac.compare_digest(compute(key, parts), bytes(mac)):
+        raise HandoffError("DATA_LOSS", f"{what}: a push_blocks call fails its MAC (or carries none)")
