@@ -309,7 +309,8 @@ def measure_throughput(sender: Host, receiver: Host, mib: int = 32, port: int = 
     try:
         ready, _, _ = select.select([rx.stdout], [], [], timeout)
         if not ready or rx.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"the receiver in {receiver.name} did not start within {timeout:g}s (exit code {rx.poll()})")
+            raise RuntimeError(f"the receiver in {receiver.name} did not start within {timeout:g}s "
+                               f"(exit code {rx.poll()})")
         sender.run([sys.executable, "-c", _SENDER, receiver.address, str(port), str(mib), str(timeout)],
                    timeout=timeout, check=True)
         out, _ = rx.communicate(timeout=timeout)

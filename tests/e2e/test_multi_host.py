@@ -40,7 +40,8 @@ def _help_lists_insecure_flag(role: str) -> bool:
 @pytest.fixture(scope="module")
 def insecure_args() -> dict[str, list[str]]:
     """Per role, the flag a non-loopback bind without TLS needs, once the CLI has it."""
-    return {role: [INSECURE_FLAG] if _help_lists_insecure_flag(role) else [] for role in ("prefill", "decode", "router")}
+    roles = ("prefill", "decode", "router")
+    return {role: [INSECURE_FLAG] if _help_lists_insecure_flag(role) else [] for role in roles}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -99,6 +100,7 @@ class HostDeployment:
                                                          "OMP_NUM_THREADS": "1"})
     workers: list[tuple[str, str]] = field(default_factory=list)    # (address, metrics address)
     router: str = ""
+    client_host: netns.Host | None = None    # the router's host, where the client runs
 
     def _start(self, host: netns.Host, name: str, argv: list[str]) -> None:
         with open(self.log_dir / f"{name}.log", "ab") as log:
