@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVStreamOpen(_message.Message):
-    __slots__ = ("request_id", "transfer_token", "mac")
+    __slots__ = ("request_id", "transfer_token", "mac", "mac_algorithm")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MAC_FIELD_NUMBER: _ClassVar[int]
+    MAC_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_token: bytes
     mac: bytes
-    def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
+    mac_algorithm: str
+    def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., mac_algorithm: _Optional[str] = ...) -> None: ...
 
 class KVBlockHeader(_message.Message):
     __slots__ = ("request_id", "block_index", "block_hash", "num_tokens", "layer_start", "layer_end", "dtype", "shape", "nbytes", "checksum", "head_start", "head_end")

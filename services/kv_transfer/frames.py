@@ -37,8 +37,9 @@ def _sealed(parts: list[bytes | memoryview], mac: "integrity.StreamMac | None",
 
 
 def encode_open(request_id: str, token: bytes, mac: "integrity.StreamMac | None" = None) -> bytes:
-    return _sealed(_field(_OPEN, kv_pb2.KVStreamOpen(request_id=request_id, transfer_token=token).SerializeToString()),
-                   mac)
+    opened = kv_pb2.KVStreamOpen(request_id=request_id, transfer_token=token,
+                                 mac_algorithm=mac.name if mac is not None and mac.name != integrity.HMAC_SHA256 else "")
+    return _sealed(_field(_OPEN, opened.SerializeToString()), mac)
 
 
 def encode_heartbeat(mac: "integrity.StreamMac | None" = None) -> bytes:

@@ -152,7 +152,7 @@ class GrpcKVStream(KVStream):
         through shared memory (None: never). proof: the call's services.security.CallProof, whose
         reply the receiver must send before any frame goes out (None: nothing to check).
         cluster_token: keys every frame's MAC with the transfer token (integrity.py)."""
-        self._mac = integrity.StreamMac(integrity.mac_key(token, cluster_token))
+        self._mac = integrity.StreamMac(integrity.mac_key(token, cluster_token), integrity.PREFERRED)
         self._call = call
         self._proof = proof
         self._frame_bytes = frame_bytes
@@ -361,7 +361,8 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
                     if frame.open is not None and not frame.open.request_id and frame.shm is not None:
                         return self._probe(frame)
                     session.open(frame.open.request_id if frame.open is not None else "",
-                                 frame.open.transfer_token if frame.open is not None else b"")
+                                 frame.open.transfer_token if frame.open is not None else b"",
+                                 frame.open.mac_algorithm if frame.open is not None else "")
                 elif frame.open is not None:
                     session.open(frame.open.request_id, frame.open.transfer_token)   # refused: opened once
                 if frame.shm is None:

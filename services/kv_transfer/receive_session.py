@@ -30,14 +30,14 @@ class ReceiveSession:
         self.blocks = 0
         self.bytes = 0
 
-    def open(self, request_id: str, token: bytes) -> None:
+    def open(self, request_id: str, token: bytes, mac_algorithm: str = "") -> None:
         if self.request_id:
             raise HandoffError("INVALID_ARGUMENT", "a KV stream is opened once")
         if not request_id:
             raise HandoffError("INVALID_ARGUMENT", "the first KV frame must open the stream")
         self.request_id, self.token = request_id, token
         self.sink.authorize(request_id, token)
-        self.mac = integrity.StreamMac(integrity.mac_key(token, self.cluster_token))
+        self.mac = integrity.StreamMac(integrity.mac_key(token, self.cluster_token), mac_algorithm)
 
     def verify(self, parts: Iterable[bytes | bytearray | memoryview], mac: bytes) -> None:
         """The next frame's MAC (over parts) is right, or DATA_LOSS; nothing of a frame reaches

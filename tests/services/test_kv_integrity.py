@@ -50,12 +50,15 @@ class Attacker:
         self.how = how
         self.mac: integrity.StreamMac | None = None
         self.rewritten = 0
+        self.algorithm = ""         # the MAC algorithm the stream's open frame names
         self.segments_seen = 0      # frames of the stream whose payload was in shared memory
 
     def __call__(self, raw: bytes) -> bytes:
         frame = parse_frame(raw)
         if frame.open is not None and frame.open.request_id:
-            self.mac = integrity.StreamMac(integrity.mac_key(frame.open.transfer_token, None))
+            self.mac = integrity.StreamMac(integrity.mac_key(frame.open.transfer_token, None),
+                                           frame.open.mac_algorithm)
+            self.algorithm = frame.open.mac_algorithm or integrity.HMAC_SHA256
         if self.how == "none" or self.mac is None or (frame.open is not None and not frame.open.request_id):
             return raw                                 # nothing to rewrite, or a shared-memory probe
         body = bytes(frame.signed)
@@ -195,6 +198,38 @@ def test_a_sender_of_another_deployment_fails_closed(engine: LLMEngine) -> None:
     assert engine.kv.state(rid) is HandoffState.FAILED
     assert_no_leak(engine)
     _nothing_cached(engine, rid)
+
+
+def test_a_stream_under_an_unknown_mac_algorithm_is_refused(engine: LLMEngine) -> None:
+    rid = "unknown-algorithm"
+    res = engine.reserve(rid, PROMPT, GREEDY)
+    opened = kv_pb2.KVFrame(open=kv_pb2.KVStreamOpen(request_id=rid, transfer_token=res.transfer_token,
+                                                     mac_algorithm="crc32")).SerializeToString()
+
+    async def run():
+        async with receiver(engine, CLUSTER) as target, grpc.aio.insecure_channel(target) as ch:
+            call = ch.stream_unary(METHOD, request_serializer=lambda b: b,
+                                   response_deserializer=kv_pb2.PushAck.FromString)()
+            await call.write(opened)
+            await call.done_writing()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            return err.value
+    err = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "crc32" in err.details(), err
+    assert engine.kv.state(rid) is HandoffState.FAILED
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("algorithm", integrity.ALGORITHMS)
+def test_every_available_mac_algorithm_carries_a_transfer(engine: LLMEngine, algorithm: str, monkeypatch) -> None:
+    monkeypatch.setattr(integrity, "PREFERRED", algorithm)
+    rid = f"algorithm-{algorithm}"
+    attacker = Attacker("none")
+    assert asyncio.run(_push(engine, rid, attacker, CLUSTER, CLUSTER)) is None
+    assert attacker.algorithm == algorithm and engine.kv.state(rid) is HandoffState.READY
+    engine.abort(rid)
+    assert_no_leak(engine)
 
 
 def test_without_a_cluster_token_the_transfer_token_keys_the_mac(engine: LLMEngine) -> None:
