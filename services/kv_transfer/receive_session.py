@@ -2,7 +2,9 @@
 payload inline or in shared memory, or Ray's object store).
 
 A transport parses its own framing and drives the session: ``open`` (the stream proves it holds
-the reservation's token, UNAUTHENTICATED before anything else), ``announce`` each header (checked
+the reservation's token, UNAUTHENTICATED before anything else; its frames' MAC key follows from
+that token and the deployment's cluster token), ``verify`` each frame's MAC before using any of
+its bytes (DATA_LOSS: integrity.py), ``announce`` each header (checked
 by the connector before any byte is allocated or fetched), ``accept`` each block's bytes, then
 ``complete`` when the stream ends. Every connector call goes through here, and so does the
 failure rule: a refusal fails the request's transfer (its reserved blocks are freed), except one
