@@ -25,6 +25,7 @@ from services.cli.usage_errors import EXIT_USAGE, RuntimeFailure, UsageError, co
 # (tests/e2e/test_cli_vllm_habits.py checks sys.modules).
 CONNECT_TIMEOUT_S = 2.0                   # `generate --router`: an unreachable router fails this soon
 LOG_LEVEL_ENV = ENV.LOG_LEVEL.name
+INSECURE_PLANE_FLAG = "--insecure-internal-plane"   # as services.security's (not imported here: grpc)
 
 
 def _log_level(text: str) -> str:
@@ -42,7 +43,10 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _add_security_args(p: argparse.ArgumentParser, router: bool = False, member: bool = False) -> None:
+def _add_security_args(p: argparse.ArgumentParser, router: bool = False, member: bool = False,
+                       binds: bool = False) -> None:
+    """member: a role of the internal plane (worker, router); binds: a command that binds it on
+    --host, itself or through its children (every member, `up`, `serve')."""
     g = p.add_argument_group("security")
     g.add_argument("--cluster-token-file", default=None,
                    help="file holding the deployment's internal-plane secret (default: $PDSERVE_CLUSTER_TOKEN)")
@@ -50,6 +54,11 @@ def _add_security_args(p: argparse.ArgumentParser, router: bool = False, member:
         g.add_argument("--insecure-no-auth", action="store_true",
                        help="start without a cluster token: the internal plane is open to every local user "
                             "(loopback --host only; for experiments)")
+    if member or binds:   # a non-loopback --host without TLS refuses to start unless this is given
+        g.add_argument(INSECURE_PLANE_FLAG, action="store_true",
+                       help="allow a non-loopback --host without mutual TLS: KV and the cluster token's proofs "
+                            "travel unencrypted (warned at start; refused with a wildcard --host such as "
+                            "0.0.0.0 or ::; for trusted networks and tests)")
     for name, what in (("cert", "this process's certificate"), ("key", "its private key"),
                        ("ca", "the deployment CA")):
         g.add_argument(f"--tls-{name}", default=None, help=f"mutual TLS on every channel: {what} (PEM)")
@@ -76,6 +85,11 @@ def _credentials(args: argparse.Namespace, role: str | None = None):
     if role is not None:
         require_cluster_token(creds, args.host, args.insecure_no_auth, role)
     return creds
+
+
+def _plane_argv(args: argparse.Namespace) -> list[str]:
+    """The internal-plane flag `up` hands its children (they bind its --host)."""
+    return [INSECURE_PLANE_FLAG] if args.insecure_internal_plane else []
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
@@ -232,14 +246,15 @@ def cmd_up(args: argparse.Namespace) -> int:
                     "--port" if args.command == "serve" else "--http-port")
     engine = EngineConfig(model=model_dir(args), **given(args, EngineConfig, (*ENGINE_FIXED, *UP_PER_PROCESS)))
     router = config_from_args(RouterConfig, args, exclude=UP_OWN, served_model_name=_served_names(args))
-    router_args = router_argv(args, router)
+    router_args = [*router_argv(args, router), *_plane_argv(args)]
     api_key = _api_key(args)
     if api_key:
         ENV.API_KEY.set(api_key)   # the router reads it from its environment, never argv
     log_dir = args.log_dir or str(pdserve_home() / "logs" / f"up-{args.port or ROUTER_PORT}")
     spec = config_from_args(Deployment, args, model=engine.model, engine_tp=engine.tensor_parallel_size,
                             engine_args=config_to_argv(engine, exclude=ENGINE_FIXED),
-                            worker_args=config_to_argv(config_from_args(WorkerConfig, args), exclude=UP_OWN),
+                            worker_args=[*config_to_argv(config_from_args(WorkerConfig, args), exclude=UP_OWN),
+                                         *_plane_argv(args)],
                             router_args=router_args, credentials=_credentials(args),
                             log_dir=None if log_dir == "-" else log_dir)
     cluster = Cluster(spec)
@@ -373,7 +388,7 @@ def _add_up_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     add_config_args(p.add_argument_group("engine"), EngineConfig, exclude=(*ENGINE_FIXED, *UP_PER_PROCESS))
     add_config_args(p.add_argument_group("workers"), WorkerConfig, exclude=UP_OWN)
     add_router_args(p, exclude=(*UP_OWN, "http_port") if serve else UP_OWN)
-    _add_security_args(p, router=True)
+    _add_security_args(p, router=True, binds=True)
     p.set_defaults(func=cmd_up)
 
 
