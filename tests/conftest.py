@@ -52,7 +52,10 @@ GROUP_SECONDS = {"ray": 300, "faults": 275, "test_tensor_parallel": 50, "test_se
 EXCLUSIVE = {"test_request_queued_longer_than_the_stall_timeout_is_not_migrated",
              "test_a_huge_text_prompt_is_refused_fast_without_memory_growth_or_stalls",
              # a starved client reads its first events after the whole stream was sent: nothing to cancel
-             "test_disconnect_mid_stream_frees_blocks"}
+             "test_disconnect_mid_stream_frees_blocks",
+             # a prefill frozen 31 s once lost its stream after resuming with a deployment beside it
+             # (UNAVAILABLE after the first token; alone, and beside CPU load, it passes)
+             "test_a_prefill_frozen_longer_than_the_old_30_s_clock_completes_when_its_lease_allows"}
 
 
 def _names(code: types.CodeType) -> set[str]:
