@@ -86,7 +86,9 @@ def _ray_start(home: Path, port: int, auth_token: str | None) -> subprocess.Pope
     if auth_token:
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=auth_token)
     proc = subprocess.Popen([*_ray_cli(), "start", "--head", "--port", str(port), "--node-ip-address", "127.0.0.1",
-                             "--ray-client-server-port", str(free_port()), "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
+                             "--ray-client-server-port", str(free_port()),
+                             # a free port for the agent too: Ray's default (52365) was once the free GCS port
+                             "--dashboard-agent-listen-port", str(free_port()), "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
                              "--object-store-memory", str(200 << 20)],
                             env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

@@ -3,6 +3,8 @@ no transport and no process: each refusal fails the request and frees its reserv
 stranger cannot fail someone else's request, and a stream that ends early is data loss."""
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -75,7 +77,8 @@ def test_a_bad_block_fails_the_request_and_frees_its_blocks(engine: LLMEngine, f
         header.shape[-1] += 1     # nbytes no longer matches dtype and shape
     elif fault == "wrong-size":
         payload = payload[:-4]
-    elif fault == "checksum":
+    elif fault == "checksum":   # a header that carries a CRC-32 (senders' MAC is per frame, checked by the transport)
+        header.checksum = zlib.crc32(payload) & 0xFFFFFFFF
         corrupted = bytearray(payload)
         corrupted[3] ^= 0xFF
         payload = memoryview(corrupted)
