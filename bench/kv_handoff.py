@@ -107,7 +107,8 @@ async def handoff_seconds(address: str, token: str, tokens: int, iters: int, shm
 
     creds = Credentials(token)
     sender = GrpcKVSender(lambda a: creds.channel(a, options(), attach_token=False), proof=creds.call_proof,
-                          shared_memory=shm, shared_memory_min_bytes=0)   # every size, to compare
+                          shared_memory=shm, shared_memory_min_bytes=0,   # every size, to compare
+                          cluster_token=token)
     ready, acked, nbytes = [], [], 0
     rng = random.Random(f"{tokens}-{shm}-{time.time_ns()}")
     async with creds.channel(address, options()) as ch:

@@ -73,8 +73,8 @@ class DecodeActor:
         torch.set_num_threads(1)
         self.engine = LLMEngine(EngineConfig(model=model, role="decode", num_kv_blocks=num_kv_blocks, num_threads=1))
         kv = self.engine.kv
-        self.receiver = RayKVReceiver(kv)
-        servicer = KVTransferServicer(kv, shared_memory=shared_memory.available())
+        self.receiver = RayKVReceiver(kv, cluster_token=cluster_token)
+        servicer = KVTransferServicer(kv, shared_memory=shared_memory.available(), cluster_token=cluster_token)
         self.server = await start_server(
             [(lambda s, server: register_kv_servicer(s, server), servicer, "pdserve.v1.KVTransfer")],
             "127.0.0.1", 0, interceptors=Credentials(cluster_token).server_interceptors())
@@ -140,8 +140,9 @@ class PrefillActor:
             return creds.channel(address, options(limit), attach_token=False)
 
         self.senders = {
-            "ray": RayKVSender(default_namespace=NAMESPACE, chunk_bytes=ray_chunk_bytes),
-            **{name: GrpcKVSender(channel, proof=creds.call_proof, frame_bytes=grpc_frame_bytes, shared_memory=shm)
+            "ray": RayKVSender(default_namespace=NAMESPACE, chunk_bytes=ray_chunk_bytes, cluster_token=cluster_token),
+            **{name: GrpcKVSender(channel, proof=creds.call_proof, frame_bytes=grpc_frame_bytes, shared_memory=shm,
+                                  cluster_token=cluster_token)
                for name, shm in (("grpc", False), ("grpc-shm", True))},
         }
         self.targets = {"ray": ray_kv_address(DECODE_ACTOR, NAMESPACE), "grpc": info["grpc_address"],

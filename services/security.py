@@ -57,6 +57,7 @@ MIN_TOKEN_CHARS = 16
 PROOF_WINDOW_S = 30.0          # members' clocks agree within this; a proof older (or newer) is refused
 REPLAY_CACHE_MAX = 1 << 17     # nonces remembered (~15 MB at most); the oldest go first, see _Nonces
 INSECURE_FLAG = "--insecure-no-auth"
+INSECURE_PLANE_FLAG = "--insecure-internal-plane"
 UNPROVEN_STATUS_WAIT_S = 0.5   # how long an unproven call's status is awaited before it is cancelled
 
 
@@ -105,6 +106,48 @@ def require_cluster_token(credentials: "Credentials", host: str, insecure_no_aut
                          f"loopback address; give a cluster token instead")
     log.warning("%s: the internal plane of this %s is open to every local user (no cluster token)",
                 INSECURE_FLAG, role)
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether host binds every interface (0.0.0.0, ::, or empty)."""
+    host = host.strip("[]")
+    if not host:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def host_of(address: str) -> str:
+    """The host part of HOST:PORT or [V6]:PORT."""
+    return address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+
+
+def require_secure_internal_plane(credentials: "Credentials", role: str, *, binds: Sequence[str] = (),
+                                  dials: Sequence[str] = (), insecure_plane: bool = False) -> None:
+    """An internal plane that reaches past loopback (a worker binding a non-loopback --host, a
+    router dialing a worker on another host) needs mutual TLS, or --insecure-internal-plane
+    (warned: KV, prompts and tokens then travel in clear; blocks stay MACed and the cluster token
+    is never sent, only proofs of it). A wildcard bind without TLS is refused even with the flag:
+    it would open the plane on every interface, including ones the operator never meant.
+    ValueError, one line naming the flags, otherwise."""
+    if credentials.tls is not None:
+        return
+    wildcard = next((h for h in binds if is_wildcard(h)), None)
+    if wildcard is not None:
+        shown = wildcard or "''"
+        raise ValueError(f"the {role} refuses --host {shown} without mutual TLS (even with {INSECURE_PLANE_FLAG}): "
+                         f"bind one address, or pass --tls-cert, --tls-key and --tls-ca")
+    outside = [h for h in (*binds, *map(host_of, dials)) if not is_loopback(h)]
+    if not outside:
+        return
+    if not insecure_plane:
+        verb = "bind" if outside[0] in binds else "reach"
+        raise ValueError(f"the {role} would {verb} {outside[0]} (not loopback) without mutual TLS: pass --tls-cert, "
+                         f"--tls-key and --tls-ca, or {INSECURE_PLANE_FLAG} on a network you trust")
+    log.warning("%s: the internal plane of this %s reaches %s unencrypted (KV blocks stay MACed; prompts and "
+                "tokens are readable on the path)", INSECURE_PLANE_FLAG, role, ", ".join(sorted(set(outside))))
 
 
 def _b64(data: bytes) -> str:

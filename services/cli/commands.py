@@ -77,13 +77,30 @@ def _add_metrics_args(p: argparse.ArgumentParser) -> None:
                         "(default: $PDSERVE_METRICS_TOKEN, else no token)")
 
 
+def _split(addresses: str | None) -> list[str]:
+    return [a for a in (addresses or "").split(",") if a]
+
+
+def plane_reach(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What a command's internal plane binds and what it dials: a router dials its workers (its
+    own --host is the client API, guarded by the API key); a worker, `up` and `serve` bind --host."""
+    if args.command == "router":
+        return (), (*_split(args.prefill), *_split(args.decode), *_split(args.colocated))
+    return (args.host or DEFAULT_HOST,), ()
+
+
 def _credentials(args: argparse.Namespace, role: str | None = None):
-    """The process's credentials; for a role of the internal plane (role given), a cluster token is
-    required unless --insecure-no-auth (ValueError: exit code 2, one line naming the flag)."""
-    from services.security import Credentials, require_cluster_token
+    """The process's credentials. For a role of the internal plane (role given) a cluster token is
+    required unless --insecure-no-auth, and a plane reaching past loopback (``plane_reach``) needs
+    mutual TLS unless --insecure-internal-plane (ValueError: exit code 2, one line naming the flags)."""
+    from services.security import Credentials, require_cluster_token, require_secure_internal_plane
     creds = Credentials.load(args.cluster_token_file, args.tls_cert, args.tls_key, args.tls_ca)
     if role is not None:
-        require_cluster_token(creds, args.host, args.insecure_no_auth, role)
+        if hasattr(args, "insecure_no_auth"):   # the members; `up` makes a token for its children
+            require_cluster_token(creds, args.host, args.insecure_no_auth, role)
+        binds, dials = plane_reach(args)
+        require_secure_internal_plane(creds, role, binds=binds, dials=dials,
+                                      insecure_plane=args.insecure_internal_plane)
     return creds
 
 
@@ -214,12 +231,11 @@ def cmd_router(args: argparse.Namespace) -> int:
     from services.api.request_limits import RequestLimits
     from services.api.grpc_router import RouterOptions, serve_router
     from services.router.config import RouterConfig
-    split = lambda s: [a for a in (s or "").split(",") if a]  # noqa: E731
     _check_port(args.host, args.port, "the router's port", "--port")
     if args.http_port:
         _check_port(args.host, args.http_port, "the HTTP API's port", "--http-port")
-    options = RouterOptions(model=model_dir(args), prefill=split(args.prefill), decode=split(args.decode),
-                            colocated=split(args.colocated), generation=config_from_args(GenerationOptions, args),
+    options = RouterOptions(model=model_dir(args), prefill=_split(args.prefill), decode=_split(args.decode),
+                            colocated=_split(args.colocated), generation=config_from_args(GenerationOptions, args),
                             limits=config_from_args(RequestLimits, args),
                             config=config_from_args(RouterConfig, args, served_model_name=_served_names(args)))
     from services.metrics import read_metrics_token
@@ -255,7 +271,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                             engine_args=config_to_argv(engine, exclude=ENGINE_FIXED),
                             worker_args=[*config_to_argv(config_from_args(WorkerConfig, args), exclude=UP_OWN),
                                          *_plane_argv(args)],
-                            router_args=router_args, credentials=_credentials(args),
+                            router_args=router_args,
+                            credentials=_credentials(args, "deployment"),
                             log_dir=None if log_dir == "-" else log_dir)
     cluster = Cluster(spec)
     for sig in (signal.SIGINT, signal.SIGTERM):   # from the first moment: start-up is stoppable too

@@ -205,8 +205,10 @@ class WorkerActor(_ServerActor):
         ray_kv = spec["kv_transport"] == "ray"
         sender = None
         if self.role == "prefill" and ray_kv:
-            sender = RayKVSender(default_namespace=namespace,
-                                 fallback=GrpcKVSender(lambda a: credentials.channel(a, channel_options())))
+            token = credentials.cluster_token
+            sender = RayKVSender(default_namespace=namespace, cluster_token=token,
+                                 fallback=GrpcKVSender(lambda a: credentials.channel(a, channel_options()),
+                                                       cluster_token=token))
         kv_address = ray_kv_address(self.name, namespace) if self.role == "decode" and ray_kv else ""
         host = bind_host(spec["host"])
         options = WorkerOptions(host=host, port=0, worker_id=self.name, kv_address=kv_address, kv_sender=sender,
@@ -215,7 +217,8 @@ class WorkerActor(_ServerActor):
                                                                             on_start=on_start))
         self._address = join_host_port(host, self.running.server.port)
         self.kv_address = kv_address or self._address
-        self.receiver = RayKVReceiver(self.running.aengine.engine.kv) if self.role == "decode" else None
+        self.receiver = (RayKVReceiver(self.running.aengine.engine.kv, cluster_token=credentials.cluster_token)
+                         if self.role == "decode" else None)
 
     async def info(self) -> dict[str, Any]:
         receiver = self.receiver

@@ -176,7 +176,8 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
                                                                      grpc_message_limit())]), attach_token=False),
             proof=creds.call_proof if creds.key is not None else None, shared_memory=wc.kv_shared_memory,
             shared_memory_route=SharedMemoryRoute(wc.kv_shared_memory_dir, max_bytes=wc.kv_shared_memory_max_bytes,
-                                                  sweep_after_s=wc.kv_lease_max_s))
+                                                  sweep_after_s=wc.kv_lease_max_s),
+            cluster_token=creds.cluster_token)
         registrations.append(service_registration(services["PrefillWorker"],
                                                   PrefillHandler(aengine, sender, state, metrics)))
     elif config.role == "decode":
@@ -186,7 +187,8 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
         notify = kv.on_change
         kv.on_change = lambda rid, st: (metrics.kv_handoff_ended(st), notify(rid, st))
         kv_servicer = KVTransferServicer(kv, shared_memory=options.config.kv_shared_memory,
-                                         shared_memory_dir=options.config.kv_shared_memory_dir)
+                                         shared_memory_dir=options.config.kv_shared_memory_dir,
+                                         cluster_token=options.credentials.cluster_token)
         registrations.append((lambda servicer, server: register_kv_servicer(servicer, server), kv_servicer,
                               "pdserve.v1.KVTransfer"))
     else:

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -28,7 +29,8 @@ from services.client import Client
 from services.kv_transfer import GrpcKVSender, KVTransferError
 from services.deployment.launcher import wait_serving
 from services.deployment.ports import PortReservations, RESERVED_PORTS_ENV
-from services.security import AUTH_HEADER, ClusterKey, Credentials, _Nonces, require_cluster_token
+from services.security import (AUTH_HEADER, ClusterKey, Credentials, TLSFiles, _Nonces, require_cluster_token,
+                               require_secure_internal_plane)
 from services.grpc_setup import MAX_HEALTH_WATCHES, start_server
 from tests.conftest import random_prompts
 from tests.serving import start_cluster, worker_status, workers
@@ -361,6 +363,34 @@ def test_require_cluster_token_rules() -> None:
     for host, insecure in (("127.0.0.1", False), ("10.0.0.1", True), ("example.com", True)):
         with pytest.raises(ValueError):
             require_cluster_token(Credentials(), host, insecure, "router")
+
+
+def test_the_internal_plane_rule() -> None:
+    """Past loopback: mutual TLS, or the explicit flag (never with a wildcard bind)."""
+    tls = Credentials("t" * 32, TLSFiles(Path("c"), Path("k"), Path("a")))
+    plain = Credentials("t" * 32)
+    for binds, dials in ((["127.0.0.1"], []), (["::1"], []), (["localhost"], []), ([], ["127.0.0.1:5", "[::1]:6"])):
+        require_secure_internal_plane(plain, "worker", binds=binds, dials=dials)   # loopback: nothing asked
+    require_secure_internal_plane(tls, "worker", binds=["0.0.0.0"])                # TLS: anywhere
+    require_secure_internal_plane(plain, "worker", binds=["10.1.2.3"], insecure_plane=True)
+    require_secure_internal_plane(plain, "router", dials=["10.1.2.3:50052"], insecure_plane=True)
+    for binds, dials, flag, words in ((["10.1.2.3"], [], False, "would bind 10.1.2.3"),
+                                      ([], ["127.0.0.1:1", "10.1.2.3:5"], False, "would reach 10.1.2.3"),
+                                      (["0.0.0.0"], [], True, "refuses --host 0.0.0.0"),
+                                      (["::"], [], True, "refuses --host ::")):
+        with pytest.raises(ValueError, match=words) as err:
+            require_secure_internal_plane(plain, "worker", binds=binds, dials=dials, insecure_plane=flag)
+        assert "--tls-cert" in str(err.value)
+
+
+@pytest.mark.parametrize("argv", [["decode", "--host", "0.0.0.0", "--insecure-internal-plane"],
+                                  ["router", "--decode", "10.9.9.9:1", "--prefill", "127.0.0.1:2"]],
+                         ids=["wildcard-worker", "router-dialing-another-host"])
+def test_a_plane_past_loopback_without_tls_refuses_to_start(tiny_qwen3: str, argv: list[str]) -> None:
+    code, out = _cli([*argv, "--model", tiny_qwen3, "--port", "0"], env_extra={"PDSERVE_CLUSTER_TOKEN": "t" * 32})
+    lines = out.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in out, out
+    assert "without mutual TLS" in lines[0] and "--tls-cert" in lines[0], out
 
 
 # ---- the TP rendezvous ---------------------------------------------------------------------------

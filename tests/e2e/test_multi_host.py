@@ -31,17 +31,10 @@ INSECURE_FLAG = "--insecure-internal-plane"
 pytestmark = pytest.mark.skipif(not netns.available()[0], reason=f"no network namespaces: {netns.available()[1]}")
 
 
-def _help_lists_insecure_flag(role: str) -> bool:
-    out = subprocess.run([sys.executable, "-m", "services.cli", role, "--help"], capture_output=True,
-                         text=True, timeout=60).stdout
-    return INSECURE_FLAG in out
-
-
 @pytest.fixture(scope="module")
 def insecure_args() -> dict[str, list[str]]:
-    """Per role, the flag a non-loopback bind without TLS needs, once the CLI has it."""
-    roles = ("prefill", "decode", "router")
-    return {role: [INSECURE_FLAG] if _help_lists_insecure_flag(role) else [] for role in roles}
+    """Per role, the flag a non-loopback plane without TLS needs."""
+    return {role: [INSECURE_FLAG] for role in ("prefill", "decode", "router")}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -227,6 +220,19 @@ def test_tp2_prefill_feeds_tp1_decode_across_hosts(tiny_qwen3, offline_reference
         prefill = d.worker(net[1], "prefill", "--tensor-parallel-size", "2")
         d.start_router(net[0], [prefill], [d.worker(net[2], "decode")])
         _check(d.drive(PROMPTS), offline_reference)
+
+
+@pytest.mark.parametrize("argv", [["prefill"], ["router", "--prefill", "{peer}:7100", "--decode", "{peer}:7101"]],
+                         ids=["worker", "router"])
+def test_a_plane_across_hosts_without_tls_or_the_flag_refuses_to_start(tiny_qwen3, argv, tmp_path) -> None:
+    with netns.HostNetwork(2) as net:
+        cmd = [sys.executable, "-m", "services.cli", *(a.format(peer=net[1].address) for a in argv),
+               "--model", tiny_qwen3, "--host", net[0].address, "--port", str(WORKER_PORT)]
+        done = net[0].run(cmd, env={**os.environ, CLUSTER_TOKEN_ENV: new_token()}, capture_output=True, text=True,
+                          timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "without mutual TLS" in lines[0] and INSECURE_FLAG in lines[0] and "--tls-cert" in lines[0], lines
 
 
 def test_tbf_limits_a_raw_tcp_stream() -> None:

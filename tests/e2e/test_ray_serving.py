@@ -266,7 +266,7 @@ def test_corrupted_block_through_the_object_store_is_refused(cli_deployment) -> 
                                                                params=common_pb2.SamplingParams(max_tokens=4)))
             assert list(res.needed_block_indices) == [0, 1, 2]
             hashes = transfer_block_hashes(prompt, status.block_size)
-            stream = RayKVSender().open(decode["kv_address"], "corrupt", res.transfer_token)
+            stream = RayKVSender(cluster_token=CLUSTER_TOKEN).open(decode["kv_address"], "corrupt", res.transfer_token)
             await stream.send([KVBlock("corrupt", 0, hashes[0] ^ 1, torch.zeros(shape))])
             with pytest.raises(KVTransferError) as refused:
                 await stream.finish(timeout=30)

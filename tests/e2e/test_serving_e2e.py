@@ -167,7 +167,18 @@ def test_corrupted_block_is_refused(cluster_1p1d) -> None:
                                                                params=common_pb2.SamplingParams(max_tokens=4)))
             assert list(res.needed_block_indices) == [0, 1, 2]
             hashes = transfer_block_hashes(prompt, status.block_size)
-            sender = GrpcKVSender(lambda a: aio_channel(cluster_1p1d, a))
+            # a sender without the cluster token (it MACs with another key) is refused at its first frame
+            other = await stub.Reserve(worker_pb2.ReserveRequest(request_id="stranger", prompt_token_ids=prompt,
+                                                                 params=common_pb2.SamplingParams(max_tokens=4)))
+            stranger = GrpcKVSender(lambda a: aio_channel(cluster_1p1d, a), cluster_token="not-the-cluster-token")
+            stream = stranger.open(decode_addr, "stranger", other.transfer_token)
+            await stream.send([KVBlock("stranger", 0, hashes[0], torch.zeros(shape))])
+            with pytest.raises(KVTransferError) as refused:
+                await stream.finish(timeout=10)
+            assert refused.value.code == "DATA_LOSS" and "fails its MAC" in str(refused.value)
+            await stranger.close()
+            sender = GrpcKVSender(lambda a: aio_channel(cluster_1p1d, a),
+                                  cluster_token=cluster_1p1d.spec.credentials.cluster_token)
             stream = sender.open(decode_addr, "corrupt", res.transfer_token)
             await stream.send([KVBlock("corrupt", 0, hashes[0] ^ 1, torch.zeros(shape))])
             with pytest.raises(KVTransferError) as refused:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.cli.commands import build_parser
+from services.cli.commands import build_parser, plane_reach
+from services.security import Credentials, require_secure_internal_plane
 
 ROOT = Path(__file__).resolve().parents[2]
 VAR = re.compile(r"\$\{([A-Z0-9_]+)(?::?-([^}]*))?\}")
@@ -83,6 +84,21 @@ def test_compose_commands_parse_with_the_cli(model: str) -> None:
         assert svc["depends_on"], name
     router = parser.parse_args(services["router"]["command"])
     assert router.prefill == "prefill:50052" and router.decode == "decode:50053"
+
+
+def test_compose_commands_pass_the_internal_plane_rule() -> None:
+    """Each service would start: the rule the CLI applies (services.security), on what its command
+    binds and dials; without the flag the same commands are refused (compose has no TLS)."""
+    services = _compose()["services"]
+    parser = build_parser()
+    for name in ("router", "prefill", "decode"):
+        args = parser.parse_args(services[name]["command"])
+        binds, dials = plane_reach(args)
+        assert binds or dials, name
+        require_secure_internal_plane(Credentials("t" * 32), name, binds=binds, dials=dials,
+                                      insecure_plane=args.insecure_internal_plane)
+        with pytest.raises(ValueError, match="--insecure-internal-plane"):
+            require_secure_internal_plane(Credentials("t" * 32), name, binds=binds, dials=dials)
 
 
 def test_nothing_secret_in_any_command_and_ports_on_loopback() -> None:
