@@ -34,7 +34,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from engine.settings import pdserve_home
 
 Arch = Literal["qwen3", "llama"]
-PresetName = Literal["tiny", "tiny-kv1", "tiny-kv4", "tiny-d64", "small"]
+PresetName = Literal["tiny", "tiny-kv1", "tiny-kv4", "tiny-d64", "small", "qwen3-0.6b-kv"]
 
 EOS_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|bos|>"
@@ -129,6 +129,11 @@ PRESETS["tiny-kv1"] = dataclasses.replace(PRESETS["tiny"], num_key_value_heads=1
 PRESETS["tiny-kv4"] = dataclasses.replace(PRESETS["tiny"], num_key_value_heads=4)
 # Native prefill attention tests: the head dim its kernels take (64), four query heads per KV head.
 PRESETS["tiny-d64"] = dataclasses.replace(PRESETS["tiny"], head_dim=64, num_key_value_heads=1)
+# KV hand-off benchmarks: Qwen3-0.6B's KV shape (28 layers, 8 KV heads of 128, bf16: 112 KiB a
+# token) around a narrow residual stream and MLP, so its prefill is cheap on a CPU.
+PRESETS["qwen3-0.6b-kv"] = dataclasses.replace(
+    PRESETS["small"], hidden_size=128, num_hidden_layers=28, num_attention_heads=8, num_key_value_heads=8,
+    head_dim=128, intermediate_size=256, vocab_size=2048, max_position_embeddings=8192)
 
 # Per-(preset, arch) deviations: tiny llama exercises the untied lm_head and a
 # different rope base.
