@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pdserve/v1/kv.proto\x12\npdserve.v1\"^\n\x0cKVStreamOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\x12\x0b\n\x03mac\x18\x03 \x01(\x0c\x12\x15\n\rmac_algorithm\x18\x04 \x01(\t\"\xee\x01\n\rKVBlockHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_index\x18\x02 \x01(\r\x12\x12\n\nblock_hash\x18\x03 \x01(\x04\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0blayer_start\x18\x05 \x01(\r\x12\x11\n\tlayer_end\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\r\n\x05shape\x18\x08 \x03(\r\x12\x0e\n\x06nbytes\x18\t \x01(\x04\x12\x10\n\x08\x63hecksum\x18\n \x01(\r\x12\x12\n\nhead_start\x18\x0b \x01(\r\x12\x10\n\x08head_end\x18\x0c \x01(\r\",\n\x0eKVSharedMemory\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"\xa4\x01\n\x07KVFrame\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.KVStreamOpen\x12*\n\x07headers\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.KVBlockHeader\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\'\n\x03shm\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.KVSharedMemory\x12\x0b\n\x03mac\x18\x05 \x01(\x0c\"]\n\x07PushAck\x12\x17\n\x0f\x62locks_received\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t2F\n\nKVTransfer\x12\x38\n\nPushBlocks\x12\x13.pdserve.v1.KVFrame\x1a\x13.pdserve.v1.PushAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pdserve/v1/kv.proto\x12\npdserve.v1\"^\n\x0cKVStreamOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\x12\x0b\n\x03mac\x18\x03 \x01(\x0c\x12\x15\n\rmac_algorithm\x18\x04 \x01(\t\"\x91\x02\n\rKVBlockHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_index\x18\x02 \x01(\r\x12\x12\n\nblock_hash\x18\x03 \x01(\x04\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0blayer_start\x18\x05 \x01(\r\x12\x11\n\tlayer_end\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\r\n\x05shape\x18\x08 \x03(\r\x12\x0e\n\x06nbytes\x18\t \x01(\x04\x12\x10\n\x08\x63hecksum\x18\n \x01(\r\x12\x12\n\nhead_start\x18\x0b \x01(\r\x12\x10\n\x08head_end\x18\x0c \x01(\r\x12\r\n\x05\x63odec\x18\r \x01(\t\x12\x12\n\nraw_nbytes\x18\x0e \x01(\x04\",\n\x0eKVSharedMemory\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"\xa4\x01\n\x07KVFrame\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.KVStreamOpen\x12*\n\x07headers\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.KVBlockHeader\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\'\n\x03shm\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.KVSharedMemory\x12\x0b\n\x03mac\x18\x05 \x01(\x0c\"]\n\x07PushAck\x12\x17\n\x0f\x62locks_received\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t2F\n\nKVTransfer\x12\x38\n\nPushBlocks\x12\x13.pdserve.v1.KVFrame\x1a\x13.pdserve.v1.PushAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVSTREAMOPEN']._serialized_start=35
   _globals['_KVSTREAMOPEN']._serialized_end=129
   _globals['_KVBLOCKHEADER']._serialized_start=132
-  _globals['_KVBLOCKHEADER']._serialized_end=370
-  _globals['_KVSHAREDMEMORY']._serialized_start=372
-  _globals['_KVSHAREDMEMORY']._serialized_end=416
-  _globals['_KVFRAME']._serialized_start=419
-  _globals['_KVFRAME']._serialized_end=583
-  _globals['_PUSHACK']._serialized_start=585
-  _globals['_PUSHACK']._serialized_end=678
-  _globals['_KVTRANSFER']._serialized_start=680
-  _globals['_KVTRANSFER']._serialized_end=750
+  _globals['_KVBLOCKHEADER']._serialized_end=405
+  _globals['_KVSHAREDMEMORY']._serialized_start=407
+  _globals['_KVSHAREDMEMORY']._serialized_end=451
+  _globals['_KVFRAME']._serialized_start=454
+  _globals['_KVFRAME']._serialized_end=618
+  _globals['_PUSHACK']._serialized_start=620
+  _globals['_PUSHACK']._serialized_end=713
+  _globals['_KVTRANSFER']._serialized_start=715
+  _globals['_KVTRANSFER']._serialized_end=785
 # @@protoc_insertion_point(module_scope)

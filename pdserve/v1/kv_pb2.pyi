@@ -19,7 +19,7 @@ class KVStreamOpen(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., mac_algorithm: _Optional[str] = ...) -> None: ...
 
 class KVBlockHeader(_message.Message):
-    __slots__ = ("request_id", "block_index", "block_hash", "num_tokens", "layer_start", "layer_end", "dtype", "shape", "nbytes", "checksum", "head_start", "head_end")
+    __slots__ = ("request_id", "block_index", "block_hash", "num_tokens", "layer_start", "layer_end", "dtype", "shape", "nbytes", "checksum", "head_start", "head_end", "codec", "raw_nbytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,8 @@ class KVBlockHeader(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     HEAD_START_FIELD_NUMBER: _ClassVar[int]
     HEAD_END_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    RAW_NBYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_index: int
     block_hash: int
@@ -44,7 +46,9 @@ class KVBlockHeader(_message.Message):
     checksum: int
     head_start: int
     head_end: int
-    def __init__(self, request_id: _Optional[str] = ..., block_index: _Optional[int] = ..., block_hash: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ...) -> None: ...
+    codec: str
+    raw_nbytes: int
+    def __init__(self, request_id: _Optional[str] = ..., block_index: _Optional[int] = ..., block_hash: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ..., codec: _Optional[str] = ..., raw_nbytes: _Optional[int] = ...) -> None: ...
 
 class KVSharedMemory(_message.Message):
     __slots__ = ("name", "size")

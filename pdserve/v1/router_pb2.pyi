@@ -36,7 +36,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "kv_transfer_ms", "first_decode_step_ms", "ttft_ms", "e2e_ms", "migrations", "prefill_route", "estimated_local_ms", "estimated_remote_ms", "local_prefill_threshold_tokens", "decode_cached_tokens", "kv_bytes")
+    __slots__ = ("queue_ms", "prefill_ms", "kv_transfer_ms", "first_decode_step_ms", "ttft_ms", "e2e_ms", "migrations", "prefill_route", "estimated_local_ms", "estimated_remote_ms", "local_prefill_threshold_tokens", "decode_cached_tokens", "kv_bytes", "kv_wire_bytes", "kv_streams", "kv_codec")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,9 @@ class Timings(_message.Message):
     LOCAL_PREFILL_THRESHOLD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    KV_CODEC_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     kv_transfer_ms: float
@@ -63,7 +66,10 @@ class Timings(_message.Message):
     local_prefill_threshold_tokens: int
     decode_cached_tokens: int
     kv_bytes: int
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., first_decode_step_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., migrations: _Optional[int] = ..., prefill_route: _Optional[str] = ..., estimated_local_ms: _Optional[float] = ..., estimated_remote_ms: _Optional[float] = ..., local_prefill_threshold_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    kv_wire_bytes: int
+    kv_streams: int
+    kv_codec: str
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., first_decode_step_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., migrations: _Optional[int] = ..., prefill_route: _Optional[str] = ..., estimated_local_ms: _Optional[float] = ..., estimated_remote_ms: _Optional[float] = ..., local_prefill_threshold_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_wire_bytes: _Optional[int] = ..., kv_streams: _Optional[int] = ..., kv_codec: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "finished", "logprobs")

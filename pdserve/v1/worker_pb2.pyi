@@ -122,16 +122,22 @@ class FirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class KVDelivered(_message.Message):
-    __slots__ = ("blocks", "bytes", "exposed_ms", "exposed_blocks")
+    __slots__ = ("blocks", "bytes", "exposed_ms", "exposed_blocks", "wire_bytes", "codec", "streams")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     EXPOSED_MS_FIELD_NUMBER: _ClassVar[int]
     EXPOSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
     blocks: int
     bytes: int
     exposed_ms: float
     exposed_blocks: int
-    def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., exposed_ms: _Optional[float] = ..., exposed_blocks: _Optional[int] = ...) -> None: ...
+    wire_bytes: int
+    codec: str
+    streams: int
+    def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., exposed_ms: _Optional[float] = ..., exposed_blocks: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., codec: _Optional[str] = ..., streams: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("computed_tokens",)

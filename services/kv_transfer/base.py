@@ -92,10 +92,12 @@ def block_meta(header: kv_pb2.KVBlockHeader) -> BlockMeta:
     shape = tuple(header.shape)
     if len(shape) > 8:
         raise HandoffError("INVALID_ARGUMENT", f"block {header.block_index}: {len(shape)}-dimensional shape")
-    if header.dtype in SUPPORTED_DTYPES and header.nbytes != math.prod(shape) * SUPPORTED_DTYPES[header.dtype].itemsize:
-        raise HandoffError("DATA_LOSS", f"block {header.block_index}: nbytes {header.nbytes} != "
+    # encoded (header.codec set), the block's raw size is raw_nbytes; nbytes is its size on the wire
+    field, nbytes = ("raw_nbytes", header.raw_nbytes) if header.codec not in ("", "off") else ("nbytes", header.nbytes)
+    if header.dtype in SUPPORTED_DTYPES and nbytes != math.prod(shape) * SUPPORTED_DTYPES[header.dtype].itemsize:
+        raise HandoffError("DATA_LOSS", f"block {header.block_index}: {field} {nbytes} != "
                                         f"{header.dtype}{list(shape)}")
-    return BlockMeta(header.request_id, header.block_index, header.block_hash, header.dtype, shape, header.nbytes,
+    return BlockMeta(header.request_id, header.block_index, header.block_hash, header.dtype, shape, nbytes,
                      header.checksum, header.layer_start, header.layer_end, header.head_start, header.head_end)
 
 
@@ -114,8 +116,10 @@ class KVSink(Protocol):
 @dataclass(slots=True)
 class SendResult:
     blocks: int
-    bytes: int
+    bytes: int                # raw KV bytes acknowledged
     seconds: float
+    wire_bytes: int = 0       # their payload bytes on the wire (encoded; 0: not counted by the transport)
+    codec: str = "off"        # the stream's wire codec
 
 
 class KVStream(abc.ABC):

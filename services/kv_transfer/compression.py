@@ -98,6 +98,24 @@ def expected_nbytes(dtype: str, shape: tuple[int, ...], max_nbytes: int = MAX_RA
     return n
 
 
+def max_encoded_nbytes(codec: str, dtype: str, shape: tuple[int, ...], max_nbytes: int = MAX_RAW_NBYTES) -> int:
+    """The most bytes ``codec`` may put on the wire for dtype[shape]: what a receiver checks a
+    header's encoded size against before allocating (lossless: raw size + headers, its high plane
+    stored raw at worst; int8: exact)."""
+    n = expected_nbytes(dtype, tuple(shape), max_nbytes)
+    if codec == "off":
+        return n
+    if codec == "lossless":
+        return _HEAD.size + _HI_LEN.size + n
+    if codec == "int8":
+        if dtype not in _INT8_INPUTS:
+            raise ValueError(f"int8 codec takes {_INT8_INPUTS}, not {dtype!r}")
+        numel = n // _itemsize(dtype)
+        d = shape[-1] if shape else 1
+        return _HEAD.size + 4 * (numel // d if d else 0) + numel
+    raise ValueError(f"codec {codec!r} is not one of {CODECS}")
+
+
 def _tensor(buf: memoryview, dtype: torch.dtype, count: int = -1, offset: int = 0) -> torch.Tensor:
     with warnings.catch_warnings():        # read-only buffers are only read from
         warnings.simplefilter("ignore", UserWarning)

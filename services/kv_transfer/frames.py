@@ -93,6 +93,12 @@ def encode_frames(blocks: Sequence[KVBlock], frame_bytes: int, mac: "integrity.S
                   ) -> list[bytes]:
     """Serialized KVFrames for blocks: headers announce each block in the frame where its bytes
     begin; payloads run back to back, cut at frame_bytes."""
+    return encode_wire_frames([b.encode() for b in blocks], frame_bytes, mac)
+
+
+def encode_wire_frames(encoded: Sequence[tuple[kv_pb2.KVBlockHeader, bytes | memoryview]], frame_bytes: int,
+                       mac: "integrity.StreamMac | None" = None) -> list[bytes]:
+    """As encode_frames, for blocks already encoded: (header, wire payload) pairs (wire_codec.py)."""
     frames: list[bytes] = []
     parts: list[bytes | memoryview] = []
     chunks: list[memoryview] = []
@@ -106,8 +112,8 @@ def encode_frames(blocks: Sequence[KVBlock], frame_bytes: int, mac: "integrity.S
                                   mac))
         parts, chunks, room = [], [], frame_bytes
 
-    for block in blocks:
-        header, payload = block.encode()
+    for header, payload in encoded:
+        payload = memoryview(payload).cast("B")
         parts.extend(_field(_HEADER, header.SerializeToString()))
         while payload.nbytes:
             if room == 0:

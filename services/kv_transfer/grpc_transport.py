@@ -24,13 +24,14 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import grpc
 
-from engine.kv_connector import BlockMeta, HandoffError
+from engine.kv_connector import HandoffError
 from pdserve.v1 import kv_pb2, kv_pb2_grpc
 from services.kv_transfer import integrity, shared_memory
 from services.kv_transfer.frames import (  # noqa: F401 - re-exported: the wire format's users import it here
     MAX_SEGMENT_BYTES, Frame, encode_frames, encode_heartbeat, encode_open, encode_probe, encode_shm_frames,
-    parse_frame,
+    encode_wire_frames, parse_frame,
 )
+from services.kv_transfer.wire_codec import CodecPolicy, WireMeta, encode_blocks
 from services.kv_transfer.receive_session import ReceiveSession
 from services.kv_transfer.shared_memory import SHARED_MEMORY_MAX_BYTES, available as shared_memory_available
 from services.kv_transfer.base import (
@@ -147,11 +148,20 @@ class SharedMemoryRoute:
 class GrpcKVStream(KVStream):
     def __init__(self, call: grpc.aio.StreamUnaryCall, request_id: str, token: bytes, frame_bytes: int,
                  shared: "tuple[SharedMemoryRoute, str, Any, tuple] | None" = None, proof: Any = None,
-                 cluster_token: str | bytes | None = None) -> None:
+                 cluster_token: str | bytes | None = None, codecs: CodecPolicy | None = None,
+                 target: str = "") -> None:
         """shared: (route, target, method, metadata) when sends to this loopback target may go
         through shared memory (None: never). proof: the call's services.security.CallProof, whose
         reply the receiver must send before any frame goes out (None: nothing to check).
-        cluster_token: keys every frame's MAC with the transfer token (integrity.py)."""
+        cluster_token: keys every frame's MAC with the transfer token (integrity.py). codecs: the
+        inline frames' wire codec for target, chosen on the first send, and the link estimate this
+        stream's send phase feeds (None: uncompressed)."""
+        self._codecs, self._target = codecs, target
+        self._codec: str | None = None if codecs is not None else "off"
+        self._send_lock = asyncio.Lock()
+        self._wire_bytes = self._inline_bytes = 0
+        self._busy_s = 0.0                 # the writer's time in writes: the send phase (with the ack wait)
+        self._closed_at: float | None = None
         self._mac = integrity.StreamMac(integrity.mac_key(token, cluster_token), integrity.PREFERRED)
         self._call = call
         self._proof = proof
@@ -172,20 +182,38 @@ class GrpcKVStream(KVStream):
             return
         while True:
             frame = await self._queue.get()
+            t0 = time.perf_counter()
             if frame is None:
                 await self._call.done_writing()
+                self._closed_at = time.perf_counter()
                 return
             await self._call.write(frame)
+            self._busy_s += time.perf_counter() - t0
 
     async def send(self, blocks: Sequence[KVBlock]) -> None:
+        async with self._send_lock:   # frames leave in send order (encoding awaits a thread)
+            await self._send(blocks)
+
+    async def _send(self, blocks: Sequence[KVBlock]) -> None:
         nbytes = sum(b.data.numel() * b.data.element_size() for b in blocks)
         frames = await self._shm_frames(blocks, nbytes) if self._shared is not None else None
-        if frames is None:
-            frames = encode_frames(blocks, self._frame_bytes, self._mac)
+        if frames is not None:
+            wire = nbytes
+        else:
+            if self._codec is None and blocks:
+                self._codec = await asyncio.to_thread(self._codecs.pick, self._target, blocks[0])
+            if self._codec in (None, "off"):
+                encoded = [b.encode() for b in blocks]
+            else:   # CPU work off the loop; sealed (MAC, counter order) and queued on it
+                encoded = await asyncio.to_thread(encode_blocks, blocks, self._codec)
+            wire = sum(memoryview(p).nbytes for _, p in encoded)
+            self._inline_bytes += wire
+            frames = encode_wire_frames(encoded, self._frame_bytes, self._mac)
         for frame in frames:
             self._queue.put_nowait(frame)
         self._blocks += len(blocks)
         self._bytes += nbytes
+        self._wire_bytes += wire
 
     async def _shm_frames(self, blocks: Sequence[KVBlock], nbytes: int) -> list[bytes] | None:
         """The blocks' frames through shared memory, or None: inline (a small send, a peer that
@@ -231,7 +259,12 @@ class GrpcKVStream(KVStream):
             raise KVTransferError("UNAUTHENTICATED", "the KV receiver did not prove it is a member of the deployment")
         if ack.blocks_received != self._blocks:
             raise KVTransferError("DATA_LOSS", f"receiver acknowledged {ack.blocks_received} of {self._blocks} blocks")
-        return SendResult(ack.blocks_received, ack.bytes_received, time.perf_counter() - self._start)
+        now = time.perf_counter()
+        if self._codecs is not None and self._inline_bytes and not self._used_shm:   # the link, not /dev/shm
+            self._codecs.observe(self._target, self._inline_bytes,
+                                 self._busy_s + (now - self._closed_at if self._closed_at is not None else 0.0))
+        return SendResult(ack.blocks_received, ack.bytes_received, now - self._start, self._wire_bytes,
+                          self._codec or "off")
 
     async def cancel(self) -> None:
         self._reap_writer()
@@ -263,14 +296,17 @@ class GrpcKVSender(KVSender):
                  frame_bytes: int = DEFAULT_FRAME_BYTES, metadata: tuple[tuple[str, str], ...] = (),
                  shared_memory: bool = False, shared_memory_min_bytes: int = SHARED_MEMORY_MIN_BYTES,
                  shared_memory_route: SharedMemoryRoute | None = None,
-                 proof: Callable[[str], Any] | None = None, cluster_token: str | bytes | None = None) -> None:
+                 proof: Callable[[str], Any] | None = None, cluster_token: str | bytes | None = None,
+                 kv_compression: str = "off") -> None:
         """cluster_token: the deployment's (Credentials.cluster_token), which keys every frame's MAC
         with the reservation's transfer token; None (--insecure-no-auth) keys by the transfer token
         alone, which guards against accidents only (integrity.py). metadata: sent on every stream. proof: method -> a fresh services.security.CallProof
         for each stream (when the factory's channels do not prove membership themselves); the
         receiver's reply is checked before any KV leaves. shared_memory: payloads to a loopback target that shares our
         memory, in sends of at least shared_memory_min_bytes, go through /dev/shm (or the route's
-        directory and cap: shared_memory_route)."""
+        directory and cap: shared_memory_route). kv_compression: the inline frames' wire codec,
+        "auto" chosen per target (wire_codec.py); shared-memory frames are never encoded."""
+        self.codecs = CodecPolicy(kv_compression)
         route = shared_memory_route or SharedMemoryRoute(min_bytes=shared_memory_min_bytes)
         self.shared_memory = shared_memory and shared_memory_available(route.directory)
         self.route = route if self.shared_memory else None
@@ -300,7 +336,8 @@ class GrpcKVSender(KVSender):
         shared = None
         if self.route is not None and shared_memory.is_local(target):   # the probe's own proof: each is used once
             shared = (self.route, target, self._method(target), self.proof(METHOD).metadata if self.proof else self.metadata)
-        return GrpcKVStream(call, request_id, transfer_token, self.frame_bytes, shared, proof, self.cluster_token)
+        return GrpcKVStream(call, request_id, transfer_token, self.frame_bytes, shared, proof, self.cluster_token,
+                            self.codecs if self.codecs.mode != "off" else None, target)
 
     async def close(self) -> None:
         if self.route is not None:
@@ -314,7 +351,7 @@ class GrpcKVSender(KVSender):
 
 @dataclass(slots=True)
 class _Pending:
-    meta: BlockMeta
+    meta: WireMeta           # nbytes: the block's size on the wire
     buf: bytearray | None = None
     filled: int = 0
 
@@ -393,7 +430,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
                         chunk, data = data[:size], data[size:]
                     else:
                         if p.buf is None:
-                            p.buf = bytearray(size)   # size was checked against the pool's block size
+                            p.buf = bytearray(size)   # size was checked against the pool's block size (and its codec's bound)
                         take = min(size - p.filled, data.nbytes)
                         p.buf[p.filled:p.filled + take] = data[:take]
                         p.filled += take

@@ -1,6 +1,7 @@
 """KV block transport through Ray's object store: the same stream semantics as gRPC.
 
-Sender (prefill side, ``RayKVSender``): for each ``send`` the blocks are encoded, their raw bytes put into the object store as flat ``numpy.uint8`` arrays (one object
+Sender (prefill side, ``RayKVSender``): for each ``send`` the blocks are encoded (their wire codec:
+``kv_compression``, default off), their wire bytes put into the object store as flat ``numpy.uint8`` arrays (one object
 per chunk of about 32 MiB: a ``ray.put`` costs a round trip to the store; Ray keeps numpy
 buffers out of band, as raw bytes), and the decode actor's ``push_blocks`` is called with the
 serialized ``KVStreamOpen`` (request id + transfer token + the call's MAC over its headers and
@@ -31,6 +32,7 @@ from pdserve.v1 import kv_pb2
 from services.kv_transfer import integrity
 from services.kv_transfer.base import KVBlock, KVSender, KVSink, KVStream, KVTransferError, SendResult
 from services.kv_transfer.receive_session import ReceiveSession
+from services.kv_transfer.wire_codec import check_mode, encode_blocks
 
 SCHEME = "ray://"
 DEFAULT_FETCH_TIMEOUT_S = 60.0
@@ -76,7 +78,8 @@ async def _await(ref: Any) -> Any:
 
 class RayKVStream(KVStream):
     def __init__(self, actor: Any, target: str, request_id: str, token: bytes, chunk_bytes: int,
-                 put: Callable[[Any], Any], cluster_token: str | bytes | None = None) -> None:
+                 put: Callable[[Any], Any], cluster_token: str | bytes | None = None, codec: str = "off") -> None:
+        """codec: every block's wire codec (wire_codec.py; the call's MAC covers the encoded bytes)."""
         self._actor = actor
         self._request_id, self._token = request_id, token
         self._key = integrity.mac_key(token, cluster_token)
@@ -85,13 +88,18 @@ class RayKVStream(KVStream):
         self._open = kv_pb2.KVStreamOpen(request_id=request_id, transfer_token=token).SerializeToString()
         self._chunk_bytes = chunk_bytes
         self._calls: list[Any] = []
-        self._blocks = 0
+        self._blocks = self._wire_bytes = 0
+        self._codec = codec
         self._start = time.perf_counter()
 
     async def send(self, blocks: Sequence[KVBlock]) -> None:
         loop = asyncio.get_running_loop()
         for chunk in _chunks(blocks, self._chunk_bytes):
-            encoded = [b.encode() for b in chunk]
+            if self._codec == "off":
+                encoded = [b.encode() for b in chunk]
+            else:   # CPU work off the loop
+                encoded = await loop.run_in_executor(None, encode_blocks, chunk, self._codec)
+            self._wire_bytes += sum(memoryview(p).nbytes for _, p in encoded)
             arrays = [np.frombuffer(payload, dtype=np.uint8) for _, payload in encoded]
             ref = await loop.run_in_executor(None, self._put, arrays)   # copies into the store off the loop
             headers = [h.SerializeToString() for h, _ in encoded]
@@ -121,7 +129,8 @@ class RayKVStream(KVStream):
         blocks = sum(a.blocks_received for a in acks)
         if blocks != self._blocks:
             raise KVTransferError("DATA_LOSS", f"receiver acknowledged {blocks} of {self._blocks} blocks")
-        return SendResult(blocks, sum(a.bytes_received for a in acks), time.perf_counter() - self._start)
+        return SendResult(blocks, sum(a.bytes_received for a in acks), time.perf_counter() - self._start,
+                          self._wire_bytes, self._codec)
 
     async def cancel(self) -> None:
         self._actor.kv_cancel.remote(self._open)
@@ -134,8 +143,11 @@ class RayKVSender(KVSender):
 
     def __init__(self, *, default_namespace: str | None = None, fallback: KVSender | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, put: Callable[[Any], Any] | None = None,
-                 cluster_token: str | bytes | None = None) -> None:
-        """cluster_token: keys each call's MAC with the transfer token (integrity.py)."""
+                 cluster_token: str | bytes | None = None, kv_compression: str = "off") -> None:
+        """cluster_token: keys each call's MAC with the transfer token (integrity.py). kv_compression:
+        the blocks' wire codec to ``ray://`` targets; ``auto`` sends them raw (no link estimate here:
+        the object store moves them)."""
+        self.codec = "off" if check_mode(kv_compression) == "auto" else kv_compression
         self.cluster_token = cluster_token
         self.default_namespace = default_namespace
         self.fallback = fallback
@@ -165,7 +177,7 @@ class RayKVSender(KVSender):
             import ray
             self.put = ray.put
         return RayKVStream(self._actor(target), target, request_id, transfer_token, self.chunk_bytes, self.put,
-                           self.cluster_token)
+                           self.cluster_token, self.codec)
 
     async def close(self) -> None:
         self._actors.clear()

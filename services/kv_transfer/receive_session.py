@@ -17,7 +17,8 @@ from typing import Iterable
 from engine.kv_connector import BlockMeta, HandoffError, HandoffState
 from pdserve.v1 import kv_pb2
 from services.kv_transfer import integrity
-from services.kv_transfer.base import KVSink, block_meta
+from services.kv_transfer.base import KVSink
+from services.kv_transfer.wire_codec import WireMeta, decode_payload, wire_meta
 
 
 class ReceiveSession:
@@ -57,16 +58,22 @@ class ReceiveSession:
     def heartbeat(self) -> None:
         self.sink.heartbeat(self.request_id, self.token)
 
-    def announce(self, header: kv_pb2.KVBlockHeader) -> BlockMeta:
-        """A block's header, checked against the reservation; its bytes come later (accept)."""
+    def announce(self, header: kv_pb2.KVBlockHeader) -> WireMeta:
+        """A block's header, checked against the reservation (and its wire size against its codec's
+        bound); its bytes come later (accept)."""
         if header.request_id != self.request_id:
             raise HandoffError("INVALID_ARGUMENT", f"block for {header.request_id!r} on the stream of "
                                                    f"{self.request_id!r}")
-        meta = block_meta(header)
-        self.sink.check(meta, self.token)
-        return meta
+        wire = wire_meta(header)
+        self.sink.check(wire.meta, self.token)
+        return wire
 
-    def accept(self, meta: BlockMeta, payload: memoryview | bytes | bytearray) -> None:
+    def accept(self, wire: WireMeta | BlockMeta, payload: memoryview | bytes | bytearray) -> None:
+        """A block's bytes as they came on the wire: decoded (into exactly its raw size) first."""
+        if isinstance(wire, WireMeta):
+            payload, meta = decode_payload(wire, payload), wire.meta
+        else:
+            meta = wire
         self.sink.accept(meta, self.token, payload)
         self.blocks += 1
         self.bytes += meta.nbytes

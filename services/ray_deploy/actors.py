@@ -207,8 +207,10 @@ class WorkerActor(_ServerActor):
         if self.role == "prefill" and ray_kv:
             token = credentials.cluster_token
             sender = RayKVSender(default_namespace=namespace, cluster_token=token,
+                                 kv_compression=worker_config.kv_compression,
                                  fallback=GrpcKVSender(lambda a: credentials.channel(a, channel_options()),
-                                                       cluster_token=token))
+                                                       cluster_token=token,
+                                                       kv_compression=worker_config.kv_compression))
         kv_address = ray_kv_address(self.name, namespace) if self.role == "decode" and ray_kv else ""
         host = bind_host(spec["host"])
         options = WorkerOptions(host=host, port=0, worker_id=self.name, kv_address=kv_address, kv_sender=sender,

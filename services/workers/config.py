@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     from engine.kv_connector import LeasePolicy
 
 
+KV_COMPRESSION_MODES = ("auto", "off", "lossless", "int8")   # services/kv_transfer/wire_codec.MODES
+
+
 @dataclass(slots=True)
 class WorkerConfig:
     """A worker's own settings (the engine's are EngineConfig)."""
@@ -30,6 +33,11 @@ class WorkerConfig:
     kv_shared_memory_max_bytes: int = setting(shared_memory.SHARED_MEMORY_MAX_BYTES,
                                               "prefill: payload bytes in shared-memory segments not yet "
                                               "acknowledged, at most; beyond, KV goes inline")
+    kv_compression: str = setting("auto", "prefill: KV wire codec on streamed (not shared-memory) frames. auto: "
+                                          "lossless to a decode worker whose measured link is slow enough that "
+                                          "it pays (the first transfer to each goes off); int8 (lossy) only when "
+                                          "asked (a dtype it cannot take goes lossless). Decode workers take any",
+                                  choices=KV_COMPRESSION_MODES)
 
     def __post_init__(self) -> None:
         if self.drain_timeout_s < 0:

@@ -177,7 +177,7 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
             proof=creds.call_proof if creds.key is not None else None, shared_memory=wc.kv_shared_memory,
             shared_memory_route=SharedMemoryRoute(wc.kv_shared_memory_dir, max_bytes=wc.kv_shared_memory_max_bytes,
                                                   sweep_after_s=wc.kv_lease_max_s),
-            cluster_token=creds.cluster_token)
+            cluster_token=creds.cluster_token, kv_compression=wc.kv_compression)
         registrations.append(service_registration(services["PrefillWorker"],
                                                   PrefillHandler(aengine, sender, state, metrics)))
     elif config.role == "decode":
