@@ -66,7 +66,8 @@ class Completion:
                             "estimated_local_ms": t.estimated_local_ms, "estimated_remote_ms": t.estimated_remote_ms,
                             "local_prefill_threshold_tokens": (t.local_prefill_threshold_tokens
                                                                if t.HasField("local_prefill_threshold_tokens") else None),
-                            "decode_cached_tokens": t.decode_cached_tokens, "kv_bytes": t.kv_bytes}
+                            "decode_cached_tokens": t.decode_cached_tokens, "kv_bytes": t.kv_bytes,
+                            "kv_wire_bytes": t.kv_wire_bytes, "kv_streams": t.kv_streams, "kv_codec": t.kv_codec}
 
 
 def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_tokens: int | None = None,

@@ -98,6 +98,11 @@ class WorkerMetrics(_Metrics):
         self.num_preemptions = self.counter("num_preemptions", "Sequences preempted for recompute")
         self.kv_transfer_bytes = self.counter("kv_transfer_bytes", "KV bytes sent (prefill) or received (decode)")
         self.kv_transfer_failures = self.counter("kv_transfer_failures", "KV blocks refused or failed to send")
+        self._kv_raw_bytes = Counter("pdserve:kv_raw_bytes", "Prefill: KV bytes delivered, raw, by wire codec",
+                                     (*LABELS, "codec"), registry=self.registry)
+        self._kv_wire_bytes = Counter("pdserve:kv_wire_bytes", "Prefill: those KV bytes' size on the wire, by wire "
+                                      "codec (raw / wire: the compression ratio)", (*LABELS, "codec"),
+                                      registry=self.registry)
         self.engine_step_seconds = self.histogram("engine_step_seconds", "Wall time of each engine step")
         self.engine_step_cpu_seconds = self.counter(
             "engine_step_cpu_seconds", "CPU time the engine thread spent in steps (the rest of the process's CPU "
@@ -133,9 +138,12 @@ class WorkerMetrics(_Metrics):
                 self.prompt_tokens.inc(out.num_prompt_tokens)
                 self.request_queue_time_seconds.observe(out.queue_s)
 
-    def kv_sent(self, nbytes: int, seconds: float) -> None:
+    def kv_sent(self, nbytes: int, seconds: float, wire_bytes: int = 0, codec: str = "off") -> None:
+        """Prefill role: one request's KV acknowledged: nbytes raw, wire_bytes on the wire under codec."""
         self.kv_transfer_bytes.inc(nbytes)
         self.kv_transfer_seconds.observe(seconds)
+        self._kv_raw_bytes.labels(**self.labels, codec=codec).inc(nbytes)
+        self._kv_wire_bytes.labels(**self.labels, codec=codec).inc(wire_bytes or nbytes)
 
     def kv_received(self, nbytes: int) -> None:
         self.kv_transfer_bytes.inc(nbytes)

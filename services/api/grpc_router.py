@@ -170,7 +170,8 @@ def timings(gen: Generation, now: float) -> router_pb2.Timings:
                              ttft_ms=((t.first_token or now) - t.start) * 1e3, e2e_ms=(now - t.start) * 1e3,
                              migrations=t.migrations, prefill_route=t.prefill_route,
                              estimated_local_ms=t.estimated_local_ms, estimated_remote_ms=t.estimated_remote_ms,
-                             decode_cached_tokens=t.decode_cached_tokens, kv_bytes=t.kv_bytes)
+                             decode_cached_tokens=t.decode_cached_tokens, kv_bytes=t.kv_bytes,
+                             kv_wire_bytes=t.kv_wire_bytes, kv_streams=t.kv_streams, kv_codec=t.kv_codec)
     if t.threshold_tokens is not None and math.isfinite(t.threshold_tokens):
         out.local_prefill_threshold_tokens = min(int(t.threshold_tokens), 2**32 - 1)
     return out

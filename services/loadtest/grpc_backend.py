@@ -41,6 +41,7 @@ async def send_request(client, req: SampleRequest, request_id: str, sampling: Sa
                 res.server_timings = {k: getattr(t, k) for k in SERVER_TIMINGS}
                 res.prefill_route, res.decode_cached_tokens, res.kv_bytes = (t.prefill_route, t.decode_cached_tokens,
                                                                              t.kv_bytes)
+                res.kv_wire_bytes = t.kv_wire_bytes
                 if req.prompt_len < 0:
                     res.prompt_len = msg.usage.prompt_tokens
     except grpc.aio.AioRpcError as exc:

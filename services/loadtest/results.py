@@ -25,6 +25,7 @@ class RequestResult:
     prefill_route: str = ""               # the router's Timings: "remote" | "local" | "colocated"
     decode_cached_tokens: int = 0         # prompt tokens the decode worker already held
     kv_bytes: int = 0                     # KV bytes shipped to the decode worker
+    kv_wire_bytes: int = 0                # their size on the wire (encoded)
 
     @property
     def tpot(self) -> float | None:

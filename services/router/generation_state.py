@@ -26,6 +26,9 @@ class Timing:
     threshold_tokens: float | None = None
     decode_cached_tokens: int = 0
     kv_bytes: int = 0
+    kv_wire_bytes: int = 0              # kv_bytes' size on the wire (encoded)
+    kv_streams: int = 0
+    kv_codec: str = ""
 
 
 @dataclass(slots=True)

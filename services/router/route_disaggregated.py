@@ -145,6 +145,9 @@ class DisaggregatedRoute:
                     delivered = event.kv_delivered
                     gen.timing.kv_transfer_ms = delivered.exposed_ms
                     gen.timing.kv_bytes += delivered.bytes
+                    gen.timing.kv_wire_bytes += delivered.wire_bytes
+                    gen.timing.kv_streams += delivered.streams
+                    gen.timing.kv_codec = delivered.codec or gen.timing.kv_codec
                     self.ctx.placement.costs.observe_transfer(delivered.exposed_blocks, delivered.exposed_ms)
             if not first_token.done():
                 raise WorkerFailure(prefill.address, "UNAVAILABLE", "prefill ended without a token")

@@ -74,7 +74,8 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
                             yield worker_pb2.PrefillEvent(progress=worker_pb2.Progress())
                 sampled_at = time.perf_counter()
                 yield worker_pb2.PrefillEvent(first_token=first_token_proto(out))
-                blocks = nbytes = 0
+                blocks = nbytes = wire = 0
+                codec = ""
                 if kv is not None:
                     try:
                         result = await kv.finish(timeout=self.kv_ack_timeout_s)
@@ -84,12 +85,14 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
                         code = getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNAVAILABLE)
                         await context.abort(code, f"KV transfer to {target.address} failed: {exc}")
                     delivered = True
-                    blocks, nbytes = result.blocks, result.bytes
+                    blocks, nbytes, codec = result.blocks, result.bytes, result.codec
+                    wire = result.wire_bytes or nbytes   # a transport that does not count them sends raw
                     if self.metrics is not None:
-                        self.metrics.kv_sent(nbytes, result.seconds)
+                        self.metrics.kv_sent(nbytes, result.seconds, wire, codec)
                 yield worker_pb2.PrefillEvent(kv_delivered=worker_pb2.KVDelivered(
                     blocks=blocks, bytes=nbytes, exposed_ms=(time.perf_counter() - sampled_at) * 1e3,
-                    exposed_blocks=last_sent if kv is not None else 0))
+                    exposed_blocks=last_sent if kv is not None else 0, wire_bytes=wire, codec=codec,
+                    streams=1 if kv is not None else 0))
         finally:
             if kv is not None and not delivered:
                 await kv.cancel()
