@@ -6,7 +6,9 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -98,10 +100,16 @@ class FaultCluster:
 
     def __init__(self, model: str, prefill: int = 2, decode: int = 2, engine_args: list[str] | None = None,
                  router_args: list[str] | None = None, worker_args: list[str] | None = None, **cluster) -> None:
-        self.cluster: Cluster = start_cluster(model, prefill_workers=prefill, decode_workers=decode,
-                                              engine_args=engine_args or FAULT_ENGINE,
-                                              router_args=router_args or FAULT_ROUTER,
-                                              worker_args=worker_args or FAULT_WORKER, **cluster)
+        self._log_dir = tempfile.mkdtemp(prefix="pdserve-faults-")   # read by logs(), removed by close()
+        try:
+            self.cluster: Cluster = start_cluster(model, prefill_workers=prefill, decode_workers=decode,
+                                                  engine_args=engine_args or FAULT_ENGINE,
+                                                  router_args=router_args or FAULT_ROUTER,
+                                                  worker_args=worker_args or FAULT_WORKER, log_dir=self._log_dir,
+                                                  **cluster)
+        except BaseException:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+            raise
         self._busy = itertools.count(1)   # busy prompt numbers (next() is atomic)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._supervise, daemon=True)
@@ -119,6 +127,12 @@ class FaultCluster:
             if p.alive:
                 os.kill(p.popen.pid, signal.SIGCONT)
         self.cluster.stop()
+        shutil.rmtree(self._log_dir, ignore_errors=True)
+
+    def logs(self, tail_chars: int = 3000) -> str:
+        """The end of every process's log, for a failing assertion's message."""
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-tail_chars:]}"
+                         for p in sorted(Path(self._log_dir).glob("*.log")))
 
     @property
     def router(self) -> str:
