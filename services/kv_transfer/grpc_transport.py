@@ -200,8 +200,9 @@ class GrpcKVStream(KVStream):
         if frames is not None:
             wire = nbytes
         else:
-            if self._codec is None and blocks:
-                self._codec = await asyncio.to_thread(self._codecs.pick, self._target, blocks[0])
+            if self._codec is None and blocks:   # auto may measure the codec's cost: off the loop
+                self._codec = (self._codecs.mode if self._codecs.mode != "auto" else
+                               await asyncio.to_thread(self._codecs.pick, self._target, blocks[0]))
             if self._codec in (None, "off"):
                 encoded = [b.encode() for b in blocks]
             else:   # CPU work off the loop; sealed (MAC, counter order) and queued on it

@@ -27,6 +27,9 @@ from services.router.worker_pool import NoWorker, WorkerHandle
 log = logging.getLogger(__name__)
 
 MIN_TURN_S = 0.01              # the least time a request is given to be placed, deadline or not
+# The final message waits this long at most for the prefill's KVDelivered (sent once the decode
+# worker acknowledged the last block, so it is normally in already), whose figures its timings carry.
+KV_DELIVERED_WAIT_S = 0.5
 
 Placed = tuple[WorkerHandle, Route, "worker_pb2.ReserveResponse | None", float]
 
@@ -100,6 +103,8 @@ class DisaggregatedRoute:
                     yield ctx.first_chunk(first, False)
                     async with contextlib.aclosing(self._decode(gen, keys, decode, first.token_id)) as chunks:
                         async for chunk in chunks:
+                            if chunk.finish_reason is not None and not follow.done():
+                                await asyncio.wait((follow,), timeout=KV_DELIVERED_WAIT_S)
                             yield chunk
                 except Exception:   # a fault: stop following this prefill
                     follow.cancel()

@@ -179,7 +179,7 @@ def generated(metrics):
     return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
                if l.split("{", 1)[0].split(" ", 1)[0] == "pdserve:generation_tokens_total")
 print(json.dumps({"tokens": [list(o.token_ids) for o in outs], "blocks": blocks,
-                  "generated": [generated(m) for _, m in spec["workers"]]}))
+                  "generated": [generated(m) for _, m in spec["workers"]], "timings": [o.timings for o in outs]}))
 """
 
 
@@ -203,6 +203,46 @@ def test_router_prefill_decode_on_three_hosts(tiny_qwen3, offline_reference, ins
         d = HostDeployment(tiny_qwen3, net, tmp_path, security)
         d.start_router(net[0], [d.worker(net[1], "prefill")], [d.worker(net[2], "decode")])
         _check(d.drive(PROMPTS), offline_reference)
+
+
+LONG_PROMPT = random_prompts(1, 1200, 1200, seed=29)[0]   # 150 blocks, 1.2 MB of float32 KV
+KV_BYTES = r"""
+import json, sys, urllib.request
+text = urllib.request.urlopen(f"http://{sys.argv[1]}/metrics", timeout=10).read().decode()
+out = {}
+for line in text.splitlines():
+    name = line.split("{", 1)[0]
+    if name in ("pdserve:kv_wire_bytes_total", "pdserve:kv_raw_bytes_total"):
+        codec = line.split('codec="', 1)[1].split('"', 1)[0]
+        out.setdefault(codec, {})["wire" if "wire" in name else "raw"] = float(line.rsplit(" ", 1)[1])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("codec", ["lossless"])
+def test_kv_compression_over_a_1gbit_link(tiny_qwen3, offline_reference, insecure_args, codec, tmp_path) -> None:
+    """--kv-compression on the prefill worker, across the 1 Gbit/s three-host deployment: tokens exact
+    (float32 KV: the lossless codec keeps every bit), blocks back to baseline, and the prefill
+    worker's /metrics and the router's timings show fewer bytes on the wire than raw."""
+    llm = LLM(tiny_qwen3, dtype="float32", block_size=8, num_kv_blocks=512)
+    long_ref = llm.generate([LONG_PROMPT], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    with netns.HostNetwork(3, 1_000_000_000) as net:
+        d = HostDeployment(tiny_qwen3, net, tmp_path, insecure_args)
+        prefill = d.worker(net[1], "prefill", "--kv-compression", codec)
+        d.start_router(net[0], [prefill], [d.worker(net[2], "decode")])
+        result = d.drive([*PROMPTS, LONG_PROMPT])
+        _check(result, [*offline_reference, long_ref[0].token_ids])
+        done = d.client_host.run([sys.executable, "-c", KV_BYTES, d.workers[0][1]], env=d.env, timeout=30,
+                                 capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    kv = json.loads(done.stdout.splitlines()[-1])
+    assert set(kv) == {codec} and 0 < kv[codec]["wire"] < kv[codec]["raw"], kv
+    long = result["timings"][-1]
+    assert long["kv_codec"] == codec and long["kv_streams"] == 1, long
+    assert 0 < long["kv_wire_bytes"] < long["kv_bytes"], long
+    print(f"1200-token prompt over 1 Gbit/s, {codec}: {long['kv_bytes']} raw bytes, {long['kv_wire_bytes']} on the "
+          f"wire (ratio {long['kv_bytes'] / long['kv_wire_bytes']:.3f}), kv_transfer_ms {long['kv_transfer_ms']:.1f}; "
+          f"prefill /metrics {kv}")
 
 
 def test_two_prefill_two_decode_on_four_hosts(tiny_qwen3, offline_reference, insecure_args, tmp_path) -> None:
