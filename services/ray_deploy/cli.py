@@ -6,7 +6,7 @@ import json
 import sys
 
 from services.cli.parser import add_engine_args, add_router_args, model_dir, router_argv
-from services.deployment.topology import ENGINE_FIXED, UP_OWN
+from services.deployment.topology import ENGINE_FIXED, PER_WORKER, UP_OWN
 
 
 RAY_UP_FIXED = ("model", "name", "namespace")   # --model, and the flags every ray command has
@@ -36,7 +36,7 @@ def add_ray_parser(sub, parents: list[argparse.ArgumentParser] | tuple = ()) -> 
     up.add_argument("--if-exists", default="fail", choices=["fail", "keep", "replace"],
                     help="when the deployment exists: fail; keep it if its router is SERVING (else replace it); "
                          "replace it. `keep` makes `ray up` idempotent (the KubeRay submitter runs it in a loop)")
-    add_config_args(up.add_argument_group("workers"), WorkerConfig)
+    add_config_args(up.add_argument_group("workers"), WorkerConfig, exclude=PER_WORKER)
     add_router_args(up, exclude=(*UP_OWN, "ready_timeout_s"))
     local = up.add_argument_group("--address local")
     local.add_argument("--local-num-cpus", type=float, default=None, metavar="N",
@@ -70,7 +70,7 @@ def ray_spec(args: argparse.Namespace, model: str):
     router_args = router_argv(args, config_from_args(RouterConfig, args, exclude=("ready_timeout_s",)))
     fixed = {"model": model, "name": args.name, "namespace": args.namespace,
              "engine_args": config_to_argv(engine, exclude=ENGINE_FIXED),
-             "worker_args": config_to_argv(config_from_args(WorkerConfig, args)), "router_args": router_args}
+             "worker_args": config_to_argv(config_from_args(WorkerConfig, args), exclude=PER_WORKER), "router_args": router_args}
     return config_from_args(RayDeployment, args, exclude=RAY_UP_FIXED, **fixed)
 
 

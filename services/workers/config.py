@@ -38,6 +38,9 @@ class WorkerConfig:
                                           "it pays (the first transfer to each goes off); int8 (lossy) only when "
                                           "asked (a dtype it cannot take goes lossless). Decode workers take any",
                                   choices=KV_COMPRESSION_MODES)
+    kv_advertise_address: str = setting("", "decode: the HOST:PORT prefill workers send this worker's KV to "
+                                            "(default: its own --host:--port), e.g. a relay or a translated "
+                                            "address on another network")
 
     def __post_init__(self) -> None:
         if self.drain_timeout_s < 0:
@@ -45,6 +48,8 @@ class WorkerConfig:
         if not 0 < self.kv_lease_idle_s <= self.kv_lease_max_s:   # as LeasePolicy's check, without torch
             raise ValueError(f"kv_lease_idle_s ({self.kv_lease_idle_s}) must be > 0 and <= kv_lease_max_s "
                              f"({self.kv_lease_max_s})")
+        if self.kv_advertise_address and not _is_host_port(self.kv_advertise_address):
+            raise ValueError(f"kv_advertise_address must be HOST:PORT (port 1-65535), got {self.kv_advertise_address!r}")
         if self.kv_shared_memory_max_bytes < 0:
             raise ValueError(f"kv_shared_memory_max_bytes must be >= 0, got {self.kv_shared_memory_max_bytes}")
 
@@ -52,3 +57,8 @@ class WorkerConfig:
     def lease(self) -> "LeasePolicy":
         from engine.kv_connector import LeasePolicy   # the engine floor (torch): only in the worker itself
         return LeasePolicy(self.kv_lease_idle_s, self.kv_lease_max_s)
+
+
+def _is_host_port(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536)

@@ -160,7 +160,7 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
     metrics.attach(aengine.engine)   # gauges read at scrape time: exact after admission, cancel, finish
     aengine.start()
     state = WorkerState()
-    info = WorkerInfoServicer(aengine, worker_id, state, options.kv_address)
+    info = WorkerInfoServicer(aengine, worker_id, state, options.kv_address or options.config.kv_advertise_address)
     services = worker_pb2.DESCRIPTOR.services_by_name
     registrations: list[tuple[Callable, object, str]] = [service_registration(services["Worker"], info)]
     sender = None

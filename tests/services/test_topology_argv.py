@@ -125,3 +125,16 @@ def test_no_import_cycle_through_the_cli():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_workers_own_address_is_a_flag_of_its_role_never_of_up() -> None:
+    from services.cli.commands import build_parser
+    parser = build_parser()
+    assert parser.parse_args(["decode", "--kv-advertise-address", "10.0.0.9:7300"]).kv_advertise_address == "10.0.0.9:7300"
+    for command in (["up"], ["ray", "up"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*command, "--kv-advertise-address", "10.0.0.9:7300"])
+    assert WorkerConfig(kv_advertise_address="[::1]:7300").kv_advertise_address == "[::1]:7300"
+    for bad in ("10.0.0.9", "10.0.0.9:0", "10.0.0.9:70000", ":7300", "host:port"):
+        with pytest.raises(ValueError, match="kv_advertise_address must be HOST:PORT"):
+            WorkerConfig(kv_advertise_address=bad)
