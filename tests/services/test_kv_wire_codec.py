@@ -216,7 +216,7 @@ def test_auto_goes_off_first_then_lossless_on_a_slow_link(engine: LLMEngine) -> 
                 link = sender.codecs.link(proxy2)
                 assert link.rate is None
                 for _ in range(3):
-                    link.observe(int(slow), 1.0)
+                    link.observe(64 << 20, (64 << 20) / slow)   # 64 MiB at that rate (over min_bytes)
                 seen.headers.clear()
                 stream = sender.open(proxy2, "auto-2", res.transfer_token)
                 await stream.send(_blocks("auto-2", engine))
