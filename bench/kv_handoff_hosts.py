@@ -140,6 +140,8 @@ class Row:
     prefill_ms: float
     socket_ms: float
     compression: str = "-"                   # the prefill worker's --kv-compression; -: the CLI has none
+    wire_bytes: int = 0                      # the router's kv_wire_bytes (encoded payload; 0: not reported)
+    no_handoff: int = 0                      # measured requests whose timings carried no hand-off (left out)
     samples: dict[str, list[float]] = field(default_factory=dict)
 
     @property
@@ -159,7 +161,7 @@ class Row:
                 "exposed_over_socket": self.over_socket}
 
 
-COLUMNS = ("model", "Gbit/s", "KV comp.", "tokens", "KV MiB", "link ms", "raw socket ms", "exposed hand-off ms",
+COLUMNS = ("model", "Gbit/s", "KV comp.", "tokens", "KV MiB", "wire MiB", "link ms", "raw socket ms", "exposed hand-off ms",
            "exposed / link", "exposed / socket", "prefill ms", "TTFT ms")
 
 
@@ -168,6 +170,7 @@ def table(rows: Sequence[Row]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * (len(COLUMNS) - 3)) + "|"]
     for r in rows:
         cells = [r.model, f"{r.rate_gbit:g}", r.compression, str(r.tokens), f"{r.kv_bytes / MiB:.2f}",
+                 f"{r.wire_bytes / MiB:.2f}" if r.wire_bytes else "-",
                  f"{r.link_ms:.1f}", f"{r.socket_ms:.1f}", f"{r.exposed_ms:.1f}", f"{r.over_link:.2f}",
                  f"{r.over_socket:.2f}", f"{r.prefill_ms:.0f}", f"{r.ttft_ms:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -341,19 +344,25 @@ def raw_socket_ms(net: Any, sizes: Sequence[int], repeats: int, timeout: float =
 
 def rows_from(samples: list[dict], model: ModelInfo, rate_gbit: float, block_size: int, socket: dict[int, float],
               compression: str = "-") -> list[Row]:
-    """Medians per prompt size of the measured (non-warm-up) requests."""
+    """Medians per prompt size of the measured (non-warm-up) requests; one whose timings carry no
+    hand-off (kv_transfer_ms 0: a router that finished before the prefill's KVDelivered) is left
+    out and counted."""
     rows = []
     for n in dict.fromkeys(s["tokens"] for s in samples):
-        got = [s for s in samples if s["tokens"] == n and not s["warmup"]]
-        cached = [s["usage"].get("cached_tokens", 0) for s in got]
+        measured = [s for s in samples if s["tokens"] == n and not s["warmup"]]
+        cached = [s["usage"].get("cached_tokens", 0) for s in measured]
         if any(cached):
             raise RuntimeError(f"{n}-token prompts hit the prefix cache ({cached}): not fresh")
+        got = [s for s in measured if s["timings"]["kv_transfer_ms"] > 0]
+        if not got:
+            raise RuntimeError(f"no {n}-token request reported its hand-off (kv_transfer_ms 0 in every one)")
         nbytes = int(median([s["kv_bytes"][0] for s in got]))
         series = {k: [s["timings"][k] for s in got] for k in ("kv_transfer_ms", "ttft_ms", "prefill_ms")}
+        wire = int(median([s["timings"].get("kv_wire_bytes") or 0 for s in got]))
         rows.append(Row(model.name, rate_gbit, n, nbytes,
                         kv_bytes(n, model.layers, model.kv_heads, model.head_dim, model.itemsize, block_size),
                         median(series["kv_transfer_ms"]), median(series["ttft_ms"]), median(series["prefill_ms"]),
-                        socket.get(nbytes, float("nan")), compression, series))
+                        socket.get(nbytes, float("nan")), compression, wire, len(measured) - len(got), series))
     return rows
 
 
@@ -395,13 +404,12 @@ def run(cfg: Config) -> dict[str, Any]:
         if compress:   # the off row is the first rate's, longest prompt, above
             rows += measure(cfg, model, cfg.rates_gbit[0], [tokens[-1]], log_dir, compression="lossless")
             print(table(rows[-1:]), flush=True)
-    return {"config": asdict(cfg), "commit": _commit(), "load_average": os.getloadavg(), "logs": str(log_dir),
+    return {"config": asdict(cfg), "load_average": os.getloadavg(), "logs": str(log_dir),
             "compression_compared": compress, "rows": [r.as_dict() for r in rows], "table": table(rows)}
 
 
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=10)
+def _git(*argv: str) -> str:
+    done = subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
     return done.stdout.strip()
 
 
@@ -419,7 +427,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     netns.sweep_stale()
     signal.signal(signal.SIGTERM, _terminate)
     started = time.monotonic()
-    result = run(cfg)
+    commit, dirty = _git("rev-parse", "--short", "HEAD"), _git("status", "--porcelain", "--untracked-files=no")
+    print(f"# commit {commit}" + (f" with {len(dirty.splitlines())} modified tracked files" if dirty else ""),
+          flush=True)
+    result = {"commit": commit, "modified_files": dirty.splitlines(), **run(cfg)}
     result["seconds"] = time.monotonic() - started
     print(result["table"])
     if cfg.out:

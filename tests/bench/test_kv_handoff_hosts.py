@@ -69,20 +69,28 @@ def test_ratios_divide_the_exposed_hand_off_by_the_link_and_the_socket() -> None
     assert math.isnan(_row(socket_ms=0.0).over_socket)
 
 
-def _sample(tokens: int, exposed: float, warmup: bool = False, cached: int = 0, nbytes: int = 4096) -> dict:
+def _sample(tokens: int, exposed: float, warmup: bool = False, cached: int = 0, nbytes: int = 4096,
+            wire: int | None = None) -> dict:
     return {"tokens": tokens, "warmup": warmup, "usage": {"cached_tokens": cached}, "kv_bytes": [nbytes, nbytes],
-            "timings": {"kv_transfer_ms": exposed, "ttft_ms": exposed + 10, "prefill_ms": 5.0}}
+            "timings": {"kv_transfer_ms": exposed, "ttft_ms": exposed + 10, "prefill_ms": 5.0, "kv_wire_bytes": wire}}
 
 
 def test_rows_are_medians_of_the_measured_requests_per_size() -> None:
     model = kh.ModelInfo("/m", "m", layers=2, kv_heads=2, head_dim=32, itemsize=4, vocab=1024, max_len=2048)
     samples = [_sample(16, 999.0, warmup=True), _sample(16, 1.0), _sample(16, 3.0), _sample(16, 2.0),
-               _sample(32, 7.0, nbytes=8192)]
+               _sample(16, 0.0), _sample(32, 7.0, nbytes=8192, wire=5000)]
     rows = kh.rows_from(samples, model, 1.0, 16, {4096: 0.5, 8192: 0.9}, "off")
     assert [(r.tokens, r.exposed_ms, r.kv_bytes, r.socket_ms) for r in rows] == [(16, 2.0, 4096, 0.5),
                                                                                 (32, 7.0, 8192, 0.9)]
     assert rows[0].kv_bytes_formula == kh.kv_bytes(16, 2, 2, 32, 4) and rows[0].ttft_ms == 12.0
     assert rows[0].samples["kv_transfer_ms"] == [1.0, 3.0, 2.0] and rows[0].compression == "off"
+    assert (rows[0].no_handoff, rows[0].wire_bytes, rows[1].no_handoff, rows[1].wire_bytes) == (1, 0, 0, 5000)
+
+
+def test_a_size_without_any_reported_hand_off_is_an_error() -> None:
+    model = kh.ModelInfo("/m", "m", 2, 2, 32, 4, 1024, 2048)
+    with pytest.raises(RuntimeError, match="kv_transfer_ms 0"):
+        kh.rows_from([_sample(16, 0.0)], model, 1.0, 16, {})
 
 
 def test_a_prefix_cache_hit_is_refused() -> None:
@@ -92,13 +100,13 @@ def test_a_prefix_cache_hit_is_refused() -> None:
 
 
 def test_the_table_has_a_header_and_one_line_a_row() -> None:
-    text = kh.table([_row(), _row(tokens=1200, compression="lossless")])
+    text = kh.table([_row(), _row(tokens=1200, compression="lossless", wire_bytes=3 << 20)])
     lines = text.splitlines()
     assert len(lines) == 4 and lines[0].count("|") == len(kh.COLUMNS) + 1
     assert lines[1].count("|") == len(kh.COLUMNS) + 1
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert dict(zip(kh.COLUMNS, cells)) == {
-        "model": "m", "Gbit/s": "1", "KV comp.": "-", "tokens": "256", "KV MiB": "11.92", "link ms": "100.0",
+        "model": "m", "Gbit/s": "1", "KV comp.": "-", "tokens": "256", "KV MiB": "11.92", "wire MiB": "-", "link ms": "100.0",
         "raw socket ms": "120.0", "exposed hand-off ms": "300.0", "exposed / link": "3.00",
         "exposed / socket": "2.50", "prefill ms": "500", "TTFT ms": "900"}
-    assert "lossless" in lines[3] and "| 1200 |" in lines[3]
+    assert "lossless" in lines[3] and "| 1200 |" in lines[3] and "| 3.00 |" in lines[3]
