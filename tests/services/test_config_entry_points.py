@@ -33,6 +33,8 @@ OTHERWISE = {
     "role": None,                                         # the subcommand (worker: --role)
     ("up", "num_threads"): "--threads-per-worker",        # per worker process
     ("ray", "up", "name"): "--name", ("ray", "up", "namespace"): "--namespace",
+    # one worker's own address: given per worker (`pdserve decode`), never to a whole deployment
+    ("up", "kv_advertise_address"): None, ("ray", "up", "kv_advertise_address"): None,
 }
 
 
