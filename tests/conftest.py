@@ -48,7 +48,7 @@ GROUP_SECONDS = {"ray": 300, "faults": 275, "test_tensor_parallel": 50, "test_se
                  "test_batch_invariance": 45, "test_serving_e2e": 39, "test_internal_plane": 36, "test_cli_up": 33,
                  "test_planner": 32, "test_openai_api": 32, "test_exhaustion_and_shm": 27, "test_kv_routing": 24,
                  "test_front_door": 21, "test_router_runtime": 19, "test_cli_vllm_habits": 17,
-                 "test_metrics_e2e": 14, "test_bench_serve": 13, "test_serving_large_kv": 10, "test_multi_host": 35}
+                 "test_metrics_e2e": 14, "test_bench_serve": 13, "test_serving_large_kv": 10, "test_multi_host": 80, "test_kv_tamper_across_hosts": 25}
 EXCLUSIVE = {"test_request_queued_longer_than_the_stall_timeout_is_not_migrated",
              "test_a_huge_text_prompt_is_refused_fast_without_memory_growth_or_stalls",
              # a starved client reads its first events after the whole stream was sent: nothing to cancel

@@ -5,14 +5,9 @@ to baseline. The client runs inside the router's host (the test process's own na
 reach the hosts' addresses, by design)."""
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import os
-import subprocess
 import sys
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
@@ -20,15 +15,11 @@ from engine import LLM, SamplingParams
 from services.deployment import netns
 from services.security import CLUSTER_TOKEN_ENV, new_token
 from tests.conftest import random_prompts
+from tests.e2e.hosts import INSECURE_FLAG, MAX_NEW, NO_HOSTS, WORKER_PORT, HostDeployment, make_certs
 
 PROMPTS = random_prompts(6, 5, 60, seed=23)
-MAX_NEW = 10
-ENGINE = ["--block-size", "8", "--num-kv-blocks", "512", "--dtype", "float32", "--num-threads", "1"]
-WORKER_PORT, METRICS_PORT, ROUTER_PORT = 7100, 7200, 50051   # each host has its own port space
-START_TIMEOUT_S = 120.0
-INSECURE_FLAG = "--insecure-internal-plane"
 
-pytestmark = pytest.mark.skipif(not netns.available()[0], reason=f"no network namespaces: {netns.available()[1]}")
+pytestmark = NO_HOSTS
 
 
 @pytest.fixture(scope="module")
@@ -48,139 +39,6 @@ def offline_reference(tiny_qwen3: str) -> list[list[int]]:
     llm = LLM(tiny_qwen3, dtype="float32", block_size=8, num_kv_blocks=512)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     return [o.token_ids for o in llm.generate(PROMPTS, params)]
-
-
-# ---- certificates for the hosts' addresses --------------------------------------------------------
-def make_certs(out: Path, ips: list[str]) -> dict[str, Path]:
-    """A throwaway CA and one certificate for every host address (SAN: the IPs), for mutual TLS."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def build(subject: str, issuer: str, public_key, signer, extension) -> x509.Certificate:
-        name = lambda cn: x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-        return (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name(issuer))
-                .public_key(public_key).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-                .add_extension(extension, critical=isinstance(extension, x509.BasicConstraints))
-                .sign(signer, hashes.SHA256()))
-
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = build("pdserve-hosts CA", "pdserve-hosts CA", ca_key.public_key(), ca_key,
-               x509.BasicConstraints(ca=True, path_length=None))
-    san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips])
-    leaf = build("pdserve-hosts", "pdserve-hosts CA", key.public_key(), ca_key, san)
-    pem = serialization.Encoding.PEM
-    files = {"ca": ca.public_bytes(pem), "cert": leaf.public_bytes(pem),
-             "key": key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())}
-    for name, data in files.items():
-        (out / f"{name}.pem").write_bytes(data)
-    return {name: out / f"{name}.pem" for name in files}
-
-
-# ---- a deployment over hosts ----------------------------------------------------------------------
-@dataclass
-class HostDeployment:
-    """pdserve processes started on hosts through the CLI; the router's address and the workers'."""
-    model: str
-    net: netns.HostNetwork
-    log_dir: Path
-    security: dict[str, list[str]]           # per role: --tls-* flags, or the insecure flag, or nothing
-    env: dict[str, str] = field(default_factory=lambda: {**os.environ, CLUSTER_TOKEN_ENV: new_token(),
-                                                         "OMP_NUM_THREADS": "1"})
-    workers: list[tuple[str, str]] = field(default_factory=list)    # (address, metrics address)
-    router: str = ""
-    client_host: netns.Host | None = None    # the router's host, where the client runs
-
-    def _start(self, host: netns.Host, name: str, argv: list[str]) -> None:
-        with open(self.log_dir / f"{name}.log", "ab") as log:
-            host.popen([sys.executable, "-m", "services.cli", *argv, "--model", self.model, "--host", host.address,
-                        *self.security[argv[0]]], env=self.env, stdout=log, stderr=subprocess.STDOUT)
-
-    def worker(self, host: netns.Host, role: str, *extra: str) -> str:
-        port = WORKER_PORT + len(self.workers)
-        mport = METRICS_PORT + len(self.workers)
-        self._start(host, f"{role}-{len(self.workers)}", [role, "--port", str(port), "--metrics-port", str(mport),
-                                                         "--worker-id", f"{role}-{len(self.workers)}", *ENGINE,
-                                                         *extra])
-        self.workers.append((f"{host.address}:{port}", f"{host.address}:{mport}"))
-        return f"{host.address}:{port}"
-
-    def start_router(self, host: netns.Host, prefill: list[str], decode: list[str]) -> None:
-        self._start(host, "router", ["router", "--port", str(ROUTER_PORT), "--prefill", ",".join(prefill),
-                                     "--decode", ",".join(decode)])
-        self.router = f"{host.address}:{ROUTER_PORT}"
-        self.client_host = host
-
-    def tls(self) -> dict[str, str] | None:
-        flags = self.security["router"]
-        if "--tls-ca" not in flags:
-            return None
-        return {k: flags[flags.index(f"--tls-{k}") + 1] for k in ("cert", "key", "ca")}
-
-    def drive(self, prompts: list[list[int]]) -> dict:
-        """Run the client inside the router's host: wait for every process, generate the prompts
-        concurrently, wait for the workers' free blocks to return, read their metrics."""
-        spec = {"router": self.router, "workers": self.workers, "prompts": prompts, "max_tokens": MAX_NEW,
-                "tls": self.tls(), "timeout": START_TIMEOUT_S}
-        try:
-            done = self.client_host.run([sys.executable, "-c", DRIVER, json.dumps(spec)], env=self.env,
-                                        timeout=START_TIMEOUT_S + 60, capture_output=True, text=True)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the client timed out; logs:\n{self.logs()}")
-        if done.returncode != 0:
-            pytest.fail(f"the client failed:\n{done.stderr[-3000:]}\nlogs:\n{self.logs()}")
-        return json.loads(done.stdout.splitlines()[-1])
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-1500:] for p in self.log_dir.glob("*.log"))
-
-
-DRIVER = r"""
-import asyncio, json, os, sys, time, urllib.request
-from pathlib import Path
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.client import AsyncClient
-from services.deployment.launcher import wait_serving
-from services.security import CLUSTER_TOKEN_ENV, Credentials, TLSFiles
-
-spec = json.loads(sys.argv[1])
-tls = TLSFiles(*(Path(spec["tls"][k]) for k in ("cert", "key", "ca"))) if spec["tls"] else None
-creds = Credentials(os.environ[CLUSTER_TOKEN_ENV], tls)
-for address, _ in spec["workers"]:
-    wait_serving(address, None, spec["timeout"], creds)
-wait_serving(spec["router"], None, spec["timeout"], creds)
-
-async def generate():
-    ca = tls.ca.read_bytes() if tls else None
-    async with AsyncClient(spec["router"], timeout=60, root_certificates=ca) as client:
-        return await asyncio.gather(*(client.generate(p, max_tokens=spec["max_tokens"], temperature=0.0,
-                                                      ignore_eos=True) for p in spec["prompts"]))
-outs = asyncio.run(generate())
-
-def statuses():
-    out = []
-    for address, _ in spec["workers"]:
-        with creds.sync_channel(address) as ch:
-            s = worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.StatusRequest(), timeout=10)
-        out.append([s.worker_id, s.num_free_blocks, s.num_total_blocks])
-    return out
-deadline = time.monotonic() + 10
-blocks = statuses()
-while not all(free == total for _, free, total in blocks) and time.monotonic() < deadline:
-    time.sleep(0.05)
-    blocks = statuses()
-
-def generated(metrics):
-    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
-    return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
-               if l.split("{", 1)[0].split(" ", 1)[0] == "pdserve:generation_tokens_total")
-print(json.dumps({"tokens": [list(o.token_ids) for o in outs], "blocks": blocks,
-                  "generated": [generated(m) for _, m in spec["workers"]], "timings": [o.timings for o in outs]}))
-"""
 
 
 def _check(result: dict, want: list[list[int]]) -> None:
