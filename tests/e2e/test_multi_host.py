@@ -59,8 +59,12 @@ def test_router_prefill_decode_on_three_hosts(tiny_qwen3, offline_reference, ins
         else:
             security = insecure_args
         d = HostDeployment(tiny_qwen3, net, tmp_path, security)
-        d.start_router(net[0], [d.worker(net[1], "prefill")], [d.worker(net[2], "decode")])
-        _check(d.drive(PROMPTS), offline_reference)
+        codec = ["--kv-compression", "off"] if rate_bps else []   # the slow link's lossless case is below
+        d.start_router(net[0], [d.worker(net[1], "prefill", *codec)], [d.worker(net[2], "decode")])
+        result = d.drive(PROMPTS)
+        _check(result, offline_reference)
+        if codec:
+            assert all(t["kv_codec"] in ("", "off") and t["kv_wire_bytes"] == t["kv_bytes"] for t in result["timings"])
 
 
 LONG_PROMPT = random_prompts(1, 1200, 1200, seed=29)[0]   # 150 blocks, 1.2 MB of float32 KV
