@@ -1,4 +1,4 @@
-"""A throwaway CA and a certificate for 127.0.0.1, for mutual-TLS tests."""
+"""A throwaway CA and a certificate for 127.0.0.1 (or given addresses), for mutual-TLS tests."""
 from __future__ import annotations
 
 import datetime
@@ -20,9 +20,9 @@ def _pem_key(key) -> bytes:
                              serialization.NoEncryption())
 
 
-def make_ca_and_cert(out: Path, cn: str = "pdserve-test") -> dict[str, Path]:
-    """ca.pem, cert.pem (signed by the CA, SAN 127.0.0.1 and localhost), key.pem; another
-    CA's cert and key (other-cert.pem, other-key.pem) to play a stranger."""
+def make_ca_and_cert(out: Path, cn: str = "pdserve-test", ips: tuple[str, ...] = ("127.0.0.1",)) -> dict[str, Path]:
+    """ca.pem, cert.pem (signed by the CA, SAN the ips and localhost), key.pem; another CA's
+    cert and key (other-cert.pem, other-key.pem) to play a stranger."""
     now = datetime.datetime.now(datetime.timezone.utc)
     paths = {}
 
@@ -37,7 +37,8 @@ def make_ca_and_cert(out: Path, cn: str = "pdserve-test") -> dict[str, Path]:
 
     def leaf(ca_key, ca_cert):
         key = ec.generate_private_key(ec.SECP256R1())
-        san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")])
+        san = x509.SubjectAlternativeName([*(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips),
+                                           x509.DNSName("localhost")])
         cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca_cert.subject)
                 .public_key(key.public_key()).serial_number(x509.random_serial_number())
                 .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))

@@ -4,8 +4,6 @@ their environment; a client driven inside the router's host (the test process's 
 cannot reach the hosts' addresses, by design)."""
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import os
 import subprocess
@@ -17,6 +15,7 @@ import pytest
 
 from services.deployment import netns
 from services.security import CLUSTER_TOKEN_ENV, new_token
+from tests.certs import make_ca_and_cert
 
 MAX_NEW = 10
 ENGINE = ["--block-size", "8", "--num-kv-blocks", "512", "--dtype", "float32", "--num-threads", "1"]
@@ -29,32 +28,8 @@ NO_HOSTS = pytest.mark.skipif(not netns.available()[0], reason=f"no network name
 # ---- certificates for the hosts' addresses --------------------------------------------------------
 def make_certs(out: Path, ips: list[str]) -> dict[str, Path]:
     """A throwaway CA and one certificate for every host address (SAN: the IPs), for mutual TLS."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def build(subject: str, issuer: str, public_key, signer, extension) -> x509.Certificate:
-        name = lambda cn: x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-        return (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name(issuer))
-                .public_key(public_key).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-                .add_extension(extension, critical=isinstance(extension, x509.BasicConstraints))
-                .sign(signer, hashes.SHA256()))
-
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = build("pdserve-hosts CA", "pdserve-hosts CA", ca_key.public_key(), ca_key,
-               x509.BasicConstraints(ca=True, path_length=None))
-    san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips])
-    leaf = build("pdserve-hosts", "pdserve-hosts CA", key.public_key(), ca_key, san)
-    pem = serialization.Encoding.PEM
-    files = {"ca": ca.public_bytes(pem), "cert": leaf.public_bytes(pem),
-             "key": key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())}
-    for name, data in files.items():
-        (out / f"{name}.pem").write_bytes(data)
-    return {name: out / f"{name}.pem" for name in files}
+    paths = make_ca_and_cert(out, "pdserve-hosts", tuple(ips))
+    return {name: paths[f"{name}.pem"] for name in ("ca", "cert", "key")}
 
 
 # ---- a deployment over hosts ----------------------------------------------------------------------
