@@ -15,10 +15,14 @@ offline engine's greedy tokens against transformers' greedy generate.
 Measurement: prompts sampled from the model itself (BOS=1, temperature 1, seeded, 64-400 tokens),
 then for each codec in --codecs a real ``pdserve up`` (1 prefill + 1 decode worker, KV over the
 gRPC stream: ``--no-kv-shared-memory``), one request at a time, greedy, ``ignore_eos``,
-``logprobs=0``. Each codec's outputs are compared with ``off``'s: share of prompts with identical
-tokens, first divergence position, mean |Δ logprob| over the aligned positions before it. The
-codecs' bytes ratios on this model's real (float32) KV are measured offline from the engine's
-pool too. Example::
+``logprobs=2`` (each token's logprob, and the top-2 margin that shows where greedy was near a
+tie). Each codec's outputs are compared with ``off``'s: share of prompts with identical tokens,
+first divergence position, mean |Δ logprob| over the aligned positions before it. The codecs'
+bytes ratios on this model's real (float32) KV are measured offline from the engine's pool too.
+
+Cross-check and baselines (--hf-variants): the same hand-off replayed in transformers, the
+prompt's KV cache passed through the int8 codec, or rounded to bfloat16 / float16, between the
+prefill (whose logits give the first token) and greedy decoding. Example::
 
     git --git-dir=/work/.mirror/plctlab+rvspoc-s2311-llama2/repo show fca8a35:stories260K.bin > /tmp/stories260K.bin
     PYTHONPATH=. python bench/kv_int8_quality.py --bin /tmp/stories260K.bin --out /tmp/kv_int8.json
@@ -323,24 +327,86 @@ def run_cluster(model_dir: Path, codec: str, prompts: list[list[int]], max_token
             for i, ids in enumerate(prompts):
                 req = build_request(ids, request_id=f"{codec}-{i}", max_tokens=max_tokens, temperature=0.0,
                                     ignore_eos=True)
-                req.params.logprobs = 0
+                req.params.logprobs = 2   # the sampled token's logprob and the top two (their margin)
                 toks: list[int] = []
                 lps: list[float] = []
+                margins: list[float] = []
                 timings = None
                 for msg in client.stub.Generate(req, timeout=120, metadata=client.metadata):
                     toks.extend(msg.token_ids)
                     lps.extend(lp.logprob for lp in msg.logprobs)
+                    margins.extend(lp.top_logprobs[0] - lp.top_logprobs[1] for lp in msg.logprobs)
                     if msg.finished:
                         timings = msg.timings
                 if timings is None or len(toks) != max_tokens or len(lps) != len(toks):
                     raise RuntimeError(f"[{codec}] prompt {i}: {len(toks)} tokens, {len(lps)} logprobs, "
                                        f"finished={timings is not None}")
-                results.append({"tokens": toks, "logprobs": lps, "kv_codec": timings.kv_codec,
+                results.append({"tokens": toks, "logprobs": lps, "top2_margins": margins, "kv_codec": timings.kv_codec,
                                 "kv_bytes": timings.kv_bytes, "kv_wire_bytes": timings.kv_wire_bytes,
                                 "prefill_route": timings.prefill_route})
     finally:
         drivers.stop_up(popen)
     return results
+
+
+def _roundtrip(x, variant: str):
+    """One KV tensor [batch, kv_heads, tokens, head_dim] through the int8 wire codec, or rounded to a
+    16-bit float (the baselines: what storing the cache in bf16 / fp16 would do)."""
+    import torch
+    from services.kv_transfer import compression as kc
+
+    if variant in ("bfloat16", "float16"):
+        return x.to(getattr(torch, variant)).to(x.dtype)
+    shape = tuple(x.shape)
+    enc = kc.encode(memoryview(x.contiguous().numpy()).cast("B"), "float32", shape, variant)
+    return torch.frombuffer(bytearray(kc.decode(enc.data, variant, "float32", shape, enc.raw_nbytes)),
+                            dtype=torch.float32).reshape(shape)
+
+
+def hf_runs(model, prompts: list[list[int]], max_tokens: int, variant: str) -> list[dict[str, Any]]:
+    """The hand-off replayed in transformers (offline cross-check): prefill the prompt, take the first
+    token from its exact logits (the prefill worker samples before shipping), pass the prompt's KV
+    through ``variant`` ("off" leaves it), then decode greedily from that cache."""
+    import torch
+
+    results = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model(torch.tensor([ids]), use_cache=True)
+            cache = out.cache
+            if variant != "off":
+                for layer in cache.layers:
+                    layer.keys, layer.values = _roundtrip(layer.keys, variant), _roundtrip(layer.values, variant)
+            toks, lps, margins = [], [], []
+            logits = out.logits[0, -1]
+            for _ in range(max_tokens):
+                lp = torch.log_softmax(logits.double(), -1)
+                top = torch.topk(lp, 2).values
+                tok = int(lp.argmax())
+                toks.append(tok)
+                lps.append(float(lp[tok]))
+                margins.append(float(top[0] - top[1]))
+                out = model(torch.tensor([[tok]]), cache=cache, use_cache=True)
+                cache, logits = out.cache, out.logits[0, -1]
+            results.append({"tokens": toks, "logprobs": lps, "top2_margins": margins, "kv_codec": variant,
+                             "kv_bytes": 0, "kv_wire_bytes": 0, "prefill_route": "transformers"})
+    return results
+
+
+def replay_in_transformers(model_dir: Path, prompts: list[list[int]], args) -> dict[str, dict[str, Any]]:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    variants = [v for v in args.hf_variants.split(",") if v]
+    if not variants:
+        return {}
+    torch.set_num_threads(1)   # one-token steps of a tiny model: more threads only contend
+    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    t0 = time.perf_counter()
+    exact = hf_runs(model, prompts, args.max_tokens, "off")
+    rows = {v: compare(exact, hf_runs(model, prompts, args.max_tokens, v)) for v in variants}
+    print(f"transformers replay of {variants}: {time.perf_counter() - t0:.0f}s", flush=True)
+    return rows
 
 
 def compare(exact: list[dict[str, Any]], other: list[dict[str, Any]]) -> dict[str, Any]:
@@ -353,6 +419,8 @@ def compare(exact: list[dict[str, Any]], other: list[dict[str, Any]]) -> dict[st
         firsts.append(first)
         deltas.extend(abs(x - y) for x, y in zip(a["logprobs"][:first], b["logprobs"][:first]))
     diverged = [f for f in firsts if f < n]
+    margins = [a["top2_margins"][f] for a, f in zip(exact, firsts) if f < n]
+    all_margins = [m for a in exact for m in a["top2_margins"]]
     return {"prompts": len(firsts), "identical_share": sum(f == n for f in firsts) / len(firsts),
             "tokens_before_divergence_share": sum(firsts) / (n * len(firsts)),
             "mean_first_divergence_of_diverged": float(np.mean(diverged)) if diverged else None,
@@ -361,7 +429,10 @@ def compare(exact: list[dict[str, Any]], other: list[dict[str, Any]]) -> dict[st
             "kv_codecs_seen": sorted({r["kv_codec"] for r in other}),
             "kv_bytes_over_wire_bytes": (sum(r["kv_bytes"] for r in other) / sum(r["kv_wire_bytes"] for r in other)
                                          if all(r["kv_wire_bytes"] for r in other) else None),
-            "prefill_routes": sorted({r["prefill_route"] for r in other})}
+            "prefill_routes": sorted({r["prefill_route"] for r in other}), "first_divergence": firsts,
+            "exact_top2_margin_at_divergence": margins,
+            "exact_top2_margin_median_all_positions": float(np.median(all_margins)),
+            "exact_top2_margin_below_0.05_share": float(np.mean([m < 0.05 for m in all_margins]))}
 
 
 def table(rows: dict[str, dict[str, Any]], ratios: dict[str, Any]) -> str:
@@ -371,10 +442,11 @@ def table(rows: dict[str, dict[str, Any]], ratios: dict[str, Any]) -> str:
     for codec, r in rows.items():
         fd = r["mean_first_divergence_of_diverged"]
         wr = r["kv_bytes_over_wire_bytes"]
+        br = ratios["ratio"].get(codec)
         lines.append(f"| {codec} | {r['identical_share']:.1%} | {r['tokens_before_divergence_share']:.1%} | "
                      f"{'-' if fd is None else f'{fd:.1f}'} | {r['mean_abs_dlogprob']:.2e} | "
                      f"{r['max_abs_dlogprob']:.2e} | {'-' if wr is None else f'{wr:.3f}'} | "
-                     f"{ratios['ratio'][codec]:.3f} |")
+                     f"{'-' if br is None else f'{br:.3f}'} |")
     return "\n".join(lines)
 
 
@@ -386,6 +458,9 @@ def build_parser():
     p.add_argument("--model-dir", default=None, help="where the HF checkpoint goes (default: a temp dir)")
     drivers.add_flags(p, num_prompts=32, min_len=64, max_len=400, max_tokens=64, seed=0, threads=1)
     p.add_argument("--codecs", default="off,lossless,int8", help="the first is the exact reference")
+    p.add_argument("--hf-variants", default="int8,bfloat16,float16",
+                   help="the hand-off replayed in transformers with the prompt's KV through each of these "
+                        "(int8: the codec; bfloat16/float16: rounding baselines), against it unchanged; '' skips")
     p.add_argument("--out", default=None, help="write the JSON results here")
     return p
 
@@ -395,7 +470,8 @@ def _bin_path(args, tmp: Path) -> Path:
         return Path(args.bin)
     import subprocess
     path = tmp / "stories260K.bin"
-    path.write_bytes(subprocess.run(["git", f"--git-dir={args.mirror}", "show", f"{args.mirror_commit}:stories260K.bin"],
+    spec = f"{args.mirror_commit}:stories260K.bin"
+    path.write_bytes(subprocess.run(["git", f"--git-dir={args.mirror}", "show", spec],
                                     check=True, capture_output=True).stdout)
     return path
 
@@ -428,14 +504,27 @@ def main(argv: list[str] | None = None) -> int:
               f"{ratios['raw_bytes'] / 1e6:.2f} MB): {ratios['ratio']}; int8 max error / vector max "
               f"{ratios['int8_max_rel_error']:.4f}", flush=True)
         runs = {c: run_cluster(model_dir, c, prompts, args.max_tokens, args.threads, log_dir) for c in codecs}
+        hf_rows = replay_in_transformers(model_dir, prompts, args)
     rows = {c: compare(runs[codecs[0]], runs[c]) for c in codecs[1:]}
     text = table(rows, ratios)
     print("\n" + text + "\n")
+    hf_text = table(hf_rows, ratios) if hf_rows else ""
+    if hf_rows:
+        print("the same hand-off replayed in transformers (KV perturbed between prefill and decode):\n"
+              + hf_text.replace("codec vs off", "variant vs exact") + "\n")
+    for codec, r in [*rows.items(), *((f"transformers {k}", v) for k, v in hf_rows.items())]:
+        m = r["exact_top2_margin_at_divergence"]
+        if m:
+            print(f"{codec}: exact run's top-1 minus top-2 logprob where {codec} diverged: median {np.median(m):.3f}, "
+                  f"max {max(m):.3f} (all positions: median {r['exact_top2_margin_median_all_positions']:.3f}, "
+                  f"{r['exact_top2_margin_below_0.05_share']:.1%} under 0.05); first divergences "
+                  f"{sorted(f for f in r['first_divergence'] if f < args.max_tokens)}")
     print(f"done in {time.perf_counter() - t0:.0f}s")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "model": asdict(cfg), "checks": checks,
                                               "offline_codec": ratios, "vs_" + codecs[0]: rows,
-                                              "table_markdown": text,
+                                              "transformers_replay_vs_exact": hf_rows,
+                                              "table_markdown": text, "transformers_table_markdown": hf_text,
                                               "prompt_lens": [len(p) for p in prompts]}, indent=1))
         print(f"wrote {args.out}")
     return 0
