@@ -52,6 +52,9 @@ SHARED_MEMORY_MIN_BYTES = 1 << 20
 SHM_PROBE_BYTES = 64                  # the segment that asks a peer whether it shares memory with us
 SHM_PROBE_TIMEOUT_S = 5.0
 SHM_SWEEP_INTERVAL_S = 30.0           # how often a sender removes segments older than any lease
+# A send this large copies and MACs its frames in a thread (under the send lock, so MACs keep
+# their counter order): the worker's event loop goes on serving its other streams meanwhile.
+OFF_LOOP_BYTES = 1 << 20
 
 
 def grpc_message_limit(frame_bytes: int = DEFAULT_FRAME_BYTES) -> int:
@@ -203,13 +206,14 @@ class GrpcKVStream(KVStream):
             if self._codec is None and blocks:   # auto may measure the codec's cost: off the loop
                 self._codec = (self._codecs.mode if self._codecs.mode != "auto" else
                                await asyncio.to_thread(self._codecs.pick, self._target, blocks[0]))
-            if self._codec in (None, "off"):
-                encoded = [b.encode() for b in blocks]
-            else:   # CPU work off the loop; sealed (MAC, counter order) and queued on it
-                encoded = await asyncio.to_thread(encode_blocks, blocks, self._codec)
-            wire = sum(memoryview(p).nbytes for _, p in encoded)
+            codec, frame_bytes, mac = self._codec, self._frame_bytes, self._mac
+
+            def build() -> tuple[int, list[bytes]]:
+                encoded = ([b.encode() for b in blocks] if codec in (None, "off") else encode_blocks(blocks, codec))
+                return sum(memoryview(p).nbytes for _, p in encoded), encode_wire_frames(encoded, frame_bytes, mac)
+            # CPU work off the loop when it is large; sealed in counter order either way (the send lock)
+            wire, frames = build() if nbytes < OFF_LOOP_BYTES and codec in (None, "off") else await asyncio.to_thread(build)
             self._inline_bytes += wire
-            frames = encode_wire_frames(encoded, self._frame_bytes, self._mac)
         for frame in frames:
             self._queue.put_nowait(frame)
         self._blocks += len(blocks)
@@ -236,8 +240,9 @@ class GrpcKVStream(KVStream):
         return frames
 
     async def heartbeat(self) -> None:
-        if self._queue.empty():
-            self._queue.put_nowait(encode_heartbeat(self._mac))
+        async with self._send_lock:   # its MAC takes the next counter: after a send being sealed
+            if self._queue.empty():
+                self._queue.put_nowait(encode_heartbeat(self._mac))
 
     async def finish(self, timeout: float | None = None) -> SendResult:
         self._queue.put_nowait(None)

@@ -30,6 +30,13 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
         self.heartbeat_s = heartbeat_s
         self.kv_ack_timeout_s = kv_ack_timeout_s
 
+    @staticmethod
+    def _blocks(rid: str, res, needed: set[int], hashes: list[int]) -> list[KVBlock]:
+        """A step's ready blocks the decode worker needs, each as its ranks' head ranges."""
+        out = res.output
+        return [KVBlock(rid, idx, hashes[idx], data[j], head_start=start, head_end=end)
+                for j, idx in enumerate(out.ready_blocks) if idx in needed for start, end, data in res.blocks]
+
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[worker_pb2.PrefillEvent]:
         rid = request.request_id
@@ -61,19 +68,19 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
                         out = res.output
                         if out.finish_reason == "abort":
                             await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
-                        if kv is not None and out.ready_blocks:   # each block as its ranks' head ranges
-                            await kv.send([KVBlock(rid, idx, hashes[idx], data[j],
-                                                   head_start=start, head_end=end)
-                                           for j, idx in enumerate(out.ready_blocks) if idx in needed
-                                           for start, end, data in res.blocks])
-                            # the final send's blocks are the exposed ones
-                            last_sent = sum(1 for idx in out.ready_blocks if idx in needed)
                         if out.prefill_done:
                             break
+                        if kv is not None and out.ready_blocks:
+                            await kv.send(self._blocks(rid, res, needed, hashes))
                         if out.ready_blocks:
                             yield worker_pb2.PrefillEvent(progress=worker_pb2.Progress())
                 sampled_at = time.perf_counter()
+                # The first token never waits for KV: the last chunk's blocks (the exposed ones) follow it.
                 yield worker_pb2.PrefillEvent(first_token=first_token_proto(out))
+                if kv is not None and out.ready_blocks:
+                    last = self._blocks(rid, res, needed, hashes)
+                    last_sent = len({b.block_index for b in last})
+                    await kv.send(last)
                 blocks = nbytes = wire = 0
                 codec = ""
                 if kv is not None:
