@@ -12,6 +12,7 @@ from a stream that never proved it may speak for the request.
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 from engine.kv_connector import BlockMeta, HandoffError, HandoffState
@@ -19,6 +20,8 @@ from pdserve.v1 import kv_pb2
 from services.kv_transfer import integrity
 from services.kv_transfer.base import KVSink
 from services.kv_transfer.wire_codec import WireMeta, decode_payload, wire_meta
+
+log = logging.getLogger(__name__)
 
 
 class ReceiveSession:
@@ -90,7 +93,9 @@ class ReceiveSession:
         return kv_pb2.PushAck(blocks_received=self.blocks, bytes_received=self.bytes)
 
     def fail(self, exc: HandoffError) -> None:
-        """A refusal ends the request's transfer; a stranger cannot end someone else's request."""
+        """A refusal ends the request's transfer; a stranger cannot end someone else's request.
+        Logged: a block that fails its MAC or its chain hash may be an attack on the path."""
+        log.warning("KV of %r refused: %s: %s", self.request_id or "an unopened stream", exc.code, exc)
         if self.request_id and exc.code != "UNAUTHENTICATED":
             self.sink.fail(self.request_id, exc.code, str(exc))
 
