@@ -222,7 +222,10 @@ while True:
         break
     n = int.from_bytes(head, "little")
     while n:
-        n -= c.recv_into(memoryview(buf)[:min(n, len(buf))])
+        got = c.recv_into(memoryview(buf)[:min(n, len(buf))])
+        if not got:   # the sender went away mid-send: stop, never spin
+            sys.exit("raw socket: peer closed with %d bytes left" % n)
+        n -= got
     c.sendall(b"k")
 """
 
