@@ -181,6 +181,8 @@ class KVConnector:
         # every block stored (its bytes): the worker's metrics and waiters hang here.
         self.on_change: Callable[[str, HandoffState], None] | None = None
         self.on_block: Callable[[int], None] | None = None
+        self._shape: tuple[int, ...] | None = None                 # the pool's block shape, asked once
+        self._layouts: dict[int, tuple[str, tuple[int, ...], int]] = {}   # heads -> a block's layout
 
     # ---- the engine's hooks ---------------------------------------------------------------
     def owns(self, request_id: str) -> bool:
@@ -360,11 +362,14 @@ class KVConnector:
                                                 f"or already received")
             if handle.hashes[meta.block_index] != meta.block_hash:
                 raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r}: chain hash mismatch")
-            n_layers, _, _, n_heads, _ = pool.block_shape
+            n_layers, _, _, n_heads, _ = block_shape = self._block_shape()
             start, end = self._head_range(meta, n_heads)
-            shape = list(pool.block_shape)
-            shape[3] = end - start
-            layout = (pool.dtype_name, tuple(shape), pool.bytes_per_block // n_heads * (end - start))
+            layout = self._layouts.get(end - start)
+            if layout is None:
+                shape = list(block_shape)
+                shape[3] = end - start
+                layout = self._layouts[end - start] = (pool.dtype_name, tuple(shape),
+                                                       pool.bytes_per_block // n_heads * (end - start))
             got = (meta.dtype, tuple(meta.shape), meta.nbytes)
             if got != layout or (meta.layer_start, meta.layer_end) not in ((0, 0), (0, n_layers)):
                 raise HandoffError("DATA_LOSS", f"block layout {meta.dtype}{list(meta.shape)} ({meta.nbytes} bytes, "
@@ -381,39 +386,79 @@ class KVConnector:
     @_locked
     def accept(self, meta: BlockMeta, token: bytes, payload: memoryview | bytes | bytearray) -> HandoffState:
         """Verify one block's bytes and write them into its reserved block. Returns the state after."""
-        handle = self.check(meta, token)
+        return self.accept_many([meta], token, payload)
+
+    @_locked
+    def accept_many(self, metas: list[BlockMeta], token: bytes, payload: memoryview | bytes | bytearray
+                    ) -> HandoffState:
+        """accept for blocks of one request whose bytes run back to back in payload (say, a frame's
+        whole blocks): every block checked as accept checks it before any is written, then written
+        into the pool together (one copy per run of blocks with the same heads). Returns the state after."""
         view = memoryview(payload).cast("B")
+        if not metas:
+            raise HandoffError("INVALID_ARGUMENT", "no blocks")
+        if any(m.request_id != metas[0].request_id for m in metas):
+            raise HandoffError("INVALID_ARGUMENT", "blocks of several requests in one run")
+        handle = self.check(metas[0], token)
+        for meta in metas[1:]:
+            self.check(meta, token)   # a refusal ends the handle there
+        n_heads = self._block_shape()[3]
+        ranges, seen = [], {}
         try:
-            if view.nbytes != meta.nbytes:
-                raise HandoffError("DATA_LOSS", f"block {meta.block_index}: {view.nbytes} bytes, header says {meta.nbytes}")
-            crc = zlib.crc32(view) & 0xFFFFFFFF if meta.checksum else 0
-            if crc != meta.checksum:
-                raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r}: checksum mismatch "
-                                                f"(header {meta.checksum:#010x}, payload {crc:#010x})")
+            total = sum(m.nbytes for m in metas)
+            if view.nbytes != total:
+                raise HandoffError("DATA_LOSS", f"block {metas[0].block_index}: {view.nbytes} bytes, header says {total}")
+            at = 0
+            for meta in metas:
+                start, end = self._head_range(meta, n_heads)
+                mask = seen.get(meta.block_index, 0)
+                if mask & _head_mask(start, end):   # twice in this run (check sees only earlier runs)
+                    raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r}: KV heads "
+                                                    f"[{start}, {end}) overlap heads already received")
+                seen[meta.block_index] = mask | _head_mask(start, end)
+                crc = zlib.crc32(view[at:at + meta.nbytes]) & 0xFFFFFFFF if meta.checksum else 0
+                if crc != meta.checksum:
+                    raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r}: checksum "
+                                                    f"mismatch (header {meta.checksum:#010x}, payload {crc:#010x})")
+                ranges.append((start, end))
+                at += meta.nbytes
         except HandoffError as exc:
             self._end(handle, HandoffState.FAILED, exc.code, str(exc))
             raise
-        n_heads = self.pool.block_shape[3]
-        start, end = self._head_range(meta, n_heads)
         with warnings.catch_warnings():   # a transport's read-only buffer: the pool copies from it
             warnings.simplefilter("ignore", UserWarning)
-            data = torch.frombuffer(view, dtype=self.pool.dtype).view(meta.shape)
+            data = torch.frombuffer(view, dtype=self.pool.dtype)
         # Re-sharding happens here: the runner writes each rank's share of these heads.
-        self.pool.write(handle.seq.block_table[meta.block_index], data, head_start=start)
-        got = handle.heads.get(meta.block_index, 0) | _head_mask(start, end)
-        if got == _head_mask(0, n_heads):
-            handle.heads.pop(meta.block_index, None)
-            handle.needed.discard(meta.block_index)
-        else:
-            handle.heads[meta.block_index] = got
-        if self.on_block is not None:
-            self.on_block(meta.nbytes)
+        at = i = 0
+        while i < len(metas):   # runs of blocks with the same heads (all of them, but for TP pieces)
+            j = i + 1
+            while j < len(metas) and ranges[j] == ranges[i] and metas[j].shape == metas[i].shape:
+                j += 1
+            n = sum(m.nbytes for m in metas[i:j]) // self.pool.dtype.itemsize
+            self.pool.write_many([handle.seq.block_table[m.block_index] for m in metas[i:j]],
+                                 data[at:at + n].view(j - i, *metas[i].shape), head_start=ranges[i][0])
+            at, i = at + n, j
+        for meta, (start, end) in zip(metas, ranges):
+            got = handle.heads.get(meta.block_index, 0) | _head_mask(start, end)
+            if got == _head_mask(0, n_heads):
+                handle.heads.pop(meta.block_index, None)
+                handle.needed.discard(meta.block_index)
+            else:
+                handle.heads[meta.block_index] = got
+            if self.on_block is not None:
+                self.on_block(meta.nbytes)
         handle.state = HandoffState.RECEIVING
         now = time.monotonic()
         handle.expires_at = max(handle.expires_at, min(now + self.lease.idle_s, handle.deadline))
         if not handle.needed:
             self._ready(handle)
         return handle.state
+
+    def _block_shape(self) -> tuple[int, ...]:
+        """The pool's block shape (fixed for its life: asked once)."""
+        if self._shape is None:
+            self._shape = tuple(self.pool.block_shape)
+        return self._shape
 
     @staticmethod
     def _head_range(meta: BlockMeta, n_heads: int) -> tuple[int, int]:

@@ -51,6 +51,10 @@ class KVBlockPool:
     def write(self, block_id: int, data: torch.Tensor, head_start: int = 0) -> None:
         self._runner.write_block(block_id, data, head_start=head_start)
 
+    def write_many(self, block_ids: list[int], data: torch.Tensor, head_start: int = 0) -> None:
+        """data: [len(block_ids), L, 2, bs, heads, D], the blocks' heads from head_start."""
+        self._runner.write_blocks(block_ids, data, head_start=head_start)
+
     # ---- layout ----------------------------------------------------------------------------
     @property
     def block_shape(self) -> tuple[int, ...]:

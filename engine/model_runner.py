@@ -233,11 +233,38 @@ class ModelRunner:
             with self._pending_lock:
                 self._pending_kv.append((entry, data.reshape(-1).clone()))
 
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor, head_start: int = 0) -> None:
+        """write_block for several blocks at once: data [n, L, 2, bs, heads, D] (one copy per run
+        of blocks, not per block)."""
+        n_heads = data.shape[4]
+        entries = [x for b in block_ids for x in (b, head_start, head_start + n_heads)]
+        data = data.to(self.dtype).reshape(-1)
+        self.apply_kv_writes(entries, data)
+        others = self.layout.kv_head_ranges()[1:]
+        if self.ranks is not None and any(max(head_start, a) < min(head_start + n_heads, b) for a, b in others):
+            with self._pending_lock:
+                self._pending_kv.append((entries, data.clone()))
+
     def apply_kv_writes(self, entries: list[int], data: torch.Tensor) -> None:
         """Write the part of each (block, head range) entry this rank holds. data: the entries' KV
         back to back, each [L, 2, bs, heads, D]."""
         mc = self.model_config
         k0, k1 = self.layout.kv_head_range
+        n_blocks = len(entries) // 3
+        h0, h1 = (entries[1], entries[2]) if entries else (0, 0)
+        if n_blocks > 1 and all(entries[i + 1:i + 3] == [h0, h1] for i in range(0, len(entries), 3)):
+            lo, hi = max(h0, k0), min(h1, k1)   # blocks of the same heads: one copy for all of them
+            if lo < hi:
+                src = data[:n_blocks * mc.num_layers * 2 * self.block_size * (h1 - h0) * mc.head_dim].view(
+                    n_blocks, mc.num_layers, 2, self.block_size, h1 - h0, mc.head_dim)
+                src = src[:, :, :, :, lo - h0:hi - h0].permute(1, 2, 0, 3, 4, 5)
+                dst = self.kv_cache[:, :, :, :, lo - k0:hi - k0]
+                ids = entries[0::3]
+                if ids == list(range(ids[0], ids[0] + n_blocks)):   # consecutive blocks: a plain slice
+                    dst[:, :, ids[0]:ids[0] + n_blocks].copy_(src)
+                else:
+                    dst.index_copy_(2, torch.tensor(ids, dtype=torch.int64, device=dst.device), src.to(dst.device))
+            return
         at = 0
         for i in range(0, len(entries), 3):
             block_id, h0, h1 = entries[i:i + 3]

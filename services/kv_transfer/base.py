@@ -25,7 +25,11 @@ from engine.kv_connector import BlockMeta, HandoffError, HandoffState
 from pdserve.v1 import kv_pb2
 
 MAX_FRAME_BYTES = 64 << 20           # upper bound accepted for a sender's frame size
-DEFAULT_FRAME_BYTES = 4 << 20        # payload bytes per frame
+DEFAULT_FRAME_BYTES = 4 << 20        # payload bytes per frame, at most (a block larger runs on across frames)
+# ... and a frame holds whole blocks up to this many (at least one): small enough that the first
+# frame leaves while the rest are built and each stays cheap to copy, large enough that the
+# per-frame work (a MAC, a gRPC message) stays small against the bytes
+FRAME_TARGET_BYTES = 1 << 20
 MAX_PENDING_HEADERS = 4096           # blocks a stream may announce ahead of their bytes
 
 # Wire dtype names (torch names without "torch.").

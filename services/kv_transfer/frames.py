@@ -5,7 +5,7 @@ sealed with its MAC as its last field (integrity.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from pdserve.v1 import kv_pb2
 from services.kv_transfer import integrity, shared_memory
@@ -89,41 +89,51 @@ def encode_shm_frames(blocks: Sequence[KVBlock], directory: str = shared_memory.
     return frames, names
 
 
-def encode_frames(blocks: Sequence[KVBlock], frame_bytes: int, mac: "integrity.StreamMac | None" = None
-                  ) -> list[bytes]:
+def encode_frames(blocks: Sequence[KVBlock], frame_bytes: int, mac: "integrity.StreamMac | None" = None,
+                  target_bytes: int | None = None) -> list[bytes]:
     """Serialized KVFrames for blocks: headers announce each block in the frame where its bytes
-    begin; payloads run back to back, cut at frame_bytes."""
-    return encode_wire_frames([b.encode() for b in blocks], frame_bytes, mac)
+    begin; payloads run back to back (see iter_wire_frames for where frames are cut)."""
+    return encode_wire_frames([b.encode() for b in blocks], frame_bytes, mac, target_bytes)
 
 
 def encode_wire_frames(encoded: Sequence[tuple[kv_pb2.KVBlockHeader, bytes | memoryview]], frame_bytes: int,
-                       mac: "integrity.StreamMac | None" = None) -> list[bytes]:
+                       mac: "integrity.StreamMac | None" = None, target_bytes: int | None = None) -> list[bytes]:
     """As encode_frames, for blocks already encoded: (header, wire payload) pairs (wire_codec.py)."""
-    frames: list[bytes] = []
+    return list(iter_wire_frames(encoded, frame_bytes, mac, target_bytes))
+
+
+def iter_wire_frames(encoded: Sequence[tuple[kv_pb2.KVBlockHeader, bytes | memoryview]], frame_bytes: int,
+                     mac: "integrity.StreamMac | None" = None, target_bytes: int | None = None) -> Iterator[bytes]:
+    """The frames one at a time, each sealed as it is made (so the first can leave while the rest
+    are built). Payloads are cut at frame_bytes (the message limit). With target_bytes, a frame
+    also holds whole blocks only, up to target_bytes of payload (at least one block; one larger
+    than frame_bytes still runs on across frames): whole blocks in one frame let the receiver
+    write them into its pool straight from the message."""
+    target = min(target_bytes, frame_bytes) if target_bytes else None
     parts: list[bytes | memoryview] = []
     chunks: list[memoryview] = []
-    room = frame_bytes
+    used = 0
 
-    def flush() -> None:
-        nonlocal parts, chunks, room
-        if parts or chunks:
-            size = sum(c.nbytes for c in chunks)
-            frames.append(_sealed([*parts, bytes([(_PAYLOAD << 3) | 2]), _varint(size), *chunks] if chunks else parts,
-                                  mac))
-        parts, chunks, room = [], [], frame_bytes
+    def sealed() -> bytes:
+        nonlocal parts, chunks, used
+        frame = _sealed([*parts, bytes([(_PAYLOAD << 3) | 2]), _varint(used), *chunks] if chunks else parts, mac)
+        parts, chunks, used = [], [], 0
+        return frame
 
     for header, payload in encoded:
         payload = memoryview(payload).cast("B")
+        if target is not None and used and used + payload.nbytes > target:   # the block starts a frame
+            yield sealed()
         parts.extend(_field(_HEADER, header.SerializeToString()))
         while payload.nbytes:
-            if room == 0:
-                flush()
-            take = min(room, payload.nbytes)
+            if used == frame_bytes:
+                yield sealed()
+            take = min(frame_bytes - used, payload.nbytes)
             chunks.append(payload[:take])
             payload = payload[take:]
-            room -= take
-    flush()
-    return frames
+            used += take
+    if parts or chunks:
+        yield sealed()
 
 
 @dataclass(slots=True)

@@ -1,47 +1,43 @@
 """KV block transport over gRPC (``pdserve.v1.KVTransfer/PushBlocks``); wire format in kv.proto.
 
-One client-streaming call per request. The sender packs whole blocks into frames of at most
-``frame_bytes`` (a large block spans several), encoded by hand so the payload is copied once
-(the header messages are ordinary protobuf); frames go out from a writer task, so ``send``
-never waits for the network and the prefill side streams its first token meanwhile.
+One client-streaming call per request. The sender packs whole blocks into frames (up to
+``frame_target`` payload bytes of whole blocks, at most ``frame_bytes``: a larger block spans
+several), encoded by hand so the payload is copied once (the header messages are ordinary
+protobuf) and sealed one by one in a worker thread, each queued as soon as it is sealed: a
+writer task sends them meanwhile, so building overlaps sending and ``send`` never waits for the
+network (the prefill side streams its first token meanwhile).
 
-The receiver parses frames without a protobuf copy of the payload (a frame's payload is a
-view of the received message), hands each block to the ``KVSink`` as soon as its bytes are
-in (a block inside one frame is never copied before the sink writes it into the pool), and
-ends the call with the sink's status on the first refusal. Both sides interoperate with plain
-generated stubs: the hand encoding is the standard protobuf wire format.
+The receiver (grpc_receiver.py) parses frames without a protobuf copy of the payload and writes
+a frame's whole blocks into the pool straight from the message. Both sides interoperate with
+plain generated stubs: the hand encoding is the standard protobuf wire format.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
 import os
 import time
-from collections import deque
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import grpc
 
-from engine.kv_connector import HandoffError
-from pdserve.v1 import kv_pb2, kv_pb2_grpc
+from pdserve.v1 import kv_pb2
 from services.kv_transfer import integrity, shared_memory
 from services.kv_transfer.frames import (  # noqa: F401 - re-exported: the wire format's users import it here
     MAX_SEGMENT_BYTES, Frame, encode_frames, encode_heartbeat, encode_open, encode_probe, encode_shm_frames,
-    encode_wire_frames, parse_frame,
+    encode_wire_frames, iter_wire_frames, parse_frame,
 )
-from services.kv_transfer.wire_codec import CodecPolicy, WireMeta, encode_blocks
-from services.kv_transfer.receive_session import ReceiveSession
+from services.kv_transfer.grpc_receiver import (  # noqa: F401 - re-exported: the receiver's users import it here
+    REFUSAL_DRAIN_S, SERVICE, SHM_PROBE_BYTES, KVTransferServicer, register_kv_servicer,
+)
+from services.kv_transfer.wire_codec import CodecPolicy, encode_blocks
 from services.kv_transfer.shared_memory import SHARED_MEMORY_MAX_BYTES, available as shared_memory_available
 from services.kv_transfer.base import (
-    DEFAULT_FRAME_BYTES, MAX_FRAME_BYTES, MAX_PENDING_HEADERS, KVBlock, KVSender, KVSink, KVStream, KVTransferError,
-    SendResult,
+    DEFAULT_FRAME_BYTES, FRAME_TARGET_BYTES, MAX_FRAME_BYTES, KVBlock, KVSender, KVStream, KVTransferError, SendResult,
 )
 
 log = logging.getLogger(__name__)
 
-SERVICE = "pdserve.v1.KVTransfer"
 METHOD = f"/{SERVICE}/PushBlocks"
 FRAME_OVERHEAD_BYTES = 64 << 10    # room for headers and framing in one message
 
@@ -49,7 +45,6 @@ FRAME_OVERHEAD_BYTES = 64 << 10    # room for headers and framing in one message
 # (bench/kv_handoff.py on a 2-core AVX2 EPYC: 0.12 MiB 4.2 ms through a segment against 3.7 ms
 # inline; 2 MiB 8.7 against 13.2 ms; 8 MiB 33 against 39 ms).
 SHARED_MEMORY_MIN_BYTES = 1 << 20
-SHM_PROBE_BYTES = 64                  # the segment that asks a peer whether it shares memory with us
 SHM_PROBE_TIMEOUT_S = 5.0
 SHM_SWEEP_INTERVAL_S = 30.0           # how often a sender removes segments older than any lease
 # A send this large copies and MACs its frames in a thread (under the send lock, so MACs keep
@@ -152,8 +147,9 @@ class GrpcKVStream(KVStream):
     def __init__(self, call: grpc.aio.StreamUnaryCall, request_id: str, token: bytes, frame_bytes: int,
                  shared: "tuple[SharedMemoryRoute, str, Any, tuple] | None" = None, proof: Any = None,
                  cluster_token: str | bytes | None = None, codecs: CodecPolicy | None = None,
-                 target: str = "") -> None:
-        """shared: (route, target, method, metadata) when sends to this loopback target may go
+                 target: str = "", frame_target: int = FRAME_TARGET_BYTES) -> None:
+        """frame_target: frames hold whole blocks up to this many payload bytes (frames.iter_wire_frames).
+        shared: (route, target, method, metadata) when sends to this loopback target may go
         through shared memory (None: never). proof: the call's services.security.CallProof, whose
         reply the receiver must send before any frame goes out (None: nothing to check).
         cluster_token: keys every frame's MAC with the transfer token (integrity.py). codecs: the
@@ -169,6 +165,8 @@ class GrpcKVStream(KVStream):
         self._call = call
         self._proof = proof
         self._frame_bytes = frame_bytes
+        self._frame_target = frame_target
+        self._abandoned = False            # cancelled: a send still building in its thread stops
         self._shared = shared
         self._used_shm = False
         self._segments: list[str] = []   # written, maybe not yet taken by the receiver
@@ -207,13 +205,30 @@ class GrpcKVStream(KVStream):
                 self._codec = (self._codecs.mode if self._codecs.mode != "auto" else
                                await asyncio.to_thread(self._codecs.pick, self._target, blocks[0]))
             codec, frame_bytes, mac = self._codec, self._frame_bytes, self._mac
+            target = min(self._frame_target, frame_bytes)
+            loop = asyncio.get_running_loop()
 
-            def build() -> tuple[int, list[bytes]]:
+            def build(put: Callable[[bytes], None]) -> int:
                 encoded = ([b.encode() for b in blocks] if codec in (None, "off") else encode_blocks(blocks, codec))
-                return sum(memoryview(p).nbytes for _, p in encoded), encode_wire_frames(encoded, frame_bytes, mac)
-            # CPU work off the loop when it is large; sealed in counter order either way (the send lock)
-            wire, frames = build() if nbytes < OFF_LOOP_BYTES and codec in (None, "off") else await asyncio.to_thread(build)
+                for frame in iter_wire_frames(encoded, frame_bytes, mac, target):
+                    if self._abandoned:
+                        break
+                    put(frame)   # each frame leaves as soon as it is sealed: building overlaps sending
+                return sum(memoryview(p).nbytes for _, p in encoded)
+
+            def put_threadsafe(frame: bytes) -> None:
+                try:
+                    loop.call_soon_threadsafe(self._queue.put_nowait, frame)
+                except RuntimeError:   # the loop closed under a cancelled send: nothing is waiting
+                    self._abandoned = True
+            # CPU work off the loop when it is large; sealed in counter order either way (the send
+            # lock), queued in that order (call_soon_threadsafe keeps it)
+            if nbytes < OFF_LOOP_BYTES and codec in (None, "off"):
+                wire = build(self._queue.put_nowait)
+            else:
+                wire = await asyncio.to_thread(build, put_threadsafe)
             self._inline_bytes += wire
+            frames = ()
         for frame in frames:
             self._queue.put_nowait(frame)
         self._blocks += len(blocks)
@@ -273,6 +288,7 @@ class GrpcKVStream(KVStream):
                           self._codec or "off")
 
     async def cancel(self) -> None:
+        self._abandoned = True
         self._reap_writer()
         self._call.cancel()
         self._remove_segments()
@@ -303,8 +319,9 @@ class GrpcKVSender(KVSender):
                  shared_memory: bool = False, shared_memory_min_bytes: int = SHARED_MEMORY_MIN_BYTES,
                  shared_memory_route: SharedMemoryRoute | None = None,
                  proof: Callable[[str], Any] | None = None, cluster_token: str | bytes | None = None,
-                 kv_compression: str = "off") -> None:
-        """cluster_token: the deployment's (Credentials.cluster_token), which keys every frame's MAC
+                 kv_compression: str = "off", frame_target: int = FRAME_TARGET_BYTES) -> None:
+        """frame_target: whole blocks per frame up to this many payload bytes (frames.iter_wire_frames).
+        cluster_token: the deployment's (Credentials.cluster_token), which keys every frame's MAC
         with the reservation's transfer token; None (--insecure-no-auth) keys by the transfer token
         alone, which guards against accidents only (integrity.py). metadata: sent on every stream. proof: method -> a fresh services.security.CallProof
         for each stream (when the factory's channels do not prove membership themselves); the
@@ -318,7 +335,9 @@ class GrpcKVSender(KVSender):
         self.route = route if self.shared_memory else None
         if not 0 < frame_bytes <= MAX_FRAME_BYTES:
             raise ValueError(f"kv frame_bytes must be in (0, {MAX_FRAME_BYTES}], got {frame_bytes}")
-        self.frame_bytes = frame_bytes
+        if not 0 < frame_target:
+            raise ValueError(f"kv frame_target must be > 0, got {frame_target}")
+        self.frame_bytes, self.frame_target = frame_bytes, frame_target
         self.metadata = metadata
         self.proof = proof
         self.cluster_token = cluster_token
@@ -343,7 +362,7 @@ class GrpcKVSender(KVSender):
         if self.route is not None and shared_memory.is_local(target):   # the probe's own proof: each is used once
             shared = (self.route, target, self._method(target), self.proof(METHOD).metadata if self.proof else self.metadata)
         return GrpcKVStream(call, request_id, transfer_token, self.frame_bytes, shared, proof, self.cluster_token,
-                            self.codecs if self.codecs.mode != "off" else None, target)
+                            self.codecs if self.codecs.mode != "off" else None, target, self.frame_target)
 
     async def close(self) -> None:
         if self.route is not None:
@@ -351,163 +370,3 @@ class GrpcKVSender(KVSender):
         channels, self._channels = self._channels, {}
         for channel, _ in channels.values():
             await channel.close()
-
-
-# ---- receiver ----------------------------------------------------------------------------
-
-@dataclass(slots=True)
-class _Pending:
-    meta: WireMeta           # nbytes: the block's size on the wire
-    buf: bytearray | None = None
-    filled: int = 0
-
-
-# A refused stream is read to its end (frames discarded, for at most this long) before its status
-# goes out: grpcio's asyncio client reports a write that meets an already-closed stream as
-# INTERNAL "Internal error from Core" and loses the server's status (grpc/grpc#36066), so a sender
-# still writing when the refusal came would see INTERNAL instead of NOT_FOUND / DATA_LOSS.
-REFUSAL_DRAIN_S = 0.5
-
-
-async def _drain(request_iterator: AsyncIterator[Frame], limit_s: float) -> None:
-    async def read_all() -> None:
-        async for _ in request_iterator:
-            pass
-    try:
-        await asyncio.wait_for(read_all(), limit_s)
-    except (asyncio.TimeoutError, grpc.RpcError, HandoffError, ValueError):
-        pass   # a sender that keeps writing, or frames that do not parse: the status goes out anyway
-
-
-class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
-    """Reassembles blocks and hands them to the sink; the first refusal ends the call."""
-
-    def __init__(self, sink: KVSink, shared_memory: bool = False,
-                 shared_memory_dir: str = shared_memory.SHM_DIR, cluster_token: str | bytes | None = None) -> None:
-        """shared_memory: accept frames whose payload is in a same-host shared-memory segment
-        (in shared_memory_dir). cluster_token: the deployment's, which keys the frames' MACs (as
-        the sender's; None: the transfer token alone)."""
-        self.sink = sink
-        self.cluster_token = cluster_token
-        self.shared_memory = shared_memory
-        self.shared_memory_dir = shared_memory_dir
-
-    async def PushBlocks(self, request_iterator: AsyncIterator[Frame], context: grpc.aio.ServicerContext
-                         ) -> kv_pb2.PushAck:
-        session = ReceiveSession(self.sink, self.cluster_token)
-        pending: deque[_Pending] = deque()
-        try:
-            async for frame in request_iterator:
-                if frame.error:
-                    raise HandoffError("INVALID_ARGUMENT", frame.error)
-                if not session.request_id:
-                    if frame.open is not None and not frame.open.request_id and frame.shm is not None:
-                        return self._probe(frame)
-                    session.open(frame.open.request_id if frame.open is not None else "",
-                                 frame.open.transfer_token if frame.open is not None else b"",
-                                 frame.open.mac_algorithm if frame.open is not None else "")
-                elif frame.open is not None:
-                    session.open(frame.open.request_id, frame.open.transfer_token)   # refused: opened once
-                if frame.shm is None:
-                    session.verify([frame.signed], frame.mac)   # before any of its bytes are used
-                if not frame.headers and not frame.payload.nbytes and frame.shm is None:
-                    session.heartbeat()
-                    continue
-                if frame.shm is not None and pending:
-                    raise HandoffError("INVALID_ARGUMENT", "a shared-memory frame must start at a block boundary")
-                for header in frame.headers:
-                    if len(pending) >= MAX_PENDING_HEADERS:
-                        raise HandoffError("INVALID_ARGUMENT", f"more than {MAX_PENDING_HEADERS} blocks announced ahead")
-                    pending.append(_Pending(session.announce(header)))
-                segment = self._map(frame, pending) if frame.shm is not None else None
-                if segment is not None:
-                    try:
-                        session.verify([frame.signed, memoryview(segment)], frame.mac)
-                    except HandoffError:
-                        _close(segment)
-                        raise
-                data = memoryview(segment) if segment is not None else frame.payload
-                while data.nbytes:
-                    if not pending:
-                        raise HandoffError("INVALID_ARGUMENT", "payload bytes beyond the announced blocks")
-                    p = pending[0]
-                    size = p.meta.nbytes
-                    if p.buf is None and data.nbytes >= size:   # the whole block is in this frame
-                        chunk, data = data[:size], data[size:]
-                    else:
-                        if p.buf is None:
-                            p.buf = bytearray(size)   # size was checked against the pool's block size (and its codec's bound)
-                        take = min(size - p.filled, data.nbytes)
-                        p.buf[p.filled:p.filled + take] = data[:take]
-                        p.filled += take
-                        data = data[take:]
-                        if p.filled < size:
-                            continue
-                        chunk = memoryview(p.buf)
-                    pending.popleft()
-                    session.accept(p.meta, chunk)
-                if segment is not None:
-                    del chunk, data
-                    _close(segment)
-            if context.cancelled():
-                raise asyncio.CancelledError()
-            if pending:
-                raise HandoffError("DATA_LOSS", f"stream ended with {len(pending)} block(s) incomplete")
-            return session.complete()
-        except HandoffError as exc:
-            session.fail(exc)
-            await _drain(request_iterator, REFUSAL_DRAIN_S)
-            await context.abort(getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL), str(exc))
-        except asyncio.CancelledError:
-            session.cancelled()
-            raise
-
-    def _probe(self, frame: Frame) -> kv_pb2.PushAck:
-        """A sender asks whether we share its memory: take its small segment (unlinking it is the
-        answer it checks). FAILED_PRECONDITION: no, send inline."""
-        if not self.shared_memory:
-            raise HandoffError("FAILED_PRECONDITION", "this worker takes no KV through shared memory")
-        if frame.headers or frame.payload.nbytes or not 0 < frame.shm.size <= SHM_PROBE_BYTES:
-            raise HandoffError("INVALID_ARGUMENT", f"a shared-memory probe names a segment of 1 to {SHM_PROBE_BYTES} "
-                                                   f"bytes and nothing else")
-        self._read_segment(frame.shm).close()
-        return kv_pb2.PushAck(blocks_received=0, bytes_received=frame.shm.size)
-
-    def _read_segment(self, shm: kv_pb2.KVSharedMemory) -> "mmap.mmap":
-        try:
-            return shared_memory.read_segment(shm.name, shm.size, self.shared_memory_dir)
-        except shared_memory.SegmentUnavailable as exc:   # not shared with the sender: it resends inline
-            raise HandoffError("FAILED_PRECONDITION", str(exc)) from None
-        except ValueError as exc:
-            raise HandoffError("DATA_LOSS", str(exc)) from None
-
-    def _map(self, frame: Frame, pending: deque[_Pending]) -> "mmap.mmap":
-        """The frame's payload from its shared-memory segment, after checking its size against the
-        headers (already checked against the reservation): nothing is mapped beyond them."""
-        if not self.shared_memory:
-            raise HandoffError("FAILED_PRECONDITION", "this worker takes no KV through shared memory")
-        if frame.payload.nbytes:
-            raise HandoffError("INVALID_ARGUMENT", "a frame carries its payload inline or in shared memory, not both")
-        declared = sum(p.meta.nbytes for p in pending)
-        if frame.shm.size != declared:
-            raise HandoffError("INVALID_ARGUMENT", f"shared-memory segment of {frame.shm.size} bytes for blocks of "
-                                                   f"{declared}")
-        return self._read_segment(frame.shm)
-
-
-def _close(segment: "mmap.mmap") -> None:
-    try:
-        segment.close()
-    except BufferError:   # a view still alive: the mapping goes with it
-        pass
-
-
-def register_kv_servicer(servicer: KVTransferServicer, server: grpc.aio.Server) -> None:
-    """Like ``kv_pb2_grpc.add_KVTransferServicer_to_server``, with the zero-copy frame parser."""
-    handlers = {
-        "PushBlocks": grpc.stream_unary_rpc_method_handler(
-            servicer.PushBlocks, request_deserializer=parse_frame,
-            response_serializer=kv_pb2.PushAck.SerializeToString)
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    server.add_registered_method_handlers(SERVICE, handlers)

@@ -81,6 +81,21 @@ class ReceiveSession:
         self.blocks += 1
         self.bytes += meta.nbytes
 
+    def accept_run(self, wires: list[WireMeta], payload: memoryview | bytes | bytearray) -> None:
+        """Uncompressed blocks whose bytes run back to back in payload: to the sink together when it
+        takes runs (KVConnector.accept_many), else one by one."""
+        metas = [w.meta for w in wires]
+        accept_many = getattr(self.sink, "accept_many", None)
+        if accept_many is not None:
+            accept_many(metas, self.token, payload)
+        else:
+            view, at = memoryview(payload), 0
+            for meta in metas:
+                self.sink.accept(meta, self.token, view[at:at + meta.nbytes])
+                at += meta.nbytes
+        self.blocks += len(metas)
+        self.bytes += sum(m.nbytes for m in metas)
+
     def complete(self) -> kv_pb2.PushAck:
         """The stream ended cleanly. READY, or already admitted: complete. Still waiting for
         blocks: they will never come."""

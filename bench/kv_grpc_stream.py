@@ -1,0 +1,271 @@
+#!/usr/bin/env python
+"""The gRPC KV stream alone, between two processes: a prefill-side GrpcKVSender in this process
+and a real decode-role LLMEngine's KV connector behind KVTransferServicer in a child process
+(the deployment's cluster token keys the MACs and the interceptors, as serve_worker runs them).
+
+For each prompt length the child reserves a fresh random prompt (no prefix-cache hit), this
+process opens its stream (as a prefill worker does when a request arrives), and the time runs
+from ``send`` of every block to ``finish``'s acknowledgement: frames built and MACed, carried,
+verified, checked by the connector and written into the paged pool. Then the child checks the
+request is READY and aborts it (its blocks back to the pool; the free count is checked at its
+baseline at the end). Printed: median ms and MiB/s per length, and a raw TCP socket's time for
+the same bytes between the same two processes (one connection, opened beforehand, timed from
+the first byte to a one-byte answer after the last).
+
+The child may run in another network namespace (``--decode-netns NAME --decode-host ADDR``,
+e.g. one of bench/kv_handoff_hosts.py's hosts); by default both are on 127.0.0.1 with shared
+memory off (the stream path). Control messages are JSON lines on the child's stdin/stdout.
+
+    python bench/kv_grpc_stream.py --model small --tokens 1200,4096 --iters 5
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+MiB = 1 << 20
+RAW_PORT = 7311
+
+
+# ---- the decode side (child) -----------------------------------------------------------------
+async def _serve(args: argparse.Namespace) -> None:
+    import torch
+
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.model_maker import PRESETS, ensure_model
+    from services.grpc_setup import start_server
+    from services.kv_transfer import KVTransferServicer, register_kv_servicer
+    from services.security import Credentials
+
+    torch.set_num_threads(1)
+    model = str(ensure_model(args.model)) if args.model in PRESETS else args.model
+    engine = LLMEngine(EngineConfig(model=model, role="decode", block_size=args.block_size,
+                                    num_kv_blocks=args.num_kv_blocks, num_threads=1))
+    kv = engine.kv
+    servicer = KVTransferServicer(kv, cluster_token=args.cluster_token)
+    server = await start_server([(lambda s, srv: register_kv_servicer(s, srv), servicer, "pdserve.v1.KVTransfer")],
+                                args.decode_host, 0, interceptors=Credentials(args.cluster_token).server_interceptors())
+    raw = socket.create_server((args.decode_host, RAW_PORT))
+    threading.Thread(target=_raw_receiver, args=(raw,), daemon=True).start()
+    runner = engine.runner
+    free0 = engine.stats()["num_free_blocks"]
+    _say({"address": f"{args.decode_host}:{server.port}", "raw": f"{args.decode_host}:{RAW_PORT}",
+          "block_size": engine.config.block_size, "block_shape": list(runner.block_shape),
+          "kv_dtype": runner.kv_dtype_name, "vocab_size": engine.model_config.vocab_size, "free_blocks": free0})
+    loop = asyncio.get_running_loop()
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:
+            break
+        msg = json.loads(line)
+        if msg["op"] == "reserve":
+            res = engine.reserve(msg["rid"], msg["prompt"], SamplingParams(max_tokens=1))
+            _say({"needed": list(res.needed_block_indices), "token": res.transfer_token.hex()})
+        elif msg["op"] == "release":
+            state = kv.state(msg["rid"])
+            engine.abort(msg["rid"])
+            _say({"state": "none" if state is None else state.value})
+        elif msg["op"] == "stats":
+            _say({"free_blocks": engine.stats()["num_free_blocks"]})
+        else:
+            break
+    await server.server.stop(None)
+
+
+def _raw_receiver(server: socket.socket) -> None:
+    """Per connection: read an 8-byte length, then that many bytes, answer one byte; repeat."""
+    while True:
+        conn, _ = server.accept()
+        buf = bytearray(64 * MiB)
+        view = memoryview(buf)
+        with conn:
+            while True:
+                head = conn.recv(8, socket.MSG_WAITALL)
+                if len(head) < 8:
+                    break
+                left = int.from_bytes(head, "little")
+                while left:
+                    got = conn.recv_into(view[:min(left, len(buf))])
+                    if not got:
+                        return
+                    left -= got
+                conn.sendall(b"k")
+
+
+def _say(obj: dict[str, Any]) -> None:
+    sys.stdout.write("@@" + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+# ---- the prefill side ------------------------------------------------------------------------
+class Decode:
+    def __init__(self, args: argparse.Namespace, cluster_token: str) -> None:
+        cmd = [sys.executable, __file__, "--serve", "--model", args.model, "--block-size", str(args.block_size),
+               "--num-kv-blocks", str(args.num_kv_blocks), "--decode-host", args.decode_host,
+               "--cluster-token", cluster_token]
+        if args.decode_netns:
+            cmd = ["ip", "netns", "exec", args.decode_netns, *cmd]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                                     env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        self.info = self._read(600)
+
+    def _read(self, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the decode process exited ({self.proc.wait(5)})")
+            if line.startswith("@@"):
+                return json.loads(line[2:])
+        raise TimeoutError("the decode process did not answer")
+
+    def ask(self, **msg: Any) -> dict[str, Any]:
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return self._read(120)
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _raw_seconds(address: str, nbytes: int, iters: int) -> float:
+    host, port = address.rsplit(":", 1)
+    payload = memoryview(os.urandom(min(nbytes, 64 * MiB)))
+    times = []
+    with socket.create_connection((host, int(port)), timeout=60) as conn:
+        for _ in range(iters + 1):
+            t0 = time.perf_counter()
+            conn.sendall(nbytes.to_bytes(8, "little"))
+            left = nbytes
+            while left:
+                n = min(left, payload.nbytes)
+                conn.sendall(payload[:n])
+                left -= n
+            if conn.recv(1) != b"k":
+                raise RuntimeError("raw socket: no answer")
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+async def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import random
+
+    import grpc
+    import torch
+
+    from engine.block_manager import transfer_block_hashes
+    from services.grpc_setup import options as channel_options
+    from services.kv_transfer import GrpcKVSender, KVBlock
+    from services.kv_transfer.grpc_transport import grpc_message_limit
+    from services.security import Credentials
+
+    token = secrets.token_urlsafe(24)
+    decode = Decode(args, token)
+    rows = []
+    try:
+        info = decode.info
+        creds = Credentials(token)
+        extra: dict[str, Any] = {"kv_streams": args.kv_streams} if args.kv_streams else {}
+        if args.frame_target:
+            extra["frame_target"] = args.frame_target
+        sender = GrpcKVSender(
+            lambda a: creds.channel(a, channel_options([("grpc.max_send_message_length", grpc_message_limit())]),
+                                    attach_token=False),
+            proof=creds.call_proof if creds.key is not None else None, cluster_token=creds.cluster_token, **extra)
+        rng = random.Random(0)
+        bs = info["block_size"]
+        dtype = getattr(torch, info["kv_dtype"])
+        for tokens in args.tokens:
+            n = -(-tokens // bs)
+            data = torch.randint(-8, 8, (n, *info["block_shape"]), dtype=torch.int8).to(dtype)   # as read_blocks: contiguous
+            times, nbytes = [], 0
+            for i in range(args.warmup + args.iters):
+                prompt = [rng.randrange(2, info["vocab_size"]) for _ in range(tokens)]
+                rid = f"kvs-{tokens}-{i}"
+                res = decode.ask(op="reserve", rid=rid, prompt=prompt)
+                hashes = transfer_block_hashes(prompt, bs)
+                blocks = [KVBlock(rid, j, hashes[j], data[j]) for j in res["needed"]]
+                stream = sender.open(info["address"], rid, bytes.fromhex(res["token"]))
+                try:
+                    await stream.heartbeat()
+                    await asyncio.sleep(0.05)
+                    t0 = time.perf_counter()
+                    await stream.send(blocks)
+                    result = await stream.finish(timeout=120)
+                    seconds = time.perf_counter() - t0
+                except BaseException:
+                    await stream.cancel()
+                    raise
+                finally:
+                    state = decode.ask(op="release", rid=rid)["state"]
+                if result.blocks != len(blocks) or state != "ready":
+                    raise RuntimeError(f"{rid}: {result.blocks}/{len(blocks)} acknowledged, decode side {state}")
+                nbytes = result.bytes
+                if i >= args.warmup:
+                    times.append(seconds)
+            raw = _raw_seconds(info["raw"], nbytes, max(2, args.iters))
+            ms = statistics.median(times) * 1e3
+            rows.append({"tokens": tokens, "MiB": nbytes / MiB, "grpc_ms": ms, "raw_ms": raw * 1e3,
+                         "ratio": ms / (raw * 1e3), "MiB_s": nbytes / MiB / (ms / 1e3),
+                         "all_ms": [round(t * 1e3, 2) for t in times]})
+            print(f"| {tokens} | {nbytes / MiB:.2f} | {ms:.1f} | {raw * 1e3:.1f} | {ms / (raw * 1e3):.2f} | "
+                  f"{nbytes / MiB / (ms / 1e3):.0f} |", flush=True)
+        await sender.close()
+        free = decode.ask(op="stats")["free_blocks"]
+        if free != info["free_blocks"]:
+            raise RuntimeError(f"decode pool free blocks {free} != baseline {info['free_blocks']}")
+    finally:
+        decode.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="small", help="a model_maker preset or a checkpoint dir")
+    ap.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[1200, 4096])
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-kv-blocks", type=int, default=600)
+    ap.add_argument("--kv-streams", default="", help="GrpcKVSender's kv_streams (default: its own)")
+    ap.add_argument("--frame-target", type=int, default=0, help="GrpcKVSender's frame_target bytes (default: its own)")
+    ap.add_argument("--decode-host", default="127.0.0.1")
+    ap.add_argument("--decode-netns", default="", help="run the decode process in this network namespace")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--cluster-token", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve:
+        asyncio.run(_serve(args))
+        return 0
+    print("| tokens | KV MiB | gRPC ms | raw socket ms | gRPC / socket | gRPC MiB/s |\n|---:|---:|---:|---:|---:|---:|",
+          flush=True)
+    rows = asyncio.run(_measure(args))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

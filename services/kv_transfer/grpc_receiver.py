@@ -1,0 +1,235 @@
+"""The receiving end of the gRPC KV stream (``pdserve.v1.KVTransfer/PushBlocks``): frames
+parsed without a protobuf copy of the payload (frames.parse_frame: a frame's payload is a view
+of the received message), every frame's MAC checked before any of its bytes are used, each
+header announced to the ``KVSink`` before anything is allocated, whole blocks written into the
+pool straight from the message (a run of them per frame at once; a block spanning frames is
+gathered first), and the call ended with the sink's status on the first refusal (that request's
+blocks freed). The sender is grpc_transport.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import mmap
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from engine.kv_connector import HandoffError
+from pdserve.v1 import kv_pb2, kv_pb2_grpc
+from services.kv_transfer import shared_memory
+from services.kv_transfer.base import MAX_PENDING_HEADERS, KVSink
+from services.kv_transfer.frames import Frame, parse_frame
+from services.kv_transfer.receive_session import ReceiveSession
+from services.kv_transfer.wire_codec import WireMeta
+
+SERVICE = "pdserve.v1.KVTransfer"
+SHM_PROBE_BYTES = 64                  # the segment that asks a peer whether it shares memory with us
+OFF_LOOP_FRAME_BYTES = 256 << 10      # a frame with this much payload (or a segment) is stored from a thread
+
+
+@dataclass(slots=True)
+class _Pending:
+    meta: WireMeta           # nbytes: the block's size on the wire
+    buf: bytearray | None = None
+    filled: int = 0
+
+
+# A refused stream is read to its end (frames discarded, for at most this long) before its status
+# goes out: grpcio's asyncio client reports a write that meets an already-closed stream as
+# INTERNAL "Internal error from Core" and loses the server's status (grpc/grpc#36066), so a sender
+# still writing when the refusal came would see INTERNAL instead of NOT_FOUND / DATA_LOSS.
+REFUSAL_DRAIN_S = 0.5
+
+
+async def _drain(request_iterator: AsyncIterator[Frame], limit_s: float) -> None:
+    async def read_all() -> None:
+        async for _ in request_iterator:
+            pass
+    try:
+        await asyncio.wait_for(read_all(), limit_s)
+    except (asyncio.TimeoutError, grpc.RpcError, HandoffError, ValueError):
+        pass   # a sender that keeps writing, or frames that do not parse: the status goes out anyway
+
+
+class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
+    """Reassembles blocks and hands them to the sink; the first refusal ends the call."""
+
+    def __init__(self, sink: KVSink, shared_memory: bool = False,
+                 shared_memory_dir: str = shared_memory.SHM_DIR, cluster_token: str | bytes | None = None) -> None:
+        """shared_memory: accept frames whose payload is in a same-host shared-memory segment
+        (in shared_memory_dir). cluster_token: the deployment's, which keys the frames' MACs (as
+        the sender's; None: the transfer token alone)."""
+        self.sink = sink
+        self.cluster_token = cluster_token
+        self.shared_memory = shared_memory
+        self.shared_memory_dir = shared_memory_dir
+
+    async def PushBlocks(self, request_iterator: AsyncIterator[Frame], context: grpc.aio.ServicerContext
+                         ) -> kv_pb2.PushAck:
+        """A large frame's MAC check and pool writes run in a worker thread while the next frame
+        is received (the pool copy releases the GIL), and the loop keeps serving meanwhile; frames
+        are still taken strictly in order, the next one only once the last is stored."""
+        session = ReceiveSession(self.sink, self.cluster_token)
+        pending: deque[_Pending] = deque()
+        storing: asyncio.Future | None = None   # the previous frame, in its thread
+        try:
+            async for frame in request_iterator:
+                if storing is not None:
+                    await storing
+                    storing = None
+                if session.request_id and (frame.payload.nbytes >= OFF_LOOP_FRAME_BYTES or frame.shm is not None):
+                    storing = asyncio.ensure_future(asyncio.to_thread(self._frame, session, pending, frame))
+                elif (ack := self._frame(session, pending, frame)) is not None:
+                    return ack   # a shared-memory probe
+            if storing is not None:
+                await storing
+                storing = None
+            if context.cancelled():
+                raise asyncio.CancelledError()
+            if pending:
+                raise HandoffError("DATA_LOSS", f"stream ended with {len(pending)} block(s) incomplete")
+            return session.complete()
+        except HandoffError as exc:
+            session.fail(exc)
+            await _drain(request_iterator, REFUSAL_DRAIN_S)
+            await context.abort(getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL), str(exc))
+        except asyncio.CancelledError:
+            session.cancelled()
+            raise
+        finally:
+            if storing is not None:   # ended another way meanwhile: its outcome no longer matters
+                if storing.done() and not storing.cancelled():
+                    storing.exception()
+                storing.cancel()
+
+    def _frame(self, session: ReceiveSession, pending: deque[_Pending], frame: Frame) -> kv_pb2.PushAck | None:
+        """One frame, in stream order: its MAC checked before any of its bytes are used, its
+        headers announced, its payload stored. Returns the answer to a shared-memory probe."""
+        if frame.error:
+            raise HandoffError("INVALID_ARGUMENT", frame.error)
+        if not session.request_id:
+            if frame.open is not None and not frame.open.request_id and frame.shm is not None:
+                return self._probe(frame)
+            session.open(frame.open.request_id if frame.open is not None else "",
+                         frame.open.transfer_token if frame.open is not None else b"",
+                         frame.open.mac_algorithm if frame.open is not None else "")
+        elif frame.open is not None:
+            session.open(frame.open.request_id, frame.open.transfer_token)   # refused: opened once
+        if frame.shm is None:
+            session.verify([frame.signed], frame.mac)   # before any of its bytes are used
+        if not frame.headers and not frame.payload.nbytes and frame.shm is None:
+            session.heartbeat()
+            return None
+        if frame.shm is not None and pending:
+            raise HandoffError("INVALID_ARGUMENT", "a shared-memory frame must start at a block boundary")
+        for header in frame.headers:
+            if len(pending) >= MAX_PENDING_HEADERS:
+                raise HandoffError("INVALID_ARGUMENT", f"more than {MAX_PENDING_HEADERS} blocks announced ahead")
+            pending.append(_Pending(session.announce(header)))
+        segment = self._map(frame, pending) if frame.shm is not None else None
+        if segment is not None:
+            try:
+                session.verify([frame.signed, memoryview(segment)], frame.mac)
+            except HandoffError:
+                _close(segment)
+                raise
+        data = memoryview(segment) if segment is not None else frame.payload
+        _deliver(data, pending, session)
+        if segment is not None:
+            del data
+            _close(segment)
+        return None
+
+    def _probe(self, frame: Frame) -> kv_pb2.PushAck:
+        """A sender asks whether we share its memory: take its small segment (unlinking it is the
+        answer it checks). FAILED_PRECONDITION: no, send inline."""
+        if not self.shared_memory:
+            raise HandoffError("FAILED_PRECONDITION", "this worker takes no KV through shared memory")
+        if frame.headers or frame.payload.nbytes or not 0 < frame.shm.size <= SHM_PROBE_BYTES:
+            raise HandoffError("INVALID_ARGUMENT", f"a shared-memory probe names a segment of 1 to {SHM_PROBE_BYTES} "
+                                                   f"bytes and nothing else")
+        self._read_segment(frame.shm).close()
+        return kv_pb2.PushAck(blocks_received=0, bytes_received=frame.shm.size)
+
+    def _read_segment(self, shm: kv_pb2.KVSharedMemory) -> "mmap.mmap":
+        try:
+            return shared_memory.read_segment(shm.name, shm.size, self.shared_memory_dir)
+        except shared_memory.SegmentUnavailable as exc:   # not shared with the sender: it resends inline
+            raise HandoffError("FAILED_PRECONDITION", str(exc)) from None
+        except ValueError as exc:
+            raise HandoffError("DATA_LOSS", str(exc)) from None
+
+    def _map(self, frame: Frame, pending: deque[_Pending]) -> "mmap.mmap":
+        """The frame's payload from its shared-memory segment, after checking its size against the
+        headers (already checked against the reservation): nothing is mapped beyond them."""
+        if not self.shared_memory:
+            raise HandoffError("FAILED_PRECONDITION", "this worker takes no KV through shared memory")
+        if frame.payload.nbytes:
+            raise HandoffError("INVALID_ARGUMENT", "a frame carries its payload inline or in shared memory, not both")
+        declared = sum(p.meta.nbytes for p in pending)
+        if frame.shm.size != declared:
+            raise HandoffError("INVALID_ARGUMENT", f"shared-memory segment of {frame.shm.size} bytes for blocks of "
+                                                   f"{declared}")
+        return self._read_segment(frame.shm)
+
+
+def _deliver(data: memoryview, pending: deque[_Pending], session: ReceiveSession) -> None:
+    """A verified frame's payload into its announced blocks, in order. Runs of whole uncompressed
+    blocks go to the sink together, straight from the message (one pool copy per run); a block
+    spanning frames is gathered into a buffer first."""
+    run: list[WireMeta] = []
+    run_at = run_end = at = 0
+
+    def flush() -> None:
+        if run:
+            session.accept_run(run, data[run_at:run_end])
+            run.clear()
+
+    while at < data.nbytes:
+        if not pending:
+            raise HandoffError("INVALID_ARGUMENT", "payload bytes beyond the announced blocks")
+        p = pending[0]
+        size = p.meta.nbytes
+        if p.buf is None and data.nbytes - at >= size:   # the whole block is in this frame
+            pending.popleft()
+            if p.meta.codec == "off":
+                if not run:
+                    run_at = at
+                run.append(p.meta)
+                run_end = at + size
+            else:
+                flush()
+                session.accept(p.meta, data[at:at + size])
+            at += size
+            continue
+        flush()
+        if p.buf is None:
+            p.buf = bytearray(size)   # size was checked against the pool's block size (and its codec's bound)
+        take = min(size - p.filled, data.nbytes - at)
+        p.buf[p.filled:p.filled + take] = data[at:at + take]
+        p.filled += take
+        at += take
+        if p.filled == size:
+            pending.popleft()
+            session.accept(p.meta, memoryview(p.buf))
+    flush()
+
+
+def _close(segment: "mmap.mmap") -> None:
+    try:
+        segment.close()
+    except BufferError:   # a view still alive: the mapping goes with it
+        pass
+
+
+def register_kv_servicer(servicer: KVTransferServicer, server: grpc.aio.Server) -> None:
+    """Like ``kv_pb2_grpc.add_KVTransferServicer_to_server``, with the zero-copy frame parser."""
+    handlers = {
+        "PushBlocks": grpc.stream_unary_rpc_method_handler(
+            servicer.PushBlocks, request_deserializer=parse_frame,
+            response_serializer=kv_pb2.PushAck.SerializeToString)
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
