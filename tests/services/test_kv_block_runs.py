@@ -1,0 +1,130 @@
+"""Frames of whole blocks and the runs of blocks the receiver stores at once: where the sender
+cuts frames (frames.iter_wire_frames with a target), that it seals each frame as it is taken,
+and the connector's accept_many (every block checked before any is written, one pool copy per
+run, a refusal failing the whole request and freeing it)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.block_manager import transfer_block_hashes
+from engine.kv_connector import HandoffError, HandoffState
+from services.kv_transfer import KVBlock, integrity
+from services.kv_transfer.base import block_meta
+from services.kv_transfer.frames import iter_wire_frames, parse_frame
+from tests.conftest import assert_no_leak, random_prompts
+
+PROMPT = random_prompts(1, 60, 60, seed=78)[0]          # 8 blocks of 8 (the last one partial)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=tiny_qwen3, role="decode", dtype="float32", block_size=8, num_kv_blocks=64))
+
+
+def _raw_blocks(sizes: list[int]) -> list[KVBlock]:
+    return [KVBlock("r", i, 100 + i, torch.full((n // 4,), float(i))) for i, n in enumerate(sizes)]
+
+
+def _layout(frames: list[bytes]) -> list[tuple[list[int], int]]:
+    """Per frame: the block indices it announces and its payload bytes."""
+    parsed = [parse_frame(f) for f in frames]
+    assert not any(p.error for p in parsed)
+    return [([h.block_index for h in p.headers], p.payload.nbytes) for p in parsed]
+
+
+def test_frames_hold_whole_blocks_up_to_the_target() -> None:
+    blocks = _raw_blocks([96] * 7)
+    frames = list(iter_wire_frames([b.encode() for b in blocks], 1000, None, target_bytes=300))
+    assert _layout(frames) == [([0, 1, 2], 288), ([3, 4, 5], 288), ([6], 96)]
+    payload = b"".join(bytes(parse_frame(f).payload) for f in frames)
+    assert payload == b"".join(b.data.numpy().tobytes() for b in blocks)
+
+
+def test_a_block_beyond_the_target_has_a_frame_and_one_beyond_the_limit_spans_frames() -> None:
+    blocks = _raw_blocks([96, 600, 96, 2400, 96])
+    frames = list(iter_wire_frames([b.encode() for b in blocks], 1000, None, target_bytes=300))
+    assert _layout(frames) == [([0], 96), ([1], 600), ([2], 96), ([3], 1000), ([], 1000), ([], 400), ([4], 96)]
+    assert b"".join(bytes(parse_frame(f).payload) for f in frames) == b"".join(b.data.numpy().tobytes()
+                                                                                for b in blocks)
+
+
+def test_without_a_target_payloads_run_on_across_frames() -> None:
+    frames = list(iter_wire_frames([b.encode() for b in _raw_blocks([96] * 3)], 150))
+    assert [n for _, n in _layout(frames)] == [150, 138]
+
+
+def test_each_frame_is_sealed_when_it_is_taken() -> None:
+    """Frames leave as they are sealed: the MAC counter advances with each frame taken, not
+    all at once, and every frame verifies in order."""
+    key = integrity.mac_key(b"token", "cluster")
+    mac = integrity.StreamMac(key, integrity.PREFERRED)
+    frames = iter_wire_frames([b.encode() for b in _raw_blocks([96] * 6)], 1000, mac, target_bytes=200)
+    taken = [next(frames)]
+    assert mac.counter == 1
+    taken += list(frames)
+    assert mac.counter == len(taken) == 3
+    check = integrity.StreamMac(key, integrity.PREFERRED)
+    for f in taken:
+        p = parse_frame(f)
+        check.verify([p.signed], p.mac, "test")
+
+
+def _reserved(engine: LLMEngine, rid: str) -> tuple[bytes, list[KVBlock]]:
+    res = engine.reserve(rid, PROMPT, GREEDY)
+    assert res.needed_block_indices == list(range(8))
+    hashes = transfer_block_hashes(PROMPT, 8)
+    g = torch.Generator().manual_seed(3)
+    return res.transfer_token, [KVBlock(rid, i, hashes[i], torch.randn(engine.runner.block_shape, generator=g))
+                                for i in range(8)]
+
+
+def _run_of(blocks: list[KVBlock]) -> tuple[list, bytes]:
+    encoded = [b.encode() for b in blocks]
+    return [block_meta(h) for h, _ in encoded], b"".join(bytes(p) for _, p in encoded)
+
+
+def test_a_run_of_blocks_lands_bit_exact_and_the_request_becomes_ready(engine: LLMEngine) -> None:
+    rid = "run-exact"
+    token, blocks = _reserved(engine, rid)
+    metas, payload = _run_of(blocks[:5])
+    assert engine.kv.accept_many(metas, token, payload) is HandoffState.RECEIVING
+    metas, payload = _run_of(blocks[5:])
+    assert engine.kv.accept_many(metas, token, payload) is HandoffState.READY
+    stored = engine.runner.read_blocks(engine.kv.receiving[rid].seq.block_table)
+    for j, block in enumerate(blocks):
+        assert torch.equal(stored[j], block.data)
+    engine.abort(rid)
+    assert_no_leak(engine)
+
+
+def test_write_blocks_puts_each_block_in_its_place_in_any_order(engine: LLMEngine) -> None:
+    """The runner's one copy per run, for block ids in no order (index_copy_) and consecutive
+    ones (a slice), lands each block where a per-block write would."""
+    runner = engine.runner
+    g = torch.Generator().manual_seed(5)
+    for ids in ([9, 3, 20, 4], [30, 31, 32]):
+        data = torch.randn((len(ids), *runner.block_shape), generator=g)
+        runner.write_blocks(ids, data)
+        assert torch.equal(runner.read_blocks(ids), data)
+
+
+@pytest.mark.parametrize("fault", ["twice-in-a-run", "short-payload", "wrong-hash-inside"])
+def test_a_bad_run_fails_the_whole_request_and_frees_it(engine: LLMEngine, fault: str) -> None:
+    rid = f"run-{fault}"
+    token, blocks = _reserved(engine, rid)
+    metas, payload = _run_of(blocks[:3])
+    if fault == "twice-in-a-run":
+        metas, payload = _run_of([blocks[0], blocks[1], blocks[1]])
+    elif fault == "short-payload":
+        payload = payload[:-4]
+    else:
+        blocks[1].block_hash ^= 1
+        metas, payload = _run_of(blocks[:3])
+    with pytest.raises(HandoffError) as err:
+        engine.kv.accept_many(metas, token, payload)
+    assert err.value.code == "DATA_LOSS"
+    assert engine.kv.state(rid) is HandoffState.FAILED
+    assert_no_leak(engine)   # nothing written reaches the prefix cache: the request never became READY
