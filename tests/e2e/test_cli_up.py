@@ -36,9 +36,9 @@ def _free_port_run(n: int) -> int:
     raise RuntimeError("no run of free ports")
 
 
-def test_up_generate_and_sigterm(tiny_qwen3: str, tmp_path: Path) -> None:
+def test_up_generate_and_sigterm(tiny_qwen3: str, user_home: Path) -> None:
     port, http_port, metrics_base = free_port(), free_port(), _free_port_run(3)
-    home = tmp_path / "home"
+    home = user_home
     cmd = [sys.executable, "-m", "services.cli", "up", "--model", tiny_qwen3, "--port", str(port),
            "--prefill-workers", "1", "--decode-workers", "1", "--dtype", "float32",
            "--metrics-port-base", str(metrics_base), "--log-level", "info",
