@@ -202,6 +202,23 @@ def tiny_qwen3(model_root: Path) -> str:
     return str(path)
 
 
+@pytest.fixture
+def user_home(tmp_path: Path) -> Path:
+    """A fresh PDSERVE_HOME for a test that runs pdserve as a user would (and finds its processes by
+    it), whose ``kernels`` is the suite's: a fresh home compiles the C++ kernels again, about 16 s
+    of both cores each time (first-run builds are test_kernel_build's and the CI's first test's)."""
+    from engine.layers import cpu_kernels
+    from engine.settings import pdserve_home
+
+    cpu_kernels.load()   # built once into the suite's home (a no-op where kernels are off)
+    home = tmp_path / "home"
+    home.mkdir()
+    shared = pdserve_home() / "kernels"
+    if shared.is_dir():
+        (home / "kernels").symlink_to(shared, target_is_directory=True)
+    return home
+
+
 def random_prompts(n: int, min_len: int, max_len: int, vocab: int = 1024, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(2, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]

@@ -1,6 +1,8 @@
 """Helpers for end-to-end tests against real processes."""
 from __future__ import annotations
 
+import subprocess
+import threading
 import time
 import urllib.request
 
@@ -64,3 +66,37 @@ def scrape(metrics_address: str) -> dict[str, float]:
 def metric(samples: dict[str, float], name: str) -> float:
     """Sum of every series of one metric name, whatever its labels."""
     return sum(v for k, v in samples.items() if k.split("{", 1)[0] == name)
+
+
+class UpOutput(list):
+    """The lines a `pdserve up` printed so far; a background thread keeps appending until EOF."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pump: threading.Thread | None = None
+
+    def text(self, timeout: float = 30) -> str:
+        """Everything printed, once the process has closed its output (waits at most timeout)."""
+        if self.pump is not None:
+            self.pump.join(timeout)
+        return "".join(self)
+
+
+def wait_up_line(proc: subprocess.Popen, timeout: float = 120) -> UpOutput:
+    """Read a `pdserve up`'s output until it says it is up (what a user waits for); keep reading in
+    the background so its pipe never fills. Returns the lines collected, growing."""
+    lines = UpOutput()
+    up = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("pdserve is up"):
+                up.set()
+        up.set()   # EOF: it exited before saying so
+
+    lines.pump = threading.Thread(target=pump, daemon=True)
+    lines.pump.start()
+    if not up.wait(timeout) or not any(line.startswith("pdserve is up") for line in lines):
+        raise AssertionError("pdserve up did not come up:\n" + "".join(lines[-50:]))
+    return lines

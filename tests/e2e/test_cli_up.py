@@ -14,10 +14,9 @@ import socket
 from pathlib import Path
 
 from services.client import Client
-from services.deployment.launcher import wait_serving
 from services.deployment.ports import free_port
 from tests.conftest import hf_greedy, random_prompts
-from tests.serving import scrape
+from tests.serving import scrape, wait_up_line
 
 
 def _free_port_run(n: int) -> int:
@@ -36,17 +35,17 @@ def _free_port_run(n: int) -> int:
     raise RuntimeError("no run of free ports")
 
 
-def test_up_generate_and_sigterm(tiny_qwen3: str, tmp_path: Path) -> None:
+def test_up_generate_and_sigterm(tiny_qwen3: str, user_home: Path) -> None:
     port, http_port, metrics_base = free_port(), free_port(), _free_port_run(3)
-    home = tmp_path / "home"
+    home = user_home
     cmd = [sys.executable, "-m", "services.cli", "up", "--model", tiny_qwen3, "--port", str(port),
            "--prefill-workers", "1", "--decode-workers", "1", "--dtype", "float32",
-           "--metrics-port-base", str(metrics_base), "--log-level", "info",
+           "--metrics-port-base", str(metrics_base), "--log-level", "info", "--kv-cache-memory-bytes", str(64 << 20),
            "--http-port", str(http_port), "--served-model-name", "tiny"]
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                           env={**os.environ, "PDSERVE_HOME": str(home)})
     try:
-        wait_serving(f"127.0.0.1:{port}", up, timeout=120)
+        lines = wait_up_line(up)   # what a user waits for: the line saying it is up
         # fixed metrics ports: the router on the base, then prefill-0, decode-0
         for offset, role in enumerate(("router", "prefill", "decode")):
             samples = scrape(f"127.0.0.1:{metrics_base + offset}")
@@ -75,7 +74,8 @@ def test_up_generate_and_sigterm(tiny_qwen3: str, tmp_path: Path) -> None:
             assert b"PDSERVE_LOG_LEVEL=INFO\0" in Path(f"/proc/{pid}/environ").read_bytes()
     finally:
         up.send_signal(signal.SIGTERM)
-        output, _ = up.communicate(timeout=30)
+        up.wait(timeout=30)
+    output = lines.text()
     assert up.returncode == 0, output
     assert f"router at 127.0.0.1:{port}" in output
     assert f"OpenAI-compatible HTTP API at http://127.0.0.1:{http_port}/v1" in output

@@ -110,10 +110,10 @@ def readme_ray_commands() -> list[list[str]]:
     return [shlex.split(line.split(" #")[0])[1:] for line in block.splitlines() if line.startswith("pdserve ray ")]
 
 
-def test_readme_ray_quick_start_as_written(tmp_path: Path) -> None:
+def test_readme_ray_quick_start_as_written(user_home: Path) -> None:
     """On this machine (2 cores): the head's CPUs are shared out, the deployment serves, `ray down`
     removes it and the local head it started. Only --port is added (50051 may be taken here)."""
-    home = tmp_path / "home"
+    home = user_home
     env = _user_env(home)
     up, down = readme_ray_commands()
     assert up[:2] == ["ray", "up"] and down[:2] == ["ray", "down"] and "--address" in up
@@ -133,10 +133,10 @@ def test_readme_ray_quick_start_as_written(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("auth", ["none", "token"])
-def test_ray_up_against_a_ray_start_cluster(tmp_path: Path, auth: str) -> None:
+def test_ray_up_against_a_ray_start_cluster(user_home: Path, auth: str) -> None:
     """`ray start --head` without auth: works, with a warning. With token auth: the configured token
     is used (RAY_AUTH_TOKEN, no RAY_AUTH_MODE needed); without a token: one line, exit 1."""
-    home = tmp_path / "home"
+    home = user_home
     gcs_port, router_port = free_port(), free_port()
     token = secrets.token_hex(16) if auth == "token" else None
     head = _ray_start(home, gcs_port, token)
@@ -182,10 +182,10 @@ def test_ray_up_against_a_ray_start_cluster(tmp_path: Path, auth: str) -> None:
     _assert_nothing_left(home)
 
 
-def test_failed_local_ray_up_stops_the_head_it_started(tmp_path: Path) -> None:
+def test_failed_local_ray_up_stops_the_head_it_started(user_home: Path) -> None:
     """Workers bigger than any node: `ray up --address local` fails (at once, once the head is up),
     names the flags that fix it, and stops the local head it had started."""
-    home = tmp_path / "home"
+    home = user_home
     env = _user_env(home)
     t0 = time.monotonic()
     res = _pdserve(["ray", "up", "--address", "local", "--worker-host", "node-ip", "--worker-cpus", "64",

@@ -19,9 +19,9 @@ import grpc
 
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.client import Client
-from services.deployment.launcher import Cluster
+from services.deployment.launcher import PROBE_OPTIONS, Cluster
 from tests.conftest import random_prompts
-from tests.serving import channel, start_cluster, worker_status, workers
+from tests.serving import channel, start_cluster
 
 REPORT_ENV = "PDSERVE_FAULT_REPORT"
 STALL_S = 3.0
@@ -111,6 +111,9 @@ class FaultCluster:
             shutil.rmtree(self._log_dir, ignore_errors=True)
             raise
         self._busy = itertools.count(1)   # busy prompt numbers (next() is atomic)
+        # One channel per worker address, kept (reconnecting within 0.5 s of a restart): a status
+        # poll over a new channel took long enough under load to miss a phase of a few hundred ms.
+        self._channels: dict[str, grpc.Channel] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._supervise, daemon=True)
         self._thread.start()
@@ -127,6 +130,8 @@ class FaultCluster:
             if p.alive:
                 os.kill(p.popen.pid, signal.SIGCONT)
         self.cluster.stop()
+        for ch in self._channels.values():
+            ch.close()
         shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def logs(self, tail_chars: int = 3000) -> str:
@@ -145,7 +150,11 @@ class FaultCluster:
         return [p.name for p in self.cluster.processes if p.name.startswith(role)]
 
     def status(self, name: str) -> worker_pb2.WorkerStatus:
-        return worker_status(self.cluster, self.process(name).address)
+        address = self.process(name).address
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = self.cluster.spec.credentials.sync_channel(address, PROBE_OPTIONS)
+        return worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.StatusRequest(), timeout=10)
 
     def holding(self, role: str, field_name: str) -> str | None:
         """The worker of role whose status field is > 0 (None if none)."""
@@ -187,13 +196,13 @@ class FaultCluster:
 
     def all_healthy(self) -> bool:
         try:
-            return all(worker_status(self.cluster, a).num_total_blocks > 0 for a in workers(self.cluster))
+            return all(self.status(p.name).num_total_blocks > 0 for p in self.cluster.processes if p.name != "router")
         except grpc.RpcError:
             return False
 
     def at_baseline(self) -> bool:
         try:
-            statuses = [worker_status(self.cluster, a) for a in workers(self.cluster)]
+            statuses = [self.status(p.name) for p in self.cluster.processes if p.name != "router"]
         except grpc.RpcError:
             return False
         return all(s.num_free_blocks == s.num_total_blocks and s.num_reserved == 0 for s in statuses)

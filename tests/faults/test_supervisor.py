@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
@@ -19,6 +18,7 @@ from services.process_table import is_alive
 from services.deployment.launcher import PARENT_PID_ENV, free_port
 from tests.conftest import hf_greedy, random_prompts
 from tests.faults.harness import observe, wait_for
+from tests.serving import wait_up_line
 
 pytestmark = pytest.mark.faults
 
@@ -86,24 +86,6 @@ def _health(address: str) -> int | None:
         return None
 
 
-def _wait_up(proc: subprocess.Popen, timeout: float = 120) -> list[str]:
-    """Read the supervisor's output until it says it is up (it supervises from then on); keep
-    reading in the background so its pipe never fills. Returns the collected lines."""
-    lines: list[str] = []
-    up = threading.Event()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("pdserve is up"):
-                up.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not up.wait(timeout):
-        raise AssertionError("pdserve up did not come up:\n" + "".join(lines[-50:]))
-    return lines
-
-
 @pytest.fixture(scope="module")
 def _shared_up(tiny_qwen3: str):
     """One `pdserve up` for the module's tests (each leaves it serving again: a child it killed is
@@ -116,7 +98,7 @@ def _shared_up(tiny_qwen3: str):
                 _stop(current["proc"], _children(current["proc"].pid))
             port = free_port()
             proc = _up(tiny_qwen3, port, "--stall-timeout-s", "3")
-            current.update(proc=proc, address=f"127.0.0.1:{port}", lines=_wait_up(proc))
+            current.update(proc=proc, address=f"127.0.0.1:{port}", lines=wait_up_line(proc))
         return current["proc"], current["address"], current["lines"]
 
     yield get
@@ -196,7 +178,7 @@ def test_sigterm_stops_the_router_after_its_streams_finish(tiny_qwen3: str) -> N
     port = free_port()
     proc = _up(tiny_qwen3, port)
     address = f"127.0.0.1:{port}"
-    _wait_up(proc)
+    wait_up_line(proc)
     children = _children(proc.pid)
     try:
         obs = observe(address, PROMPT, 200)
