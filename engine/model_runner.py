@@ -283,7 +283,7 @@ class ModelRunner:
             return
         entries = [x for entry, _ in pending for x in entry]
         data = torch.cat([d for _, d in pending])
-        self.ranks.send([OP_WRITE_KV, len(pending), data.numel()], torch.tensor(entries, dtype=torch.int64), data)
+        self.ranks.send([OP_WRITE_KV, len(entries) // 3, data.numel()], torch.tensor(entries, dtype=torch.int64), data)
 
     @property
     def kv_dtype_name(self) -> str:
