@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import mmap
 from collections import deque
-from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
@@ -19,20 +18,13 @@ import grpc
 from engine.kv_connector import HandoffError
 from pdserve.v1 import kv_pb2, kv_pb2_grpc
 from services.kv_transfer import shared_memory
-from services.kv_transfer.base import MAX_PENDING_HEADERS, KVSink
+from services.kv_transfer.base import KVSink
+from services.kv_transfer.frame_intake import Pending, announce, deliver, end, open_or_refuse, take_inline
 from services.kv_transfer.frames import Frame, parse_frame
 from services.kv_transfer.receive_session import ReceiveSession
-from services.kv_transfer.wire_codec import WireMeta
 
 SERVICE = "pdserve.v1.KVTransfer"
 SHM_PROBE_BYTES = 64                  # the segment that asks a peer whether it shares memory with us
-
-
-@dataclass(slots=True)
-class _Pending:
-    meta: WireMeta           # nbytes: the block's size on the wire
-    buf: bytearray | None = None
-    filled: int = 0
 
 
 # A refused stream is read to its end (frames discarded, for at most this long) before its status
@@ -71,16 +63,14 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
         # Gbit/s, 32 MiB) storing large frames from a worker thread was slower (medians 109-113
         # against 80-81 ms): the thread and the loop pass the GIL back and forth.
         session = ReceiveSession(self.sink, self.cluster_token)
-        pending: deque[_Pending] = deque()
+        pending: deque[Pending] = deque()
         try:
             async for frame in request_iterator:
                 if (ack := self._frame(session, pending, frame)) is not None:
                     return ack   # a shared-memory probe
             if context.cancelled():
                 raise asyncio.CancelledError()
-            if pending:
-                raise HandoffError("DATA_LOSS", f"stream ended with {len(pending)} block(s) incomplete")
-            return session.complete()
+            return end(session, pending)
         except HandoffError as exc:
             session.fail(exc)
             await _drain(request_iterator, REFUSAL_DRAIN_S)
@@ -89,42 +79,30 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
             session.cancelled()
             raise
 
-    def _frame(self, session: ReceiveSession, pending: deque[_Pending], frame: Frame) -> kv_pb2.PushAck | None:
+    def _frame(self, session: ReceiveSession, pending: deque[Pending], frame: Frame) -> kv_pb2.PushAck | None:
         """One frame, in stream order: its MAC checked before any of its bytes are used, its
         headers announced, its payload stored. Returns the answer to a shared-memory probe."""
+        if frame.shm is None:
+            take_inline(session, pending, frame)
+            return None
         if frame.error:
             raise HandoffError("INVALID_ARGUMENT", frame.error)
-        if not session.request_id:
-            if frame.open is not None and not frame.open.request_id and frame.shm is not None:
-                return self._probe(frame)
-            session.open(frame.open.request_id if frame.open is not None else "",
-                         frame.open.transfer_token if frame.open is not None else b"",
-                         frame.open.mac_algorithm if frame.open is not None else "")
-        elif frame.open is not None:
-            session.open(frame.open.request_id, frame.open.transfer_token)   # refused: opened once
-        if frame.shm is None:
-            session.verify([frame.signed], frame.mac)   # before any of its bytes are used
-        if not frame.headers and not frame.payload.nbytes and frame.shm is None:
-            session.heartbeat()
-            return None
-        if frame.shm is not None and pending:
+        if not session.request_id and frame.open is not None and not frame.open.request_id:
+            return self._probe(frame)   # an open without a request, naming a segment
+        open_or_refuse(session, frame)
+        if pending:
             raise HandoffError("INVALID_ARGUMENT", "a shared-memory frame must start at a block boundary")
-        for header in frame.headers:
-            if len(pending) >= MAX_PENDING_HEADERS:
-                raise HandoffError("INVALID_ARGUMENT", f"more than {MAX_PENDING_HEADERS} blocks announced ahead")
-            pending.append(_Pending(session.announce(header)))
-        segment = self._map(frame, pending) if frame.shm is not None else None
-        if segment is not None:
-            try:
-                session.verify([frame.signed, memoryview(segment)], frame.mac)
-            except HandoffError:
-                _close(segment)
-                raise
-        data = memoryview(segment) if segment is not None else frame.payload
-        _deliver(data, pending, session)
-        if segment is not None:
-            del data
+        announce(session, pending, frame.headers)
+        segment = self._map(frame, pending)
+        try:
+            session.verify([frame.signed, memoryview(segment)], frame.mac)
+        except HandoffError:
             _close(segment)
+            raise
+        data = memoryview(segment)
+        deliver(data, pending, session)
+        del data
+        _close(segment)
         return None
 
     def _probe(self, frame: Frame) -> kv_pb2.PushAck:
@@ -146,7 +124,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
         except ValueError as exc:
             raise HandoffError("DATA_LOSS", str(exc)) from None
 
-    def _map(self, frame: Frame, pending: deque[_Pending]) -> "mmap.mmap":
+    def _map(self, frame: Frame, pending: deque[Pending]) -> "mmap.mmap":
         """The frame's payload from its shared-memory segment, after checking its size against the
         headers (already checked against the reservation): nothing is mapped beyond them."""
         if not self.shared_memory:
@@ -158,48 +136,6 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
             raise HandoffError("INVALID_ARGUMENT", f"shared-memory segment of {frame.shm.size} bytes for blocks of "
                                                    f"{declared}")
         return self._read_segment(frame.shm)
-
-
-def _deliver(data: memoryview, pending: deque[_Pending], session: ReceiveSession) -> None:
-    """A verified frame's payload into its announced blocks, in order. Runs of whole uncompressed
-    blocks go to the sink together, straight from the message (one pool copy per run); a block
-    spanning frames is gathered into a buffer first."""
-    run: list[WireMeta] = []
-    run_at = run_end = at = 0
-
-    def flush() -> None:
-        if run:
-            session.accept_run(run, data[run_at:run_end])
-            run.clear()
-
-    while at < data.nbytes:
-        if not pending:
-            raise HandoffError("INVALID_ARGUMENT", "payload bytes beyond the announced blocks")
-        p = pending[0]
-        size = p.meta.nbytes
-        if p.buf is None and data.nbytes - at >= size:   # the whole block is in this frame
-            pending.popleft()
-            if p.meta.codec == "off":
-                if not run:
-                    run_at = at
-                run.append(p.meta)
-                run_end = at + size
-            else:
-                flush()
-                session.accept(p.meta, data[at:at + size])
-            at += size
-            continue
-        flush()
-        if p.buf is None:
-            p.buf = bytearray(size)   # size was checked against the pool's block size (and its codec's bound)
-        take = min(size - p.filled, data.nbytes - at)
-        p.buf[p.filled:p.filled + take] = data[at:at + take]
-        p.filled += take
-        at += take
-        if p.filled == size:
-            pending.popleft()
-            session.accept(p.meta, memoryview(p.buf))
-    flush()
 
 
 def _close(segment: "mmap.mmap") -> None:
