@@ -82,14 +82,16 @@ class KVEvents(_message.Message):
     def __init__(self, reset: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("address", "transfer_token", "needed_block_indices")
+    __slots__ = ("address", "transfer_token", "needed_block_indices", "data_address")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NEEDED_BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     address: str
     transfer_token: bytes
     needed_block_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, address: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., needed_block_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    data_address: str
+    def __init__(self, address: _Optional[str] = ..., transfer_token: _Optional[bytes] = ..., needed_block_indices: _Optional[_Iterable[int]] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params", "target")
@@ -170,18 +172,20 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("needed_block_indices", "held_block_hashes", "num_blocks", "transfer_token", "lease_ms")
+    __slots__ = ("needed_block_indices", "held_block_hashes", "num_blocks", "transfer_token", "lease_ms", "data_address")
     NEEDED_BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
     HELD_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     needed_block_indices: _containers.RepeatedScalarFieldContainer[int]
     held_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     num_blocks: int
     transfer_token: bytes
     lease_ms: int
-    def __init__(self, needed_block_indices: _Optional[_Iterable[int]] = ..., held_block_hashes: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., transfer_token: _Optional[bytes] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    data_address: str
+    def __init__(self, needed_block_indices: _Optional[_Iterable[int]] = ..., held_block_hashes: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., transfer_token: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "first_token_id", "kv_wait_ms")
