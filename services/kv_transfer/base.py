@@ -124,6 +124,7 @@ class SendResult:
     seconds: float
     wire_bytes: int = 0       # their payload bytes on the wire (encoded; 0: not counted by the transport)
     codec: str = "off"        # the stream's wire codec
+    streams: int = 1          # connections the transfer's frames went over
 
 
 class KVStream(abc.ABC):

@@ -27,13 +27,19 @@ def _field(number: int, data: bytes | memoryview) -> list[bytes | memoryview]:
     return [bytes([(number << 3) | 2]), _varint(len(data) if isinstance(data, bytes) else data.nbytes), data]
 
 
-def _sealed(parts: list[bytes | memoryview], mac: "integrity.StreamMac | None",
-            covered: Sequence[memoryview] = ()) -> bytes:
-    """parts joined (the one copy of the payload), with the frame's MAC (over parts, then
-    covered: a shared-memory segment's bytes) as the last field; no MAC when mac is None."""
+def _seal_parts(parts: list[bytes | memoryview], mac: "integrity.StreamMac | None",
+                covered: Sequence[memoryview] = ()) -> list[bytes | memoryview]:
+    """parts with the frame's MAC (over parts, then covered: a shared-memory segment's bytes) as
+    the last field; no MAC when mac is None."""
     if mac is not None:
         parts = [*parts, *_field(_MAC, mac.seal([*parts, *covered]))]
-    return b"".join(parts)
+    return parts
+
+
+def _sealed(parts: list[bytes | memoryview], mac: "integrity.StreamMac | None",
+            covered: Sequence[memoryview] = ()) -> bytes:
+    """_seal_parts joined: the one copy of the payload."""
+    return b"".join(_seal_parts(parts, mac, covered))
 
 
 def encode_open(request_id: str, token: bytes, mac: "integrity.StreamMac | None" = None) -> bytes:
@@ -109,14 +115,22 @@ def iter_wire_frames(encoded: Sequence[tuple[kv_pb2.KVBlockHeader, bytes | memor
     also holds whole blocks only, up to target_bytes of payload (at least one block; one larger
     than frame_bytes still runs on across frames): whole blocks in one frame let the receiver
     write them into its pool straight from the message."""
+    return map(b"".join, iter_frame_parts(encoded, frame_bytes, mac, target_bytes))
+
+
+def iter_frame_parts(encoded: Sequence[tuple[kv_pb2.KVBlockHeader, bytes | memoryview]], frame_bytes: int,
+                     mac: "integrity.StreamMac | None" = None, target_bytes: int | None = None
+                     ) -> Iterator[list[bytes | memoryview]]:
+    """As iter_wire_frames, each frame as its parts, unjoined: the payload stays a view of the
+    blocks' own bytes (a socket writes the parts with one gather write, no copy)."""
     target = min(target_bytes, frame_bytes) if target_bytes else None
     parts: list[bytes | memoryview] = []
     chunks: list[memoryview] = []
     used = 0
 
-    def sealed() -> bytes:
+    def sealed() -> list[bytes | memoryview]:
         nonlocal parts, chunks, used
-        frame = _sealed([*parts, bytes([(_PAYLOAD << 3) | 2]), _varint(used), *chunks] if chunks else parts, mac)
+        frame = _seal_parts([*parts, bytes([(_PAYLOAD << 3) | 2]), _varint(used), *chunks] if chunks else parts, mac)
         parts, chunks, used = [], [], 0
         return frame
 

@@ -1,6 +1,6 @@
 """The KV transports as byte pipes under the decode engine's KV connector: the same cases over
 gRPC (a real in-process server on loopback), gRPC with the payloads in shared-memory segments,
-and the Ray object-store transport (its sender and receiver joined by a stand-in for the actor
+the raw TCP data plane (a real listener on loopback), and the Ray object-store transport (its sender and receiver joined by a stand-in for the actor
 call; the real Ray path runs in test_ray_serving)."""
 from __future__ import annotations
 
@@ -23,10 +23,12 @@ from services.kv_transfer import GrpcKVSender, KVBlock, KVSender, KVTransferErro
 from services.kv_transfer import integrity, shared_memory
 from services.kv_transfer.grpc_transport import encode_open, register_kv_servicer
 from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender
+from services.kv_transfer.tcp_receiver import KVDataListener
+from services.kv_transfer.tcp_transport import TcpKVSender
 from services.grpc_setup import options as channel_options
 from tests.conftest import assert_no_leak, random_prompts
 
-TRANSPORTS = ("grpc", "grpc-shm", "ray")
+TRANSPORTS = ("grpc", "grpc-shm", "tcp", "ray")
 PROMPT = random_prompts(1, 60, 60, seed=77)[0]          # 8 blocks of 8 (the last one partial)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -101,6 +103,14 @@ async def transport(kind: str, engine: LLMEngine, chunk_bytes: int) -> AsyncIter
                 yield sender, target
             finally:
                 await sender.close()
+    elif kind == "tcp":
+        listener = KVDataListener(engine.kv, "127.0.0.1").start()
+        sender = TcpKVSender(frame_bytes=chunk_bytes)
+        try:
+            yield sender, listener.address()
+        finally:
+            await sender.close()
+            listener.close()
     else:
         actor = _FakeActor(RayKVReceiver(engine.kv))
         sender = RayKVSender(chunk_bytes=chunk_bytes, put=lambda arrays: _Ready(arrays))
@@ -238,8 +248,9 @@ def test_cancel_frees_the_reservation(engine: LLMEngine, kind: str) -> None:
                 await asyncio.sleep(0.02)
     _run(run())
     assert engine.kv.state(rid) is HandoffState.FAILED
-    # gRPC sees a cancelled stream end early (DATA_LOSS); Ray gets an explicit cancel (ABORTED)
-    assert engine.kv.failure(rid).code == ("ABORTED" if kind == "ray" else "DATA_LOSS")
+    # gRPC sees a cancelled stream end early (DATA_LOSS); Ray gets an explicit cancel, and the TCP
+    # data plane its connection closed mid-transfer (ABORTED)
+    assert engine.kv.failure(rid).code == ("DATA_LOSS" if kind.startswith("grpc") else "ABORTED")
     assert_no_leak(engine)
 
 

@@ -1,0 +1,240 @@
+"""The decode worker's raw TCP KV data plane (the wire: tcp_wire.py; the sender:
+tcp_transport.py), next to the gRPC stream (grpc_receiver.py), which stays the fallback.
+
+A listener thread accepts up to ``max_connections`` connections, each served by its own thread:
+the peer proves the cluster token (and, with the deployment's TLS files, its certificate)
+before anything else is read, then sends transfers one at a time. Every frame is read with
+``recv_into`` into the connection's one reused buffer (its length checked first), its MAC
+checked and its blocks written into the pool by the connector in that thread: socket reads,
+the MAC (OpenSSL) and the pool copy (torch) release the GIL, so the worker's event loop keeps
+serving while the bytes come in. The connector is lock-protected and hands its state changes to
+the loop itself (AsyncEngine._on_kv_change). The per-frame steps are the gRPC stream's
+(frame_intake.py, receive_session.py): the same checks, the same failure rule.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.kv_connector import HandoffError
+from services.kv_transfer import tcp_wire
+from services.kv_transfer.base import KVSink
+from services.kv_transfer.frame_intake import Pending, end, take_inline
+from services.kv_transfer.frames import parse_frame
+from services.kv_transfer.receive_session import ReceiveSession
+from services.security import is_loopback
+
+log = logging.getLogger(__name__)
+
+REFUSAL_DRAIN_S = 0.5      # after an ERROR, the rest the sender had in flight is read and dropped this long
+ACCEPT_POLL_S = 0.5        # how often the accept loop looks at the close flag
+
+
+@dataclass(frozen=True, slots=True)
+class DataPlaneLimits:
+    max_connections: int = 64         # connections served at once; more are refused (RESOURCE_EXHAUSTED)
+    handshake_timeout_s: float = 5.0  # the TLS handshake and the token proof, each at most
+    idle_timeout_s: float = 120.0     # an idle connection (between transfers) is closed after this
+    frame_timeout_s: float = 30.0     # inside a transfer, the next record must start within this
+                                      # (a prefill worker heartbeats every 0.5 s while it computes)
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        for name in ("handshake_timeout_s", "idle_timeout_s", "frame_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+class KVDataListener:
+    """Accepts KV data-plane connections on host:port (0: ephemeral) and feeds sink."""
+
+    def __init__(self, sink: KVSink, host: str, port: int = 0, *, cluster_token: str | bytes | None = None,
+                 tls: ssl.SSLContext | None = None, limits: DataPlaneLimits = DataPlaneLimits()) -> None:
+        """cluster_token: the deployment's; it keys the handshake and the frames' MACs. None is
+        allowed on a loopback host only (--insecure-no-auth), as for the gRPC plane.
+        tls: a server context (tcp_wire.server_context) from the deployment's mTLS files."""
+        if not cluster_token and not is_loopback(host):
+            raise ValueError(f"the KV data plane would listen on {host} (not loopback) without a cluster token: "
+                             f"set $PDSERVE_CLUSTER_TOKEN, or use --kv-data-plane grpc")
+        if not 0 <= port < 65536:
+            raise ValueError(f"kv_data_port must be 0-65535, got {port}")
+        self.sink, self.cluster_token, self.tls, self.limits = sink, cluster_token, tls, limits
+        self._key = tcp_wire.auth_key(cluster_token)
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        self._sock = socket.create_server((host.strip("[]"), port), family=family, backlog=128)
+        self._sock.settimeout(ACCEPT_POLL_S)
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self._slots = threading.BoundedSemaphore(limits.max_connections)
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._threads: set[threading.Thread] = set()
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kv-data-accept-{self.port}", daemon=True)
+
+    def start(self) -> "KVDataListener":
+        self._acceptor.start()
+        return self
+
+    def address(self, host: str | None = None) -> str:
+        host = host or self.host
+        return f"[{host}]:{self.port}" if ":" in host and not host.startswith("[") else f"{host}:{self.port}"
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop accepting, end every connection (a transfer in flight fails as cancelled) and wait
+        for their threads, up to timeout_s."""
+        self._closed.set()
+        self._sock.close()
+        with self._lock:
+            conns, threads = list(self._open), list(self._threads)
+        for conn in conns:
+            _shutdown(conn)
+        deadline = time.monotonic() + timeout_s
+        for thread in [self._acceptor, *threads]:
+            if thread.is_alive():
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    # ---- connections ------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return   # closed
+            if not self._slots.acquire(blocking=False):
+                _refuse(conn, "RESOURCE_EXHAUSTED", f"the KV data plane serves at most "
+                                                    f"{self.limits.max_connections} connections")
+                continue
+            thread = threading.Thread(target=self._serve, args=(conn, peer), name=f"kv-data-{peer[1]}", daemon=True)
+            with self._lock:
+                self._open.add(conn)
+                self._threads.add(thread)
+            thread.start()
+
+    def _serve(self, conn: socket.socket, peer: tuple) -> None:
+        raw = conn
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self.limits.handshake_timeout_s)
+            if self.tls is not None:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+                with self._lock:
+                    self._open.add(conn)
+            tcp_wire.server_handshake(conn, self._key)
+            buffer = _Buffer()
+            while not self._closed.is_set() and self._transfer(conn, buffer):
+                pass
+        except tcp_wire.Refused as exc:
+            log.warning("KV data-plane connection from %s refused: %s", peer[0], exc)
+        except (OSError, tcp_wire.WireError) as exc:
+            log.debug("KV data-plane connection from %s ended: %s", peer[0], exc)
+        finally:
+            _shutdown(conn)
+            conn.close()
+            raw.close()
+            with self._lock:
+                self._open.discard(conn)
+                self._open.discard(raw)
+                self._threads.discard(threading.current_thread())
+            self._slots.release()
+
+    def _transfer(self, conn: socket.socket, buffer: "_Buffer") -> bool:
+        """One transfer, FRAME records to END, answered ACK or ERROR. False: the connection ends."""
+        conn.settimeout(self.limits.idle_timeout_s)
+        session = ReceiveSession(self.sink, self.cluster_token)
+        try:
+            header = tcp_wire.read_header(conn, at_start=True)
+        except (OSError, tcp_wire.Closed):
+            return False   # idle past its deadline, or closed
+        except tcp_wire.WireError as exc:   # an unknown kind, an oversized length: refused, nothing allocated
+            self._refuse(conn, session, HandoffError("INVALID_ARGUMENT", str(exc)))
+            return False
+        if header is None:
+            return False
+        pending: deque[Pending] = deque()
+        conn.settimeout(self.limits.frame_timeout_s)
+        try:
+            while True:
+                kind, length = header
+                if kind == tcp_wire.END:
+                    conn.sendall(tcp_wire.record(tcp_wire.ACK, end(session, pending).SerializeToString()))
+                    return True
+                if kind != tcp_wire.FRAME:
+                    raise HandoffError("INVALID_ARGUMENT", f"KV record kind {kind} inside a transfer")
+                view = buffer.take(length)
+                tcp_wire.recv_exact(conn, view)
+                take_inline(session, pending, parse_frame(view))
+                del view
+                header = tcp_wire.read_header(conn)
+        except tcp_wire.Closed:
+            session.cancelled()   # the sender went away mid-transfer: as a cancelled gRPC stream
+        except tcp_wire.WireError as exc:
+            self._refuse(conn, session, HandoffError("INVALID_ARGUMENT", str(exc)))
+        except socket.timeout:
+            self._refuse(conn, session, HandoffError("DEADLINE_EXCEEDED", f"no KV record within "
+                                                                          f"{self.limits.frame_timeout_s:g}s"))
+        except HandoffError as exc:
+            self._refuse(conn, session, exc)
+        except OSError:
+            session.cancelled()
+        return False
+
+    def _refuse(self, conn: socket.socket, session: ReceiveSession, exc: HandoffError) -> None:
+        """The sink's refusal (that request's blocks freed), told to the sender; what it still had in
+        flight is read and dropped for a moment, so that the status is not lost to a reset."""
+        session.fail(exc)
+        try:
+            conn.sendall(tcp_wire.error_record(exc.code, str(exc)))
+            conn.shutdown(socket.SHUT_WR)
+            _drain(conn, REFUSAL_DRAIN_S)
+        except OSError:
+            pass
+
+
+class _Buffer:
+    """A connection's one receive buffer: grown to the largest frame seen (each length was checked
+    against MAX_RECORD_BYTES first), never shrunk."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def take(self, length: int) -> memoryview:
+        if len(self.data) < length:
+            self.data = bytearray(length)
+        return memoryview(self.data)[:length]
+
+
+def _drain(conn: socket.socket, limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    sink = bytearray(64 << 10)
+    while (left := deadline - time.monotonic()) > 0:
+        conn.settimeout(left)
+        try:
+            if not conn.recv_into(sink):
+                return
+        except OSError:
+            return
+
+
+def _refuse(conn: socket.socket, code: str, message: str) -> None:
+    try:
+        conn.settimeout(1.0)
+        conn.sendall(tcp_wire.error_record(code, message))
+    except OSError:
+        pass
+    finally:
+        conn.close()
+
+
+def _shutdown(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

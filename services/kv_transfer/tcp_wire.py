@@ -1,0 +1,201 @@
+"""The raw TCP KV data plane's wire: records, the mutual handshake, and TLS contexts. Shared by
+its receiver (tcp_receiver.py) and its sender (tcp_transport.py).
+
+After a TCP (or mutual-TLS) connection opens, both ends prove they hold the deployment's
+cluster token before anything else is read: the receiver sends ``MAGIC + server_nonce``, the
+sender answers ``MAGIC + client_nonce + HMAC(key, CLIENT_CONTEXT + both nonces)``, and the
+receiver, once that proof checks, answers with an OK record holding ``HMAC(key, SERVER_CONTEXT
++ both nonces)`` (or an ERROR record, then closes). The key is HMAC-SHA256(cluster token,
+AUTH_CONTEXT): the token never travels, the nonces make every proof single-use, and the
+distinct contexts keep one side's proof from serving as the other's. Without a cluster token
+(``--insecure-no-auth``, loopback only) the key is derived from AUTH_CONTEXT alone: the same
+exchange, which then only guards against a misdirected connection.
+
+Then records, each ``kind (1 byte) + length (4 bytes, little-endian) + body``; every length is
+checked against its kind's bound before anything is allocated. A connection carries one
+transfer at a time: FRAME records (the KVFrame wire encoding of frames.py, each MACed per
+reservation as over gRPC), then END; the receiver answers ACK (a PushAck) or ERROR (code and
+message), and the connection may carry the next transfer. An ERROR ends the connection.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import ssl
+import struct
+
+from services.kv_transfer.base import MAX_FRAME_BYTES
+
+MAGIC = b"PDKVTCP1"
+NONCE_BYTES = 32
+PROOF_BYTES = 32
+AUTH_CONTEXT = b"pdserve-kv-tcp-auth-v1"
+CLIENT_CONTEXT = b"pdserve-kv-tcp-client-proof-v1"
+SERVER_CONTEXT = b"pdserve-kv-tcp-server-proof-v1"
+
+FRAME, END, ACK, ERROR, OK = 1, 2, 3, 4, 5
+HEADER = struct.Struct("<BI")
+MAX_RECORD_BYTES = MAX_FRAME_BYTES + (64 << 10)   # a frame's payload plus room for its headers
+MAX_STATUS_BYTES = 8 << 10                       # an ACK, ERROR or OK record's body, at most
+RECORD_LIMITS = {FRAME: MAX_RECORD_BYTES, END: 0, ACK: MAX_STATUS_BYTES, ERROR: MAX_STATUS_BYTES,
+                 OK: PROOF_BYTES}
+
+
+class WireError(Exception):
+    """The peer broke the protocol or went away (the connection is unusable)."""
+
+
+class Closed(WireError):
+    """The peer closed the connection."""
+
+
+class Refused(Exception):
+    """The peer answered ERROR: ``code`` is the gRPC status name, the message says why."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def auth_key(cluster_token: str | bytes | None) -> bytes:
+    if cluster_token:
+        secret = cluster_token.encode() if isinstance(cluster_token, str) else cluster_token
+        return hmac.new(secret, AUTH_CONTEXT, hashlib.sha256).digest()
+    return hmac.new(AUTH_CONTEXT, b"", hashlib.sha256).digest()
+
+
+def _proof(key: bytes, context: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(key, context + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+# ---- records ------------------------------------------------------------------------------
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill view from sock (WireError at EOF); the caller's socket timeout bounds each wait."""
+    got = 0
+    while got < view.nbytes:
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise Closed("the peer closed the connection")
+        got += n
+
+
+def read_header(sock: socket.socket, at_start: bool = False) -> tuple[int, int] | None:
+    """The next record's (kind, length), its length checked against its kind's bound. None: the
+    peer closed cleanly before a record began (at_start only)."""
+    head = bytearray(HEADER.size)
+    view = memoryview(head)
+    n = sock.recv_into(view)
+    if not n:
+        if at_start:
+            return None
+        raise Closed("the peer closed the connection")
+    if n < HEADER.size:
+        recv_exact(sock, view[n:])
+    kind, length = HEADER.unpack(head)
+    limit = RECORD_LIMITS.get(kind)
+    if limit is None:
+        raise WireError(f"unknown KV record kind {kind}")
+    if length > limit:
+        raise WireError(f"a KV record of {length} bytes (kind {kind}) is over its limit of {limit}")
+    return kind, length
+
+
+def read_small(sock: socket.socket) -> tuple[int, bytes]:
+    """One status-sized record (ACK, ERROR, OK)."""
+    header = read_header(sock)
+    kind, length = header
+    if kind == FRAME:
+        raise WireError("a KV frame where a status was expected")
+    body = bytearray(length)
+    recv_exact(sock, memoryview(body))
+    return kind, bytes(body)
+
+
+def record(kind: int, body: bytes = b"") -> bytes:
+    return HEADER.pack(kind, len(body)) + body
+
+
+def error_record(code: str, message: str) -> bytes:
+    body = f"{code}\n{message}".encode()[:MAX_STATUS_BYTES]
+    return record(ERROR, body)
+
+
+def parse_error(body: bytes) -> Refused:
+    code, _, message = body.decode(errors="replace").partition("\n")
+    return Refused(code or "UNKNOWN", message)
+
+
+def expect_ack(sock: socket.socket) -> bytes:
+    """The receiver's answer to END: the PushAck's bytes, or Refused."""
+    kind, body = read_small(sock)
+    if kind == ERROR:
+        raise parse_error(body)
+    if kind != ACK:
+        raise WireError(f"KV record kind {kind} where an acknowledgement was expected")
+    return body
+
+
+# ---- the handshake ------------------------------------------------------------------------
+
+def server_handshake(sock: socket.socket, key: bytes) -> None:
+    """The receiver's side: Refused (after sending ERROR) unless the peer proves the key."""
+    server_nonce = os.urandom(NONCE_BYTES)
+    sock.sendall(MAGIC + server_nonce)
+    hello = bytearray(len(MAGIC) + NONCE_BYTES + PROOF_BYTES)
+    recv_exact(sock, memoryview(hello))
+    if hello[:len(MAGIC)] != MAGIC:
+        raise WireError("not a pdserve KV data-plane client")
+    client_nonce = bytes(hello[len(MAGIC):len(MAGIC) + NONCE_BYTES])
+    proof = bytes(hello[len(MAGIC) + NONCE_BYTES:])
+    if not hmac.compare_digest(proof, _proof(key, CLIENT_CONTEXT, server_nonce, client_nonce)):
+        message = "the KV data-plane client did not prove this deployment's cluster token"
+        sock.sendall(error_record("UNAUTHENTICATED", message))
+        raise Refused("UNAUTHENTICATED", message)
+    sock.sendall(record(OK, _proof(key, SERVER_CONTEXT, server_nonce, client_nonce)))
+
+
+def client_handshake(sock: socket.socket, key: bytes) -> None:
+    """The sender's side: Refused unless the receiver accepts our proof and proves the key back."""
+    hello = bytearray(len(MAGIC) + NONCE_BYTES)
+    recv_exact(sock, memoryview(hello)[:1])
+    if hello[0] == ERROR:   # refused before the handshake (too many connections)
+        recv_exact(sock, memoryview(hello)[1:HEADER.size])
+        _, length = HEADER.unpack(hello[:HEADER.size])
+        body = bytearray(min(length, MAX_STATUS_BYTES))
+        recv_exact(sock, memoryview(body))
+        raise parse_error(bytes(body))
+    recv_exact(sock, memoryview(hello)[1:])
+    if hello[:len(MAGIC)] != MAGIC:
+        raise WireError("not a pdserve KV data plane")
+    server_nonce = bytes(hello[len(MAGIC):])
+    client_nonce = os.urandom(NONCE_BYTES)
+    sock.sendall(MAGIC + client_nonce + _proof(key, CLIENT_CONTEXT, server_nonce, client_nonce))
+    kind, body = read_small(sock)
+    if kind == ERROR:
+        raise parse_error(body)
+    if kind != OK or not hmac.compare_digest(body, _proof(key, SERVER_CONTEXT, server_nonce, client_nonce)):
+        raise Refused("UNAUTHENTICATED", "the KV data plane did not prove this deployment's cluster token")
+
+
+# ---- TLS ----------------------------------------------------------------------------------
+
+def server_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
+    """Mutual TLS as the gRPC plane's (the same files): the client's certificate must chain to ca."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key)
+    ctx.load_verify_locations(ca)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
+    """The server's certificate must chain to ca and name the host dialed (as gRPC checks)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key)
+    ctx.load_verify_locations(ca)
+    return ctx
