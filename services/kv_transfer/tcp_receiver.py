@@ -89,6 +89,7 @@ class KVDataListener:
         """Stop accepting, end every connection (a transfer in flight fails as cancelled) and wait
         for their threads, up to timeout_s."""
         self._closed.set()
+        _shutdown(self._sock)   # wakes the acceptor's accept (Linux)
         self._sock.close()
         with self._lock:
             conns, threads = list(self._open), list(self._threads)

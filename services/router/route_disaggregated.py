@@ -90,7 +90,8 @@ class DisaggregatedRoute:
                     request_id=gen.worker_request_id, prompt_token_ids=gen.prompt, output_token_ids=gen.generated,
                     params=params_to_proto(gen.params),
                     target=worker_pb2.KVTarget(address=decode.kv_address, transfer_token=reservation.transfer_token,
-                                               needed_block_indices=reservation.needed_block_indices)))
+                                               needed_block_indices=reservation.needed_block_indices,
+                                               data_address=reservation.data_address)))
                 first_token: asyncio.Future[worker_pb2.FirstToken] = asyncio.get_running_loop().create_future()
                 follow = ctx.spawn(self._follow_prefill(call, prefill, decode, gen, first_token))
                 try:

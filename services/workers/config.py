@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 
 KV_COMPRESSION_MODES = ("auto", "off", "lossless", "int8")   # services/kv_transfer/wire_codec.MODES
+KV_DATA_PLANES = ("tcp", "grpc")
 
 
 @dataclass(slots=True)
@@ -42,6 +43,14 @@ class WorkerConfig:
                                             "(default: its own --host:--port), e.g. a relay or a translated "
                                             "address on another network")
 
+    kv_data_plane: str = setting("tcp", "KV hand-off over a raw TCP connection (tcp: the decode worker listens on "
+                                        "--kv-data-port and a prefill worker sends there, authenticated by the "
+                                        "cluster token, mTLS with the --tls-* files) or over the gRPC stream "
+                                        "(grpc). Either end set to grpc, or a Ray deployment: gRPC",
+                                 choices=KV_DATA_PLANES)
+    kv_data_port: int = setting(0, "decode: the TCP port of the KV data plane on --host (0: an ephemeral port, "
+                                   "advertised to the router in each reservation)")
+
     def __post_init__(self) -> None:
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
@@ -50,6 +59,8 @@ class WorkerConfig:
                              f"({self.kv_lease_max_s})")
         if self.kv_advertise_address and not _is_host_port(self.kv_advertise_address):
             raise ValueError(f"kv_advertise_address must be HOST:PORT (port 1-65535), got {self.kv_advertise_address!r}")
+        if not 0 <= self.kv_data_port < 65536:
+            raise ValueError(f"kv_data_port must be 0-65535, got {self.kv_data_port}")
         if self.kv_shared_memory_max_bytes < 0:
             raise ValueError(f"kv_shared_memory_max_bytes must be >= 0, got {self.kv_shared_memory_max_bytes}")
 

@@ -22,9 +22,11 @@ def status_code(code: str) -> grpc.StatusCode:
 
 
 class DecodeHandler(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, aengine: AsyncEngine, state: WorkerState) -> None:
+    def __init__(self, aengine: AsyncEngine, state: WorkerState, data_address: str = "") -> None:
+        """data_address: this worker's raw TCP KV data plane, named in every reservation ("": none)."""
         self.aengine = aengine
         self.state = state
+        self.data_address = data_address
 
     async def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> worker_pb2.ReserveResponse:
@@ -40,7 +42,8 @@ class DecodeHandler(worker_pb2_grpc.DecodeWorkerServicer):
         self.aengine.status_changed()
         return worker_pb2.ReserveResponse(needed_block_indices=res.needed_block_indices,
                                           held_block_hashes=res.held_block_hashes, num_blocks=res.num_blocks,
-                                          transfer_token=res.transfer_token, lease_ms=int(res.lease_s * 1e3))
+                                          transfer_token=res.transfer_token, lease_ms=int(res.lease_s * 1e3),
+                                          data_address=self.data_address)
 
     async def FailTransfer(self, request: worker_pb2.FailTransferRequest, context: grpc.aio.ServicerContext
                            ) -> common_pb2.AbortResponse:

@@ -21,9 +21,13 @@ KV_ACK_TIMEOUT_S = 30.0    # the decode worker must acknowledge the last block w
 
 class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, aengine: AsyncEngine, sender: KVSender, state: WorkerState, metrics=None,
-                 heartbeat_s: float = HEARTBEAT_S, kv_ack_timeout_s: float = KV_ACK_TIMEOUT_S) -> None:
+                 heartbeat_s: float = HEARTBEAT_S, kv_ack_timeout_s: float = KV_ACK_TIMEOUT_S,
+                 data_sender: KVSender | None = None) -> None:
+        """data_sender: KV to a target that names a raw TCP data plane (KVTarget.data_address) goes
+        through it; None, or a target without one: sender (gRPC)."""
         self.aengine = aengine
         self.sender = sender
+        self.data_sender = data_sender
         self.state = state
         self.metrics = metrics
         self.block_size = aengine.config.block_size
@@ -49,7 +53,11 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         target = request.target
         needed = set(target.needed_block_indices)
-        kv = self.sender.open(target.address, rid, target.transfer_token) if needed else None
+        kv = None
+        if needed and target.data_address and self.data_sender is not None:
+            kv = self.data_sender.open(target.data_address, rid, target.transfer_token)
+        elif needed:
+            kv = self.sender.open(target.address, rid, target.transfer_token)
         salt = request.params.cache_salt if request.params.HasField("cache_salt") else None
         hashes = transfer_block_hashes(tokens, self.block_size, salt_root(salt))
         delivered = False
@@ -81,7 +89,7 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
                     last = self._blocks(rid, res, needed, hashes)
                     last_sent = len({b.block_index for b in last})
                     await kv.send(last)
-                blocks = nbytes = wire = 0
+                blocks = nbytes = wire = streams = 0
                 codec = ""
                 if kv is not None:
                     try:
@@ -92,14 +100,14 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
                         code = getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNAVAILABLE)
                         await context.abort(code, f"KV transfer to {target.address} failed: {exc}")
                     delivered = True
-                    blocks, nbytes, codec = result.blocks, result.bytes, result.codec
+                    blocks, nbytes, codec, streams = result.blocks, result.bytes, result.codec, result.streams
                     wire = result.wire_bytes or nbytes   # a transport that does not count them sends raw
                     if self.metrics is not None:
                         self.metrics.kv_sent(nbytes, result.seconds, wire, codec)
                 yield worker_pb2.PrefillEvent(kv_delivered=worker_pb2.KVDelivered(
                     blocks=blocks, bytes=nbytes, exposed_ms=(time.perf_counter() - sampled_at) * 1e3,
                     exposed_blocks=last_sent if kv is not None else 0, wire_bytes=wire, codec=codec,
-                    streams=1 if kv is not None else 0))
+                    streams=streams))
         finally:
             if kv is not None and not delivered:
                 await kv.cancel()

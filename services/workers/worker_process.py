@@ -18,6 +18,7 @@ from services.workers.decode import DecodeHandler
 from services.kv_transfer import GrpcKVSender, KVSender, KVTransferServicer, register_kv_servicer
 from services.kv_transfer import shared_memory
 from services.kv_transfer.grpc_transport import SharedMemoryRoute, grpc_message_limit
+from services.workers.data_plane import kv_data_listener, kv_data_sender
 from services.workers.prefill import PrefillHandler
 from services.security import Credentials
 from services.grpc_setup import Server, options as channel_options, service_registration, start_server, stop_on_signals
@@ -163,7 +164,7 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
     info = WorkerInfoServicer(aengine, worker_id, state, options.kv_address or options.config.kv_advertise_address)
     services = worker_pb2.DESCRIPTOR.services_by_name
     registrations: list[tuple[Callable, object, str]] = [service_registration(services["Worker"], info)]
-    sender = None
+    sender = data_sender = listener = None
     if config.role == "prefill":
         creds = options.credentials
         wc = options.config
@@ -178,11 +179,15 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
             shared_memory_route=SharedMemoryRoute(wc.kv_shared_memory_dir, max_bytes=wc.kv_shared_memory_max_bytes,
                                                   sweep_after_s=wc.kv_lease_max_s),
             cluster_token=creds.cluster_token, kv_compression=wc.kv_compression)
+        data_sender = kv_data_sender(options) if options.kv_sender is None else None
         registrations.append(service_registration(services["PrefillWorker"],
-                                                  PrefillHandler(aengine, sender, state, metrics)))
+                                                  PrefillHandler(aengine, sender, state, metrics,
+                                                                 data_sender=data_sender)))
     elif config.role == "decode":
-        registrations.append(service_registration(services["DecodeWorker"], DecodeHandler(aengine, state)))
         kv = aengine.engine.kv
+        listener = kv_data_listener(kv, options)
+        registrations.append(service_registration(services["DecodeWorker"], DecodeHandler(
+            aengine, state, listener.address() if listener is not None else "")))
         kv.on_block = metrics.kv_received
         notify = kv.on_change
         kv.on_change = lambda rid, st: (metrics.kv_handoff_ended(st), notify(rid, st))
@@ -216,8 +221,11 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
             log.warning("drain timeout: %d request(s) still in flight on %s", state.inflight, worker_id)
     finally:
         await server.server.stop(grace=1)
-        if sender is not None:
-            await sender.close()
+        for kv_sender in (sender, data_sender):
+            if kv_sender is not None:
+                await kv_sender.close()
+        if listener is not None:
+            listener.close()
         aengine.stop()
     if aengine.failure is not None:
         raise aengine.failure

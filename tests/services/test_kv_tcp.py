@@ -1,0 +1,222 @@
+"""The raw TCP KV data plane's own guarantees, over real sockets on loopback into a real decode
+engine's connector: a peer without the cluster token is refused before any work, an oversized
+length prefix is refused before any allocation, a byte flipped on the path fails closed with
+nothing cached, mutual TLS, the connection bound, and connection reuse. The cases it shares
+with the gRPC stream (exact blocks, bad blocks, wrong token, cancel) run in test_kv_transport."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import tracemalloc
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.block_manager import transfer_block_hashes
+from engine.kv_connector import HandoffState
+from services.kv_transfer import KVBlock, KVTransferError, tcp_wire
+from services.kv_transfer.tcp_receiver import DataPlaneLimits, KVDataListener
+from services.kv_transfer.tcp_transport import TcpKVSender
+from tests.certs import make_ca_and_cert
+from tests.conftest import assert_no_leak, random_prompts
+
+PROMPT = random_prompts(1, 60, 60, seed=78)[0]          # 8 blocks of 8 (the last one partial)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+CLUSTER = "the-cluster-token"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=tiny_qwen3, role="decode", dtype="float32", block_size=8, num_kv_blocks=64))
+
+
+@contextmanager
+def listening(engine: LLMEngine, **kwargs) -> Iterator[KVDataListener]:
+    listener = KVDataListener(engine.kv, "127.0.0.1", cluster_token=kwargs.pop("cluster_token", CLUSTER),
+                              **kwargs).start()
+    try:
+        yield listener
+    finally:
+        listener.close()
+
+
+def _blocks(rid: str, engine: LLMEngine) -> list[KVBlock]:
+    hashes = transfer_block_hashes(PROMPT, 8)
+    g = torch.Generator().manual_seed(3)
+    return [KVBlock(rid, i, hashes[i], torch.randn(engine.runner.block_shape, generator=g)) for i in range(8)]
+
+
+def _push(sender: TcpKVSender, target: str, rid: str, token: bytes, blocks: list[KVBlock]):
+    async def run():
+        stream = sender.open(target, rid, token)
+        await stream.send(blocks)
+        try:
+            return await stream.finish(timeout=10)
+        finally:
+            await sender.close()
+    return asyncio.run(run())
+
+
+def _connect(listener: KVDataListener) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", listener.port), timeout=5)
+    return sock
+
+
+def test_a_peer_without_the_cluster_token_is_refused_before_any_work(engine: LLMEngine) -> None:
+    rid = "tcp-stranger"
+    res = engine.reserve(rid, PROMPT, GREEDY)
+    with listening(engine) as listener:
+        with pytest.raises(KVTransferError) as err:
+            _push(TcpKVSender(cluster_token="another-deployment"), listener.address(), rid, res.transfer_token,
+                  _blocks(rid, engine))
+        assert err.value.code == "UNAUTHENTICATED" and "cluster token" in str(err.value)
+        # by hand: a wrong proof, then a frame header declaring 60 MiB: refused, nothing allocated
+        with _connect(listener) as sock:
+            tcp_wire.recv_exact(sock, memoryview(bytearray(len(tcp_wire.MAGIC) + tcp_wire.NONCE_BYTES)))
+            tracemalloc.start()
+            sock.sendall(tcp_wire.MAGIC + bytes(tcp_wire.NONCE_BYTES + tcp_wire.PROOF_BYTES)
+                         + tcp_wire.HEADER.pack(tcp_wire.FRAME, 60 << 20))
+            kind, body = tcp_wire.read_small(sock)
+            assert sock.recv(1) == b""   # then closed
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        assert kind == tcp_wire.ERROR and body.startswith(b"UNAUTHENTICATED\n")
+        assert peak < 1 << 20, peak
+    assert engine.kv.state(rid) is HandoffState.RESERVED   # a stranger cannot touch it
+    engine.abort(rid)
+    assert_no_leak(engine)
+
+
+def test_without_a_cluster_token_the_listener_stays_on_loopback(engine: LLMEngine) -> None:
+    with pytest.raises(ValueError, match="not loopback.*cluster token"):
+        KVDataListener(engine.kv, "10.255.0.1", cluster_token=None)
+    rid = "tcp-open-loopback"   # --insecure-no-auth on loopback: both ends without a token
+    res = engine.reserve(rid, PROMPT, GREEDY)
+    with listening(engine, cluster_token=None) as listener:
+        result = _push(TcpKVSender(), listener.address(), rid, res.transfer_token, _blocks(rid, engine))
+    assert result.blocks == 8 and engine.kv.state(rid) is HandoffState.READY
+    engine.abort(rid)
+    assert_no_leak(engine)
+
+
+def test_an_oversized_length_prefix_is_refused_before_allocation(engine: LLMEngine) -> None:
+    with listening(engine) as listener, _connect(listener) as sock:
+        tcp_wire.client_handshake(sock, tcp_wire.auth_key(CLUSTER))
+        tracemalloc.start()
+        sock.sendall(tcp_wire.HEADER.pack(tcp_wire.FRAME, tcp_wire.MAX_RECORD_BYTES + 1))
+        kind, body = tcp_wire.read_small(sock)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert kind == tcp_wire.ERROR and body.startswith(b"INVALID_ARGUMENT\n") and b"over its limit" in body
+    assert peak < 1 << 20, peak
+
+
+class FlippingRelay:
+    """A TCP relay on loopback that flips the byte at offset `at` of what the sender writes."""
+
+    def __init__(self, upstream: int, at: int) -> None:
+        self.upstream, self.at = upstream, at
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        client, _ = self.server.accept()
+        upstream = socket.create_connection(("127.0.0.1", self.upstream))
+        threading.Thread(target=self._pump, args=(client, upstream, lambda n, d: self._flip(n, d)), daemon=True).start()
+        self._pump(upstream, client, lambda n, d: d)
+
+    def _flip(self, offset: int, data: bytes) -> bytes:
+        if offset <= self.at < offset + len(data):
+            data = bytearray(data)
+            data[self.at - offset] ^= 0x01
+        return bytes(data)
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, rewrite: Callable[[int, bytes], bytes]) -> None:
+        offset = 0
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(rewrite(offset, data))
+                offset += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_a_byte_flipped_on_the_path_fails_closed_and_nothing_is_cached(engine: LLMEngine) -> None:
+    rid = "tcp-flipped"
+    res = engine.reserve(rid, PROMPT, GREEDY)
+    with listening(engine) as listener:
+        relay = FlippingRelay(listener.port, at=40_000)   # past the handshake and the open frame: a payload byte
+        try:
+            with pytest.raises(KVTransferError) as err:
+                _push(TcpKVSender(cluster_token=CLUSTER), f"127.0.0.1:{relay.port}", rid, res.transfer_token,
+                      _blocks(rid, engine))
+        finally:
+            relay.close()
+    assert err.value.code == "DATA_LOSS" and "fails its MAC" in str(err.value)
+    assert engine.kv.state(rid) is HandoffState.FAILED
+    again = engine.reserve(rid + "-again", PROMPT, GREEDY)   # no block of the refused transfer cached
+    assert again.held_block_hashes == [] and again.needed_block_indices == list(range(8)), again
+    engine.abort(rid + "-again")
+    assert_no_leak(engine)
+
+
+def test_mutual_tls_carries_a_transfer_and_refuses_a_stranger_certificate(engine: LLMEngine, tmp_path) -> None:
+    files = make_ca_and_cert(tmp_path)
+    ours = tuple(str(files[n]) for n in ("cert.pem", "key.pem", "ca.pem"))
+    stranger = (str(files["other-cert.pem"]), str(files["other-key.pem"]), str(files["ca.pem"]))
+    rid = "tcp-tls"
+    res = engine.reserve(rid, PROMPT, GREEDY)
+    with listening(engine, tls=tcp_wire.server_context(*ours)) as listener:
+        with pytest.raises(KVTransferError) as err:
+            _push(TcpKVSender(cluster_token=CLUSTER, tls=tcp_wire.client_context(*stranger)), listener.address(),
+                  rid, res.transfer_token, _blocks(rid, engine))
+        assert err.value.code == "UNAVAILABLE"   # the TLS handshake fails: no byte of KV left
+        assert engine.kv.state(rid) is HandoffState.RESERVED
+        sender = TcpKVSender(cluster_token=CLUSTER, tls=tcp_wire.client_context(*ours))
+        result = _push(sender, listener.address(), rid, res.transfer_token, _blocks(rid, engine))
+    assert (result.blocks, result.streams) == (8, 1)
+    assert engine.kv.state(rid) is HandoffState.READY
+    engine.abort(rid)
+    assert_no_leak(engine)
+
+
+def test_connections_are_bounded(engine: LLMEngine) -> None:
+    with listening(engine, limits=DataPlaneLimits(max_connections=1)) as listener:
+        with _connect(listener) as held:
+            tcp_wire.client_handshake(held, tcp_wire.auth_key(CLUSTER))
+            with _connect(listener) as second, pytest.raises(tcp_wire.Refused) as err:
+                tcp_wire.client_handshake(second, tcp_wire.auth_key(CLUSTER))
+    assert err.value.code == "RESOURCE_EXHAUSTED"
+
+
+def test_a_connection_carries_transfer_after_transfer(engine: LLMEngine) -> None:
+    sender = TcpKVSender(cluster_token=CLUSTER)
+
+    async def two_transfers(target: str) -> None:
+        for rid in ("tcp-reuse-1", "tcp-reuse-2"):
+            res = engine.reserve(rid, PROMPT, GREEDY)
+            stream = sender.open(target, rid, res.transfer_token)
+            await stream.send(_blocks(rid, engine))
+            assert (await stream.finish(timeout=10)).blocks == 8
+            assert engine.kv.state(rid) is HandoffState.READY
+            engine.abort(rid)
+        await sender.close()
+    with listening(engine) as listener:
+        asyncio.run(two_transfers(listener.address()))
+    assert sender.pool.connects == 1
+    assert_no_leak(engine)
