@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""The gRPC KV stream alone, between two processes: a prefill-side GrpcKVSender in this process
-and a real decode-role LLMEngine's KV connector behind KVTransferServicer in a child process
-(the deployment's cluster token keys the MACs and the interceptors, as serve_worker runs them).
+"""The KV stream alone, between two processes: a prefill-side GrpcKVSender (or TcpKVSender:
+``--plane tcp``, or both back to back: ``--plane grpc,tcp``) in this process and a real
+decode-role LLMEngine's KV connector behind KVTransferServicer (and the raw TCP data plane's
+KVDataListener) in a child process (the deployment's cluster token keys the MACs, the
+interceptors and the TCP handshake, as serve_worker runs them).
 
 For each prompt length the child reserves a fresh random prompt (no prefix-cache hit), this
 process opens its stream (as a prefill worker does when a request arrives), and the time runs
@@ -16,7 +18,7 @@ The child may run in another network namespace (``--decode-netns NAME --decode-h
 e.g. one of bench/kv_handoff_hosts.py's hosts); by default both are on 127.0.0.1 with shared
 memory off (the stream path). Control messages are JSON lines on the child's stdin/stdout.
 
-    python bench/kv_grpc_stream.py --model small --tokens 1200,4096 --iters 5
+    python bench/kv_grpc_stream.py --model small --tokens 1200,4096 --iters 5 --plane grpc,tcp
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from engine.model_maker import PRESETS, ensure_model
     from services.grpc_setup import start_server
     from services.kv_transfer import KVTransferServicer, register_kv_servicer
+    from services.kv_transfer.tcp_receiver import KVDataListener
     from services.security import Credentials
 
     torch.set_num_threads(1)
@@ -60,11 +63,12 @@ async def _serve(args: argparse.Namespace) -> None:
     servicer = KVTransferServicer(kv, cluster_token=args.cluster_token)
     server = await start_server([(lambda s, srv: register_kv_servicer(s, srv), servicer, "pdserve.v1.KVTransfer")],
                                 args.decode_host, 0, interceptors=Credentials(args.cluster_token).server_interceptors())
+    listener = KVDataListener(kv, args.decode_host, cluster_token=args.cluster_token).start()
     raw = socket.create_server((args.decode_host, RAW_PORT))
     threading.Thread(target=_raw_receiver, args=(raw,), daemon=True).start()
     runner = engine.runner
     free0 = engine.stats()["num_free_blocks"]
-    _say({"address": f"{args.decode_host}:{server.port}", "raw": f"{args.decode_host}:{RAW_PORT}",
+    _say({"address": f"{args.decode_host}:{server.port}", "data": listener.address(), "raw": f"{args.decode_host}:{RAW_PORT}",
           "block_size": engine.config.block_size, "block_shape": list(runner.block_shape),
           "kv_dtype": runner.kv_dtype_name, "vocab_size": engine.model_config.vocab_size, "free_blocks": free0})
     loop = asyncio.get_running_loop()
@@ -84,6 +88,7 @@ async def _serve(args: argparse.Namespace) -> None:
             _say({"free_blocks": engine.stats()["num_free_blocks"]})
         else:
             break
+    listener.close()
     await server.server.stop(None)
 
 
@@ -178,6 +183,7 @@ async def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     from services.grpc_setup import options as channel_options
     from services.kv_transfer import GrpcKVSender, KVBlock
     from services.kv_transfer.grpc_transport import grpc_message_limit
+    from services.kv_transfer.tcp_transport import TcpKVSender
     from services.security import Credentials
 
     token = secrets.token_urlsafe(24)
@@ -193,44 +199,52 @@ async def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             lambda a: creds.channel(a, channel_options([("grpc.max_send_message_length", grpc_message_limit())]),
                                     attach_token=False),
             proof=creds.call_proof if creds.key is not None else None, cluster_token=creds.cluster_token, **extra)
+        senders = {"grpc": (sender, info["address"]),
+                   "tcp": (TcpKVSender(cluster_token=creds.cluster_token), info["data"])}
         rng = random.Random(0)
         bs = info["block_size"]
         dtype = getattr(torch, info["kv_dtype"])
         for tokens in args.tokens:
             n = -(-tokens // bs)
             data = torch.randint(-8, 8, (n, *info["block_shape"]), dtype=torch.int8).to(dtype)   # as read_blocks: contiguous
-            times, nbytes = [], 0
+            times: dict[str, list[float]] = {plane: [] for plane in args.plane}
+            nbytes = 0
             for i in range(args.warmup + args.iters):
-                prompt = [rng.randrange(2, info["vocab_size"]) for _ in range(tokens)]
-                rid = f"kvs-{tokens}-{i}"
-                res = decode.ask(op="reserve", rid=rid, prompt=prompt)
-                hashes = transfer_block_hashes(prompt, bs)
-                blocks = [KVBlock(rid, j, hashes[j], data[j]) for j in res["needed"]]
-                stream = sender.open(info["address"], rid, bytes.fromhex(res["token"]))
-                try:
-                    await stream.heartbeat()
-                    await asyncio.sleep(0.05)
-                    t0 = time.perf_counter()
-                    await stream.send(blocks)
-                    result = await stream.finish(timeout=120)
-                    seconds = time.perf_counter() - t0
-                except BaseException:
-                    await stream.cancel()
-                    raise
-                finally:
-                    state = decode.ask(op="release", rid=rid)["state"]
-                if result.blocks != len(blocks) or state != "ready":
-                    raise RuntimeError(f"{rid}: {result.blocks}/{len(blocks)} acknowledged, decode side {state}")
-                nbytes = result.bytes
-                if i >= args.warmup:
-                    times.append(seconds)
+                for plane in args.plane:   # the planes alternate: the same load on each
+                    kv_sender, target = senders[plane]
+                    prompt = [rng.randrange(2, info["vocab_size"]) for _ in range(tokens)]
+                    rid = f"kvs-{plane}-{tokens}-{i}"
+                    res = decode.ask(op="reserve", rid=rid, prompt=prompt)
+                    hashes = transfer_block_hashes(prompt, bs)
+                    blocks = [KVBlock(rid, j, hashes[j], data[j]) for j in res["needed"]]
+                    stream = kv_sender.open(target, rid, bytes.fromhex(res["token"]))
+                    try:
+                        await stream.heartbeat()
+                        await asyncio.sleep(0.05)
+                        t0 = time.perf_counter()
+                        await stream.send(blocks)
+                        result = await stream.finish(timeout=120)
+                        seconds = time.perf_counter() - t0
+                    except BaseException:
+                        await stream.cancel()
+                        raise
+                    finally:
+                        state = decode.ask(op="release", rid=rid)["state"]
+                    if result.blocks != len(blocks) or state != "ready":
+                        raise RuntimeError(f"{rid}: {result.blocks}/{len(blocks)} acknowledged, decode side {state}")
+                    nbytes = result.bytes
+                    if i >= args.warmup:
+                        times[plane].append(seconds)
             raw = _raw_seconds(info["raw"], nbytes, max(2, args.iters))
-            ms = statistics.median(times) * 1e3
-            rows.append({"tokens": tokens, "MiB": nbytes / MiB, "grpc_ms": ms, "raw_ms": raw * 1e3,
-                         "ratio": ms / (raw * 1e3), "MiB_s": nbytes / MiB / (ms / 1e3),
-                         "all_ms": [round(t * 1e3, 2) for t in times]})
-            print(f"| {tokens} | {nbytes / MiB:.2f} | {ms:.1f} | {raw * 1e3:.1f} | {ms / (raw * 1e3):.2f} | "
-                  f"{nbytes / MiB / (ms / 1e3):.0f} |", flush=True)
+            for plane in args.plane:
+                ms = statistics.median(times[plane]) * 1e3
+                rows.append({"plane": plane, "tokens": tokens, "MiB": nbytes / MiB, "ms": ms, "raw_ms": raw * 1e3,
+                             "ratio": ms / (raw * 1e3), "MiB_s": nbytes / MiB / (ms / 1e3),
+                             "all_ms": [round(t * 1e3, 2) for t in times[plane]]})
+                print(f"| {plane} | {tokens} | {nbytes / MiB:.2f} | {ms:.1f} | {raw * 1e3:.1f} | "
+                      f"{ms / (raw * 1e3):.2f} | {nbytes / MiB / (ms / 1e3):.0f} | "
+                      f"{' '.join(f'{t * 1e3:.1f}' for t in times[plane])} |", flush=True)
+        await senders["tcp"][0].close()
         await sender.close()
         free = decode.ask(op="stats")["free_blocks"]
         if free != info["free_blocks"]:
@@ -250,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-kv-blocks", type=int, default=600)
     ap.add_argument("--kv-streams", default="", help="GrpcKVSender's kv_streams (default: its own)")
     ap.add_argument("--frame-target", type=int, default=0, help="GrpcKVSender's frame_target bytes (default: its own)")
+    ap.add_argument("--plane", type=lambda s: s.split(","), default=["grpc"],
+                    help="grpc, tcp, or both (grpc,tcp): which data planes, alternating")
     ap.add_argument("--decode-host", default="127.0.0.1")
     ap.add_argument("--decode-netns", default="", help="run the decode process in this network namespace")
     ap.add_argument("--out", default=None)
@@ -259,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         asyncio.run(_serve(args))
         return 0
-    print("| tokens | KV MiB | gRPC ms | raw socket ms | gRPC / socket | gRPC MiB/s |\n|---:|---:|---:|---:|---:|---:|",
-          flush=True)
+    print("| plane | tokens | KV MiB | ms | raw socket ms | / socket | MiB/s | samples ms |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---|", flush=True)
     rows = asyncio.run(_measure(args))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

@@ -59,6 +59,7 @@ class Config:
     block_size: int = 16
     kv_cache_memory_bytes: int = 3 << 29     # 1.5 GiB: two 4096-token prompts of Qwen3-0.6B's KV shape
     compression: str = "auto"                # the lossless comparison: auto (where the CLI has --kv-compression), on, off
+    kv_data_plane: str = ""                  # --kv-data-plane for both workers (tcp, grpc); "": the CLI's default
     start_timeout_s: float = 300.0           # workers loading a model on a busy machine
     request_timeout_s: float = 900.0         # a 4096-token prompt of Qwen3-0.6B's KV shape: 250 s on a busy core
     seed: int = 0
@@ -99,6 +100,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     ap.add_argument("--compression", choices=("auto", "on", "off"), default=d.compression,
                     help="the --kv-compression off/lossless comparison; auto: where the CLI has the flag")
+    ap.add_argument("--kv-data-plane", choices=("", "tcp", "grpc"), default=d.kv_data_plane,
+                    help="the workers' --kv-data-plane (default: the CLI's own)")
     ap.add_argument("--start-timeout-s", type=float, default=d.start_timeout_s)
     ap.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -376,10 +379,11 @@ def measure(cfg: Config, model: ModelInfo, rate_gbit: float, tokens: Sequence[in
     from services.security import CLUSTER_TOKEN_ENV, new_token
     env = {**os.environ, CLUSTER_TOKEN_ENV: new_token(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     extra = [COMPRESSION_FLAG, compression] if compression else []
-    run_dir = log_dir / f"{Path(model.name).name}-{rate_gbit:g}g-{compression or 'plain'}"
+    plane = ["--kv-data-plane", cfg.kv_data_plane] if cfg.kv_data_plane else []
+    run_dir = log_dir / f"{Path(model.name).name}-{rate_gbit:g}g-{compression or 'plain'}-{cfg.kv_data_plane or 'default'}"
     run_dir.mkdir(parents=True, exist_ok=True)
     with netns.HostNetwork(3, int(rate_gbit * 1e9)) as net:
-        d = Deployment(net, cfg, model, run_dir, env, prefill_extra=extra)
+        d = Deployment(net, cfg, model, run_dir, env, prefill_extra=[*extra, *plane], decode_extra=plane)
         samples = d.drive(tokens, cfg.seed + int(rate_gbit * 1000) + (7 if compression else 0))
         measured = sorted({int(median([s["kv_bytes"][0] for s in samples if s["tokens"] == n and not s["warmup"]]))
                            for n in tokens})
