@@ -101,7 +101,7 @@ def test_a_run_of_blocks_lands_bit_exact_and_the_request_becomes_ready(engine: L
 
 
 def test_write_blocks_puts_each_block_in_its_place_in_any_order(engine: LLMEngine) -> None:
-    """The runner's one copy per run, for block ids in no order (index_copy_) and consecutive
+    """The runner's one copy per run, for block ids in no order (a slice copy per consecutive run) and consecutive
     ones (a slice), lands each block where a per-block write would."""
     runner = engine.runner
     g = torch.Generator().manual_seed(5)
