@@ -205,8 +205,9 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
     if options.metrics_port is not None:
         mport = start_metrics_server(metrics.registry, options.host, options.metrics_port, options.metrics_token)
         metrics_note = f", metrics on http://{options.host}:{mport}/metrics"
-    print(f"pdserve {config.role} worker {worker_id} listening on {options.host}:{server.port}{metrics_note}",
-          flush=True)
+    data_note = f", KV data plane on {listener.address()}" if listener is not None else ""
+    print(f"pdserve {config.role} worker {worker_id} listening on {options.host}:{server.port}{metrics_note}"
+          f"{data_note}", flush=True)
     stop = stop or asyncio.Event()
     stop_on_signals(stop)
     aengine.on_fatal = stop.set   # a dead tensor-parallel rank: drain, then raise aengine.failure
