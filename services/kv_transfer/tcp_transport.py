@@ -39,6 +39,9 @@ CONNECT_TIMEOUT_S = 5.0       # connect, TLS handshake and the token proof, each
 SEND_TIMEOUT_S = 30.0         # one write may block this long (a receiver that stopped reading)
 STREAM_IDLE_S = 300.0         # a stream given nothing (no send, heartbeat, finish) this long ends
 MAX_IDLE_PER_TARGET = 8       # pooled connections kept per decode worker
+POOLED_IDLE_S = 60.0          # ... each at most this long: well inside the receiver's idle timeout
+                              # (tcp_receiver.DataPlaneLimits.idle_timeout_s, 120 s), so a reused one
+                              # is not being closed by its peer at that moment
 MAX_GATHER_PARTS = 512        # a frame of more parts is joined first (IOV_MAX is 1024)
 
 _END, _CANCEL, _HEARTBEAT = object(), object(), object()
@@ -78,7 +81,7 @@ class ConnectionPool:
                  max_idle: int = MAX_IDLE_PER_TARGET, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.key = tcp_wire.auth_key(cluster_token)
         self.tls, self.max_idle, self.connect_timeout_s = tls, max_idle, connect_timeout_s
-        self._idle: dict[str, list[socket.socket]] = {}
+        self._idle: dict[str, list[tuple[socket.socket, float]]] = {}
         self._lock = threading.Lock()
         self.connects = 0   # connections made (the rest of the transfers reused one)
 
@@ -86,8 +89,8 @@ class ConnectionPool:
         with self._lock:
             idle = self._idle.get(target, [])
             while idle:
-                sock = idle.pop()
-                if _alive(sock):
+                sock, since = idle.pop()
+                if time.monotonic() - since < POOLED_IDLE_S and _alive(sock):
                     return sock
                 sock.close()
         return self._connect(target)
@@ -96,7 +99,7 @@ class ConnectionPool:
         with self._lock:
             idle = self._idle.setdefault(target, [])
             if len(idle) < self.max_idle:
-                idle.append(sock)
+                idle.append((sock, time.monotonic()))
                 return
         sock.close()
 
@@ -118,7 +121,7 @@ class ConnectionPool:
         with self._lock:
             pools, self._idle = list(self._idle.values()), {}
         for idle in pools:
-            for sock in idle:
+            for sock, _ in idle:
                 sock.close()
 
 
@@ -161,8 +164,10 @@ class TcpKVStream(KVStream):
 
     async def finish(self, timeout: float | None = None) -> SendResult:
         self._queue.put((_END, timeout))
+        result = asyncio.wrap_future(self._result)
+        result.add_done_callback(lambda f: f.cancelled() or f.exception())   # consumed, if we stop waiting
         try:
-            ack: kv_pb2.PushAck = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._result)), timeout)
+            ack: kv_pb2.PushAck = await asyncio.wait_for(asyncio.shield(result), timeout)
         except asyncio.TimeoutError as exc:
             await self.cancel()
             raise KVTransferError("DEADLINE_EXCEEDED", f"KV not acknowledged within {timeout}s") from exc
