@@ -21,7 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.kv_connector import HandoffError
+from engine.kv_connector import HandoffError, HandoffState
 from services.kv_transfer import tcp_wire
 from services.kv_transfer.base import KVSink
 from services.kv_transfer.frame_intake import Pending, end, take_inline
@@ -31,6 +31,7 @@ from services.security import is_loopback
 
 log = logging.getLogger(__name__)
 
+_WAITING = (HandoffState.RESERVED, HandoffState.RECEIVING, HandoffState.READY)
 REFUSAL_DRAIN_S = 0.5      # after an ERROR, the rest the sender had in flight is read and dropped this long
 ACCEPT_POLL_S = 0.5        # how often the accept loop looks at the close flag
 
@@ -40,13 +41,14 @@ class DataPlaneLimits:
     max_connections: int = 64         # connections served at once; more are refused (RESOURCE_EXHAUSTED)
     handshake_timeout_s: float = 5.0  # the TLS handshake and the token proof, each at most
     idle_timeout_s: float = 120.0     # an idle connection (between transfers) is closed after this
-    frame_timeout_s: float = 30.0     # inside a transfer, the next record must start within this
-                                      # (a prefill worker heartbeats every 0.5 s while it computes)
+    frame_timeout_s: float = 30.0     # inside a transfer not yet opened, the next bytes must come within
+                                      # this; once opened, as long as the reservation lives (its lease)
+    poll_s: float = 1.0               # how often a waiting transfer looks at its reservation
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
-        for name in ("handshake_timeout_s", "idle_timeout_s", "frame_timeout_s"):
+        for name in ("handshake_timeout_s", "idle_timeout_s", "frame_timeout_s", "poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -160,7 +162,17 @@ class KVDataListener:
         if header is None:
             return False
         pending: deque[Pending] = deque()
-        conn.settimeout(self.limits.frame_timeout_s)
+        conn.settimeout(self.limits.poll_s)
+        unopened_until = time.monotonic() + self.limits.frame_timeout_s
+
+        def patience() -> bool:
+            """Go on waiting for the sender? While its reservation lives: a prefill worker frozen
+            for a while (or computing without a heartbeat getting through) is the lease's to judge."""
+            if self._closed.is_set():
+                return False
+            if not session.request_id:
+                return time.monotonic() < unopened_until
+            return self.sink.state(session.request_id) in _WAITING
         try:
             while True:
                 kind, length = header
@@ -170,17 +182,18 @@ class KVDataListener:
                 if kind != tcp_wire.FRAME:
                     raise HandoffError("INVALID_ARGUMENT", f"KV record kind {kind} inside a transfer")
                 view = buffer.take(length)
-                tcp_wire.recv_exact(conn, view)
+                tcp_wire.recv_exact(conn, view, patience)
                 take_inline(session, pending, parse_frame(view))
                 del view
-                header = tcp_wire.read_header(conn)
+                header = tcp_wire.read_header(conn, patience=patience)
         except tcp_wire.Closed:
             session.cancelled()   # the sender went away mid-transfer: as a cancelled gRPC stream
         except tcp_wire.WireError as exc:
             self._refuse(conn, session, HandoffError("INVALID_ARGUMENT", str(exc)))
-        except socket.timeout:
-            self._refuse(conn, session, HandoffError("DEADLINE_EXCEEDED", f"no KV record within "
-                                                                          f"{self.limits.frame_timeout_s:g}s"))
+        except socket.timeout:   # not opened in time, or its reservation ended (lapsed, failed, aborted)
+            self._refuse(conn, session, HandoffError("DEADLINE_EXCEEDED", "the KV stream stalled: "
+                                                     + ("its reservation ended" if session.request_id else
+                                                        f"not opened within {self.limits.frame_timeout_s:g}s")))
         except HandoffError as exc:
             self._refuse(conn, session, exc)
         except OSError:

@@ -25,6 +25,7 @@ import os
 import socket
 import ssl
 import struct
+from typing import Callable
 
 from services.kv_transfer.base import MAX_FRAME_BYTES
 
@@ -72,28 +73,36 @@ def _proof(key: bytes, context: bytes, server_nonce: bytes, client_nonce: bytes)
 
 # ---- records ------------------------------------------------------------------------------
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill view from sock (WireError at EOF); the caller's socket timeout bounds each wait."""
+def recv_exact(sock: socket.socket, view: memoryview, patience: Callable[[], bool] | None = None) -> None:
+    """Fill view from sock (Closed at EOF). The socket's timeout bounds each wait; when one runs
+    out, patience() says whether to go on waiting (None: never; socket.timeout is raised)."""
     got = 0
     while got < view.nbytes:
-        n = sock.recv_into(view[got:])
+        try:
+            n = sock.recv_into(view[got:])
+        except socket.timeout:
+            if patience is None or not patience():
+                raise
+            continue
         if not n:
             raise Closed("the peer closed the connection")
         got += n
 
 
-def read_header(sock: socket.socket, at_start: bool = False) -> tuple[int, int] | None:
+def read_header(sock: socket.socket, at_start: bool = False,
+                patience: Callable[[], bool] | None = None) -> tuple[int, int] | None:
     """The next record's (kind, length), its length checked against its kind's bound. None: the
-    peer closed cleanly before a record began (at_start only)."""
+    peer closed cleanly before a record began (at_start only, which waits without patience)."""
     head = bytearray(HEADER.size)
     view = memoryview(head)
-    n = sock.recv_into(view)
-    if not n:
-        if at_start:
+    if at_start:
+        n = sock.recv_into(view)
+        if not n:
             return None
-        raise Closed("the peer closed the connection")
-    if n < HEADER.size:
-        recv_exact(sock, view[n:])
+        if n < HEADER.size:
+            recv_exact(sock, view[n:], patience)
+    else:
+        recv_exact(sock, view, patience)
     kind, length = HEADER.unpack(head)
     limit = RECORD_LIMITS.get(kind)
     if limit is None:

@@ -58,12 +58,15 @@ def _segments(directory: str | Path, pid: int | None = None) -> list[str]:
 
 
 class Deployment(FaultCluster):
-    """One prefill and one decode worker sharing a tmpfs for KV, restarted when they die."""
+    """One prefill and one decode worker sharing a tmpfs for KV, restarted when they die. Their KV
+    goes over the gRPC stream, whose large sends on loopback use the shared memory under test (the
+    raw TCP data plane does not)."""
 
     def __init__(self, model: str, shm_dir: Path, token_file: Path) -> None:
         self.shm_dir = shm_dir
         super().__init__(model, prefill=1, decode=1, engine_args=ENGINE_ARGS, router_args=FAULT_ROUTER,
-                         worker_args=["--kv-lease-idle-s", "3", "--kv-shared-memory-dir", str(shm_dir)],
+                         worker_args=["--kv-lease-idle-s", "3", "--kv-shared-memory-dir", str(shm_dir),
+                                      "--kv-data-plane", "grpc"],
                          metrics_token_file=str(token_file))
 
     def process(self, role: str):

@@ -220,3 +220,33 @@ def test_a_connection_carries_transfer_after_transfer(engine: LLMEngine) -> None
         asyncio.run(two_transfers(listener.address()))
     assert sender.pool.connects == 1
     assert_no_leak(engine)
+
+
+def test_a_stalled_transfer_waits_as_long_as_its_reservation_lives(engine: LLMEngine) -> None:
+    """A sender silent past frame_timeout_s (a frozen prefill worker) is waited for while its
+    reservation lives; once the reservation ends, the connection ends with it."""
+    limits = DataPlaneLimits(frame_timeout_s=0.1, poll_s=0.05)
+
+    async def stall_then_send(target: str, rid: str, token: bytes, before_send=None):
+        sender = TcpKVSender(cluster_token=CLUSTER)
+        stream = sender.open(target, rid, token)
+        await stream.heartbeat()   # opens the stream
+        await asyncio.sleep(0.4)
+        if before_send is not None:
+            before_send()
+            await asyncio.sleep(0.4)
+        await stream.send(_blocks(rid, engine))
+        try:
+            return await stream.finish(timeout=10)
+        finally:
+            await sender.close()
+    with listening(engine, limits=limits) as listener:
+        res = engine.reserve("tcp-stall", PROMPT, GREEDY)
+        assert asyncio.run(stall_then_send(listener.address(), "tcp-stall", res.transfer_token)).blocks == 8
+        engine.abort("tcp-stall")
+        res = engine.reserve("tcp-stall-aborted", PROMPT, GREEDY)
+        with pytest.raises(KVTransferError) as err:
+            asyncio.run(stall_then_send(listener.address(), "tcp-stall-aborted", res.transfer_token,
+                                        lambda: engine.abort("tcp-stall-aborted")))
+        assert err.value.code == "DEADLINE_EXCEEDED" and "reservation ended" in str(err.value), err.value
+    assert_no_leak(engine)
