@@ -19,12 +19,13 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import transfer_block_hashes
 from engine.kv_connector import HandoffState
 from pdserve.v1 import kv_pb2
-from services.kv_transfer import GrpcKVSender, KVBlock, KVSender, KVTransferError, KVTransferServicer
+from services.kv_transfer import GrpcKVSender, KVBlock, KVSender, KVTransferError
 from services.kv_transfer import integrity, shared_memory
-from services.kv_transfer.grpc_transport import encode_open, register_kv_servicer
+from services.kv_transfer.grpc_transport import encode_open
 from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender
 from services.grpc_setup import options as channel_options
 from tests.conftest import assert_no_leak, random_prompts
+from tests.services.kv_servers import Resolved, kv_receiver, raw_push
 
 TRANSPORTS = ("grpc", "grpc-shm", "ray")
 PROMPT = random_prompts(1, 60, 60, seed=77)[0]          # 8 blocks of 8 (the last one partial)
@@ -77,24 +78,11 @@ def no_segment_left():
 
 
 @asynccontextmanager
-async def kv_server(engine: LLMEngine, shm: bool = False) -> AsyncIterator[str]:
-    """A real gRPC KV receiver on loopback feeding engine's connector; yields its address."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    register_kv_servicer(KVTransferServicer(engine.kv, shared_memory=shm), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(None)
-
-
-@asynccontextmanager
 async def transport(kind: str, engine: LLMEngine, chunk_bytes: int) -> AsyncIterator[tuple[KVSender, str]]:
     """(sender, target) whose blocks land in engine's KV connector."""
     if kind.startswith("grpc"):
         shm = kind == "grpc-shm"
-        async with kv_server(engine, shm) as target:
+        async with kv_receiver(engine, shm=shm) as target:
             sender = GrpcKVSender(lambda a: grpc.aio.insecure_channel(a, options=channel_options()),
                                   frame_bytes=chunk_bytes, shared_memory=shm, shared_memory_min_bytes=0)
             try:
@@ -103,20 +91,9 @@ async def transport(kind: str, engine: LLMEngine, chunk_bytes: int) -> AsyncIter
                 await sender.close()
     else:
         actor = _FakeActor(RayKVReceiver(engine.kv))
-        sender = RayKVSender(chunk_bytes=chunk_bytes, put=lambda arrays: _Ready(arrays))
+        sender = RayKVSender(chunk_bytes=chunk_bytes, put=lambda arrays: Resolved(arrays))
         sender._actors["ray://decode"] = actor
         yield sender, "ray://decode"
-
-
-class _Ready:
-    """An already-resolved object reference (what ray.put returns, awaited by the receiver)."""
-
-    def __init__(self, value) -> None:
-        self.value = value
-
-    def __await__(self):
-        yield from ()
-        return self.value
 
 
 def _blocks(rid: str, indices: list[int], engine: LLMEngine, seed: int = 0) -> list[KVBlock]:
@@ -253,23 +230,15 @@ def test_a_huge_declared_block_allocates_nothing(engine: LLMEngine) -> None:
         request_id=rid, transfer_token=res.transfer_token), headers=[header]).SerializeToString()])
 
     async def run():
-        server = grpc.aio.server()
-        register_kv_servicer(KVTransferServicer(engine.kv), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                call = ch.stream_unary("/pdserve.v1.KVTransfer/PushBlocks", request_serializer=lambda b: b,
-                                       response_deserializer=kv_pb2.PushAck.FromString)()
-                tracemalloc.start()
-                await call.write(frames[0])
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await call
-                peak = tracemalloc.get_traced_memory()[1]
-                tracemalloc.stop()
-                return err.value, peak
-        finally:
-            await server.stop(None)
+        async with kv_receiver(engine, options=()) as target, grpc.aio.insecure_channel(target) as ch:
+            call = raw_push(ch)
+            tracemalloc.start()
+            await call.write(frames[0])
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            return err.value, peak
     err, peak = _run(run())
     assert err.code() == grpc.StatusCode.DATA_LOSS and "layout" in err.details()
     assert peak < 16 << 20, peak
@@ -280,7 +249,7 @@ def test_a_huge_declared_block_allocates_nothing(engine: LLMEngine) -> None:
 def test_ray_sender_sends_other_targets_through_its_fallback(engine: LLMEngine) -> None:
     async def run():
         async with transport("grpc", engine, 4 << 20) as (grpc_sender, target):
-            sender = RayKVSender(fallback=grpc_sender, put=lambda a: _Ready(a))
+            sender = RayKVSender(fallback=grpc_sender, put=lambda a: Resolved(a))
             rid = "fallback"
             res = engine.reserve(rid, PROMPT, GREEDY)
             stream = sender.open(target, rid, res.transfer_token)
@@ -300,7 +269,7 @@ def test_ray_receiver_refuses_objects_of_the_wrong_kind(engine: LLMEngine) -> No
     opened = kv_pb2.KVStreamOpen(request_id=rid, transfer_token=res.transfer_token).SerializeToString()
     receiver = RayKVReceiver(engine.kv)
     ack = kv_pb2.PushAck.FromString(_run(receiver.push_blocks(
-        opened, [header.SerializeToString()], [_Ready([np.zeros(4, dtype=np.float32)])])))
+        opened, [header.SerializeToString()], [Resolved([np.zeros(4, dtype=np.float32)])])))
     assert ack.error_code == "INVALID_ARGUMENT" and "uint8" in ack.error
     assert engine.kv.state(rid) is HandoffState.FAILED
     assert_no_leak(engine)
@@ -369,7 +338,7 @@ def test_a_bad_shared_memory_frame_is_refused_and_frees_the_request(engine: LLME
                                           _shm_frame([header], name, size, inline)])
 
     async def run():
-        async with kv_server(engine, shm=case != "receiver-refuses-shm") as target:
+        async with kv_receiver(engine, shm=case != "receiver-refuses-shm") as target:
             return await _push_raw(target, frames)
     try:
         err = _run(run())
@@ -393,7 +362,7 @@ def test_a_shared_memory_segment_is_unlinked_once_mapped(engine: LLMEngine) -> N
                                           _shm_frame([h for h, _ in encoded], name, len(data))], [b"", data])
 
     async def run():
-        async with kv_server(engine, shm=True) as target:
+        async with kv_receiver(engine, shm=True) as target:
             return await _push_raw(target, frames)
     ack = _run(run())
     assert isinstance(ack, kv_pb2.PushAck) and ack.blocks_received == 8, ack
@@ -434,7 +403,7 @@ def test_small_sends_stay_in_the_stream_and_large_ones_use_shared_memory(engine:
                         lambda payloads, *d: written.append(write(payloads, *d)) or written[-1])
 
     async def run():
-        async with kv_server(engine, shm=True) as target:
+        async with kv_receiver(engine, shm=True) as target:
             sender = GrpcKVSender(lambda a: grpc.aio.insecure_channel(a, options=channel_options()), shared_memory=True,
                                   shared_memory_min_bytes=3 * engine.runner.kv_bytes_per_block)
             try:
