@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import tracemalloc
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -19,11 +20,13 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import transfer_block_hashes
 from engine.kv_connector import HandoffState
 from pdserve.v1 import kv_pb2
-from services.kv_transfer import GrpcKVSender, KVBlock, KVSender, KVTransferError
+from services.deployment.ports import free_port
+from services.kv_transfer import GrpcKVSender, KVBlock, KVSender, KVTransferError, KVTransferServicer
 from services.kv_transfer import integrity, shared_memory
-from services.kv_transfer.grpc_transport import encode_open
+from services.kv_transfer.grpc_transport import encode_open, register_kv_servicer
 from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender
 from services.grpc_setup import options as channel_options
+from services.security import Credentials
 from tests.conftest import assert_no_leak, random_prompts
 from tests.services.kv_servers import Resolved, kv_receiver, raw_push
 
@@ -418,5 +421,45 @@ def test_small_sends_stay_in_the_stream_and_large_ones_use_shared_memory(engine:
     assert _run(run()).blocks == 8
     stored = engine.runner.read_blocks(engine.kv.receiving[rid].seq.block_table)
     assert all(torch.equal(stored[j], b.data) for j, b in enumerate(blocks))
+    engine.abort(rid)
+    assert_no_leak(engine)
+
+
+def test_a_stream_proves_membership_with_a_proof_made_once_connected(engine: LLMEngine) -> None:
+    """A stream opened before its receiver answers (this process frozen while it connected, a
+    decode worker restarting) sends a proof of membership made once its channel connected: one
+    made at open is stale after a long wait, and the receiver refuses it (UNAUTHENTICATED)."""
+    creds = Credentials("a-cluster-token-for-this-test-only")
+    minted: list[float] = []
+
+    def proof(method: str):
+        minted.append(time.monotonic())
+        return creds.call_proof(method)
+
+    port = free_port()
+    rid = "proof-when-connected"
+
+    async def run() -> tuple[float, object, int]:
+        sender = GrpcKVSender(lambda a: grpc.aio.insecure_channel(a, options=channel_options()), proof=proof,
+                              cluster_token=creds.cluster_token)
+        res = engine.reserve(rid, PROMPT, GREEDY)
+        stream = sender.open(f"127.0.0.1:{port}", rid, res.transfer_token)   # nothing listens there yet
+        await stream.send(_blocks(rid, res.needed_block_indices, engine))
+        await asyncio.sleep(0.5)
+        server = grpc.aio.server(interceptors=creds.server_interceptors())
+        register_kv_servicer(KVTransferServicer(engine.kv, cluster_token=creds.cluster_token), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        listening = time.monotonic()
+        await server.start()
+        try:
+            return listening, await stream.finish(timeout=30), len(res.needed_block_indices)
+        finally:
+            await sender.close()
+            await server.stop(None)
+
+    listening, result, needed = _run(run())
+    assert result.blocks == needed > 0
+    assert minted and min(minted) >= listening, (minted, listening)   # made after the receiver came up
+    assert engine.kv.state(rid) is HandoffState.READY
     engine.abort(rid)
     assert_no_leak(engine)
