@@ -53,8 +53,6 @@ GROUP_SECONDS = {"ray": 380, "faults": 280, "test_tensor_parallel": 94, "test_se
                  "test_serving_large_kv": 11, "test_kv_tamper_across_hosts": 10}
 EXCLUSIVE = {"test_request_queued_longer_than_the_stall_timeout_is_not_migrated",
              "test_a_huge_text_prompt_is_refused_fast_without_memory_growth_or_stalls",
-             # a starved client reads its first events after the whole stream was sent: nothing to cancel
-             "test_disconnect_mid_stream_frees_blocks",
              # a 31 s freeze: a deployment beside it must not stretch it (its lease is 45 s)
              "test_a_prefill_frozen_longer_than_the_old_30_s_clock_completes_when_its_lease_allows",
              # its prefill must send a block at least every 0.2 s (the idle lease) for 2 s

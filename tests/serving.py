@@ -129,3 +129,16 @@ def catch_holder(procs: Sequence[P], holds: Callable[[P], bool], pid: Callable[[
         for p in procs:
             send(p, signal.SIGCONT)
     return found
+
+
+@contextlib.contextmanager
+def frozen(pids: Sequence[int]):
+    """These processes stopped (SIGSTOP) for the block, resumed after it whatever happens."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
