@@ -1,6 +1,7 @@
 """What the bench/ drivers share: their argument parsers (typed flags from defaults, the serving
 workload's flags), a comma list checked against known names, and one `pdserve up` child process
-started and stopped as a whole, after the machine quietened down."""
+started and stopped as a whole, after the machine quietened down; one timed push of KV blocks
+over an opened KV stream."""
 from __future__ import annotations
 
 import argparse
@@ -93,3 +94,22 @@ def wait_for_quiet(max_load: float | None, max_wait_s: float) -> None:
     while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
         print(f"waiting for the machine to quiet down: load {os.getloadavg()[0]:.2f} > {max_load}", flush=True)
         time.sleep(15)
+
+
+async def timed_push(stream: Any, blocks: list, settle_s: float, timeout: float) -> tuple[Any, float]:
+    """(SendResult, seconds) of one KV stream's send of blocks through finish's acknowledgement.
+    The stream is opened and heard from first (a heartbeat, settle_s to connect), as a prefill
+    worker's stream is while its prompt computes; on any failure it is cancelled (no call, nor
+    shared-memory segment, left behind)."""
+    import asyncio
+
+    try:
+        await stream.heartbeat()
+        await asyncio.sleep(settle_s)
+        t0 = time.perf_counter()
+        await stream.send(blocks)
+        result = await stream.finish(timeout=timeout)
+        return result, time.perf_counter() - t0
+    except BaseException:
+        await stream.cancel()
+        raise

@@ -40,6 +40,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench import drivers, raw_socket  # noqa: E402
+
 MiB = 1 << 20
 RAW_PORT = 7311
 
@@ -93,23 +95,14 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def _raw_receiver(server: socket.socket) -> None:
-    """Per connection: read an 8-byte length, then that many bytes, answer one byte; repeat."""
+    """The raw-socket reference (bench/raw_socket.py), one connection after another."""
     while True:
         conn, _ = server.accept()
-        buf = bytearray(64 * MiB)
-        view = memoryview(buf)
         with conn:
-            while True:
-                head = conn.recv(8, socket.MSG_WAITALL)
-                if len(head) < 8:
-                    break
-                left = int.from_bytes(head, "little")
-                while left:
-                    got = conn.recv_into(view[:min(left, len(buf))])
-                    if not got:
-                        return
-                    left -= got
-                conn.sendall(b"k")
+            try:
+                raw_socket.serve_one(conn)
+            except ConnectionError:
+                return
 
 
 def _say(obj: dict[str, Any]) -> None:
@@ -156,21 +149,8 @@ class Decode:
 
 def _raw_seconds(address: str, nbytes: int, iters: int) -> float:
     host, port = address.rsplit(":", 1)
-    payload = memoryview(os.urandom(min(nbytes, 64 * MiB)))
-    times = []
     with socket.create_connection((host, int(port)), timeout=60) as conn:
-        for _ in range(iters + 1):
-            t0 = time.perf_counter()
-            conn.sendall(nbytes.to_bytes(8, "little"))
-            left = nbytes
-            while left:
-                n = min(left, payload.nbytes)
-                conn.sendall(payload[:n])
-                left -= n
-            if conn.recv(1) != b"k":
-                raise RuntimeError("raw socket: no answer")
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+        return statistics.median(raw_socket.timed_sends(conn, [nbytes], iters)[nbytes])
 
 
 async def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -219,15 +199,7 @@ async def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                     blocks = [KVBlock(rid, j, hashes[j], data[j]) for j in res["needed"]]
                     stream = kv_sender.open(target, rid, bytes.fromhex(res["token"]))
                     try:
-                        await stream.heartbeat()
-                        await asyncio.sleep(0.05)
-                        t0 = time.perf_counter()
-                        await stream.send(blocks)
-                        result = await stream.finish(timeout=120)
-                        seconds = time.perf_counter() - t0
-                    except BaseException:
-                        await stream.cancel()
-                        raise
+                        result, seconds = await drivers.timed_push(stream, blocks, settle_s=0.05, timeout=120)
                     finally:
                         state = decode.ask(op="release", rid=rid)["state"]
                     if result.blocks != len(blocks) or state != "ready":

@@ -40,42 +40,18 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench import raw_socket  # noqa: E402
+
 MiB = 1 << 20
 
-SINK = r"""
-import socket, sys
-srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
-print(srv.getsockname()[1], flush=True)
-conn, _ = srv.accept()
-conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-buf = bytearray(1 << 24)
-while True:
-    head = conn.recv(8, socket.MSG_WAITALL)
-    if len(head) < 8:
-        break
-    n = int.from_bytes(head, "little")
-    view = memoryview(buf)
-    while n:
-        got = conn.recv_into(view[:min(n, len(buf))])
-        n -= got
-    conn.sendall(b"k")
-"""
-
-
-def socket_seconds(payload: bytes, iters: int) -> list[float]:
-    child = subprocess.Popen([sys.executable, "-c", SINK], stdout=subprocess.PIPE, text=True)
+def socket_seconds(nbytes: int, iters: int) -> list[float]:
+    """Seconds of iters raw-socket sends of nbytes to a receiver process (after 3 warm ones)."""
+    child = subprocess.Popen([sys.executable, str(REPO_ROOT / "bench" / "raw_socket.py"), "serve", "127.0.0.1", "0",
+                              "120"], stdout=subprocess.PIPE, text=True)
     try:
-        port = int(child.stdout.readline())
+        port = int(child.stdout.readline().split()[1])
         with socket.create_connection(("127.0.0.1", port)) as s:
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            out = []
-            for _ in range(iters + 3):
-                t = time.perf_counter()
-                s.sendall(len(payload).to_bytes(8, "little"))
-                s.sendall(payload)
-                s.recv(1)
-                out.append(time.perf_counter() - t)
-            return out[3:]
+            return raw_socket.timed_sends(s, [nbytes], iters, warmup=3)[nbytes]
     finally:
         child.kill()
         child.wait()
@@ -174,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             shm_ready, shm_acked, nbytes = asyncio.run(handoff_seconds(address, token, n, args.iters, shm=True))
             ready, acked, _ = asyncio.run(handoff_seconds(address, token, n, args.iters, shm=False))
             mem = memcpy_seconds(nbytes, args.iters)
-            sock = socket_seconds(os.urandom(nbytes), args.iters)
+            sock = socket_seconds(nbytes, args.iters)
             cells = [statistics.median(v) * 1e3 for v in (shm_ready, shm_acked, ready, acked)]
             print(f"| {n} | {nbytes / MiB:.2f} | " + " | ".join(f"{c:.2f}" for c in cells)
                   + f" | {statistics.median(mem) * 1e3:.3f} | {statistics.median(sock) * 1e3:.2f} |", flush=True)

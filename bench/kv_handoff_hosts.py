@@ -212,44 +212,7 @@ with Client(spec["router"], timeout=spec["request_timeout_s"]) as client:
 print(json.dumps(out))
 """
 
-RAW_RX = r"""
-import socket, sys
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); s.settimeout(float(sys.argv[3]))
-print("ready", flush=True)
-c, _ = s.accept(); c.settimeout(float(sys.argv[3]))
-buf = bytearray(1 << 22)
-while True:
-    head = c.recv(8, socket.MSG_WAITALL)
-    if len(head) < 8:
-        break
-    n = int.from_bytes(head, "little")
-    while n:
-        got = c.recv_into(memoryview(buf)[:min(n, len(buf))])
-        if not got:   # the sender went away mid-send: stop, never spin
-            sys.exit("raw socket: peer closed with %d bytes left" % n)
-        n -= got
-    c.sendall(b"k")
-"""
-
-RAW_TX = r"""
-import json, os, socket, sys, time
-sizes, repeats = json.loads(sys.argv[3]), int(sys.argv[4])
-c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[5]))
-c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-payload = memoryview(os.urandom(max(sizes)))
-out = {}
-for n in sizes:
-    times = []
-    for _ in range(repeats + 1):   # the first warms the connection's window
-        t = time.perf_counter()
-        c.sendall(n.to_bytes(8, "little")); c.sendall(payload[:n])
-        if c.recv(1) != b"k":
-            raise SystemExit("the receiver closed early")
-        times.append(time.perf_counter() - t)
-    out[str(n)] = times[1:]
-print(json.dumps(out))
-"""
+RAW_SOCKET = str(Path(__file__).resolve().parent / "raw_socket.py")   # the reference sender and receiver
 
 
 # ---- one deployment on three hosts -------------------------------------------------------------
@@ -331,13 +294,13 @@ def raw_socket_ms(net: Any, sizes: Sequence[int], repeats: int, timeout: float =
     """Median ms of a raw TCP send of each size (and a one-byte answer), prefill host -> decode host."""
     import select
     sender, receiver = net[1], net[2]
-    rx = receiver.popen([sys.executable, "-c", RAW_RX, receiver.address, str(RAW_PORT), str(timeout)],
+    rx = receiver.popen([sys.executable, RAW_SOCKET, "serve", receiver.address, str(RAW_PORT), str(timeout)],
                         stdout=subprocess.PIPE, text=True)
     try:
         ready, _, _ = select.select([rx.stdout], [], [], timeout)
-        if not ready or rx.stdout.readline().strip() != "ready":
+        if not ready or not rx.stdout.readline().startswith("ready"):
             raise RuntimeError(f"the raw-socket receiver did not start within {timeout:g}s")
-        done = sender.run([sys.executable, "-c", RAW_TX, receiver.address, str(RAW_PORT), json.dumps(list(sizes)),
+        done = sender.run([sys.executable, RAW_SOCKET, "send", receiver.address, str(RAW_PORT), json.dumps(list(sizes)),
                            str(repeats), str(timeout)], timeout=timeout, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"the raw-socket sender failed: {done.stderr[-2000:]}")

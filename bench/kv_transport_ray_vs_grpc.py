@@ -35,7 +35,6 @@ cluster is stopped at the end (its process group checked empty). Example::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
@@ -50,6 +49,8 @@ from unittest.mock import patch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+from bench import drivers  # noqa: E402
 
 MiB = 1 << 20
 NAMESPACE = "pdserve-bench"
@@ -188,16 +189,7 @@ class PrefillActor:
             # The stream opens when the request arrives, while the prompt computes (as a prefill
             # worker does); the time runs from the moment the blocks are ready to the acknowledgement.
             stream = self.senders[transport].open(self.targets[transport], rid, res["token"])
-            try:
-                await stream.heartbeat()
-                await asyncio.sleep(0.005)
-                t0 = time.perf_counter()
-                await stream.send(blocks)
-                result = await stream.finish(timeout=60)
-                seconds = time.perf_counter() - t0
-            except BaseException:
-                await stream.cancel()   # no call left open (nor a shared-memory segment left behind)
-                raise
+            result, seconds = await drivers.timed_push(stream, blocks, settle_s=0.005, timeout=60)
         finally:
             state = await self.decode.release.remote(rid)   # READY -> aborted: the blocks go back
         if result.blocks != len(blocks) or state != "ready":

@@ -6,6 +6,12 @@ directly: ``config.json``, ``generation_config.json``, ``model.safetensors`` and
 a byte-level BPE tokenizer trained on the English corpus shipped in
 ``engine/data``, with a plain-text chat template (``CHAT_TEMPLATE``).  Same arguments always give byte-identical files.
 
+Besides the test and benchmark sizes, two presets have real models' exact shapes and vocabulary
+sizes (``qwen3-0.6b``, ``llama-3.2-1b``) with a small trained tokenizer: their model ids past the
+tokenizer's are valid but never sampled (see ``weight_chunks``), so workloads are token ids.
+Weights are drawn and written chunk by chunk (``engine.safetensors_stream``): memory stays
+near one chunk, not twice the checkpoint.
+
 The weights are random but scaled so that logits are well separated (greedy
 decoding is stable between two float32 implementations) and greedy output is
 varied.  Command line: ``python -m engine.model_maker OUT_DIR --preset small``.
@@ -14,7 +20,6 @@ varied.  Command line: ``python -m engine.model_maker OUT_DIR --preset small``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import hashlib
 import json
@@ -23,32 +28,28 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from engine.presets import (ARCHITECTURES, DEFAULT_ARCH, DEFAULT_PRESET, PRESETS, PUBLIC_PRESETS, Arch,  # noqa: F401
+                            Preset, PresetName, get_preset, resolve_arch)
+from engine.safetensors_stream import write_safetensors
 from engine.settings import pdserve_home
-
-Arch = Literal["qwen3", "llama"]
-PresetName = Literal["tiny", "tiny-kv1", "tiny-kv4", "tiny-d64", "small", "qwen3-0.6b-kv"]
 
 EOS_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN_ID = 0  # also the pad token
 BOS_TOKEN_ID = 1
 SPECIAL_TOKENS = (EOS_TOKEN, BOS_TOKEN)  # trainer assigns ids in this order
-SPECIAL_ROW_SCALE = 0.05  # see make_weights
+SPECIAL_ROW_SCALE = 0.05  # see weight_chunks
+CHUNK_ELEMENTS = 1 << 22  # elements drawn at a time (16 MiB of float32), see weight_chunks
 RESIDUAL_GAIN = 2.0  # see weight_specs
 
 # Bump when the output of make_model changes, so cached default models are rebuilt.
 # 2: a chat template.
 MAKER_VERSION = 2
-DEFAULT_PRESET: PresetName = "tiny"
-DEFAULT_ARCH: Arch = "qwen3"
 DEFAULT_SEED = 0
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -69,87 +70,9 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ 'assistant:' }}{%- endif -%}"
 )
 
-_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(frozen=True)
-class Preset:
-    """Model shape and numerics; field names follow the HF config keys."""
-
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    dtype: str
-    tie_word_embeddings: bool
-    rope_theta: float
-    rms_norm_eps: float
-    max_position_embeddings: int
-
-
-PRESETS: dict[str, Preset] = {
-    # Fast-test model. head_dim * heads != hidden on purpose.
-    "tiny": Preset(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=128,
-        vocab_size=1024,
-        dtype="float32",
-        tie_word_embeddings=True,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=2048,
-    ),
-    # Benchmark model (fixed by spec).
-    "small": Preset(
-        hidden_size=512,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        intermediate_size=1536,
-        vocab_size=8192,
-        dtype="bfloat16",
-        tie_word_embeddings=True,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=4096,
-    ),
-}
-
-# Tensor-parallel tests: the tiny shape with fewer (1) and more (4) KV heads than 2 ranks.
-PRESETS["tiny-kv1"] = dataclasses.replace(PRESETS["tiny"], num_key_value_heads=1)
-PRESETS["tiny-kv4"] = dataclasses.replace(PRESETS["tiny"], num_key_value_heads=4)
-# Native prefill attention tests: the head dim its kernels take (64), four query heads per KV head.
-PRESETS["tiny-d64"] = dataclasses.replace(PRESETS["tiny"], head_dim=64, num_key_value_heads=1)
-# KV hand-off benchmarks: Qwen3-0.6B's KV shape (28 layers, 8 KV heads of 128, bf16: 112 KiB a
-# token) around a narrow residual stream and MLP, so its prefill is cheap on a CPU.
-PRESETS["qwen3-0.6b-kv"] = dataclasses.replace(
-    PRESETS["small"], hidden_size=128, num_hidden_layers=28, num_attention_heads=8, num_key_value_heads=8,
-    head_dim=128, intermediate_size=256, vocab_size=2048, max_position_embeddings=8192)
-
-# Per-(preset, arch) deviations: tiny llama exercises the untied lm_head and a
-# different rope base.
-_ARCH_OVERRIDES: dict[tuple[str, str], dict[str, object]] = {
-    (tiny, "llama"): {"tie_word_embeddings": False, "rope_theta": 10_000.0}
-    for tiny in ("tiny", "tiny-kv1", "tiny-kv4", "tiny-d64")
-}
-
-
-def get_preset(preset: str, arch: str = DEFAULT_ARCH) -> Preset:
-    """The resolved preset for ``arch`` (raises ValueError on unknown names)."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    if arch not in _ARCHITECTURES:
-        raise ValueError(f"unknown arch {arch!r}; choose from {sorted(_ARCHITECTURES)}")
-    return dataclasses.replace(PRESETS[preset], **_ARCH_OVERRIDES.get((preset, arch), {}))  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -223,7 +146,7 @@ def _write_configs(out: Path, p: Preset, arch: str) -> None:
     from transformers import GenerationConfig, LlamaConfig, Qwen3Config
 
     common = dict(
-        architectures=[_ARCHITECTURES[arch]],
+        architectures=[ARCHITECTURES[arch]],
         vocab_size=p.vocab_size,
         hidden_size=p.hidden_size,
         intermediate_size=p.intermediate_size,
@@ -234,7 +157,7 @@ def _write_configs(out: Path, p: Preset, arch: str) -> None:
         hidden_act="silu",
         max_position_embeddings=p.max_position_embeddings,
         rms_norm_eps=p.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": p.rope_theta},
+        rope_parameters={"rope_type": p.rope_type, "rope_theta": p.rope_theta, **dict(p.rope_scaling)},
         tie_word_embeddings=p.tie_word_embeddings,
         attention_bias=False,
         bos_token_id=BOS_TOKEN_ID,
@@ -248,6 +171,8 @@ def _write_configs(out: Path, p: Preset, arch: str) -> None:
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     cfg.update(torch_dtype=p.dtype, dtype=p.dtype, rope_theta=p.rope_theta)
+    if p.rope_type != "default":
+        cfg.update(rope_scaling={"rope_type": p.rope_type, **dict(p.rope_scaling)})
     _write_json(cfg_path, cfg)
 
     gen = GenerationConfig(
@@ -301,26 +226,50 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def make_weights(p: Preset, arch: str, seed: int) -> dict[str, torch.Tensor]:
-    """Random weights; each tensor has its own generator seeded from (seed, name).
+def _draw_rows(name: str, shape: tuple[int, ...], std: float, seed: int) -> Iterator[torch.Tensor]:
+    """float32 N(0, std) rows, CHUNK_ELEMENTS at a time: the same values as one torch.randn of
+    the whole shape, since torch draws normals 16 at a time (a chunk of a multiple of 16 elements
+    leaves the generator where the whole draw would be; other row sizes are drawn whole)."""
+    gen = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name))
+    row = math.prod(shape[1:])
+    step = shape[0] if row % 16 else max(1, CHUNK_ELEMENTS // row)
+    for start in range(0, shape[0], step):
+        yield torch.randn((min(step, shape[0] - start), *shape[1:]), generator=gen, dtype=torch.float32).mul_(std)
 
-    The output rows of the special tokens are shrunk (logit ~0 while the top
-    logit is ~3 sqrt(hidden)), so random models practically never emit EOS/BOS
-    and generation length is set by max_tokens alone.
+
+def weight_chunks(p: Preset, arch: str, seed: int, name: str, shape: tuple[int, ...], std: float
+                  ) -> Iterator[torch.Tensor]:
+    """One tensor's random weights as slices along its first dimension, in ``p.dtype``; each
+    tensor has its own generator seeded from (seed, name).
+
+    The output rows of the special tokens are shrunk (logit ~0 while the top logit is ~3
+    sqrt(hidden)), so random models practically never emit EOS/BOS and generation length is set
+    by max_tokens alone; so are the rows of ids past the tokenizer's (a real model's padding
+    rows), so sampled tokens always have text and a text-timed client (TTFT at the first chunk
+    with text) times every token.
     """
     dtype = _DTYPES[p.dtype]
+    if std == 0.0:
+        yield torch.ones(shape, dtype=dtype)
+        return
     out_name = "model.embed_tokens.weight" if p.tie_word_embeddings else "lm_head.weight"
-    tensors: dict[str, torch.Tensor] = {}
-    for name, shape, std in weight_specs(p, arch):
-        if std == 0.0:
-            t = torch.ones(shape, dtype=torch.float32)
-        else:
-            gen = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name))
-            t = torch.randn(shape, generator=gen, dtype=torch.float32) * std
+    start = 0
+    for t in _draw_rows(name, shape, std, seed):
         if name == out_name:
-            t[: len(SPECIAL_TOKENS)] *= SPECIAL_ROW_SCALE
-        tensors[name] = t.to(dtype).contiguous()
-    return tensors
+            for lo, hi in ((0, len(SPECIAL_TOKENS)), (p.num_tokenizer_ids, p.vocab_size)):
+                lo, hi = max(lo - start, 0), min(hi - start, t.shape[0])
+                if lo < hi:
+                    t[lo:hi] *= SPECIAL_ROW_SCALE
+        start += t.shape[0]
+        yield t.to(dtype)
+
+
+def write_weights(path: Path, p: Preset, arch: str, seed: int) -> int:
+    """Write ``model.safetensors`` chunk by chunk; returns its size in bytes."""
+    stds = {name: (shape, std) for name, shape, std in weight_specs(p, arch)}
+    return write_safetensors(path, [(name, shape) for name, (shape, _) in stds.items()], _DTYPES[p.dtype],
+                             lambda name, shape: weight_chunks(p, arch, seed, name, shape, stds[name][1]),
+                             metadata={"format": "pt"})
 
 
 # --------------------------------------------------------------------------- public API
@@ -329,26 +278,28 @@ def make_weights(p: Preset, arch: str, seed: int) -> dict[str, torch.Tensor]:
 def make_model(
     out_dir: str | os.PathLike[str],
     preset: PresetName | str = DEFAULT_PRESET,
-    arch: Arch | str = DEFAULT_ARCH,
+    arch: Arch | str | None = None,
     seed: int = DEFAULT_SEED,
 ) -> Path:
-    """Write a complete HF checkpoint directory to ``out_dir`` and return its path."""
+    """Write a complete HF checkpoint directory to ``out_dir`` and return its path (``arch``:
+    None is the preset's own, else the default)."""
+    arch = resolve_arch(preset, arch)
     p = get_preset(preset, arch)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_configs(out, p, arch)
-    _write_tokenizer(out, p.vocab_size, p.max_position_embeddings)
+    _write_tokenizer(out, p.num_tokenizer_ids, p.max_position_embeddings)
     weights_path = out / "model.safetensors"
-    save_file(make_weights(p, arch, seed), str(weights_path), metadata={"format": "pt"})
+    write_weights(weights_path, p, arch, seed)
     weights_path.chmod(0o644)  # safetensors creates it 0600; match the other files
     return out
 
 
 
 
-def cached_model_dir(preset: str = DEFAULT_PRESET, arch: str = DEFAULT_ARCH, seed: int = DEFAULT_SEED) -> Path:
+def cached_model_dir(preset: str = DEFAULT_PRESET, arch: str | None = None, seed: int = DEFAULT_SEED) -> Path:
     """Cache location of a preset's deterministic checkpoint."""
-    return pdserve_home() / "models" / f"{preset}-{arch}-seed{seed}-v{MAKER_VERSION}"
+    return pdserve_home() / "models" / f"{preset}-{resolve_arch(preset, arch)}-seed{seed}-v{MAKER_VERSION}"
 
 
 def default_model_dir() -> Path:
@@ -356,7 +307,7 @@ def default_model_dir() -> Path:
     return cached_model_dir()
 
 
-def ensure_model(preset: str = DEFAULT_PRESET, arch: str = DEFAULT_ARCH, seed: int = DEFAULT_SEED) -> Path:
+def ensure_model(preset: str = DEFAULT_PRESET, arch: str | None = None, seed: int = DEFAULT_SEED) -> Path:
     """Make a preset's checkpoint in the cache on first use (atomically) and return its directory."""
     target = cached_model_dir(preset, arch, seed)
     if target.is_dir():  # only ever created by the rename below, so it is complete
@@ -385,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Write a deterministic random-weight HF checkpoint.")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET)
-    parser.add_argument("--arch", choices=sorted(_ARCHITECTURES), default=DEFAULT_ARCH)
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default=None,
+                        help=f"default: the preset's own, else {DEFAULT_ARCH}")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     args = parser.parse_args(argv)
     print(make_model(args.out_dir, args.preset, args.arch, args.seed))

@@ -1,15 +1,21 @@
 """Helpers for end-to-end tests against real processes."""
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import threading
 import time
 import urllib.request
+from typing import Callable, Sequence, TypeVar
 
 import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.deployment.launcher import Cluster, Deployment, free_port
+
+P = TypeVar("P")
 
 TEST_ENGINE_ARGS = ["--block-size", "8", "--num-kv-blocks", "512", "--dtype", "float32"]
 
@@ -100,3 +106,39 @@ def wait_up_line(proc: subprocess.Popen, timeout: float = 120) -> UpOutput:
     if not up.wait(timeout) or not any(line.startswith("pdserve is up") for line in lines):
         raise AssertionError("pdserve up did not come up:\n" + "".join(lines[-50:]))
     return lines
+
+
+def catch_holder(procs: Sequence[P], holds: Callable[[P], bool], pid: Callable[[P], int]) -> P | None:
+    """The one of procs that holds something at this moment (say, a running request), found
+    without racing it to the end: every candidate is frozen (SIGSTOP) first, then each resumed
+    in turn and asked at once, so the holder cannot finish before it is asked. All run again
+    on return; none stays frozen for more than the others' questions."""
+    def send(p: P, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):   # one that died meanwhile holds nothing
+            os.kill(pid(p), sig)
+
+    for p in procs:
+        send(p, signal.SIGSTOP)
+    found = None
+    try:
+        for p in procs:
+            send(p, signal.SIGCONT)
+            if found is None and holds(p):
+                found = p
+    finally:
+        for p in procs:
+            send(p, signal.SIGCONT)
+    return found
+
+
+@contextlib.contextmanager
+def frozen(pids: Sequence[int]):
+    """These processes stopped (SIGSTOP) for the block, resumed after it whatever happens."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)

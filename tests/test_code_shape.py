@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import sys
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = ("engine", "services", "bench")   # lowest first
@@ -33,31 +34,38 @@ def _is_type_checking(test: ast.expr) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement in tree, nested ones included, typing-only blocks aside."""
+    if isinstance(tree, ast.If) and _is_type_checking(tree.test):
+        for child in tree.orelse:
+            yield from _import_nodes(child)
+        return
+    if isinstance(tree, (ast.Import, ast.ImportFrom)):
+        yield tree
+    for child in ast.iter_child_nodes(tree):
+        yield from _import_nodes(child)
+
+
+def _from_module(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The dotted module a ``from X import ...`` in module names (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    base = base if is_package else base[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imported_names(tree: ast.AST, module: str, is_package: bool) -> set[str]:
     """Dotted names this module imports anywhere (typing-only blocks aside)."""
     out: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
+    for node in _import_nodes(tree):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = module.split(".")
-                base = base if is_package else base[:-1]
-                base = base[:len(base) - (node.level - 1)]
-                prefix = ".".join(base + ([node.module] if node.module else []))
-            else:
-                prefix = node.module or ""
+        else:
+            prefix = _from_module(node, module, is_package)
             out.add(prefix)
             out.update(f"{prefix}.{alias.name}" for alias in node.names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
     return out
 
 
@@ -152,21 +160,11 @@ def imported_project_names() -> list[tuple[str, str, str]]:
     modules = project_modules()
     found = []
     for name, path in modules.items():
-        is_package = path.name == "__init__.py"
-
-        def visit(node: ast.AST) -> None:
-            if isinstance(node, ast.If) and _is_type_checking(node.test):
-                for child in node.orelse:
-                    visit(child)
-                return
+        for node in _import_nodes(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom):
-                target = sorted(_imported_names(ast.Module(body=[node], type_ignores=[]), name, is_package))[0]
+                target = _from_module(node, name, path.name == "__init__.py")
                 if target in modules:
                     found.extend((name, target, alias.name) for alias in node.names if alias.name != "*")
-            for child in ast.iter_child_nodes(node):
-                visit(child)
-
-        visit(ast.parse(path.read_text(), str(path)))
     return found
 
 

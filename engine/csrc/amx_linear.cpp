@@ -15,29 +15,12 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#include "amx_tiles.h"
 
 using namespace pd;
 
 #ifdef PD_AMX
 namespace {
-
-struct alignas(64) TileConfig {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-void configure_tiles() {
-    TileConfig cfg{};
-    cfg.palette_id = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.colsb[i] = 64;
-        cfg.rows[i] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 inline void prefetch_range(const char* p, int64_t n) {
     for (int64_t off = 0; off < n; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);

@@ -12,6 +12,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__) && defined(PD_AVX512)
 #define PD_AMX 1
 #endif
+#include "amx_tiles.h"
 
 using namespace pd;
 
@@ -19,24 +20,6 @@ extern "C" int pd_amx_init();
 
 #ifdef PD_AMX
 namespace {
-
-struct alignas(64) TileConfig {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-void configure_tiles() {
-    TileConfig cfg{};
-    cfg.palette_id = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.colsb[i] = 64;
-        cfg.rows[i] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 constexpr int KC = 64;   // keys per step (four 16-key S tiles)
 

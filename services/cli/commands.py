@@ -369,8 +369,11 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _p_make_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="directory to write the checkpoint to")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small"], help="model size")
-    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"], help="architecture")
+    from engine.presets import ARCHITECTURES, DEFAULT_ARCH, DEFAULT_PRESET, PUBLIC_PRESETS   # torch-free
+    p.add_argument("--preset", default=DEFAULT_PRESET, choices=list(PUBLIC_PRESETS),
+                   help="model size: " + "; ".join(f"{name}: {about}" for name, about in PUBLIC_PRESETS.items()))
+    p.add_argument("--arch", default=None, choices=list(ARCHITECTURES),
+                   help=f"architecture (default: the preset's own, else {DEFAULT_ARCH})")
     p.add_argument("--seed", type=int, default=0, help="weights seed")
     p.set_defaults(func=cmd_make_model)
 

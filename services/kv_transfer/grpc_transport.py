@@ -17,7 +17,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -88,7 +88,7 @@ class SharedMemoryRoute:
             log.warning("KV to %s goes inline from now on: %s", target, why)
         self._peers[target] = False
 
-    async def usable(self, target: str, method: Any, metadata: tuple[tuple[str, str], ...]) -> bool:
+    async def usable(self, target: str, method: Any, metadata: Callable[[], tuple[tuple[str, str], ...]]) -> bool:
         """Whether target shares our shared-memory directory: probed once, concurrent callers wait
         for the same probe."""
         self._start_sweeper()
@@ -102,9 +102,10 @@ class SharedMemoryRoute:
             self._peers[target] = ok
         return ok
 
-    async def _probe(self, target: str, method: Any, metadata: tuple[tuple[str, str], ...]) -> bool:
+    async def _probe(self, target: str, method: Any, metadata: Callable[[], tuple[tuple[str, str], ...]]) -> bool:
         """Write a small segment and have target take it: it shares our memory when the call
-        succeeds and the segment is gone from our directory (the receiver unlinks what it maps)."""
+        succeeds and the segment is gone from our directory (the receiver unlinks what it maps).
+        metadata: the probe call's, made when the call is (a proof is fresh for a while only)."""
         try:
             name = shared_memory.write_segment([memoryview(os.urandom(SHM_PROBE_BYTES))], self.directory)
         except OSError as exc:
@@ -112,7 +113,7 @@ class SharedMemoryRoute:
             return False
         try:
             await method(iter([encode_probe(name, SHM_PROBE_BYTES)]), timeout=SHM_PROBE_TIMEOUT_S,
-                         metadata=metadata or None, wait_for_ready=True)
+                         metadata=metadata() or None, wait_for_ready=True)
             taken = not os.path.exists(os.path.join(self.directory, name))
             if not taken:
                 log.warning("KV to %s goes inline: it cannot see our shared memory", target)
@@ -144,14 +145,17 @@ class SharedMemoryRoute:
 
 
 class GrpcKVStream(KVStream):
-    def __init__(self, call: grpc.aio.StreamUnaryCall, request_id: str, token: bytes, frame_bytes: int,
-                 shared: "tuple[SharedMemoryRoute, str, Any, tuple] | None" = None, proof: Any = None,
+    def __init__(self, start_call: "Callable[[], Awaitable[tuple[grpc.aio.StreamUnaryCall, Any]]]", request_id: str,
+                 token: bytes, frame_bytes: int, shared: "tuple[SharedMemoryRoute, str, Any, Callable] | None" = None,
                  cluster_token: str | bytes | None = None, codecs: CodecPolicy | None = None,
                  target: str = "", frame_target: int = FRAME_TARGET_BYTES) -> None:
-        """frame_target: frames hold whole blocks up to this many payload bytes (frames.iter_wire_frames).
-        shared: (route, target, method, metadata) when sends to this loopback target may go
-        through shared memory (None: never). proof: the call's services.security.CallProof, whose
-        reply the receiver must send before any frame goes out (None: nothing to check).
+        """start_call: makes the call once its channel is connected, with a fresh proof of
+        membership (a proof minted before a long wait, say this process frozen while connecting,
+        would be refused as stale): (call, its services.security.CallProof, whose reply the
+        receiver must send before any frame goes out; None: nothing to check).
+        frame_target: frames hold whole blocks up to this many payload bytes (frames.iter_wire_frames).
+        shared: (route, target, method, metadata maker) when sends to this loopback target may go
+        through shared memory (None: never).
         cluster_token: keys every frame's MAC with the transfer token (integrity.py). codecs: the
         inline frames' wire codec for target, chosen on the first send, and the link estimate this
         stream's send phase feeds (None: uncompressed)."""
@@ -162,8 +166,10 @@ class GrpcKVStream(KVStream):
         self._busy_s = 0.0                 # the writer's time in writes: the send phase (with the ack wait)
         self._closed_at: float | None = None
         self._mac = integrity.StreamMac(integrity.mac_key(token, cluster_token), integrity.PREFERRED)
-        self._call = call
-        self._proof = proof
+        self._start_call = start_call
+        self._call: grpc.aio.StreamUnaryCall | None = None   # made by the writer (start_call)
+        self._proof: Any = None
+        self._call_made = asyncio.Event()
         self._frame_bytes = frame_bytes
         self._frame_target = frame_target
         self._abandoned = False            # cancelled: a send still building in its thread stops
@@ -178,6 +184,8 @@ class GrpcKVStream(KVStream):
         self._writer = asyncio.create_task(self._write_loop())
 
     async def _write_loop(self) -> None:
+        self._call, self._proof = await self._start_call()
+        self._call_made.set()
         if self._proof is not None and not self._proof.verify(await self._call.initial_metadata()):
             self._call.cancel()   # not a member of the deployment: it gets no KV
             return
@@ -259,10 +267,23 @@ class GrpcKVStream(KVStream):
             if self._queue.empty():
                 self._queue.put_nowait(encode_heartbeat(self._mac))
 
+    async def _acknowledgement(self) -> kv_pb2.PushAck:
+        """The receiver's answer, once the writer has made the call (its error if it failed first)."""
+        if self._call is None:
+            made = asyncio.ensure_future(self._call_made.wait())
+            try:
+                await asyncio.wait({made, self._writer}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                made.cancel()
+            if self._call is None:
+                self._writer.result()   # raises what stopped it
+                raise KVTransferError("UNAVAILABLE", "the KV stream ended before its call was made")
+        return await asyncio.shield(self._call)
+
     async def finish(self, timeout: float | None = None) -> SendResult:
         self._queue.put_nowait(None)
         try:
-            ack: kv_pb2.PushAck = await asyncio.wait_for(asyncio.shield(self._call), timeout)
+            ack: kv_pb2.PushAck = await asyncio.wait_for(self._acknowledgement(), timeout)
         except grpc.aio.AioRpcError as exc:
             if self._used_shm and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 self._shared[0].disable(self._shared[1], exc.details() or "")   # the retry goes inline
@@ -290,7 +311,8 @@ class GrpcKVStream(KVStream):
     async def cancel(self) -> None:
         self._abandoned = True
         self._reap_writer()
-        self._call.cancel()
+        if self._call is not None:
+            self._call.cancel()
         self._remove_segments()
 
     def _remove_segments(self) -> None:
@@ -344,24 +366,33 @@ class GrpcKVSender(KVSender):
         self._channel_factory = channel_factory
         self._channels: dict[str, tuple[grpc.aio.Channel, Any]] = {}
 
-    def _method(self, target: str) -> Any:
+    def _channel(self, target: str) -> tuple[grpc.aio.Channel, Any]:
+        """target's channel (made once) and its PushBlocks method."""
         entry = self._channels.get(target)
         if entry is None:
             channel = self._channel_factory(target)
             method = channel.stream_unary(METHOD, request_serializer=lambda b: b,
                                           response_deserializer=kv_pb2.PushAck.FromString)
             entry = self._channels[target] = (channel, method)
-        return entry[1]
+        return entry
 
     def open(self, target: str, request_id: str, transfer_token: bytes) -> KVStream:
-        # wait_for_ready: a connection that is (re)establishing, say after this process was frozen,
-        # is waited for instead of failing the stream; finish() bounds the whole transfer.
-        proof = self.proof(METHOD) if self.proof is not None else None
-        call = self._method(target)(wait_for_ready=True, metadata=(proof.metadata if proof else self.metadata) or None)
-        shared = None
-        if self.route is not None and shared_memory.is_local(target):   # the probe's own proof: each is used once
-            shared = (self.route, target, self._method(target), self.proof(METHOD).metadata if self.proof else self.metadata)
-        return GrpcKVStream(call, request_id, transfer_token, self.frame_bytes, shared, proof, self.cluster_token,
+        channel, method = self._channel(target)
+
+        def metadata() -> tuple[tuple[str, str], ...]:   # a fresh proof for each call: each is used once
+            return self.proof(METHOD).metadata if self.proof is not None else self.metadata
+
+        async def start_call() -> tuple[grpc.aio.StreamUnaryCall, Any]:
+            # The channel connected first, then the proof minted: it is fresh when the receiver
+            # checks it. wait_for_ready: a connection lost meanwhile is waited for instead of
+            # failing the stream; finish() bounds the whole transfer.
+            await channel.channel_ready()
+            proof = self.proof(METHOD) if self.proof is not None else None
+            return method(wait_for_ready=True, metadata=(proof.metadata if proof else self.metadata) or None), proof
+
+        shared = (self.route, target, method, metadata) if self.route is not None and shared_memory.is_local(target) \
+            else None
+        return GrpcKVStream(start_call, request_id, transfer_token, self.frame_bytes, shared, self.cluster_token,
                             self.codecs if self.codecs.mode != "off" else None, target, self.frame_target)
 
     async def close(self) -> None:

@@ -128,7 +128,8 @@ def served(tiny_qwen3: str, tmp_path_factory):
     (cwd / "models" / "tiny").symlink_to(tiny_qwen3)
     http_port, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "services.cli.entry", "serve", "models/tiny", "--port", str(http_port),
-           "--grpc-port", str(grpc_port), "--dtype", "float32", "--log-dir", str(cwd / "logs")]
+           "--grpc-port", str(grpc_port), "--dtype", "float32", "--log-dir", str(cwd / "logs"),
+           "--kv-cache-memory-bytes", str(64 << 20)]   # the default 1 GiB pool costs seconds of page faults
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -26,7 +26,7 @@ from services.api.request_limits import InvalidRequest, RequestLimits
 from services.api.request_front import RequestFront
 from services.api.stop_strings import StopMatcher
 from tests.conftest import random_prompts
-from tests.serving import assert_blocks_at_baseline, channel, metric, start_cluster, workers
+from tests.serving import assert_blocks_at_baseline, channel, frozen, metric, start_cluster, workers
 
 API_KEY = "openai-test-key-0123456789"
 MAX_NEW = 10
@@ -519,8 +519,13 @@ def test_disconnect_mid_stream_frees_blocks(served: Served) -> None:
     while events < 3:   # the request is generating
         if resp.readline().startswith(b"data: "):
             events += 1
-    conn.sock.shutdown(2)
-    conn.close()
+    # Its workers frozen while the client goes: a starved client would otherwise find the whole
+    # stream sent (nothing left to cancel) by the time it disconnects. The router stays running.
+    workers = [p.popen.pid for p in served.cluster.processes if p.name != "router"]
+    with frozen(workers):
+        conn.sock.shutdown(2)
+        conn.close()
+        time.sleep(0.3)   # the router sees the disconnect and cancels the request meanwhile
     assert_blocks_at_baseline(served.cluster, timeout=60)
     after = _idle_router_metrics(served)
     # it was cancelled, not run to its end

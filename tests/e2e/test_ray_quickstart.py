@@ -166,7 +166,7 @@ def test_ray_up_against_a_ray_start_cluster(user_home: Path, auth: str) -> None:
                 f"configured here: set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to its token (`ray get-auth-token` "
                 f"on one of its nodes prints it)")
         res = _pdserve(["ray", "up", "--address", address, "--prefill-workers", "1", "--decode-workers", "1",
-                        "--port", str(router_port)], env)
+                        "--port", str(router_port), "--kv-cache-memory-bytes", str(64 << 20)], env)   # not 1 GiB
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
         warning = f"pdserve: warning: the Ray cluster at {address} has no authentication"
         assert (warning in res.stderr) == (auth == "none"), res.stderr

@@ -23,7 +23,7 @@ from engine.layers.linear import Linear
 from services.client import AsyncClient
 from tests.conftest import random_prompts
 from tests.faults.harness import observe, wait_for
-from tests.serving import assert_blocks_at_baseline, start_cluster, worker_status
+from tests.serving import assert_blocks_at_baseline, catch_holder, start_cluster, worker_status
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.bf16_linear_available(),
                                 reason="batch-invariant mode needs the native CPU kernels (AVX2 or AVX-512)")
@@ -211,7 +211,8 @@ def test_disaggregated_serving_and_migration_equal_alone(model: str, compute_dty
         obs = observe(cluster.router_address, MIGRATION_PROMPT, MIGRATION_NEW)
         wait_for(lambda: len(obs.tokens) >= 8 or obs.done.is_set(), 60, "8 tokens")
         decoders = [p for p in cluster.processes if p.name.startswith("decode")]
-        victim = next((p for p in decoders if worker_status(cluster, p.address).num_running), None)
+        victim = catch_holder(decoders, lambda p: worker_status(cluster, p.address).num_running > 0,
+                              lambda p: p.popen.pid)
         assert victim is not None and not obs.done.is_set(), "the request finished before the fault"
         os.kill(victim.popen.pid, signal.SIGKILL)
         assert obs.done.wait(90), "the request hung after its decode worker was killed"

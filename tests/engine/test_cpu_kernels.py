@@ -13,8 +13,21 @@ from engine.model_maker import make_model
 from tests.conftest import hf_greedy, random_prompts
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler: torch paths only")
+needs_amx = pytest.mark.skipif(cpu_kernels.load() is None or not cpu_kernels.amx_available(), reason="no AMX on this CPU")
+needs_bf16_linear = pytest.mark.skipif(cpu_kernels.load() is None or not cpu_kernels.bf16_linear_available(),
+                                       reason="bf16 linear kernel not built for this CPU")
 needs_avx2 = pytest.mark.skipif(cpu_kernels.load() is None or not detect().avx2_fma,
                                 reason="no C++ compiler or no AVX2 + FMA on this CPU")
+
+
+def _greedy_logits(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy tokens of prompts and every logits row the model computed for them (float32)."""
+    runner = llm.engine.runner
+    captured: list[torch.Tensor] = []
+    real = runner.model.compute_logits
+    runner.model.compute_logits = lambda h: captured.append(real(h).float()) or captured[-1]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return [o.token_ids for o in outs], torch.cat(captured)
 
 
 def _reference_decode(q, k_cache, v_cache, tables, lens, scale):
@@ -52,10 +65,8 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype, h: int, hkv: int, d: 
     torch.testing.assert_close(got.float(), want, rtol=1e-4, atol=1e-4)
 
 
-@needs_kernels
+@needs_bf16_linear
 def test_bf16_weight_linear_matches_f_linear() -> None:
-    if not cpu_kernels.bf16_linear_available():
-        pytest.skip("bf16 linear kernel not built for this CPU")
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 64, generator=g).to(torch.bfloat16).float()
     packed = cpu_kernels.pack_bf16_weight(w)
@@ -165,10 +176,8 @@ def test_decode_attention_bf16_q_and_strided_rows() -> None:
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
 
 
-@needs_kernels
+@needs_amx
 def test_amx_linear_matches_f_linear() -> None:
-    if not cpu_kernels.amx_available():
-        pytest.skip("no AMX on this CPU")
     g = torch.Generator().manual_seed(6)
     w = torch.randn(192, 96, generator=g).to(torch.bfloat16)
     bias = torch.randn(192, generator=g).to(torch.bfloat16)
@@ -192,11 +201,7 @@ def test_native_backend_matches_torch_backend_in_bf16(tiny_qwen3: str) -> None:
             pytest.skip("no native kernels on this machine")
         if not native:
             runner.set_backend(TorchBackend())
-        captured = []
-        real = runner.model.compute_logits
-        runner.model.compute_logits = lambda h: captured.append(real(h).float()) or captured[-1]
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        logits.append(torch.cat(captured))
+        logits.append(_greedy_logits(llm, prompts, 4)[1])
     assert logits[0].shape == logits[1].shape
     scale = logits[1].abs().max()
     assert (logits[0] - logits[1]).abs().max() <= 0.05 * scale
@@ -364,12 +369,9 @@ def test_native_prefill_attention_over_bf16_cache_matches_torch_backend(tiny_d64
         starts = _count_prefill_calls(monkeypatch)
         if not native:
             monkeypatch.setattr(cpu_kernels, "prefill_attention_supported", lambda *args: False)
-        captured = []
-        real = runner.model.compute_logits
-        runner.model.compute_logits = lambda x: captured.append(real(x).float()) or captured[-1]
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-        tokens.append([o.token_ids for o in outs])
-        logits.append(torch.cat(captured))
+        out_tokens, out_logits = _greedy_logits(llm, prompts, 6)
+        tokens.append(out_tokens)
+        logits.append(out_logits)
         assert bool(starts) == native
         monkeypatch.undo()
     assert tokens[0] == tokens[1]
@@ -391,21 +393,15 @@ def test_fused_decode_step_equals_layer_by_layer(tiny_qwen3: str) -> None:
             pytest.skip("no native AMX kernels on this machine")
         if not fused:
             runner.backend.decode_model = lambda *args: None
-        captured = []
-        real = runner.model.compute_logits
-        runner.model.compute_logits = lambda h: captured.append(real(h).float()) or captured[-1]
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-        logits.append(torch.cat(captured))
+        logits.append(_greedy_logits(llm, prompts, 5)[1])
         used.append(any(f is not None for f in getattr(runner.backend, "_fused", {}).values()))
     assert used == [True, False]
     assert torch.equal(logits[0], logits[1])
 
 
-@needs_kernels
+@needs_amx
 def test_amx_int8_linear_matches_w8a16_torch_path() -> None:
     from engine.layers.linear import Linear
-    if not cpu_kernels.amx_available():
-        pytest.skip("no AMX on this CPU")
     g = torch.Generator().manual_seed(9)
     lin = Linear(96, 128, bias=True).to(torch.bfloat16)
     lin.weight.data = torch.randn(128, 96, generator=g).to(torch.bfloat16)
@@ -432,9 +428,5 @@ def test_w8a16_native_matches_torch_backend_in_bf16(tiny_qwen3: str) -> None:
             for m in runner.model.modules():
                 if hasattr(m, "packed_amx"):
                     m.packed_amx = None
-        captured = []
-        real = runner.model.compute_logits
-        runner.model.compute_logits = lambda h: captured.append(real(h).float()) or captured[-1]
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        logits.append(torch.cat(captured))
+        logits.append(_greedy_logits(llm, prompts, 4)[1])
     assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[1].abs().max()

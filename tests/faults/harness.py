@@ -21,7 +21,7 @@ from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.client import Client
 from services.deployment.launcher import PROBE_OPTIONS, Cluster
 from tests.conftest import random_prompts
-from tests.serving import channel, start_cluster
+from tests.serving import catch_holder, channel, start_cluster
 
 REPORT_ENV = "PDSERVE_FAULT_REPORT"
 STALL_S = 3.0
@@ -165,6 +165,15 @@ class FaultCluster:
             except grpc.RpcError:
                 continue
         return None
+
+    def catch_holding(self, role: str, field_name: str) -> str | None:
+        """holding(), without a race against a phase about to end (tests.serving.catch_holder)."""
+        def holds(name: str) -> bool:
+            try:
+                return getattr(self.status(name), field_name) > 0
+            except grpc.RpcError:
+                return False
+        return catch_holder(self.names(role), holds, lambda name: self.process(name).popen.pid)
 
     def signal(self, name: str, sig: int) -> None:
         os.kill(self.process(name).popen.pid, sig)

@@ -73,7 +73,8 @@ def _reach_phase(fc: FaultCluster, role: str, phase: str, prompt: list[int], bus
             fc.signal(decode, signal.SIGCONT)
     elif phase == "mid-decode":
         wait_for(lambda: len(obs.tokens) >= 30, 60, "30 tokens")
-        victim = _await_holder(fc, "decode", "num_running") if role == "decode" else fc.names("prefill")[0]
+        victim = fc.catch_holding("decode", "num_running") if role == "decode" else fc.names("prefill")[0]
+        assert victim is not None, f"no decode worker holds the request after 30 tokens: {obs}"
     elif role == "decode" and phase == "queued":
         victim = _await_holder(fc, "decode", "num_reserved")
     else:   # decode mid-transfer: reserved there, blocks arriving chunk by chunk, no token yet

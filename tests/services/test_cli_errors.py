@@ -108,6 +108,18 @@ def test_bad_flag_value_is_one_line(capsys) -> None:
     assert _one_error_line(err) == "pdserve up: error: argument --port: invalid int value: 'x' (see `pdserve up --help`)"
 
 
+def test_make_model_offers_the_public_presets_and_refuses_a_wrong_arch(tmp_path: Path, capsys) -> None:
+    from engine.presets import PUBLIC_PRESETS
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    preset = next(a for a in sub.choices["make-model"]._actions if a.dest == "preset")
+    assert preset.choices == list(PUBLIC_PRESETS) == ["tiny", "small", "qwen3-0.6b", "llama-3.2-1b"]
+    code, _, err = _run(["make-model", str(tmp_path / "m"), "--preset", "llama-3.2-1b", "--arch", "qwen3"], capsys)
+    assert code == 2 and not (tmp_path / "m").exists()
+    assert _one_error_line(err) == \
+        "pdserve: error: arch 'qwen3' does not fit preset 'llama-3.2-1b', a llama model's shape"
+
+
 def test_version(capsys) -> None:
     from importlib.metadata import version
     code, out, _ = _run(["--version"], capsys)

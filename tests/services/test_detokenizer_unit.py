@@ -56,6 +56,20 @@ def test_special_tokens_skipped_or_kept(tokenizer) -> None:
     assert kept == tokenizer.decode(ids, skip_special_tokens=False) and kept != "hello"
 
 
+def test_ids_past_the_tokenizer_add_no_text(tokenizer) -> None:
+    """A model's vocabulary may be larger than its tokenizer's (Qwen3's padding rows; pdserve's
+    qwen3-0.6b and llama-3.2-1b presets have 8192 tokenizer ids for 151936 / 128256 model ids):
+    such ids decode to nothing, in the stream and in a logprobs entry's token text."""
+    from services.api.http_server import _token_text
+
+    past = [len(tokenizer), len(tokenizer) + 1, 151_935]
+    ids = tokenizer.encode("hello", add_special_tokens=False)
+    mixed = [past[0], *ids[:1], past[1], *ids[1:], past[2]]
+    for skip in (True, False):
+        assert "".join(_deltas(IncrementalDetokenizer(tokenizer, skip_special_tokens=skip), mixed)) == "hello"
+    assert [_token_text(tokenizer, t) for t in past] == ["", "", ""]
+
+
 def _stream_with_stop(tokenizer, ids: list[int], stops: list[str], min_tokens: int = 0) -> tuple[str, bool, int]:
     """(text sent, whether a stop string ended it, tokens read), as the HTTP API streams a choice."""
     detok, matcher, out = IncrementalDetokenizer(tokenizer), StopMatcher(stops), []

@@ -21,10 +21,11 @@ from engine.block_manager import transfer_block_hashes
 from engine.kv_connector import HandoffState
 from pdserve.v1 import kv_pb2
 from services.grpc_setup import options as channel_options
-from services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError, KVTransferServicer, integrity, shared_memory
-from services.kv_transfer.grpc_transport import METHOD, SERVICE, parse_frame, register_kv_servicer
+from services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError, integrity, shared_memory
+from services.kv_transfer.grpc_transport import METHOD, SERVICE, parse_frame
 from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender
 from tests.conftest import assert_no_leak, random_prompts
+from tests.services.kv_servers import Resolved, kv_receiver, on_loopback, refusal_of
 
 PROMPT = random_prompts(1, 60, 60, seed=91)[0]          # 8 blocks of 8 (the last one partial)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -99,16 +100,7 @@ class Attacker:
             return f.read()
 
 
-@asynccontextmanager
-async def receiver(engine: LLMEngine, cluster_token: str | None, shm: bool = False) -> AsyncIterator[str]:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    register_kv_servicer(KVTransferServicer(engine.kv, shared_memory=shm, cluster_token=cluster_token), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(None)
+receiver = kv_receiver   # the name the modules importing it from here use
 
 
 @asynccontextmanager
@@ -131,12 +123,10 @@ async def relay(target: str, rewrite: Callable[[bytes], bytes]) -> AsyncIterator
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *channel_options()])
     handler = grpc.stream_unary_rpc_method_handler(push, response_serializer=kv_pb2.PushAck.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"PushBlocks": handler}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
     try:
-        yield f"127.0.0.1:{port}"
+        async with on_loopback(server) as address:
+            yield address
     finally:
-        await server.stop(None)
         await channel.close()
 
 
@@ -207,14 +197,8 @@ def test_a_stream_under_an_unknown_mac_algorithm_is_refused(engine: LLMEngine) -
                                                      mac_algorithm="crc32")).SerializeToString()
 
     async def run():
-        async with receiver(engine, CLUSTER) as target, grpc.aio.insecure_channel(target) as ch:
-            call = ch.stream_unary(METHOD, request_serializer=lambda b: b,
-                                   response_deserializer=kv_pb2.PushAck.FromString)()
-            await call.write(opened)
-            await call.done_writing()
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await call
-            return err.value
+        async with receiver(engine, CLUSTER) as target:
+            return await refusal_of(target, [opened])
     err = asyncio.run(run())
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "crc32" in err.details(), err
     assert engine.kv.state(rid) is HandoffState.FAILED
@@ -241,15 +225,6 @@ def test_without_a_cluster_token_the_transfer_token_keys_the_mac(engine: LLMEngi
     assert_no_leak(engine)
 
 
-class _Ready:
-    def __init__(self, value) -> None:
-        self.value = value
-
-    def __await__(self):
-        yield from ()
-        return self.value
-
-
 def test_a_ray_object_rewritten_in_the_store_fails_closed(engine: LLMEngine) -> None:
     """The Ray call's MAC covers what the receiver fetched: a byte flipped in the stored array (its
     header CRC fixed) is refused."""
@@ -259,7 +234,7 @@ def test_a_ray_object_rewritten_in_the_store_fails_closed(engine: LLMEngine) -> 
 
     def put(arrays):
         arrays[0][5] ^= 1            # the object store's copy, rewritten after the sender's MAC
-        return _Ready(arrays)
+        return Resolved(arrays)
 
     class Actor:
         class push_blocks:            # noqa: N801 - actor.method.remote(...), as Ray spells it

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import tracemalloc
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -19,6 +20,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import transfer_block_hashes
 from engine.kv_connector import HandoffState
 from pdserve.v1 import kv_pb2
+from services.deployment.ports import free_port
 from services.kv_transfer import GrpcKVSender, KVBlock, KVSender, KVTransferError, KVTransferServicer
 from services.kv_transfer import integrity, shared_memory
 from services.kv_transfer.grpc_transport import encode_open, register_kv_servicer
@@ -26,7 +28,9 @@ from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender
 from services.kv_transfer.tcp_receiver import KVDataListener
 from services.kv_transfer.tcp_transport import TcpKVSender
 from services.grpc_setup import options as channel_options
+from services.security import Credentials
 from tests.conftest import assert_no_leak, random_prompts
+from tests.services.kv_servers import Resolved, kv_receiver, raw_push
 
 TRANSPORTS = ("grpc", "grpc-shm", "tcp", "ray")
 PROMPT = random_prompts(1, 60, 60, seed=77)[0]          # 8 blocks of 8 (the last one partial)
@@ -79,24 +83,11 @@ def no_segment_left():
 
 
 @asynccontextmanager
-async def kv_server(engine: LLMEngine, shm: bool = False) -> AsyncIterator[str]:
-    """A real gRPC KV receiver on loopback feeding engine's connector; yields its address."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    register_kv_servicer(KVTransferServicer(engine.kv, shared_memory=shm), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(None)
-
-
-@asynccontextmanager
 async def transport(kind: str, engine: LLMEngine, chunk_bytes: int) -> AsyncIterator[tuple[KVSender, str]]:
     """(sender, target) whose blocks land in engine's KV connector."""
     if kind.startswith("grpc"):
         shm = kind == "grpc-shm"
-        async with kv_server(engine, shm) as target:
+        async with kv_receiver(engine, shm=shm) as target:
             sender = GrpcKVSender(lambda a: grpc.aio.insecure_channel(a, options=channel_options()),
                                   frame_bytes=chunk_bytes, shared_memory=shm, shared_memory_min_bytes=0)
             try:
@@ -113,20 +104,9 @@ async def transport(kind: str, engine: LLMEngine, chunk_bytes: int) -> AsyncIter
             listener.close()
     else:
         actor = _FakeActor(RayKVReceiver(engine.kv))
-        sender = RayKVSender(chunk_bytes=chunk_bytes, put=lambda arrays: _Ready(arrays))
+        sender = RayKVSender(chunk_bytes=chunk_bytes, put=lambda arrays: Resolved(arrays))
         sender._actors["ray://decode"] = actor
         yield sender, "ray://decode"
-
-
-class _Ready:
-    """An already-resolved object reference (what ray.put returns, awaited by the receiver)."""
-
-    def __init__(self, value) -> None:
-        self.value = value
-
-    def __await__(self):
-        yield from ()
-        return self.value
 
 
 def _blocks(rid: str, indices: list[int], engine: LLMEngine, seed: int = 0) -> list[KVBlock]:
@@ -264,23 +244,15 @@ def test_a_huge_declared_block_allocates_nothing(engine: LLMEngine) -> None:
         request_id=rid, transfer_token=res.transfer_token), headers=[header]).SerializeToString()])
 
     async def run():
-        server = grpc.aio.server()
-        register_kv_servicer(KVTransferServicer(engine.kv), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                call = ch.stream_unary("/pdserve.v1.KVTransfer/PushBlocks", request_serializer=lambda b: b,
-                                       response_deserializer=kv_pb2.PushAck.FromString)()
-                tracemalloc.start()
-                await call.write(frames[0])
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await call
-                peak = tracemalloc.get_traced_memory()[1]
-                tracemalloc.stop()
-                return err.value, peak
-        finally:
-            await server.stop(None)
+        async with kv_receiver(engine, options=()) as target, grpc.aio.insecure_channel(target) as ch:
+            call = raw_push(ch)
+            tracemalloc.start()
+            await call.write(frames[0])
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            return err.value, peak
     err, peak = _run(run())
     assert err.code() == grpc.StatusCode.DATA_LOSS and "layout" in err.details()
     assert peak < 16 << 20, peak
@@ -291,7 +263,7 @@ def test_a_huge_declared_block_allocates_nothing(engine: LLMEngine) -> None:
 def test_ray_sender_sends_other_targets_through_its_fallback(engine: LLMEngine) -> None:
     async def run():
         async with transport("grpc", engine, 4 << 20) as (grpc_sender, target):
-            sender = RayKVSender(fallback=grpc_sender, put=lambda a: _Ready(a))
+            sender = RayKVSender(fallback=grpc_sender, put=lambda a: Resolved(a))
             rid = "fallback"
             res = engine.reserve(rid, PROMPT, GREEDY)
             stream = sender.open(target, rid, res.transfer_token)
@@ -311,7 +283,7 @@ def test_ray_receiver_refuses_objects_of_the_wrong_kind(engine: LLMEngine) -> No
     opened = kv_pb2.KVStreamOpen(request_id=rid, transfer_token=res.transfer_token).SerializeToString()
     receiver = RayKVReceiver(engine.kv)
     ack = kv_pb2.PushAck.FromString(_run(receiver.push_blocks(
-        opened, [header.SerializeToString()], [_Ready([np.zeros(4, dtype=np.float32)])])))
+        opened, [header.SerializeToString()], [Resolved([np.zeros(4, dtype=np.float32)])])))
     assert ack.error_code == "INVALID_ARGUMENT" and "uint8" in ack.error
     assert engine.kv.state(rid) is HandoffState.FAILED
     assert_no_leak(engine)
@@ -380,7 +352,7 @@ def test_a_bad_shared_memory_frame_is_refused_and_frees_the_request(engine: LLME
                                           _shm_frame([header], name, size, inline)])
 
     async def run():
-        async with kv_server(engine, shm=case != "receiver-refuses-shm") as target:
+        async with kv_receiver(engine, shm=case != "receiver-refuses-shm") as target:
             return await _push_raw(target, frames)
     try:
         err = _run(run())
@@ -404,7 +376,7 @@ def test_a_shared_memory_segment_is_unlinked_once_mapped(engine: LLMEngine) -> N
                                           _shm_frame([h for h, _ in encoded], name, len(data))], [b"", data])
 
     async def run():
-        async with kv_server(engine, shm=True) as target:
+        async with kv_receiver(engine, shm=True) as target:
             return await _push_raw(target, frames)
     ack = _run(run())
     assert isinstance(ack, kv_pb2.PushAck) and ack.blocks_received == 8, ack
@@ -445,7 +417,7 @@ def test_small_sends_stay_in_the_stream_and_large_ones_use_shared_memory(engine:
                         lambda payloads, *d: written.append(write(payloads, *d)) or written[-1])
 
     async def run():
-        async with kv_server(engine, shm=True) as target:
+        async with kv_receiver(engine, shm=True) as target:
             sender = GrpcKVSender(lambda a: grpc.aio.insecure_channel(a, options=channel_options()), shared_memory=True,
                                   shared_memory_min_bytes=3 * engine.runner.kv_bytes_per_block)
             try:
@@ -460,5 +432,45 @@ def test_small_sends_stay_in_the_stream_and_large_ones_use_shared_memory(engine:
     assert _run(run()).blocks == 8
     stored = engine.runner.read_blocks(engine.kv.receiving[rid].seq.block_table)
     assert all(torch.equal(stored[j], b.data) for j, b in enumerate(blocks))
+    engine.abort(rid)
+    assert_no_leak(engine)
+
+
+def test_a_stream_proves_membership_with_a_proof_made_once_connected(engine: LLMEngine) -> None:
+    """A stream opened before its receiver answers (this process frozen while it connected, a
+    decode worker restarting) sends a proof of membership made once its channel connected: one
+    made at open is stale after a long wait, and the receiver refuses it (UNAUTHENTICATED)."""
+    creds = Credentials("a-cluster-token-for-this-test-only")
+    minted: list[float] = []
+
+    def proof(method: str):
+        minted.append(time.monotonic())
+        return creds.call_proof(method)
+
+    port = free_port()
+    rid = "proof-when-connected"
+
+    async def run() -> tuple[float, object, int]:
+        sender = GrpcKVSender(lambda a: grpc.aio.insecure_channel(a, options=channel_options()), proof=proof,
+                              cluster_token=creds.cluster_token)
+        res = engine.reserve(rid, PROMPT, GREEDY)
+        stream = sender.open(f"127.0.0.1:{port}", rid, res.transfer_token)   # nothing listens there yet
+        await stream.send(_blocks(rid, res.needed_block_indices, engine))
+        await asyncio.sleep(0.5)
+        server = grpc.aio.server(interceptors=creds.server_interceptors())
+        register_kv_servicer(KVTransferServicer(engine.kv, cluster_token=creds.cluster_token), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        listening = time.monotonic()
+        await server.start()
+        try:
+            return listening, await stream.finish(timeout=30), len(res.needed_block_indices)
+        finally:
+            await sender.close()
+            await server.stop(None)
+
+    listening, result, needed = _run(run())
+    assert result.blocks == needed > 0
+    assert minted and min(minted) >= listening, (minted, listening)   # made after the receiver came up
+    assert engine.kv.state(rid) is HandoffState.READY
     engine.abort(rid)
     assert_no_leak(engine)

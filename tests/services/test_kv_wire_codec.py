@@ -20,12 +20,13 @@ from pdserve.v1 import kv_pb2
 from services.grpc_setup import options as channel_options
 from services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError, compression, integrity, wire_codec
 from services.kv_transfer.frames import _HEADER, _PAYLOAD, _field, _sealed, encode_open
-from services.kv_transfer.grpc_transport import METHOD, parse_frame
+from services.kv_transfer.grpc_transport import parse_frame
 from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender
 from services.metrics import WorkerMetrics
 from services.workers.config import KV_COMPRESSION_MODES, WorkerConfig
 from tests.conftest import assert_no_leak
-from tests.services.test_kv_integrity import (CLUSTER, GREEDY, PROMPT, Attacker, _blocks, _nothing_cached, _Ready,
+from tests.services.kv_servers import Resolved, refusal_of
+from tests.services.test_kv_integrity import (CLUSTER, GREEDY, PROMPT, Attacker, _blocks, _nothing_cached,
                                               receiver, relay)
 
 
@@ -177,15 +178,8 @@ def test_a_declared_size_over_the_limits_is_refused_before_allocation(engine: LL
     frames.append(_sealed([*_field(_HEADER, header.SerializeToString()), *_field(_PAYLOAD, piece)], mac))
 
     async def run():
-        async with receiver(engine, CLUSTER) as target, grpc.aio.insecure_channel(target) as ch:
-            call = ch.stream_unary(METHOD, request_serializer=lambda b: b,
-                                   response_deserializer=kv_pb2.PushAck.FromString)()
-            for frame in frames:
-                await call.write(frame)
-            await call.done_writing()
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await call
-            return err.value
+        async with receiver(engine, CLUSTER) as target:
+            return await refusal_of(target, frames)
     err = asyncio.run(run())
     assert err.code() == getattr(grpc.StatusCode, code) and names in err.details(), (err.code(), err.details())
     assert engine.kv.state(rid) is HandoffState.FAILED
@@ -288,7 +282,7 @@ def test_ray_push_blocks_carries_encoded_blocks(engine: LLMEngine) -> None:
                 return asyncio.ensure_future(receiving.push_blocks(opened, headers, refs))
 
     async def run():
-        sender = RayKVSender(put=_Ready, cluster_token=CLUSTER, kv_compression="lossless")
+        sender = RayKVSender(put=Resolved, cluster_token=CLUSTER, kv_compression="lossless")
         sender._actors["ray://decode"] = Actor()
         stream = sender.open("ray://decode", rid, res.transfer_token)
         await stream.send(_blocks(rid, engine))
