@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import LLMEngine, SamplingParams
 from engine.block_manager import transfer_block_hashes
 from engine.kv_connector import HandoffError, HandoffState
 from services.kv_transfer import KVBlock, integrity
@@ -17,11 +17,6 @@ from tests.conftest import assert_no_leak, random_prompts
 
 PROMPT = random_prompts(1, 60, 60, seed=78)[0]          # 8 blocks of 8 (the last one partial)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_qwen3: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=tiny_qwen3, role="decode", dtype="float32", block_size=8, num_kv_blocks=64))
 
 
 def _raw_blocks(sizes: list[int]) -> list[KVBlock]:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import LLMEngine, SamplingParams
 from engine.block_manager import transfer_block_hashes
 from engine.kv_connector import HandoffState
 from pdserve.v1 import kv_pb2
@@ -35,11 +35,6 @@ from tests.services.kv_servers import Resolved, kv_receiver, raw_push
 TRANSPORTS = ("grpc", "grpc-shm", "tcp", "ray")
 PROMPT = random_prompts(1, 60, 60, seed=77)[0]          # 8 blocks of 8 (the last one partial)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_qwen3: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=tiny_qwen3, role="decode", dtype="float32", block_size=8, num_kv_blocks=64))
 
 
 class _FakeActorMethod:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from engine import EngineConfig, LLMEngine
+from engine import LLMEngine
 from engine.kv_connector import HandoffState
 from pdserve.v1 import kv_pb2
 from services.grpc_setup import options as channel_options
@@ -28,11 +28,6 @@ from tests.conftest import assert_no_leak
 from tests.services.kv_servers import Resolved, refusal_of
 from tests.services.test_kv_integrity import (CLUSTER, GREEDY, PROMPT, Attacker, _blocks, _nothing_cached,
                                               receiver, relay)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_qwen3: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=tiny_qwen3, role="decode", dtype="float32", block_size=8, num_kv_blocks=64))
 
 
 class Recorder(Attacker):
