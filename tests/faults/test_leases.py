@@ -43,8 +43,8 @@ def _stall_prefill(fc: FaultCluster, prompt: list[int], stall_s: float):
 
 
 def test_progress_keeps_a_reservation_alive_well_past_its_idle_lease(tiny_qwen3: str) -> None:
-    # One prompt token a step: ~1900 steps, 2.5 s on an AVX-512 EPYC core and well over a second on a
-    # fast CPU (two a step took 0.69 s on a Zen 4 core), so the prefill outlives its idle lease twice over.
+    # One prompt token a step: ~1900 steps, 0.9 to 2.5 s on an AVX-512 EPYC core (two a step took
+    # 0.69 s on a Zen 4 core), so the prefill outlives its idle lease however fast the CPU.
     fc = FaultCluster(tiny_qwen3, prefill=1, decode=1, engine_args=[*SLOW_PREFILL[:-1], "1"], router_args=NO_MIGRATION,
                       worker_args=["--kv-lease-idle-s", str(IDLE_LEASE_S), "--kv-lease-max-s", "120"])
     try:
@@ -52,7 +52,8 @@ def test_progress_keeps_a_reservation_alive_well_past_its_idle_lease(tiny_qwen3:
         obs = observe(fc.router, prompt, 8)
         assert obs.done.wait(120)
         assert obs.code is None, f"{obs.code}: {obs.details}\n{fc.logs()}"
-        assert obs.arrivals[0] - obs.started > 2 * IDLE_LEASE_S   # the prefill alone outlived the idle lease twice over
+        # The prefill alone outlived the idle lease (a fixed clock of that length would have failed it).
+        assert obs.arrivals[0] - obs.started > IDLE_LEASE_S, (obs.arrivals[0] - obs.started, IDLE_LEASE_S)
         assert obs.tokens == _expected(tiny_qwen3, prompt, 8)
         wait_for(fc.at_baseline, 10, "free blocks at baseline")
     finally:
