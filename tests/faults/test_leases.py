@@ -44,7 +44,7 @@ def _stall_prefill(fc: FaultCluster, prompt: list[int], stall_s: float):
 
 def test_progress_keeps_a_reservation_alive_well_past_its_idle_lease(tiny_qwen3: str) -> None:
     # One prompt token a step: ~1900 steps, 0.9 to 2.5 s on an AVX-512 EPYC core (two a step took
-    # 0.69 s on a Zen 4 core), so the prefill outlives its idle lease however fast the CPU.
+    # 0.69 s on a Zen 4 core), so the prefill outlives its 0.5 s idle lease on every CPU seen so far.
     fc = FaultCluster(tiny_qwen3, prefill=1, decode=1, engine_args=[*SLOW_PREFILL[:-1], "1"], router_args=NO_MIGRATION,
                       worker_args=["--kv-lease-idle-s", str(IDLE_LEASE_S), "--kv-lease-max-s", "120"])
     try:
