@@ -12,7 +12,7 @@ from typing import Literal
 
 Arch = Literal["qwen3", "llama"]
 PresetName = Literal["tiny", "tiny-kv1", "tiny-kv4", "tiny-d64", "small", "qwen3-0.6b-kv", "qwen3-0.6b",
-                     "llama-3.2-1b"]
+                     "qwen3-0.6b-2l", "llama-3.2-1b"]
 DEFAULT_PRESET: PresetName = "tiny"
 DEFAULT_ARCH: Arch = "qwen3"
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}  # HF class names
@@ -103,6 +103,9 @@ PRESETS["llama-3.2-1b"] = Preset(
     rope_scaling=(("factor", 32.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
                   ("original_max_position_embeddings", 8192)),
     tokenizer_vocab_size=8192, arch="llama")
+
+# HF parity at Qwen3-0.6B's exact width in the test suite: 2 of its 28 (identical) layers.
+PRESETS["qwen3-0.6b-2l"] = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=2)
 
 # What `pdserve make-model --preset` offers (the others are for tests and benchmarks).
 PUBLIC_PRESETS: dict[str, str] = {

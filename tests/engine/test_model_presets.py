@@ -109,3 +109,19 @@ def test_a_vocabulary_past_the_tokenizer(tmp_path: Path, monkeypatch: pytest.Mon
     assert greedy.token_ids == hf_out.tolist()
     for out in (greedy, past, sampled):
         assert len(out.token_ids) == 16 and max(out.token_ids) < 1024 and out.text
+
+
+def test_greedy_equals_hf_at_qwen3_0_6b_width(tmp_path: Path) -> None:
+    """pdserve's offline engine gives HF transformers' greedy tokens (float32) at Qwen3-0.6B's
+    exact width: hidden 1024, 16 query / 8 KV heads of 128, MLP 3072, vocabulary 151,936 (the
+    LM head and sampling over every logit). Two of its 28 layers: the layers are identical in
+    shape, and the whole model would cost HF about a minute of CPU per run here."""
+    from engine import LLM, SamplingParams
+    from tests.conftest import hf_greedy, random_prompts
+
+    path = str(mm.make_model(tmp_path / "qwen3-0.6b-2l", preset="qwen3-0.6b-2l"))
+    prompts = random_prompts(3, 5, 40, vocab=8192, seed=606)
+    want = hf_greedy(path, prompts, 8)
+    llm = LLM(path, dtype="float32", block_size=16, num_kv_blocks=64)
+    got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in got] == want
