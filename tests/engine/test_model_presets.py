@@ -115,7 +115,7 @@ def test_greedy_equals_hf_at_qwen3_0_6b_width(tmp_path: Path) -> None:
     """pdserve's offline engine gives HF transformers' greedy tokens (float32) at Qwen3-0.6B's
     exact width: hidden 1024, 16 query / 8 KV heads of 128, MLP 3072, vocabulary 151,936 (the
     LM head and sampling over every logit). Two of its 28 layers: the layers are identical in
-    shape, and the whole model would cost HF about a minute of CPU per run here."""
+    shape, so the other 26 would add 14 times the layer work and no shape (12 s as it is)."""
     from engine import LLM, SamplingParams
     from tests.conftest import hf_greedy, random_prompts
 
