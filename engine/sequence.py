@@ -58,4 +58,8 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_pending_tokens > 1
+        """Computing tokens it was given, not one it sampled: more than one pending, or the last
+        given one (a chunk that left one prompt token; a prompt cached but for one token) before
+        its first token in this engine. Such a sequence belongs in the prefill part of a step:
+        counted a decoder, prefill_first would starve it while other prompts keep coming."""
+        return self.num_pending_tokens > 1 or (self.first_token_time is None and self.num_pending_tokens == 1)

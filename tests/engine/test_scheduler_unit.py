@@ -28,8 +28,9 @@ def run(s: Scheduler) -> list[tuple[str, int]]:
     for q, n in zip(batch.seqs, batch.num_new_tokens):
         q.num_computed_tokens += n
         s.block_manager.mark_computed(q)
-        if not q.is_prefilling:
+        if q.num_computed_tokens == q.num_tokens:   # the chunk reached the end: a token is sampled
             q.token_ids.append(1)
+            q.first_token_time = q.first_token_time or 1.0
     return [(q.request_id, n) for q, n in zip(batch.seqs, batch.num_new_tokens)]
 
 
@@ -49,6 +50,19 @@ def test_continuous_batching_admits_new_work_into_a_running_batch() -> None:
     assert s.last_kind is StepKind.MIXED
     assert run(s) == [("a", 1), ("b", 1)]
     assert s.last_kind is StepKind.DECODE
+
+
+def test_prefill_first_never_starves_a_prompt_whose_last_chunk_is_one_token() -> None:
+    """Budget 8, a 9-token prompt ahead of a steady stream of prompts: its second chunk is its one
+    last token (a decoder by the pending count alone), computed in the next step, not after the
+    stream dries up."""
+    s = make("prefill_first", blocks=256, budget=8)
+    s.add(seq("a", 9))
+    for i in range(1, 4):
+        s.add(seq(f"b{i}", 16, base=100 * i))
+    steps = [run(s) for _ in range(2)]
+    assert steps == [[("a", 8)], [("a", 1), ("b1", 7)]]
+    assert s.running[0].num_output_tokens == 1
 
 
 def test_max_num_seqs_keeps_the_rest_waiting() -> None:
