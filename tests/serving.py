@@ -108,16 +108,17 @@ def wait_up_line(proc: subprocess.Popen, timeout: float = 120) -> UpOutput:
     return lines
 
 
-def catch_holder(procs: Sequence[P], holds: Callable[[P], bool], pid: Callable[[P], int]) -> P | None:
+def catch_holder(procs: Sequence[P], holds: Callable[[P], bool], pid: Callable[[P], int],
+                 already_frozen: bool = False) -> P | None:
     """The one of procs that holds something at this moment (say, a running request), found
-    without racing it to the end: every candidate is frozen (SIGSTOP) first, then each resumed
-    in turn and asked at once, so the holder cannot finish before it is asked. All run again
-    on return; none stays frozen for more than the others' questions."""
+    without racing it to the end: every candidate is frozen (SIGSTOP) first (or was, by the
+    caller), then each resumed in turn and asked at once, so the holder cannot finish before it
+    is asked. All run again on return; none stays frozen for more than the others' questions."""
     def send(p: P, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):   # one that died meanwhile holds nothing
             os.kill(pid(p), sig)
 
-    for p in procs:
+    for p in procs if not already_frozen else ():
         send(p, signal.SIGSTOP)
     found = None
     try:

@@ -13,6 +13,7 @@ import asyncio
 import functools
 import os
 import signal
+import threading
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from engine.layers import cpu_kernels
 from engine.layers.linear import Linear
 from services.client import AsyncClient
 from tests.conftest import random_prompts
-from tests.faults.harness import observe, wait_for
+from tests.faults.harness import Observed, observe, wait_for
 from tests.serving import assert_blocks_at_baseline, catch_holder, start_cluster, worker_status
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.bf16_linear_available(),
@@ -208,11 +209,20 @@ def test_disaggregated_serving_and_migration_equal_alone(model: str, compute_dty
     try:
         got = asyncio.run(_generate_all(cluster.router_address, PROMPTS))
         assert _differing(got, want) == []
-        obs = observe(cluster.router_address, MIGRATION_PROMPT, MIGRATION_NEW)
-        wait_for(lambda: len(obs.tokens) >= 8 or obs.done.is_set(), 60, "8 tokens")
         decoders = [p for p in cluster.processes if p.name.startswith("decode")]
-        victim = catch_holder(decoders, lambda p: worker_status(cluster, p.address).num_running > 0,
-                              lambda p: p.popen.pid)
+        frozen = threading.Event()
+
+        def freeze_at_8_tokens(o: Observed) -> None:   # in the client's thread: no lag behind the stream
+            if len(o.tokens) >= 8 and not frozen.is_set():
+                for p in decoders:
+                    os.kill(p.popen.pid, signal.SIGSTOP)
+                frozen.set()
+        obs = observe(cluster.router_address, MIGRATION_PROMPT, MIGRATION_NEW, on_message=freeze_at_8_tokens)
+        try:
+            wait_for(lambda: frozen.is_set() or obs.done.is_set(), 60, "8 tokens")
+        finally:   # frozen or not, catch_holder resumes every decoder
+            victim = catch_holder(decoders, lambda p: worker_status(cluster, p.address).num_running > 0,
+                                  lambda p: p.popen.pid, already_frozen=True)
         assert victim is not None and not obs.done.is_set(), "the request finished before the fault"
         os.kill(victim.popen.pid, signal.SIGKILL)
         assert obs.done.wait(90), "the request hung after its decode worker was killed"

@@ -50,8 +50,10 @@ class Observed:
         return max((b - a for a, b in zip(times, times[1:])), default=float("nan"))
 
 
-def observe(address: str, prompt: list[int], max_tokens: int, timeout: float = 120.0) -> Observed:
-    """Start a greedy request in a thread and record every token's arrival."""
+def observe(address: str, prompt: list[int], max_tokens: int, timeout: float = 120.0,
+            on_message: Callable[[Observed], None] | None = None) -> Observed:
+    """Start a greedy request in a thread and record every token's arrival; on_message, if given,
+    runs in that thread after each message is recorded (to act at an exact token, with no lag)."""
     obs = Observed()
 
     def run() -> None:
@@ -65,6 +67,8 @@ def observe(address: str, prompt: list[int], max_tokens: int, timeout: float = 1
                     if msg.finished:
                         obs.finish_reason = msg.finish_reason
                         obs.migrations = msg.timings.migrations
+                    if on_message is not None:
+                        on_message(obs)
         except grpc.RpcError as exc:
             obs.code, obs.details = exc.code().name, exc.details() or ""
         finally:
@@ -85,14 +89,28 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval:
 
 @dataclass
 class Busy:
-    """A thread keeping a worker busy; stop() ends it after the prompt in progress."""
+    """Threads keeping one worker busy with long prompts. hold() stops new prompts (the ones in
+    flight go on); stop() ends the threads after the prompts in progress."""
 
     event: threading.Event
-    thread: threading.Thread
+    held: threading.Event
+    lock: threading.Lock              # a stream checks `held` and counts its prompt under it
+    in_flight: list[int]              # [prompts submitted and not yet returned]
+    threads: list[threading.Thread]
+
+    def hold(self) -> None:
+        """After this returns, in_flight never grows."""
+        with self.lock:
+            self.held.set()
+
+    def prompts_in_flight(self) -> int:
+        with self.lock:
+            return self.in_flight[0]
 
     def stop(self, timeout: float = 60.0) -> None:
         self.event.set()
-        self.thread.join(timeout)
+        for thread in self.threads:
+            thread.join(timeout)
 
 
 class FaultCluster:
@@ -178,18 +196,27 @@ class FaultCluster:
     def signal(self, name: str, sig: int) -> None:
         os.kill(self.process(name).popen.pid, sig)
 
-    def busy_prefill(self, name: str, tokens: int) -> "Busy":
+    def busy_prefill(self, name: str, tokens: int, streams: int = 1) -> "Busy":
         """Keep a prefill worker busy, until stopped, with long prompts sent straight to it (no KV
-        target, as a member) one after another, so that a request arriving at any moment queues
-        behind one. Each prompt is fresh: a prefix-cache hit would make it instant."""
+        target, as a member) one after another on each of `streams` threads, so that a request
+        arriving at any moment queues behind one. Each prompt is fresh: a prefix-cache hit would
+        make it instant."""
         address = self.process(name).address
-        stop = threading.Event()
+        busy = Busy(threading.Event(), threading.Event(), threading.Lock(), [0], [])
 
         def run() -> None:
             with channel(self.cluster, address) as ch:
                 stub = worker_pb2_grpc.PrefillWorkerStub(ch)
-                while not stop.is_set():
-                    n = next(self._busy)
+                while not busy.event.is_set():
+                    with busy.lock:
+                        if not busy.held.is_set():
+                            busy.in_flight[0] += 1
+                            n = next(self._busy)
+                        else:
+                            n = 0
+                    if not n:
+                        busy.event.wait(0.05)
+                        continue
                     prompt = random_prompts(1, tokens, tokens, seed=10_000 + n)[0]
                     try:
                         for _ in stub.Prefill(worker_pb2.PrefillRequest(
@@ -197,11 +224,15 @@ class FaultCluster:
                                 params=common_pb2.SamplingParams(max_tokens=1)), timeout=60):
                             pass
                     except grpc.RpcError:   # the worker was killed or frozen: try again shortly
-                        stop.wait(0.2)
+                        busy.event.wait(0.2)
+                    finally:
+                        with busy.lock:
+                            busy.in_flight[0] -= 1
 
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        return Busy(stop, thread)
+        busy.threads = [threading.Thread(target=run, daemon=True) for _ in range(streams)]
+        for thread in busy.threads:
+            thread.start()
+        return busy
 
     def all_healthy(self) -> bool:
         try:

@@ -53,14 +53,17 @@ def _reach_phase(fc: FaultCluster, role: str, phase: str, prompt: list[int], bus
     """Start the request and return (victim worker name, observation) once it is in the phase;
     busy gets the load it started (the caller stops it)."""
     if phase == "queued":   # both prefill workers kept busy with long prompts: the request waits in a queue
-        busy += [fc.busy_prefill(name, 1800) for name in fc.names("prefill")]
-        wait_for(lambda: all(fc.status(n).num_running for n in fc.names("prefill")), 30, "busy prefill workers")
+        busy += [fc.busy_prefill(name, 1800, streams=2) for name in fc.names("prefill")]
+        if role == "prefill":
+            _queue_behind(fc, busy)
+        else:
+            wait_for(lambda: all(fc.status(n).num_running for n in fc.names("prefill")), 30, "busy prefill workers")
     if (role, phase) == ("decode", "mid-transfer"):   # the KV each decode worker holds before this request
         received = {n: metric(scrape(fc.process(n).metrics_address), "pdserve:kv_transfer_bytes_total")
                     for n in fc.names("decode")}
     obs = observe(fc.router, prompt, MAX_TOKENS)
     if role == "prefill" and phase == "queued":
-        victim = _await_holder(fc, "prefill", "num_waiting")
+        victim = _await_queued(fc, busy)
     elif role == "prefill" and phase == "mid-prefill":
         victim = _await_holder(fc, "prefill", "num_running")
     elif role == "prefill" and phase == "mid-transfer":
@@ -92,6 +95,38 @@ def _reach_phase(fc: FaultCluster, role: str, phase: str, prompt: list[int], bus
     return victim, obs
 
 
+def _queue_behind(fc: FaultCluster, busy: list[Busy]) -> None:
+    """Both prefill workers with a prompt running and one waiting; then no new busy prompt, and
+    every one in flight registered at its worker: a request sent now queues behind them (FIFO)."""
+    names = fc.names("prefill")
+
+    def deep() -> bool:
+        return all(s.num_running and s.num_waiting for s in map(fc.status, names))
+    wait_for(deep, 30, "two busy prompts at each prefill worker")
+    for b in busy:
+        b.hold()
+
+    def registered() -> bool:
+        return all(b.prompts_in_flight() == s.num_running + s.num_waiting
+                   for b, s in zip(busy, map(fc.status, names)))
+    wait_for(registered, 30, "the busy prompts registered at their workers")
+
+
+def _await_queued(fc: FaultCluster, busy: list[Busy]) -> str:
+    """The prefill worker at which the request waits: it holds one prompt more than its (held)
+    busy threads have in flight, and, the request being the last in its FIFO, one waits."""
+    def queued_at() -> str | None:
+        for name, b in zip(fc.names("prefill"), busy):
+            in_flight = b.prompts_in_flight()     # read first: after hold() it only shrinks
+            s = fc.status(name)
+            if s.num_running + s.num_waiting > in_flight and s.num_waiting:
+                return name
+        return None
+    found: list[str | None] = []
+    wait_for(lambda: bool(found.append(queued_at()) or found[-1]), 30, "the request queued at a prefill worker")
+    return found[-1]
+
+
 def _await_holder(fc: FaultCluster, role: str, field_name: str) -> str:
     found: list[str] = []
     wait_for(lambda: bool(found.append(fc.holding(role, field_name)) or found[-1]), 30, f"a {role} with {field_name}")
@@ -110,7 +145,7 @@ def test_a_request_survives_a_worker_fault(fc, reference, baseline_e2e, role: st
         t_fault = time.monotonic()
         fc.signal(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         try:
-            assert obs.done.wait(90), f"request hung after {fault} of {victim} ({phase})"
+            assert obs.done.wait(90), f"request hung after {fault} of {victim} ({phase})\n{fc.logs()}"
         finally:
             if fault == "stop":
                 remaining = STOP_S - (time.monotonic() - t_fault)
