@@ -182,8 +182,11 @@ class BlockManager:
             seq.block_table.append(block.block_id)
             if block.computed and computed_prefix == i:
                 computed_prefix = i + 1
-        for i in range(len(shared), self.blocks_needed(seq.num_tokens)):
-            block = self._take_free()
+        # The fresh blocks (the least recently freed) in ascending id order: a freed sequence's
+        # blocks come back tail first, so they would come out descending, and every block would
+        # be its own copy where the pool is written or read a run at a time (KV hand-off).
+        fresh = sorted((self._take_free() for _ in range(fresh_needed)), key=lambda b: b.block_id)
+        for i, block in enumerate(fresh, start=len(shared)):
             if i < n_full and hashes and not receiving:
                 self._register(block, hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             seq.block_table.append(block.block_id)

@@ -5,7 +5,7 @@ sealed with its MAC as its last field (integrity.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from pdserve.v1 import kv_pb2
 from services.kv_transfer import integrity, shared_memory
@@ -118,7 +118,7 @@ def iter_wire_frames(encoded: Sequence[tuple[kv_pb2.KVBlockHeader, bytes | memor
     return map(b"".join, iter_frame_parts(encoded, frame_bytes, mac, target_bytes))
 
 
-def iter_frame_parts(encoded: Sequence[tuple[kv_pb2.KVBlockHeader, bytes | memoryview]], frame_bytes: int,
+def iter_frame_parts(encoded: Iterable[tuple[kv_pb2.KVBlockHeader, bytes | memoryview]], frame_bytes: int,
                      mac: "integrity.StreamMac | None" = None, target_bytes: int | None = None
                      ) -> Iterator[list[bytes | memoryview]]:
     """As iter_wire_frames, each frame as its parts, unjoined: the payload stays a view of the

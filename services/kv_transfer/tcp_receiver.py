@@ -4,7 +4,8 @@ tcp_transport.py), next to the gRPC stream (grpc_receiver.py), which stays the f
 A listener thread accepts up to ``max_connections`` connections, each served by its own thread:
 the peer proves the cluster token (and, with the deployment's TLS files, its certificate)
 before anything else is read, then sends transfers one at a time. Every frame is read with
-``recv_into`` into the connection's one reused buffer (its length checked first), its MAC
+``recv_into`` into the connection's one reused buffer (its length checked first; the next
+record's header comes along where it has arrived: tcp_wire.RecordReader), its MAC
 checked and its blocks written into the pool by the connector in that thread: socket reads,
 the MAC (OpenSSL) and the pool copy (torch) release the GIL, so the worker's event loop keeps
 serving while the bytes come in. The connector is lock-protected and hands its state changes to
@@ -131,8 +132,8 @@ class KVDataListener:
                 with self._lock:
                     self._open.add(conn)
             tcp_wire.server_handshake(conn, self._key)
-            buffer = _Buffer()
-            while not self._closed.is_set() and self._transfer(conn, buffer):
+            reader = tcp_wire.RecordReader(conn)
+            while not self._closed.is_set() and self._transfer(conn, reader):
                 pass
         except tcp_wire.Refused as exc:
             log.warning("KV data-plane connection from %s refused: %s", peer[0], exc)
@@ -148,12 +149,12 @@ class KVDataListener:
                 self._threads.discard(threading.current_thread())
             self._slots.release()
 
-    def _transfer(self, conn: socket.socket, buffer: "_Buffer") -> bool:
+    def _transfer(self, conn: socket.socket, reader: tcp_wire.RecordReader) -> bool:
         """One transfer, FRAME records to END, answered ACK or ERROR. False: the connection ends."""
         conn.settimeout(self.limits.idle_timeout_s)
         session = ReceiveSession(self.sink, self.cluster_token)
         try:
-            header = tcp_wire.read_header(conn, at_start=True)
+            header = reader.header(at_start=True)
         except (OSError, tcp_wire.Closed):
             return False   # idle past its deadline, or closed
         except tcp_wire.WireError as exc:   # an unknown kind, an oversized length: refused, nothing allocated
@@ -181,11 +182,8 @@ class KVDataListener:
                     return True
                 if kind != tcp_wire.FRAME:
                     raise HandoffError("INVALID_ARGUMENT", f"KV record kind {kind} inside a transfer")
-                view = buffer.take(length)
-                tcp_wire.recv_exact(conn, view, patience)
-                take_inline(session, pending, parse_frame(view))
-                del view
-                header = tcp_wire.read_header(conn, patience=patience)
+                take_inline(session, pending, parse_frame(reader.body(length, patience)))
+                header = reader.header(patience=patience)
         except tcp_wire.Closed:
             session.cancelled()   # the sender went away mid-transfer: as a cancelled gRPC stream
         except tcp_wire.WireError as exc:
@@ -210,19 +208,6 @@ class KVDataListener:
             _drain(conn, REFUSAL_DRAIN_S)
         except OSError:
             pass
-
-
-class _Buffer:
-    """A connection's one receive buffer: grown to the largest frame seen (each length was checked
-    against MAX_RECORD_BYTES first), never shrunk."""
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-
-    def take(self, length: int) -> memoryview:
-        if len(self.data) < length:
-            self.data = bytearray(length)
-        return memoryview(self.data)[:length]
 
 
 def _drain(conn: socket.socket, limit_s: float) -> None:

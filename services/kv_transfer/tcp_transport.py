@@ -23,7 +23,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 from pdserve.v1 import kv_pb2
 from services.kv_transfer import integrity, tcp_wire
@@ -246,13 +246,20 @@ class TcpKVStream(KVStream):
                 if self._codec is None:
                     self._codec = self._codecs.mode if self._codecs.mode != "auto" else self._codecs.pick(
                         self._target, item[0])
-                encoded = [b.encode() for b in item] if self._codec == "off" else encode_blocks(item, self._codec)
-                for parts in iter_frame_parts(encoded, frame_bytes, self._mac, target):
+                # uncompressed blocks are encoded as their frame is built: the first frame leaves
+                # once its own blocks are encoded, not the whole send's
+                encoded = (b.encode() for b in item) if self._codec == "off" else encode_blocks(item, self._codec)
+                for parts in iter_frame_parts(self._counted(encoded), frame_bytes, self._mac, target):
                     if self._cancelled:
                         raise KVTransferError("CANCELLED", "the KV stream was cancelled")
                     self._frame(sock, parts)
-                self._wire_bytes += sum(memoryview(p).nbytes for _, p in encoded)
             self._send_s += time.perf_counter() - t0
+
+    def _counted(self, encoded: Iterable[tuple[kv_pb2.KVBlockHeader, memoryview]]
+                 ) -> Iterator[tuple[kv_pb2.KVBlockHeader, memoryview]]:
+        for header, payload in encoded:
+            self._wire_bytes += memoryview(payload).nbytes
+            yield header, payload
 
     @staticmethod
     def _frame(sock: socket.socket, parts: list) -> None:

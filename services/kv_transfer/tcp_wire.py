@@ -103,6 +103,59 @@ def read_header(sock: socket.socket, at_start: bool = False,
             recv_exact(sock, view[n:], patience)
     else:
         recv_exact(sock, view, patience)
+    return _checked(head)
+
+
+class RecordReader:
+    """A connection's records as the receiver reads them: each body is read together with as much
+    of the next record's header as has already arrived (never waiting for it), so a frame costs
+    one receive and the END after a transfer's last frame is in hand with it (its ACK goes out
+    without another wait on the socket, and without giving up the GIL to a busy thread first).
+    One body buffer, grown to the largest record seen (each length checked against its kind's
+    bound first), never shrunk; a body's view is valid until the next body is read."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buffer = bytearray()
+        self._ahead = b""   # the start of the next record's header, read along with a body
+
+    def header(self, at_start: bool = False, patience: Callable[[], bool] | None = None
+               ) -> tuple[int, int] | None:
+        """As read_header, starting from the bytes already read ahead."""
+        head = bytearray(HEADER.size)
+        got = len(self._ahead)
+        head[:got], self._ahead = self._ahead, b""
+        view = memoryview(head)
+        if at_start and not got:
+            got = self.sock.recv_into(view)
+            if not got:
+                return None
+        if got < HEADER.size:
+            recv_exact(self.sock, view[got:], patience)
+        return _checked(head)
+
+    def body(self, length: int, patience: Callable[[], bool] | None = None) -> memoryview:
+        """The record's length bytes (length was checked by header)."""
+        room = length + HEADER.size
+        if len(self._buffer) < room:
+            self._buffer = bytearray(room)
+        view = memoryview(self._buffer)[:room]
+        got = 0
+        while got < length:
+            try:
+                n = self.sock.recv_into(view[got:])
+            except socket.timeout:
+                if patience is None or not patience():
+                    raise
+                continue
+            if not n:
+                raise Closed("the peer closed the connection")
+            got += n
+        self._ahead = bytes(view[length:got])
+        return view[:length]
+
+
+def _checked(head: bytes | bytearray) -> tuple[int, int]:
     kind, length = HEADER.unpack(head)
     limit = RECORD_LIMITS.get(kind)
     if limit is None:

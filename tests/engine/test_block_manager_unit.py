@@ -110,3 +110,15 @@ def test_a_received_sequence_shares_only_computed_blocks_and_is_keyed_when_verif
     bm.mark_computed(r)                                         # verified: its keys go in
     assert len(bm.computed_keys()) == 3
     assert bm.allocate(seq("x", tokens + [5])) == 12
+
+
+def test_a_reused_run_of_blocks_comes_back_in_ascending_order() -> None:
+    """A freed sequence's blocks return tail first; the next sequence still gets them as one
+    ascending run (the KV hand-off writes and reads the pool a run at a time)."""
+    bm = BlockManager(8, BS)
+    a = computed(bm, seq("a", list(range(32))))
+    assert a.block_table == list(range(8))
+    bm.free(a)
+    b = seq("b", [100 + t for t in range(32)])   # no hit: all eight blocks fresh, taken tail first
+    bm.allocate(b)
+    assert b.block_table == list(range(8))

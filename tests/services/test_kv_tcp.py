@@ -1,7 +1,8 @@
 """The raw TCP KV data plane's own guarantees, over real sockets on loopback into a real decode
 engine's connector: a peer without the cluster token is refused before any work, an oversized
 length prefix is refused before any allocation, a byte flipped on the path fails closed with
-nothing cached, mutual TLS, the connection bound, and connection reuse. The cases it shares
+nothing cached, mutual TLS, the connection bound, connection reuse, and the receiver's reads
+(a frame's body and the next header in one receive). The cases it shares
 with the gRPC stream (exact blocks, bad blocks, wrong token, cancel) run in test_kv_transport."""
 from __future__ import annotations
 
@@ -245,3 +246,38 @@ def test_a_stalled_transfer_waits_as_long_as_its_reservation_lives(engine: LLMEn
                                         lambda: engine.abort("tcp-stall-aborted")))
         assert err.value.code == "DEADLINE_EXCEEDED" and "reservation ended" in str(err.value), err.value
     assert_no_leak(engine)
+
+
+class _CountingSocket:
+    """A real socket whose receives are counted."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.receives = sock, 0
+
+    def recv_into(self, view, nbytes: int = 0) -> int:
+        self.receives += 1
+        return self.sock.recv_into(view, nbytes)
+
+
+def test_the_end_record_comes_with_the_last_frame_and_lengths_are_bounded_first() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        counted = _CountingSocket(b)
+        reader = tcp_wire.RecordReader(counted)
+        a.sendall(tcp_wire.record(tcp_wire.FRAME, b"hello") + tcp_wire.record(tcp_wire.END))
+        assert reader.header(at_start=True) == (tcp_wire.FRAME, 5)
+        assert bytes(reader.body(5)) == b"hello"
+        receives = counted.receives
+        assert reader.header() == (tcp_wire.END, 0)
+        assert counted.receives == receives              # read along with the body: no wait on the socket
+        a.sendall(tcp_wire.record(tcp_wire.FRAME, b"abc") + tcp_wire.record(tcp_wire.FRAME, b"xy")[:3])
+        assert reader.header() == (tcp_wire.FRAME, 3)
+        assert bytes(reader.body(3)) == b"abc"
+        a.sendall(tcp_wire.record(tcp_wire.FRAME, b"xy")[3:])   # the rest of a header read in part
+        assert reader.header() == (tcp_wire.FRAME, 2)
+        assert bytes(reader.body(2)) == b"xy"
+        a.sendall(tcp_wire.HEADER.pack(tcp_wire.FRAME, tcp_wire.MAX_RECORD_BYTES + 1))
+        with pytest.raises(tcp_wire.WireError, match="over its limit"):
+            reader.header()
+        a.close()
+        assert reader.header(at_start=True) is None          # a clean close between transfers
