@@ -302,6 +302,19 @@ class KVConnector:
             return None
         return self.pool.read_pieces([handle.seq.block_table[i] for i in block_indices])
 
+    @_locked
+    def pinned_views(self, request_id: str,
+                     block_indices: list[int]) -> list[tuple[int, int, list[torch.Tensor]]] | None:
+        """As read_block_pieces for a finished prefill's pinned blocks, without copying them: one
+        piece of views into the pool (KVConnector.release ends their life; the sender must be done
+        with them first). None when the request's blocks are not held for sending, or the pool
+        cannot hand out views (read_block_pieces then)."""
+        handle = self.sending.get(request_id)
+        if handle is None or handle.pinned_until is None:
+            return None
+        views = self.pool.views([handle.seq.block_table[i] for i in block_indices])
+        return None if views is None else [(0, self._block_shape()[3], views)]
+
     # ---- consumer (decode role) ---------------------------------------------------------
     @_locked
     def reserve(self, seq: Sequence, lease_s: float | None = None, reserve_blocks: int = 0) -> Reservation:

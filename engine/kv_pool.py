@@ -48,6 +48,9 @@ class KVBlockPool:
     def read_pieces(self, block_ids: list[int]) -> list[tuple[int, int, torch.Tensor]]:
         return self._runner.read_block_pieces(block_ids)
 
+    def views(self, block_ids: list[int]) -> list[torch.Tensor] | None:
+        return self._runner.block_views(block_ids)
+
     def write(self, block_id: int, data: torch.Tensor, head_start: int = 0) -> None:
         self._runner.write_block(block_id, data, head_start=head_start)
 

@@ -214,8 +214,31 @@ class ModelRunner:
                 pieces.append((start, end, data.cpu()))
         return pieces
 
+    def block_views(self, block_ids: list[int]) -> list[torch.Tensor] | None:
+        """Each block's KV as a view of the pool ([L, 2, bs, heads, D], every head, not contiguous):
+        what a sender copies from as it frames them, while the blocks stay pinned. None where the
+        pool is not this process's whole KV in host memory (another device, tensor parallelism)."""
+        if self.ranks is not None or self.device.type != "cpu":
+            return None
+        return [self.kv_cache[:, :, b] for b in block_ids]
+
     def _local_blocks(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.kv_cache.index_select(2, ids.to(self.device)).permute(2, 0, 1, 3, 4, 5).contiguous()
+        """This rank's heads of the blocks, [n, L, 2, bs, heads, D], contiguous."""
+        if self.device.type != "cpu":
+            return self.kv_cache.index_select(2, ids.to(self.device)).permute(2, 0, 1, 3, 4, 5).contiguous()
+        # one copy per run of consecutive blocks, straight into the output: 2x faster than
+        # index_select + permute + contiguous (two copies) for 75 blocks of 1.75 MiB, one thread
+        block_ids = ids.tolist()
+        cache = self.kv_cache
+        out = torch.empty((len(block_ids), cache.shape[0], cache.shape[1], *cache.shape[3:]), dtype=cache.dtype)
+        j = 0
+        while j < len(block_ids):
+            k = j + 1
+            while k < len(block_ids) and block_ids[k] == block_ids[k - 1] + 1:
+                k += 1
+            out[j:k].copy_(cache[:, :, block_ids[j]:block_ids[j] + k - j].permute(2, 0, 1, 3, 4, 5))
+            j = k
+        return out
 
     def gather_blocks(self, ids: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank: its slice of the blocks, all-gathered (the driver gets them, in rank order)."""

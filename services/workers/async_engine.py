@@ -26,6 +26,9 @@ from services.change_signal import ChangeSignal
 log = logging.getLogger(__name__)
 
 IDLE_WAKE_S = 0.05   # an idle engine thread still wakes this often to expire leases
+EXPORT_RUN_BYTES = 32 << 20  # a finished prefill's KV beyond this is copied out after its first token, this much
+                             # at a time (a 131 MiB copy held the first token 0.2-0.8 s); up to it, at once, before
+                             # the token (~10 ms; deferring 9 MiB cost its hand-off 10-30 ms on 2 cores)
 
 
 @dataclass(slots=True)
@@ -44,6 +47,7 @@ class StepResult:
     output: RequestOutput
     # The ready blocks as (head_start, head_end, [len(output.ready_blocks), *block_shape with those
     # KV heads]) per tensor-parallel slice (one piece, every head, without tensor parallelism); on CPU.
+    # None on a finished prefill of more than AsyncEngine.export_run_bytes: export_blocks reads them.
     blocks: list[tuple[int, int, torch.Tensor]] | None = None
 
 
@@ -77,6 +81,7 @@ class AsyncEngine:
         self.engine = LLMEngine(config, lease=lease)
         self.config = config
         self.on_step = on_step
+        self.export_run_bytes = EXPORT_RUN_BYTES
         # Called on the event loop when the engine can never step again (a tensor-parallel rank died);
         # failure then holds why.
         self.on_fatal: Callable[[], None] | None = None
@@ -239,13 +244,34 @@ class AsyncEngine:
             self._stopping = True
 
     def _collect(self, outputs: list[RequestOutput]) -> list[StepResult]:
-        """Copy each output's newly exportable blocks now, before the next step reuses the pool."""
+        """Copy each output's newly exportable blocks now, before a later step could free them (a
+        prompt still running may be preempted). A finished prefill's blocks are pinned until
+        release(): more than export_run_bytes of them the caller exports after sending the first
+        token (export_blocks), which so never waits for a long copy."""
         results = []
+        per_block = self.engine.kv.pool.bytes_per_block
         with self.engine.lock:
             for out in outputs:
-                blocks = self.engine.kv.read_block_pieces(out.request_id, out.ready_blocks) if out.ready_blocks else None
+                deferred = out.prefill_done and len(out.ready_blocks) * per_block > self.export_run_bytes
+                read = out.ready_blocks and not deferred
+                blocks = self.engine.kv.read_block_pieces(out.request_id, out.ready_blocks) if read else None
                 results.append(StepResult(out, blocks))
         return results
+
+    async def export_blocks(self, request_id: str, block_indices: list[int]
+                            ) -> list[tuple[int, int, torch.Tensor]] | None:
+        """A finished prefill's pinned blocks, as StepResult.blocks: views into the pool where it can
+        give them (the sender copies each block as it frames it), else copied in a thread under the
+        engine lock (never beside a step). None: the request was aborted meanwhile."""
+        with self.engine.lock:
+            views = self.engine.kv.pinned_views(request_id, block_indices)
+        if views is not None:
+            return views
+
+        def read() -> list[tuple[int, int, torch.Tensor]] | None:
+            with self.engine.lock:
+                return self.engine.kv.read_block_pieces(request_id, block_indices)
+        return await asyncio.to_thread(read)
 
     def _deliver(self, results: list[StepResult]) -> None:
         for res in results:

@@ -35,11 +35,10 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
         self.kv_ack_timeout_s = kv_ack_timeout_s
 
     @staticmethod
-    def _blocks(rid: str, res, needed: set[int], hashes: list[int]) -> list[KVBlock]:
+    def _blocks(rid: str, ready: list[int], pieces, needed: set[int], hashes: list[int]) -> list[KVBlock]:
         """A step's ready blocks the decode worker needs, each as its ranks' head ranges."""
-        out = res.output
         return [KVBlock(rid, idx, hashes[idx], data[j], head_start=start, head_end=end)
-                for j, idx in enumerate(out.ready_blocks) if idx in needed for start, end, data in res.blocks]
+                for j, idx in enumerate(ready) if idx in needed for start, end, data in pieces]
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[worker_pb2.PrefillEvent]:
@@ -79,16 +78,26 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
                         if out.prefill_done:
                             break
                         if kv is not None and out.ready_blocks:
-                            await kv.send(self._blocks(rid, res, needed, hashes))
+                            await kv.send(self._blocks(rid, out.ready_blocks, res.blocks, needed, hashes))
                         if out.ready_blocks:
                             yield worker_pb2.PrefillEvent(progress=worker_pb2.Progress())
                 sampled_at = time.perf_counter()
                 # The first token never waits for KV: the last chunk's blocks (the exposed ones) follow it.
                 yield worker_pb2.PrefillEvent(first_token=first_token_proto(out))
-                if kv is not None and out.ready_blocks:
-                    last = self._blocks(rid, res, needed, hashes)
+                if kv is not None and out.ready_blocks and res.blocks is not None:
+                    last = self._blocks(rid, out.ready_blocks, res.blocks, needed, hashes)
                     last_sent = len({b.block_index for b in last})
                     await kv.send(last)
+                elif kv is not None and out.ready_blocks:   # a large export: a run at a time, each
+                    wanted = [i for i in out.ready_blocks if i in needed]   # sent while the next is copied
+                    last_sent = len(wanted)
+                    per_run = max(1, self.aengine.export_run_bytes // self.aengine.engine.kv.pool.bytes_per_block)
+                    for at in range(0, len(wanted), per_run):
+                        run = wanted[at:at + per_run]
+                        pieces = await self.aengine.export_blocks(rid, run)   # pinned until release
+                        if pieces is None:
+                            await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
+                        await kv.send(self._blocks(rid, run, pieces, needed, hashes))
                 blocks = nbytes = wire = streams = 0
                 codec = ""
                 if kv is not None:
