@@ -53,7 +53,7 @@ def _reach_phase(fc: FaultCluster, role: str, phase: str, prompt: list[int], bus
     """Start the request and return (victim worker name, observation) once it is in the phase;
     busy gets the load it started (the caller stops it)."""
     if phase == "queued":   # both prefill workers kept busy with long prompts: the request waits in a queue
-        busy += [fc.busy_prefill(name, 1800, streams=2) for name in fc.names("prefill")]
+        busy += [fc.busy_prefill(name, 1800, streams=3) for name in fc.names("prefill")]
         if role == "prefill":
             _queue_behind(fc, busy)
         else:
@@ -96,13 +96,15 @@ def _reach_phase(fc: FaultCluster, role: str, phase: str, prompt: list[int], bus
 
 
 def _queue_behind(fc: FaultCluster, busy: list[Busy]) -> None:
-    """Both prefill workers with a prompt running and one waiting; then no new busy prompt, and
-    every one in flight registered at its worker: a request sent now queues behind them (FIFO)."""
+    """Both prefill workers with a prompt running and two waiting; then no new busy prompt, and
+    every one in flight registered at its worker: a request sent now queues behind them (FIFO).
+    Two waiting, not one: on a loaded machine a worker finished two held prompts before the
+    request reached it (the request then ran at once, and never showed as queued)."""
     names = fc.names("prefill")
 
     def deep() -> bool:
-        return all(s.num_running and s.num_waiting for s in map(fc.status, names))
-    wait_for(deep, 30, "two busy prompts at each prefill worker")
+        return all(s.num_running and s.num_waiting >= 2 for s in map(fc.status, names))
+    wait_for(deep, 30, "three busy prompts at each prefill worker")
     for b in busy:
         b.hold()
 

@@ -252,7 +252,12 @@ def test_profile_cli_end_to_end(tiny_qwen3: str, tmp_path: Path) -> None:
     sv = model.serving
     assert sv.worker_s_per_token > 0 and sv.router(True) > 0 and sv.router(False) > 0
     assert sv.prefill_s_per_request + sv.prefill_s_per_block_sent > 0
-    assert sv.decode_s_per_request + sv.decode_s_per_block_received > 0
+    # a decode worker's cost beyond its tokens' is fitted from its CPU less its tokens' (a colocated
+    # worker's rate): on the tiny model the rest is small enough to fit to 0 under load, but what it
+    # is fitted from must be there: the KV each load shipped
+    assert sv.decode_s_per_request >= 0 and sv.decode_s_per_block_received >= 0
+    assert all(run["decode-0"]["pdserve:kv_transfer_bytes_total"] > 0 and "process_cpu_seconds_total" in run["decode-0"]
+               for run in sv.measured["disaggregated"].values())
     assert set(sv.measured) == {"colocated", "disaggregated"} and "pdserve is up" in (
         tmp_path / "serving-disaggregated.log").read_text()
     # and it plans
