@@ -72,9 +72,9 @@ class Linear(nn.Module):
         bf16_weights: the float32 weight holds bf16 values (a bf16 checkpoint computed in float32).
         Forwards then multiply by a bf16 copy in float32 math (cpu_kernels.linear_bf16w), reading
         half the weight bytes. Where the kernel beats oneDNN to BF16_KERNEL_MAX_ROWS rows
-        (AVX-512) every forward runs it, prefill GEMMs too (2.0-2.3x F.linear's float32 GEMM at
-        128 and 512 rows of Qwen3-0.6B's shapes, one core of an AVX-512 EPYC: 165-193 against
-        82-94 GFLOP/s), and the float32 weight is dropped (two thirds of the weight bytes held).
+        (AVX-512) every forward runs it, prefill GEMMs too (1.8-2.5x F.linear's float32 GEMM at
+        128 and 512 rows of Qwen3-0.6B's shapes, one core of an AVX-512 EPYC:
+        bench/bf16w_linear.py), and the float32 weight is dropped (two thirds of the weight bytes held).
         Where it covers only a few rows (AVX2), larger forwards keep the float32 weight: F.linear,
         or the oneDNN-prepacked copy.
         Otherwise: a oneDNN-prepacked copy of the weight, whose GEMMs run well above the plain
