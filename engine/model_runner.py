@@ -218,8 +218,8 @@ class ModelRunner:
         """Each block's KV as a view of the pool ([L, 2, bs, heads, D], every head, not contiguous):
         what a sender copies from as it frames them, while the blocks stay pinned. None where the
         pool is not this process's whole KV in host memory (another device, tensor parallelism)."""
-        if self.ranks is not None or self.device.type != "cpu":
-            return None
+        if self.ranks is not None or self.device.type != "cpu" or self.kv_cache.shape[2] < 2:
+            return None   # (a one-block pool's view would be contiguous: a sender would not copy it)
         return [self.kv_cache[:, :, b] for b in block_ids]
 
     def _local_blocks(self, ids: torch.Tensor) -> torch.Tensor:

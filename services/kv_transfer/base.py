@@ -130,6 +130,10 @@ class SendResult:
 class KVStream(abc.ABC):
     """The blocks of one request on their way to one decode worker."""
 
+    # True: cancel() returns only once the stream reads none of its blocks' bytes any more, so its
+    # blocks may be views of pinned pool blocks, released right after (AsyncEngine.export_blocks).
+    takes_views = False
+
     @abc.abstractmethod
     async def send(self, blocks: Sequence[KVBlock]) -> None:
         """Queue blocks for sending; returns without waiting for the network."""

@@ -136,6 +136,7 @@ def _alive(sock: socket.socket) -> bool:
 
 
 class TcpKVStream(KVStream):
+    takes_views = True
     def __init__(self, sender: "TcpKVSender", target: str, request_id: str, token: bytes) -> None:
         self._sender, self._target = sender, target
         self._mac = integrity.StreamMac(integrity.mac_key(token, sender.cluster_token), integrity.PREFERRED)
@@ -146,6 +147,7 @@ class TcpKVStream(KVStream):
         self._result: concurrent.futures.Future = concurrent.futures.Future()
         self._sock: socket.socket | None = None
         self._cancelled = False
+        self._reading = threading.Lock()   # held while the writer reads the blocks' bytes
         self._blocks = self._bytes = self._wire_bytes = 0
         self._start = time.perf_counter()
         self._send_s = 0.0
@@ -182,12 +184,18 @@ class TcpKVStream(KVStream):
                           self._wire_bytes, self._codec or "off", streams=1)
 
     async def cancel(self) -> None:
-        """The connection is closed (the receiver fails the request as cancelled), not pooled."""
+        """The connection is closed (the receiver fails the request as cancelled), not pooled.
+        Returns once no block's bytes are being read (the frame being built, if any, is done)."""
         self._cancelled = True
         self._queue.put(_CANCEL)
         sock = self._sock
         if sock is not None and not self._result.done():
             _shutdown(sock)
+        await asyncio.to_thread(self._wait_not_reading)
+
+    def _wait_not_reading(self) -> None:
+        with self._reading:
+            pass
 
     # ---- the writer thread ---------------------------------------------------------------
     def _run(self) -> None:
@@ -247,13 +255,24 @@ class TcpKVStream(KVStream):
                     self._codec = self._codecs.mode if self._codecs.mode != "auto" else self._codecs.pick(
                         self._target, item[0])
                 # uncompressed blocks are encoded as their frame is built: the first frame leaves
-                # once its own blocks are encoded, not the whole send's
-                encoded = (b.encode() for b in item) if self._codec == "off" else encode_blocks(item, self._codec)
-                for parts in iter_frame_parts(self._counted(encoded), frame_bytes, self._mac, target):
-                    if self._cancelled:
-                        raise KVTransferError("CANCELLED", "the KV stream was cancelled")
+                # once its own blocks are encoded, not the whole send's. The blocks' bytes (maybe
+                # views of pinned pool blocks: takes_views) are read only under _reading.
+                with self._reading:
+                    self._check_cancelled()
+                    encoded = (b.encode() for b in item) if self._codec == "off" else encode_blocks(item, self._codec)
+                frames = iter_frame_parts(self._counted(encoded), frame_bytes, self._mac, target)
+                while True:
+                    with self._reading:
+                        self._check_cancelled()
+                        parts = next(frames, None)   # encoding copies a view's bytes out of the pool
+                    if parts is None:
+                        break
                     self._frame(sock, parts)
             self._send_s += time.perf_counter() - t0
+
+    def _check_cancelled(self) -> None:
+        if self._cancelled:
+            raise KVTransferError("CANCELLED", "the KV stream was cancelled")
 
     def _counted(self, encoded: Iterable[tuple[kv_pb2.KVBlockHeader, memoryview]]
                  ) -> Iterator[tuple[kv_pb2.KVBlockHeader, memoryview]]:

@@ -258,15 +258,17 @@ class AsyncEngine:
                 results.append(StepResult(out, blocks))
         return results
 
-    async def export_blocks(self, request_id: str, block_indices: list[int]
+    async def export_blocks(self, request_id: str, block_indices: list[int], views: bool = False
                             ) -> list[tuple[int, int, torch.Tensor]] | None:
-        """A finished prefill's pinned blocks, as StepResult.blocks: views into the pool where it can
-        give them (the sender copies each block as it frames it), else copied in a thread under the
-        engine lock (never beside a step). None: the request was aborted meanwhile."""
-        with self.engine.lock:
-            views = self.engine.kv.pinned_views(request_id, block_indices)
-        if views is not None:
-            return views
+        """A finished prefill's pinned blocks, as StepResult.blocks. views: as views into the pool
+        where it can give them (for a sender that copies each block as it frames it, and stops
+        reading them before its cancel returns: KVStream.takes_views); else copied in a thread under
+        the engine lock (never beside a step). None: the request was aborted meanwhile."""
+        if views:
+            with self.engine.lock:
+                pinned = self.engine.kv.pinned_views(request_id, block_indices)
+            if pinned is not None:
+                return pinned
 
         def read() -> list[tuple[int, int, torch.Tensor]] | None:
             with self.engine.lock:

@@ -94,7 +94,7 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
                     per_run = max(1, self.aengine.export_run_bytes // self.aengine.engine.kv.pool.bytes_per_block)
                     for at in range(0, len(wanted), per_run):
                         run = wanted[at:at + per_run]
-                        pieces = await self.aengine.export_blocks(rid, run)   # pinned until release
+                        pieces = await self.aengine.export_blocks(rid, run, views=kv.takes_views)
                         if pieces is None:
                             await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
                         await kv.send(self._blocks(rid, run, pieces, needed, hashes))

@@ -124,8 +124,8 @@ def test_shutdown_with_requests_in_flight(tiny_qwen3: str) -> None:
 def test_a_large_finished_prefill_sends_its_token_before_any_copy_of_its_kv(tiny_qwen3: str,
                                                                            monkeypatch) -> None:
     """A finished prefill's KV beyond export_run_bytes is not copied before its first token is
-    delivered: export_blocks then gives views of the pinned blocks (or, where the pool gives
-    none, a copy), with the same bytes; after release, nothing."""
+    delivered: export_blocks then gives views of the pinned blocks to a sender that takes them
+    (else, or where the pool gives none, a copy), with the same bytes; after release, nothing."""
     prompt = list(range(3, 43))   # 5 blocks of 8
 
     async def body(aengine: AsyncEngine) -> None:
@@ -136,11 +136,13 @@ def test_a_large_finished_prefill_sends_its_token_before_any_copy_of_its_kv(tiny
         assert res.output.prefill_done and res.output.ready_blocks == [0, 1, 2, 3, 4]
         assert res.blocks is None                                   # not copied before the token
         want = aengine.engine.kv.read_block_pieces("p", [1, 3])[0][2]
-        (start, end, views), = await aengine.export_blocks("p", [1, 3])
+        (start, end, views), = await aengine.export_blocks("p", [1, 3], views=True)
         assert (start, end) == (0, want.shape[4])
         assert all(torch.equal(v, w) for v, w in zip(views, want))
+        (_, _, copied), = await aengine.export_blocks("p", [1, 3])   # a sender that needs its own copy
+        assert torch.equal(copied, want)
         monkeypatch.setattr(aengine.engine.runner, "block_views", lambda ids: None)
-        (_, _, copied), = await aengine.export_blocks("p", [1, 3])
+        (_, _, copied), = await aengine.export_blocks("p", [1, 3], views=True)   # no views here: a copy
         assert torch.equal(copied, want)
         assert aengine.engine.release("p")
         assert await aengine.export_blocks("p", [1, 3]) is None

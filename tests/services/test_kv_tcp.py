@@ -248,6 +248,42 @@ def test_a_stalled_transfer_waits_as_long_as_its_reservation_lives(engine: LLMEn
     assert_no_leak(engine)
 
 
+class _HeldBlock(KVBlock):
+    """A block whose bytes are being read (encoded) until the test lets go."""
+    reading = threading.Event()
+    release = threading.Event()
+
+    def encode(self, with_checksum: bool = False):
+        _HeldBlock.reading.set()
+        assert _HeldBlock.release.wait(10)
+        return super().encode(with_checksum)
+
+
+def test_cancel_returns_only_once_no_block_is_being_read(engine: LLMEngine) -> None:
+    """The prefill hands this sender views of pinned pool blocks and releases them once cancel()
+    returns (KVStream.takes_views): a block being encoded meanwhile must be done first."""
+    rid = "tcp-cancel-while-reading"
+    res = engine.reserve(rid, PROMPT, GREEDY)
+    sender = TcpKVSender(cluster_token=CLUSTER)
+    b = _blocks(rid, engine)[0]
+    held = _HeldBlock(b.request_id, b.block_index, b.block_hash, b.data)
+
+    async def cancel_mid_read(target: str) -> None:
+        stream = sender.open(target, rid, res.transfer_token)
+        assert stream.takes_views
+        await stream.send([held])
+        assert await asyncio.to_thread(_HeldBlock.reading.wait, 10)
+        cancel = asyncio.ensure_future(stream.cancel())
+        await asyncio.sleep(0.3)
+        assert not cancel.done()                  # the block is still being read
+        _HeldBlock.release.set()
+        await asyncio.wait_for(cancel, 5)
+        await sender.close()
+    with listening(engine) as listener:
+        asyncio.run(cancel_mid_read(listener.address()))
+    engine.abort(rid)
+    assert_no_leak(engine)
+
 class _CountingSocket:
     """A real socket whose receives are counted."""
 
