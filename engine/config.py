@@ -1,4 +1,5 @@
-"""Engine configuration: one frozen-ish dataclass, validated on construction."""
+"""Engine configuration: one frozen-ish dataclass, validated on construction. Only ``role`` changes
+afterwards, when an idle engine switches roles (LLMEngine.set_role); the policy follows it."""
 from __future__ import annotations
 
 import dataclasses

@@ -33,9 +33,10 @@ any prefill layout feeds any decode layout.
 The engine calls the connector at fixed points and never reads its tables: ``on_add`` (a
 request queued), ``on_chunk`` / ``on_first_token`` (a prompt chunk computed, the first token
 sampled: the producer exports, and on the first token keeps the sequence's blocks pinned),
-``owns``, ``abort``, ``fail_all``, ``expire`` and ``stats``. The worker's role picks the side once,
-at construction: "prefill" installs the producer hooks, "decode" paces its local prompts by the
-engine's learned step costs, "both" does neither (every role may reserve and receive).
+``owns``, ``abort``, ``fail_all``, ``expire`` and ``stats``. The worker's role picks the side
+(``set_role``, at construction and again when an idle worker switches roles): "prefill" installs
+the producer hooks, "decode" paces its local prompts by the engine's learned step costs, "both"
+does neither (every role may reserve and receive).
 Blocks are reached only through a :class:`engine.kv_pool.KVBlockPool`.
 
 Thread safety: the public methods take the engine's (re-entrant) lock, which the engine
@@ -172,10 +173,11 @@ class KVConnector:
         self.lock = lock
         self.lease = lease or LeasePolicy()
         self.block_size = pool.block_size
-        self.exports = role == "prefill"              # producer hooks: export, pin until delivered
-        self.paces_local_prompts = role == "decode"   # a local prompt's chunk fits beside decodes
         self.receiving: dict[str, ReceiveHandle] = {}
         self.sending: dict[str, SendHandle] = {}
+        self.exports = False               # producer hooks: export, pin until delivered
+        self.paces_local_prompts = False   # a local prompt's chunk fits beside decodes
+        self.set_role(role)
         self.failures: OrderedDict[str, Failure] = OrderedDict()
         # Called (under the engine lock) when a handle becomes READY, FAILED or EXPIRED, and for
         # every block stored (its bytes): the worker's metrics and waiters hang here.
@@ -183,6 +185,17 @@ class KVConnector:
         self.on_block: Callable[[int], None] | None = None
         self._shape: tuple[int, ...] | None = None                 # the pool's block shape, asked once
         self._layouts: dict[int, tuple[str, tuple[int, ...], int]] = {}   # heads -> a block's layout
+
+    @_locked
+    def set_role(self, role: str) -> None:
+        """Take the side of role: "prefill" exports and pins, "decode" paces local prompts, "both"
+        neither. Only while no request is received or held for sending (ValueError otherwise):
+        a handle never sees its hooks change."""
+        if self.receiving or self.sending:
+            raise ValueError(f"the KV connector cannot switch to role {role!r} while it holds "
+                             f"{len(self.receiving)} reception(s) and {len(self.sending)} send(s)")
+        self.exports = role == "prefill"
+        self.paces_local_prompts = role == "decode"
 
     # ---- the engine's hooks ---------------------------------------------------------------
     def owns(self, request_id: str) -> bool:

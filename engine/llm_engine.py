@@ -25,7 +25,7 @@ from typing import Sequence as Seq
 
 from engine.block_manager import BlockManager, NoFreeBlocks
 from engine.parallel import RankFailure
-from engine.config import EngineConfig
+from engine.config import ROLES, EngineConfig
 from engine.kv_connector import KVConnector, LeasePolicy, Reservation
 from engine.kv_pool import KVBlockPool
 from engine.kv_events import KVEventBatch, KVEventLog
@@ -298,6 +298,34 @@ class LLMEngine:
             self.requests[request_id] = seq
             self.scheduler.add_running(seq)
             return None
+
+    # ---- role --------------------------------------------------------------------
+    def busy_reasons(self) -> list[str]:
+        """What keeps this engine from switching roles, as "N what" phrases ([]: it is idle):
+        sequences queued or computing, KV reserved or being received, blocks pinned for sending."""
+        with self.lock:
+            kv = self.kv.stats()
+            counts = (("waiting", len(self.scheduler.waiting)), ("running", len(self.scheduler.running)),
+                      ("reserved/receiving KV", kv["num_reserved"]), ("pinned for sending", kv["num_pinned"]))
+            return [f"{n} {what}" for what, n in counts if n]
+
+    def set_role(self, role: str) -> None:
+        """Switch this engine's role in place, the model and the KV pool (its prefix cache too)
+        kept: the KV connector's side, and the step policy where the config leaves it to the role
+        (schedule_policy "auto": prefill_first on prefill, mixed elsewhere; one set explicitly
+        stays). Only while idle: raises ValueError naming what is still here, or the bad role."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        with self.lock:
+            busy = self.busy_reasons()
+            if busy:
+                raise ValueError(f"cannot switch role {self.config.role!r} -> {role!r} while requests are here: "
+                                 f"{', '.join(busy)}")
+            self.kv.set_role(role)
+            self.config.role = role
+            self._learn_prompt_chunk = self.config.prompt_tokens_with_decodes is None and self.kv.paces_local_prompts
+            self.scheduler.prompt_tokens_with_decodes = self.config.prompt_tokens_with_decodes
+            self.scheduler.last_kind = None
 
     # ---- introspection ----------------------------------------------------------
     def read_kv_events(self, cursor: int | None) -> KVEventBatch:

@@ -1,7 +1,8 @@
 """Prometheus metrics, named like vLLM's under a `pdserve:` prefix, labelled by model_name (as
 vLLM labels its own), role and worker. Every process serves them at ``/metrics`` only (any other
 path: 404). Gauges of a worker are read when scraped, so they are exact whenever the engine's state
-changed, not only after an engine step (an aborted request leaves at once).
+changed, not only after an engine step (an aborted request leaves at once). A worker that switches
+roles (Worker.SetRole) labels its later samples with its new role (``WorkerMetrics.set_role``).
 
 The endpoint cannot be used to starve its process: each connection gets READ_TIMEOUT_S per read,
 at most MAX_CONNECTIONS are served at once (one more is closed as soon as it is accepted, so the
@@ -17,6 +18,7 @@ import math
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.exposition import choose_encoder
 
 from engine.settings import ENV
@@ -61,6 +63,7 @@ class _Metrics:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)   # process_cpu_seconds_total, memory, open fds (as vLLM)
         self.labels = {"model_name": model_name, "role": role, "worker": worker_id}
+        self._families: dict[int, MetricWrapperBase] = {}   # id(child) -> its family: relabel
         doc = self.SHARED
         self.num_requests_running = self.gauge("num_requests_running", doc["num_requests_running"])
         self.prompt_tokens = self.counter("prompt_tokens", doc["prompt_tokens"])
@@ -69,14 +72,33 @@ class _Metrics:
         self.kv_transfer_seconds = self.histogram("kv_transfer_seconds", doc["kv_transfer_seconds"])
 
     def counter(self, name: str, doc: str) -> Counter:
-        return Counter(f"pdserve:{name}", doc, LABELS, registry=self.registry).labels(**self.labels)
+        return self._child(Counter(f"pdserve:{name}", doc, LABELS, registry=self.registry))
 
     def gauge(self, name: str, doc: str) -> Gauge:
-        return Gauge(f"pdserve:{name}", doc, LABELS, registry=self.registry).labels(**self.labels)
+        return self._child(Gauge(f"pdserve:{name}", doc, LABELS, registry=self.registry))
 
     def histogram(self, name: str, doc: str) -> Histogram:
-        return Histogram(f"pdserve:{name}", doc, LABELS, buckets=LATENCY_BUCKETS,
-                         registry=self.registry).labels(**self.labels)
+        return self._child(Histogram(f"pdserve:{name}", doc, LABELS, buckets=LATENCY_BUCKETS,
+                                     registry=self.registry))
+
+    def _child(self, family: MetricWrapperBase):
+        child = family.labels(**self.labels)
+        self._families[id(child)] = family
+        return child
+
+    def relabel(self, **labels: str) -> None:
+        """Label every later sample with labels (a worker's role after it switched): counters and
+        histograms go on as new series, the old ones keeping their totals (a sum over the label
+        stays monotone); a gauge's series moves (the old one is removed: it would read twice)."""
+        old = [self.labels[name] for name in LABELS]
+        self.labels = {**self.labels, **labels}
+        for attr, child in list(vars(self).items()):
+            family = self._families.pop(id(child), None)
+            if family is None:
+                continue
+            if isinstance(family, Gauge):
+                family.remove(*old)
+            setattr(self, attr, self._child(family))
 
 
 class WorkerMetrics(_Metrics):
@@ -108,7 +130,7 @@ class WorkerMetrics(_Metrics):
             "engine_step_cpu_seconds", "CPU time the engine thread spent in steps (the rest of the process's CPU "
             "time is serving around the engine: RPCs, token delivery, KV receive)")
         self._last = {"queries": 0, "hits": 0, "preemptions": 0}
-        self._attached = False
+        self._engine: "LLMEngine | None" = None
 
     def attach(self, engine: "LLMEngine") -> None:
         """Read the gauges from engine whenever scraped: admission, cancel, abort and finish show
@@ -117,7 +139,14 @@ class WorkerMetrics(_Metrics):
         self.num_requests_running.set_function(lambda: len(sched.running))
         self.num_requests_waiting.set_function(lambda: len(sched.waiting))
         self.kv_cache_usage_perc.set_function(bm.usage)
-        self._attached = True
+        self._engine = engine
+
+    def set_role(self, role: str) -> None:
+        """The worker switched roles: later samples carry the new role label (``relabel``); the
+        gauges read the same engine under it."""
+        self.relabel(role=role)
+        if self._engine is not None:
+            self.attach(self._engine)
 
     def on_step(self, engine: "LLMEngine", outputs: list["RequestOutput"], timing: "StepTime | None" = None) -> None:
         if timing is not None:
@@ -125,7 +154,7 @@ class WorkerMetrics(_Metrics):
             self.engine_step_cpu_seconds.inc(timing.cpu_s)
         bm = engine.block_manager
         sched = engine.scheduler
-        if not self._attached:
+        if self._engine is None:
             self.attach(engine)
         for key, counter, value in (("queries", self.prefix_cache_queries, bm.prefix_cache_queries),
                                     ("hits", self.prefix_cache_hits, bm.prefix_cache_hits),

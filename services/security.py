@@ -268,8 +268,9 @@ class Credentials:
         return self.key.prove(_text(method)) if self.key is not None else CallProof()
 
     # ---- servers ----------------------------------------------------------------------
-    def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return [ClusterInterceptor(self.key)] if self.key is not None else []
+    def server_interceptors(self, only: tuple[str, ...] | None = None) -> list[grpc.aio.ServerInterceptor]:
+        """The cluster-token check for a server's methods (only: those under these prefixes)."""
+        return [ClusterInterceptor(self.key, only=only)] if self.key is not None else []
 
     def server_credentials(self, require_client_cert: bool = True) -> grpc.ServerCredentials | None:
         if self.tls is None:
@@ -336,13 +337,17 @@ class ClusterInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call without a valid, fresh, unused proof of the cluster token (health
     checks excepted), and proves itself in the initial metadata of the calls it lets through."""
 
-    def __init__(self, key: ClusterKey, window_s: float = PROOF_WINDOW_S, replay_limit: int = REPLAY_CACHE_MAX) -> None:
+    def __init__(self, key: ClusterKey, window_s: float = PROOF_WINDOW_S, replay_limit: int = REPLAY_CACHE_MAX,
+                 only: tuple[str, ...] | None = None) -> None:
+        """only: guard just the methods under these prefixes (the router's Membership service
+        beside its public API); None: every method."""
         self.key = key
         self.nonces = _Nonces(int(window_s * 1000), replay_limit)
+        self.only = only
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
         method = details.method
-        if method.startswith(OPEN_METHOD_PREFIXES):
+        if method.startswith(OPEN_METHOD_PREFIXES) or (self.only is not None and not method.startswith(self.only)):
             return await continuation(details)
         given = next((_text(v) for k, v in details.invocation_metadata or () if k == AUTH_HEADER), None)
         nonce = self.key.check(method, given) if given is not None else None
@@ -356,13 +361,15 @@ class SecretInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call whose metadata lacks the secret (health checks excepted): the router's
     API key, which clients send as a bearer header."""
 
-    def __init__(self, header: str, secret: str, scheme: str = "") -> None:
+    def __init__(self, header: str, secret: str, scheme: str = "", exempt: tuple[str, ...] = ()) -> None:
+        """exempt: method prefixes another check guards (the router's Membership service: the cluster token)."""
         self.header = header
         self.expected = (f"{scheme} {secret}" if scheme else secret).encode()
         self.what = "API key" if header == API_KEY_HEADER else "secret"
+        self.open = (*OPEN_METHOD_PREFIXES, *exempt)
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
-        if details.method.startswith(OPEN_METHOD_PREFIXES):
+        if details.method.startswith(self.open):
             return await continuation(details)
         given = next((v for k, v in details.invocation_metadata or () if k == self.header), None)
         if given is not None and hmac.compare_digest(given.encode() if isinstance(given, str) else given, self.expected):
@@ -371,8 +378,8 @@ class SecretInterceptor(grpc.aio.ServerInterceptor):
         return _refusing(handler, f"missing or wrong {self.what}")
 
 
-def api_key_interceptor(api_key: str) -> SecretInterceptor:
-    return SecretInterceptor(API_KEY_HEADER, api_key, scheme="Bearer")
+def api_key_interceptor(api_key: str, exempt: tuple[str, ...] = ()) -> SecretInterceptor:
+    return SecretInterceptor(API_KEY_HEADER, api_key, scheme="Bearer", exempt=exempt)
 
 
 _MAKE = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,

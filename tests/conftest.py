@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import inspect
+import json
 import os
 import random
 import types
@@ -28,6 +29,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 import pytest
 
 from engine.model_maker import make_model
+from services.planner.cost_model import CostModel, KindFit
 
 ARCHS = ("qwen3", "llama")
 _TESTS = Path(__file__).resolve().parent
@@ -50,7 +52,8 @@ GROUP_SECONDS = {"ray": 380, "faults": 280, "test_tensor_parallel": 94, "test_se
                  "test_exhaustion_and_shm": 36, "test_openai_api": 36, "test_kv_routing": 32, "test_planner": 31,
                  "test_front_door": 23, "test_cli_vllm_habits": 22, "test_router_runtime": 22, "test_metrics_e2e": 16,
                  "test_code_shape": 16, "test_bench_serve": 15, "test_cli_up": 14, "test_topology_argv": 12,
-                 "test_serving_large_kv": 11, "test_kv_tamper_across_hosts": 10}
+                 "test_serving_large_kv": 11, "test_kv_tamper_across_hosts": 10, "test_membership": 75,
+                 "test_worker_set_role": 6}
 EXCLUSIVE = {"test_request_queued_longer_than_the_stall_timeout_is_not_migrated",
              "test_a_huge_text_prompt_is_refused_fast_without_memory_growth_or_stalls",
              # a 31 s freeze: a deployment beside it must not stretch it (its lease is 45 s)
@@ -240,3 +243,20 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
 def assert_no_leak(llm_or_engine) -> None:
     stats = llm_or_engine.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+
+
+@pytest.fixture(scope="session")
+def cost(tiny_qwen3: str) -> CostModel:
+    """A fixed cost model (the input the simulator prices steps with) for the tiny model."""
+    fits = {
+        "prefill": KindFit({"const": 0.004, "prefill_tokens": 0.0004, "prefill_seqs": 0.0005,
+                            "prefill_attention": 0.0002}, 0, 0.0),
+        "decode": KindFit({"const": 0.006, "decode_seqs": 0.0004, "decode_context": 0.002}, 0, 0.0),
+        "mixed": KindFit({"const": 0.006, "prefill_tokens": 0.0004, "prefill_seqs": 0.0005,
+                          "prefill_attention": 0.0002, "decode_seqs": 0.0004, "decode_context": 0.002}, 0, 0.0),
+    }
+    engine = {"model": tiny_qwen3, "block_size": 16, "max_num_seqs": 64, "enable_prefix_caching": True,
+              "max_model_len": None, "resolved_num_kv_blocks": 4096, "seed": 0}
+    return CostModel(fits, kv_transfer_s_per_block=0.0005, export_s_per_block=0.0001, kv_bytes_per_block=4096,
+                     engine=engine, model_config=json.loads((Path(tiny_qwen3) / "config.json").read_text()),
+                     machine={"torch_threads": 1})

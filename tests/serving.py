@@ -1,8 +1,10 @@
 """Helpers for end-to-end tests against real processes."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import random
 import signal
 import subprocess
 import threading
@@ -13,6 +15,7 @@ from typing import Callable, Sequence, TypeVar
 import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from services.client import AsyncClient
 from services.deployment.launcher import Cluster, Deployment, free_port
 
 P = TypeVar("P")
@@ -143,3 +146,60 @@ def frozen(pids: Sequence[int]):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+
+class SteadyLoad:
+    """Clients sending fresh prompts (new to every prefix cache, so routing spreads them by load),
+    greedy, until stopped; every answer is kept with its prompt, every failure too."""
+
+    def __init__(self, address: str, clients: int = 2, seed: int = 0, max_tokens: int = 10) -> None:
+        self.address, self.clients = address, clients
+        self.rng = random.Random(seed)
+        self.params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+        self.migrations = 0
+        self.outputs: list[tuple[list[int], list[int]]] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    async def _run(self) -> None:
+        async with AsyncClient(self.address, timeout=60) as client:
+            async def one() -> None:
+                while not self._stop.is_set():
+                    prompt = [self.rng.randrange(1024) for _ in range(self.rng.randint(8, 40))]
+                    try:
+                        out = await client.generate(prompt, **self.params)
+                        self.outputs.append((prompt, out.token_ids))
+                        self.migrations += out.timings["migrations"]
+                    except grpc.RpcError as exc:
+                        self.failures.append(f"{exc.code().name}: {exc.details()}")
+            await asyncio.gather(*(one() for _ in range(self.clients)))
+
+    def __enter__(self) -> "SteadyLoad":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(120)
+        assert not self._thread.is_alive(), "the load did not stop"
+
+    def served(self, n: int, timeout: float = 60.0) -> None:
+        """Until n more requests have finished."""
+        target, deadline = len(self.outputs) + n, time.monotonic() + timeout
+        while len(self.outputs) < target:
+            assert time.monotonic() < deadline, f"the load stalled at {len(self.outputs)} requests: {self.failures}"
+            time.sleep(0.05)
+
+    def check(self, reference) -> None:
+        """No request failed, and each one's tokens are the offline engine's."""
+        assert not self.failures, self.failures
+        assert self.outputs
+        expected = reference.generate([p for p, _ in self.outputs], _sampling(self.params))
+        wrong = [i for i, ((_, toks), out) in enumerate(zip(self.outputs, expected)) if toks != out.token_ids]
+        assert not wrong, f"{len(wrong)} of {len(self.outputs)} requests differ from the offline engine's tokens"
+
+
+def _sampling(params: dict):
+    from engine import SamplingParams
+    return SamplingParams(**params)

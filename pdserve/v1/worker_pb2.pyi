@@ -23,6 +23,12 @@ class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: WorkerRole
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ...) -> None: ...
+
 class WorkerStatus(_message.Message):
     __slots__ = ("role", "worker_id", "model_name", "kv_address", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "num_queued_prompt_tokens", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_dtype", "max_model_len", "draining", "num_sending", "step_base_ms", "step_ms_per_token", "max_num_batched_tokens", "decode_ms_per_seq")
     ROLE_FIELD_NUMBER: _ClassVar[int]

@@ -56,6 +56,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.KVEvents.FromString,
                 _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/pdserve.v1.Worker/SetRole',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -92,6 +97,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRole(self, request, context):
+        """Change this worker's role in its running process (model and KV pool stay loaded). Only an
+        idle worker switches (nothing queued, computing, reserved or pinned): FAILED_PRECONDITION
+        otherwise; the router drains it first (Membership.SwitchRole). Answers the new status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +128,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.WatchKVEvents,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.StatusRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.KVEvents.SerializeToString,
+            ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +244,33 @@ class Worker:
             '/pdserve.v1.Worker/WatchKVEvents',
             pdserve_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.KVEvents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/SetRole',
+            pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
             options,
             channel_credentials,
             insecure,

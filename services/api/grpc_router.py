@@ -16,7 +16,7 @@ import grpc
 
 from engine.model_config import ModelConfig
 from engine.tokenizer import load_tokenizer
-from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.v1 import common_pb2, membership_pb2, router_pb2, router_pb2_grpc
 from services.router.admission import PendingGate
 from services.proto_convert import params_from_proto
 from services.api.detokenizer import IncrementalDetokenizer
@@ -28,6 +28,7 @@ from services.api.request_limits import InvalidRequest, RequestLimits
 from services.api.request_front import FrontRequest, Prompt, RequestFront, ValidatedRequest
 from services.security import Credentials, api_key_interceptor
 from services.router.config import RouterConfig
+from services.router.membership import SERVICE_PREFIX as MEMBERSHIP_PREFIX, MembershipServicer, MembershipSettings
 from services.router.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -189,10 +190,11 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: RouterError, reques
 async def serve_router(options: RouterOptions, host: str, port: int, metrics_port: int | None = None,
                        credentials: Credentials | None = None, api_key: str | None = None,
                        stop: asyncio.Event | None = None, resolver=None, on_start=None,
-                       metrics_token: str | None = None) -> None:
+                       metrics_token: str | None = None, remote_workers: bool = False) -> None:
     """Run the router until stop is set (or SIGINT/SIGTERM), then drain. resolver: see
     WorkerPool; on_start(bound_port) runs once serving; metrics_token: /metrics wants it as a
-    bearer token."""
+    bearer token; remote_workers: workers at non-loopback addresses may join without mutual TLS
+    (--insecure-internal-plane)."""
     from services.metrics import start_metrics_server
     from services.grpc_setup import check_port_free, service_registration, start_server, stop_on_signals
 
@@ -200,8 +202,11 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
     check_port_free(host, port)
     gen_options = options.generation
     pool = WorkerPool(options.prefill, options.decode, options.colocated, credentials, resolver=resolver,
-                      watch_kv=gen_options.routing == "kv-aware", kv_index_max_keys=gen_options.kv_index_max_keys)
+                      watch_kv=gen_options.routing == "kv-aware", kv_index_max_keys=gen_options.kv_index_max_keys,
+                      dynamic=True)
     pool.start()
+    membership = MembershipServicer(pool, MembershipSettings(
+        options.config.drain_timeout_s, remote_workers=credentials.tls is not None or remote_workers))
     try:
         await pool.wait_ready(options.config.ready_timeout_s)
         metrics = RouterMetrics(model_name=options.model)
@@ -216,8 +221,12 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
                                     options.limits.max_http_body_bytes, tls=credentials.tls,
                                     model_aliases=(Path(options.model).name, Path(options.model).resolve().name),
                                     allowed_hosts=options.config.allowed_hosts)
-        interceptors = [api_key_interceptor(api_key)] if api_key else []
-        server = await start_server([service_registration(router_pb2.DESCRIPTOR.services_by_name["Router"], servicer)],
+        # The public API wants the API key; the membership API, on the same port, the cluster token.
+        interceptors = [api_key_interceptor(api_key, exempt=(MEMBERSHIP_PREFIX,))] if api_key else []
+        interceptors += credentials.server_interceptors(only=(MEMBERSHIP_PREFIX,))
+        server = await start_server([service_registration(router_pb2.DESCRIPTOR.services_by_name["Router"], servicer),
+                                     service_registration(membership_pb2.DESCRIPTOR.services_by_name["Membership"],
+                                                          membership)],
                                     host, port, interceptors=interceptors,
                                     credentials=credentials.server_credentials(require_client_cert=False))
         health = asyncio.create_task(_follow_health(server, pool, servicer))
@@ -244,6 +253,7 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
                 await http.stop()
             await server.server.stop(grace=1)
     finally:
+        await membership.close()
         await pool.close()
 
 

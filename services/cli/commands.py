@@ -86,7 +86,7 @@ def plane_reach(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, .
     own --host is the client API, guarded by the API key); a worker, `up` and `serve` bind --host."""
     if args.command == "router":
         return (), (*_split(args.prefill), *_split(args.decode), *_split(args.colocated))
-    return (args.host or DEFAULT_HOST,), ()
+    return (args.host or DEFAULT_HOST,), tuple(_split(getattr(args, "router", None)))
 
 
 def _credentials(args: argparse.Namespace, role: str | None = None):
@@ -240,7 +240,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                             config=config_from_args(RouterConfig, args, served_model_name=_served_names(args)))
     from services.metrics import read_metrics_token
     asyncio.run(serve_router(options, args.host, args.port, args.metrics_port, credentials=_credentials(args, "router"),
-                             api_key=_api_key(args), metrics_token=read_metrics_token(args.metrics_token_file)))
+                             api_key=_api_key(args), metrics_token=read_metrics_token(args.metrics_token_file),
+                             remote_workers=args.insecure_internal_plane))
     return 0
 
 
@@ -321,6 +322,11 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def cmd_workers(args: argparse.Namespace) -> int:
+    from services.cli.workers_cmd import cmd_workers as run
+    return run(args, _credentials(args))
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from engine.settings import pdserve_home
     from services.planner.profile import ProfileConfig, run_profile
@@ -338,7 +344,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from services.planner.plan import PlanConfig, run_plan
-    return run_plan(config_from_args(PlanConfig, args, slos=tuple(args.slo or ())))
+    from services.planner.watch import WatchConfig, run_watch
+    plan = config_from_args(PlanConfig, args, slos=tuple(args.slo or ()))
+    watch = config_from_args(WatchConfig, args)
+    if watch.watch:
+        return run_watch(plan, watch, _credentials(args))
+    return run_plan(plan)
 
 
 BENCH_HELP = """usage: pdserve bench {offline,serve} [FLAGS]
@@ -432,7 +443,8 @@ def _p_worker(p: argparse.ArgumentParser, role: str | None) -> None:
 
 def _p_router(p: argparse.ArgumentParser) -> None:
     add_model_arg(p)
-    p.add_argument("--prefill", default="", metavar="ADDRS", help="comma-separated prefill worker addresses")
+    p.add_argument("--prefill", default="", metavar="ADDRS", help="comma-separated prefill worker addresses "
+                                                                  "(more may join: a worker's --router)")
     p.add_argument("--decode", default="", metavar="ADDRS", help="comma-separated decode worker addresses")
     p.add_argument("--colocated", default="", metavar="ADDRS", help="comma-separated colocated worker addresses")
     p.add_argument("--host", default=DEFAULT_HOST, help="address to bind")
@@ -450,6 +462,12 @@ def _p_health(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_health)
 
 
+def _p_workers(p: argparse.ArgumentParser) -> None:
+    from services.cli.workers_cmd import add_workers_args
+    add_workers_args(p, _add_security_args)
+    p.set_defaults(func=cmd_workers)
+
+
 def _p_profile(p: argparse.ArgumentParser) -> None:
     from services.planner.profile import ProfileConfig
     add_engine_args(p)
@@ -459,7 +477,10 @@ def _p_profile(p: argparse.ArgumentParser) -> None:
 
 def _p_plan(p: argparse.ArgumentParser) -> None:
     from services.planner.plan import PlanConfig
+    from services.planner.watch import WatchConfig
     add_config_args(p.add_argument_group("plan"), PlanConfig)
+    add_config_args(p.add_argument_group("watch: re-plan a running deployment"), WatchConfig)
+    _add_security_args(p)
     p.add_argument("--slo", action="append", metavar="METRIC:MS",
                    help="a latency objective, repeatable: ttft, tpot or e2el in ms, e.g. --slo ttft:500 --slo tpot:50 "
                         "(as `bench serve --goodput`)")
@@ -484,6 +505,8 @@ COMMANDS: dict[str, tuple[str, object, dict]] = {
     "decode": ("run one decode worker", lambda p: _p_worker(p, "decode"), {}),
     "router": ("run the router", _p_router, {}),
     "health": ("check a process's grpc.health.v1 status", _p_health, {}),
+    "workers": ("show and change a running router's workers: list, add, drain, resume, remove, switch-role",
+                _p_workers, {}),
     "profile": ("measure engine step costs on this machine and save a cost model", _p_profile, {}),
     "plan": ("simulate deployments on a profile's cost model and recommend one under SLOs", _p_plan, {}),
     "bench": ("benchmarks: serving load test, offline throughput (`pdserve bench --help`)", _p_bench,
@@ -517,7 +540,7 @@ def build_parser(command: str | None = ALL) -> argparse.ArgumentParser:
         from services.ray_deploy.cli import add_ray_parser   # `pdserve ray up|down|status` (imports Ray only when run)
         add_ray_parser(sub, parents=[common])
     else:
-        sub.add_parser("ray", help="deploy onto a Ray cluster (ray up | ray down | ray status)", parents=[common])
+        sub.add_parser("ray", help="deploy onto a Ray cluster (ray up | ray down | ray scale | ray status)", parents=[common])
     return parser
 
 

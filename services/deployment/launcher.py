@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -359,6 +359,15 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
+
+    def add_worker(self, role: str, worker_id: str, extra_args: Sequence[str] = (), timeout: float = 120.0) -> Process:
+        """Start one more worker beside the running deployment (one that joins the router with
+        ``--router``, say), supervised and stopped with the rest; returns once it is SERVING."""
+        proc = self._process(worker_id, [*self.worker_argv(role, worker_id), *extra_args], port := self.ports.reserve(),
+                             reserved=[port])
+        proc.start()
+        self._wait_all([proc], timeout, None, f"starting {worker_id}")
+        return proc
 
     def worker_argv(self, role: str, worker_id: str) -> list[str]:
         """A worker's argv (before its --host/--port): the spec's engine and worker settings."""

@@ -24,7 +24,7 @@ WORKER_THREADS = 1                # torch threads per worker process unless told
 ENGINE_FIXED = ("model", "role")  # EngineConfig fields set by --model and the subcommand, never as flags
 UP_PER_PROCESS = ("num_threads",)  # set by `up` per worker (threads_per_worker), not forwarded as given
 UP_OWN = ("drain_timeout_s",)     # set by `up` on every child from its Deployment
-PER_WORKER = ("kv_advertise_address",)   # one worker's own: a flag of each role's command, never of `up`
+PER_WORKER = ("kv_advertise_address", "router", "advertise_address")   # one worker's own: never flags of `up`
 
 
 @dataclass(frozen=True, slots=True)

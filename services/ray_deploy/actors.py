@@ -222,6 +222,11 @@ class WorkerActor(_ServerActor):
         self.receiver = (RayKVReceiver(self.running.aengine.engine.kv, cluster_token=credentials.cluster_token)
                          if self.role == "decode" else None)
 
+    async def launch_spec(self) -> str:
+        """The JSON spec this actor was started with (file paths, no secret): `pdserve ray scale`
+        starts another worker of its role from it."""
+        return json.dumps(self.spec)
+
     async def info(self) -> dict[str, Any]:
         receiver = self.receiver
         runner = self.running.aengine.engine.runner
@@ -316,7 +321,7 @@ class RouterActor(_ServerActor):
         api_key = read_secret(key_file, API_KEY_ENV, "API key") if key_file else None
         port = await self._start(lambda stop, on_start: serve_router(
             options, self.host, spec["port"], credentials=self.credentials, api_key=api_key, stop=stop,
-            resolver=self.resolver.resolve, on_start=on_start))
+            resolver=self.resolver.resolve, on_start=on_start, remote_workers=spec.get("remote_workers", False)))
         self._address = join_host_port(self.host, port)
 
     async def health(self) -> str:
@@ -332,3 +337,10 @@ class RouterActor(_ServerActor):
     async def info(self) -> dict[str, Any]:
         return {"name": self.name, "role": "router", "address": self._address, "model": self.model,
                 "workers": dict(self.resolver.names), **_node_info()}
+
+    async def follow(self, actor_name: str, proof: str = "") -> str:
+        """Know a worker actor added since the deployment (`pdserve ray scale`) by its name, so that
+        the router follows it to its new address when Ray restarts it; returns its address. Needs
+        ``control_proof(credentials, router name, "follow")``."""
+        self._control.require("follow", proof)
+        return await self.resolver.address_of(actor_name, 30.0)

@@ -1,4 +1,4 @@
-"""`pdserve ray up | down | status`: deploy pdserve onto a Ray cluster."""
+"""`pdserve ray up | down | scale | status`: deploy pdserve onto a Ray cluster."""
 from __future__ import annotations
 
 import argparse
@@ -17,7 +17,7 @@ def add_ray_parser(sub, parents: list[argparse.ArgumentParser] | tuple = ()) -> 
     from services.ray_deploy.deploy import RayDeployment
     from services.workers.config import WorkerConfig
 
-    p = sub.add_parser("ray", help="deploy onto a Ray cluster (ray up | ray down | ray status)", parents=list(parents))
+    p = sub.add_parser("ray", help="deploy onto a Ray cluster (ray up | ray down | ray scale | ray status)", parents=list(parents))
     rsub = p.add_subparsers(dest="ray_command", required=True, metavar="COMMAND")
 
     def common(q: argparse.ArgumentParser) -> None:
@@ -52,6 +52,19 @@ def add_ray_parser(sub, parents: list[argparse.ArgumentParser] | tuple = ()) -> 
     common(down)
     down.add_argument("--keep-local-cluster", action="store_true", help="--address local: leave the head running")
     down.set_defaults(func=cmd_ray_down)
+
+    scale = rsub.add_parser("scale", help="change a running deployment's worker counts: new workers join its "
+                                          "router, removed ones drain first (no request lost)", parents=list(parents))
+    common(scale)
+    scale.add_argument("--prefill-workers", type=int, default=None, metavar="N",
+                       help="prefill workers wanted (default: none, unchanged)")
+    scale.add_argument("--decode-workers", type=int, default=None, metavar="M",
+                       help="decode workers wanted (default: none, unchanged)")
+    scale.add_argument("--drain-timeout-s", type=float, default=0.0,
+                       help="a removed worker's in-flight requests get this long, then move to other workers "
+                            "(0: the router's --drain-timeout-s)")
+    scale.add_argument("--timeout", type=float, default=180.0, help="seconds for each new worker to start")
+    scale.set_defaults(func=cmd_ray_scale)
 
     status = rsub.add_parser("status", help="show a deployment", parents=list(parents))
     common(status)
@@ -183,6 +196,24 @@ def _connect(address: str, namespace: str):
         return connect(address, namespace)
     except AuthError as exc:
         raise RuntimeFailure(str(exc)) from None
+
+
+def cmd_ray_scale(args: argparse.Namespace) -> int:
+    from services.cli.usage_errors import RuntimeFailure
+    from services.ray_deploy.scale import ScaleError, scale
+
+    if args.prefill_workers is None and args.decode_workers is None:
+        raise ValueError("ray scale: give --prefill-workers N and/or --decode-workers M")
+    if not args.drain_timeout_s >= 0:
+        raise ValueError(f"--drain-timeout-s must be >= 0, got {args.drain_timeout_s}")
+    _connect(args.address, args.namespace)
+    try:
+        result = scale(args.name, args.namespace, {"prefill": args.prefill_workers, "decode": args.decode_workers},
+                       args.drain_timeout_s, args.timeout)
+    except ScaleError as exc:
+        raise RuntimeFailure(f"ray scale: {exc}") from None
+    print(result.describe(), flush=True)
+    return 0
 
 
 def cmd_ray_status(args: argparse.Namespace) -> int:

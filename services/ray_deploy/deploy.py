@@ -401,10 +401,14 @@ def _deploy(spec: RayDeployment) -> DeploymentInfo:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=first_worker + index),
             ).remote(json.dumps({**base, "engine_args": [*engine_args, "--tensor-parallel-size", str(tps[role])],
-                                 "name": actor_name, "role": role})))
+                                 "name": actor_name, "role": role,
+                                 # what `pdserve ray scale` starts one more of this role with
+                                 "placement": {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0),
+                                               "on_head": spec.loopback_workers, "max_restarts": spec.max_restarts,
+                                               "log_level_env": env}})))
         router_spec = {**base, "name": names["router"][0], "host": spec.host, "port": spec.port,
                        "prefill": names["prefill"], "decode": names["decode"], "router_args": router_args,
-                       "api_key_file": files["api_key_file"]}
+                       "api_key_file": files["api_key_file"], "remote_workers": not spec.loopback_workers}
         placement = ({"scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=0)} if router_in_group
             else {"resources": {HEAD_RESOURCE: PIN} if router_pin else None})

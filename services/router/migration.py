@@ -53,14 +53,23 @@ class WorkerWatch:
 
     async def events(self, call, worker: WorkerHandle, gen: Generation):
         """A worker stream under the progress watchdog. Faults become WorkerFailure; an abort
-        requested through the router ends the stream quietly."""
+        requested through the router ends the stream quietly. A worker being removed
+        (WorkerPool.evict) fails the stream the same way, so the request moves."""
+        worker.open_calls += 1
+        evicted = asyncio.ensure_future(worker.evicted.wait())
+        read: asyncio.Future | None = None
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(call.read(), self.stall_timeout_s)
-                except asyncio.TimeoutError:
+                read = asyncio.ensure_future(call.read())
+                done, _ = await asyncio.wait((read, evicted), timeout=self.stall_timeout_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if read not in done:
+                    read.cancel()
+                    if evicted in done:
+                        raise WorkerFailure(worker.address, "UNAVAILABLE", "the worker was removed from the deployment")
                     raise WorkerFailure(worker.address, "DEADLINE_EXCEEDED",
-                                        f"no progress for {self.stall_timeout_s:g}s") from None
+                                        f"no progress for {self.stall_timeout_s:g}s")
+                event = read.result()
                 if event is grpc.aio.EOF:
                     return
                 yield event
@@ -75,6 +84,10 @@ class WorkerWatch:
                 self.pool.mark_down(worker)
             raise WorkerFailure(worker.address, code, exc.details() or code) from None
         finally:
+            for waiter in (evicted, read):
+                if waiter is not None:
+                    waiter.cancel()
+            worker.open_calls -= 1
             call.cancel()
 
     async def pick(self, gen: Generation, pick):

@@ -12,6 +12,11 @@ its workers to come back are bounded from that moment, all of them by the same t
 With ``watch_kv`` each worker's prefix-cache keys stream in too (``WatchKVEvents``) and keep
 its ``index`` (services/router/prefix_index.py) for KV-aware routing; a broken stream empties the index
 (the worker may have restarted with an empty cache) until the next snapshot arrives.
+
+Membership changes while the router serves (services/router/membership.py): ``add`` a worker
+(its streams start at once), ``remove`` one (its streams stop, its index goes with it). A worker
+the router drains (``WorkerHandle.admitting`` False) takes no new requests; ``evict`` makes every
+stream of a request still on it fail as a worker fault, so those requests migrate.
 """
 from __future__ import annotations
 
@@ -47,6 +52,11 @@ class WorkerHandle:
     last_seen: float = 0.0
     healthy_at: float | None = None            # when it was last heard healthy (monotonic)
     index: PrefixIndex = field(default_factory=PrefixIndex, repr=False)   # its prefix-cache keys, as last heard
+    admitting: bool = True                     # the router places new requests here (False: drained by an operator)
+    joined: bool = False                       # it registered itself (Membership.Join), rather than named at start
+    placed_total: int = 0                      # requests placed here since it became a member
+    open_calls: int = 0                        # worker streams of requests open now (WorkerWatch.events)
+    evicted: asyncio.Event = field(default_factory=asyncio.Event, repr=False)   # its requests must move now
 
     def __post_init__(self) -> None:
         self._connect(self.address)
@@ -67,7 +77,16 @@ class WorkerHandle:
 
     @property
     def healthy(self) -> bool:
-        return self.connected and self.status is not None and not self.status.draining
+        return self.admitting and self.connected and self.status is not None and not self.status.draining
+
+    @property
+    def idle(self) -> bool:
+        """Nothing of a request here: no stream open from the router, and the worker reports
+        nothing queued, computing, reserved or pinned for sending. A request placed a moment ago
+        shows up in one of these within a status message: see Membership's IDLE_SETTLE_S."""
+        s = self.status
+        return self.open_calls == 0 and (s is None or not (
+            s.num_running or s.num_waiting or s.num_reserved or s.num_sending))
 
     @property
     def kv_address(self) -> str:
@@ -86,30 +105,99 @@ class NoWorker(RuntimeError):
         self.role = role
 
 
+class MembershipError(ValueError):
+    """A membership change the pool refuses (the message says why)."""
+
+
 class WorkerPool:
     def __init__(self, prefill: list[str], decode: list[str], colocated: list[str],
                  credentials: Credentials | None = None, *, stale_s: float = 3.0, retry_s: float = 0.25,
                  resolver: Callable[[WorkerHandle], Awaitable[str | None]] | None = None,
-                 watch_kv: bool = False, kv_index_max_keys: int = DEFAULT_MAX_KEYS) -> None:
-        creds = credentials or Credentials()
-        self.workers = ([WorkerHandle(a, "prefill", creds) for a in prefill]
-                        + [WorkerHandle(a, "decode", creds) for a in decode]
-                        + [WorkerHandle(a, "both", creds) for a in colocated])
-        if not self.workers:
+                 watch_kv: bool = False, kv_index_max_keys: int = DEFAULT_MAX_KEYS, dynamic: bool = False) -> None:
+        """dynamic: workers may join later (Membership), so the pool may start with none, or with
+        one role only."""
+        self.credentials = credentials or Credentials()
+        self.kv_index_max_keys = kv_index_max_keys
+        self.workers: list[WorkerHandle] = []
+        if not (prefill or decode or colocated) and not dynamic:
             raise ValueError("the router needs at least one worker")
-        if bool(prefill) != bool(decode):
+        if bool(prefill) != bool(decode) and not dynamic:
             raise ValueError("disaggregated serving needs both prefill and decode workers")
-        if colocated and prefill:
+        if colocated and (prefill or decode):
             raise ValueError("a router serves either colocated workers or prefill + decode workers, not both")
+        for role, addresses in (("prefill", prefill), ("decode", decode), ("both", colocated)):
+            for address in addresses:
+                self.workers.append(self._handle(address, role))
         self.stale_s = stale_s
         self.retry_s = retry_s
         self.resolver = resolver   # the current address of an unreachable worker (e.g. a restarted Ray actor)
         self.watch_kv = watch_kv
-        for w in self.workers:
-            w.index = PrefixIndex(kv_index_max_keys)
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[WorkerHandle, list[asyncio.Task]] = {}
+        self._started = False
         self._changed = ChangeSignal()
         self.started_at = time.monotonic()
+
+    def _handle(self, address: str, role: str) -> WorkerHandle:
+        if role not in ROLES:
+            raise MembershipError(f"role must be one of {ROLES}, got {role!r}")
+        handle = WorkerHandle(address, role, self.credentials)
+        handle.index = PrefixIndex(self.kv_index_max_keys)
+        return handle
+
+    def find(self, address: str) -> WorkerHandle | None:
+        return next((w for w in self.workers if w.address == address), None)
+
+    def check_role(self, role: str, exclude: WorkerHandle | None = None) -> None:
+        """A router serves colocated workers or prefill + decode workers, never both at once."""
+        others = {w.role for w in self.workers if w is not exclude}
+        if role not in ROLES:
+            raise MembershipError(f"role must be one of {ROLES}, got {role!r}")
+        if (role == "both" and others - {"both"}) or (role != "both" and "both" in others):
+            raise MembershipError(f"a {role} worker cannot join a router serving "
+                                  f"{'colocated' if 'both' in others else 'prefill + decode'} workers")
+
+    def add(self, address: str, role: str) -> WorkerHandle:
+        """The worker at address, a member from now on (its status stream starts at once); the
+        member already there when the address is known (MembershipError if its role differs)."""
+        known = self.find(address)
+        if known is not None:
+            if known.role != role:
+                raise MembershipError(f"{address} is already a {known.role} worker here, not {role}")
+            return known
+        self.check_role(role)
+        worker = self._handle(address, role)
+        self.workers.append(worker)
+        if self._started:
+            self._start_watching(worker)
+        log.info("worker %s (%s) joined", address, role)
+        self.notify()
+        return worker
+
+    async def remove(self, worker: WorkerHandle) -> None:
+        """Forget worker: its streams stop and its prefix index goes with it. Requests still on it
+        keep their handle (its channel closes once they release it, in the background)."""
+        if worker not in self.workers:
+            return
+        self.workers.remove(worker)
+        for task in self._tasks.pop(worker, []):
+            task.cancel()
+        worker.connected, worker.admitting = False, False
+        log.info("worker %s (%s) removed", worker.address, worker.role)
+        self.notify()
+        await asyncio.sleep(0)
+
+    def set_role(self, worker: WorkerHandle, role: str) -> None:
+        """The worker serves role now (it switched in its process): its prefix index is rebuilt
+        from its events, its placement counts start again."""
+        self.check_role(role, exclude=worker)
+        worker.role = role
+        worker.index.clear()
+        self.notify()
+
+    @staticmethod
+    def evict(worker: WorkerHandle) -> None:
+        """Every open stream of a request on worker fails as a worker fault (its requests migrate)."""
+        worker.evicted.set()
 
     @property
     def colocated(self) -> bool:
@@ -144,9 +232,15 @@ class WorkerPool:
     # ---- status streams -----------------------------------------------------------------
     def start(self) -> None:
         self.started_at = time.monotonic()
-        self._tasks = [asyncio.create_task(self._watch(w), name=f"watch {w.address}") for w in self.workers]
+        self._started = True
+        for worker in self.workers:
+            self._start_watching(worker)
+
+    def _start_watching(self, worker: WorkerHandle) -> None:
+        tasks = [asyncio.create_task(self._watch(worker), name=f"watch {worker.address}")]
         if self.watch_kv:
-            self._tasks += [asyncio.create_task(self._watch_kv(w), name=f"kv events {w.address}") for w in self.workers]
+            tasks.append(asyncio.create_task(self._watch_kv(worker), name=f"kv events {worker.address}"))
+        self._tasks[worker] = tasks
 
     async def _watch_kv(self, worker: WorkerHandle) -> None:
         """Keep worker.index from its KV events; retried like the status stream. A worker that
@@ -156,7 +250,7 @@ class WorkerPool:
             try:
                 async for events in call:
                     worker.index.apply(events.reset, events.stored, events.removed)
-                    self._notify()   # a request waiting for a prefix in flight there may go on
+                    self.notify()   # a request waiting for a prefix in flight there may go on
                 raise ConnectionError("KV event stream ended")
             except asyncio.CancelledError:
                 call.cancel()
@@ -180,9 +274,9 @@ class WorkerPool:
                     if not worker.connected:
                         log.info("worker %s (%s) is up", worker.address, worker.role)
                     worker.status, worker.connected, worker.last_seen = status, True, time.monotonic()
-                    if not status.draining:
+                    if worker.healthy:
                         worker.healthy_at = worker.last_seen
-                    self._notify()
+                    self.notify()
             except asyncio.CancelledError:
                 raise
             except (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError) as exc:
@@ -191,7 +285,7 @@ class WorkerPool:
                     why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "no status"
                     log.warning("worker %s (%s) lost: %s", worker.address, worker.role, why)
                     worker.connected = False
-                    self._notify()
+                    self.notify()
                 await self._follow(worker)
                 await asyncio.sleep(self.retry_s)
 
@@ -207,7 +301,7 @@ class WorkerPool:
         """A call failed in a way that says the worker is gone; its stream will confirm or revive it."""
         if worker.connected:
             worker.connected = False
-            self._notify()
+            self.notify()
 
     async def wait_ready(self, timeout: float) -> None:
         loop = asyncio.get_running_loop()
@@ -219,8 +313,9 @@ class WorkerPool:
             await self.wait_changed(deadline - loop.time())
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        for tasks in self._tasks.values():
+            for task in tasks:
+                task.cancel()
         for w in self.workers:
             await w.channel.close()
 
@@ -228,10 +323,11 @@ class WorkerPool:
         """The request that noted these prefix keys on worker has its KV in place there, or is
         gone: stop expecting them (PrefixIndex.settle), and wake requests waiting for them."""
         worker.index.settle(keys)
-        self._notify()
+        self.notify()
 
     # ---- change notification --------------------------------------------------------------
-    def _notify(self) -> None:
+    def notify(self) -> None:
+        """Wake every waiter on a change (a membership change made outside the pool)."""
         self._changed.notify()
 
     async def wait_changed(self, timeout: float | None = None) -> None:
@@ -245,6 +341,7 @@ class WorkerPool:
         as the block runs."""
         n = 1 if count else 0
         worker.inflight += n
+        worker.placed_total += n
         worker.inflight_prompt_tokens += prompt_tokens
         try:
             yield worker

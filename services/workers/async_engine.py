@@ -156,6 +156,24 @@ class AsyncEngine:
         self.status_changed()
         return found
 
+    def busy_reasons(self) -> list[str]:
+        """What keeps the engine from switching roles ([]: idle): its own, and request streams
+        still open here (a caller not yet done with its outputs)."""
+        streams = [f"{len(self._streams)} request stream(s) open"] if self._streams else []
+        return [*self.engine.busy_reasons(), *streams]
+
+    def set_role(self, role: str) -> None:
+        """Switch the engine's role (LLMEngine.set_role) from the event loop: under the engine
+        lock, which the engine thread holds whenever it schedules or applies a step, so the
+        switch falls between two steps. Raises ValueError if anything is still here."""
+        busy = self.busy_reasons()
+        if busy:
+            raise ValueError(f"cannot switch role {self.config.role!r} -> {role!r} while requests are here: "
+                             f"{', '.join(busy)}")
+        self.engine.set_role(role)
+        self._wake.set()
+        self.status_changed()
+
     # ---- KV hand-off ------------------------------------------------------------------
     async def wait_kv(self, request_id: str, timeout: float) -> HandoffState | None:
         """Wait until the request's KV is READY, or its hand-off ended (FAILED / EXPIRED / gone: None)."""

@@ -50,6 +50,12 @@ class WorkerConfig:
                                  choices=KV_DATA_PLANES)
     kv_data_port: int = setting(0, "decode: the TCP port of the KV data plane on --host (0: an ephemeral port, "
                                    "advertised to the router in each reservation)")
+    router: str = setting("", "join the router at HOST:PORT (its membership API, with the cluster token) and stay "
+                              "a member while running: it routes to this worker once healthy, and drains it "
+                              "before removing it (`pdserve workers`); a restarted router gets it back",
+                          metavar="HOST:PORT")
+    advertise_address: str = setting("", "the HOST:PORT a router this worker joins dials it at (default: --host and "
+                                         "its bound --port)", metavar="HOST:PORT")
 
     def __post_init__(self) -> None:
         if self.drain_timeout_s < 0:
@@ -57,8 +63,10 @@ class WorkerConfig:
         if not 0 < self.kv_lease_idle_s <= self.kv_lease_max_s:   # as LeasePolicy's check, without torch
             raise ValueError(f"kv_lease_idle_s ({self.kv_lease_idle_s}) must be > 0 and <= kv_lease_max_s "
                              f"({self.kv_lease_max_s})")
-        if self.kv_advertise_address and not _is_host_port(self.kv_advertise_address):
-            raise ValueError(f"kv_advertise_address must be HOST:PORT (port 1-65535), got {self.kv_advertise_address!r}")
+        for name in ("kv_advertise_address", "router", "advertise_address"):
+            value = getattr(self, name)
+            if value and not _is_host_port(value):
+                raise ValueError(f"{name} must be HOST:PORT (port 1-65535), got {value!r}")
         if not 0 <= self.kv_data_port < 65536:
             raise ValueError(f"kv_data_port must be 0-65535, got {self.kv_data_port}")
         if self.kv_shared_memory_max_bytes < 0:

@@ -1,4 +1,4 @@
-"""A worker's own lifecycle: serving or draining, and the requests it is working on."""
+"""A worker's own lifecycle: serving or draining, in which role, and the requests it is working on."""
 from __future__ import annotations
 
 import asyncio
@@ -10,9 +10,12 @@ import grpc
 
 class WorkerState:
     """Draining refuses new requests (UNAVAILABLE, so the router picks another worker) and
-    lets the in-flight ones finish; ``wait_idle`` says when they have."""
+    lets the in-flight ones finish; ``wait_idle`` says when they have. ``role``: the role the
+    worker serves now (a prefill or decode worker may switch, Worker.SetRole); a call of another
+    role's service is refused UNAVAILABLE too, as a worker fault, so the router retries elsewhere."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: str = "both") -> None:
+        self.role = role
         self.draining = False
         self.inflight = 0
         self._idle = asyncio.Event()
@@ -21,6 +24,11 @@ class WorkerState:
     async def refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining (shutting down)")
+
+    async def refuse_unless_role(self, context: grpc.aio.ServicerContext, role: str) -> None:
+        if self.role != role:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"this worker is a {self.role} worker now: it takes no {role} calls")
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:

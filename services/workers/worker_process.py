@@ -1,6 +1,10 @@
 """A worker process: the engine in one role behind that role's gRPC service (plus the common
 Worker service, and KVTransfer on decode workers), with health, reflection, metrics, the
-cluster-token check on every internal call, and a graceful drain on SIGTERM."""
+cluster-token check on every internal call, and a graceful drain on SIGTERM.
+
+A prefill or decode worker serves either role: both roles' services are registered, the other
+role's refused (services/workers/roles.py), and Worker.SetRole switches an idle worker between
+them in its running process, model and KV pool kept loaded."""
 from __future__ import annotations
 
 import asyncio
@@ -8,27 +12,29 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
+
+import grpc
 
 from engine import EngineConfig
-from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.v1 import common_pb2, membership_pb2, worker_pb2, worker_pb2_grpc
 from services.workers.async_engine import AsyncEngine
-from services.workers.colocated import ColocatedHandler
-from services.workers.decode import DecodeHandler
-from services.kv_transfer import GrpcKVSender, KVSender, KVTransferServicer, register_kv_servicer
-from services.kv_transfer import shared_memory
-from services.kv_transfer.grpc_transport import SharedMemoryRoute, grpc_message_limit
-from services.workers.data_plane import kv_data_listener, kv_data_sender
-from services.workers.prefill import PrefillHandler
+from services.kv_transfer import KVSender, register_kv_servicer
 from services.security import Credentials
-from services.grpc_setup import Server, options as channel_options, service_registration, start_server, stop_on_signals
+from services.grpc_setup import Server, service_registration, start_server, stop_on_signals
 from services.workers.config import WorkerConfig
 from services.workers.lifecycle import WorkerState
+from services.workers.membership_client import keep_joined
+from services.workers.roles import SWITCHABLE, GatedKVTransfer, RoleGate, RoleSides
+
+if TYPE_CHECKING:
+    from services.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
 ROLE_ENUM = {"prefill": worker_pb2.WORKER_ROLE_PREFILL, "decode": worker_pb2.WORKER_ROLE_DECODE,
              "both": worker_pb2.WORKER_ROLE_BOTH}
+ROLE_NAMES = {value: name for name, value in ROLE_ENUM.items()}
 STATUS_HEARTBEAT_S = 1.0     # WatchStatus sends the status at least this often
 STATUS_MIN_INTERVAL_S = 0.01  # and at most once per this interval
 MAX_KEYS_PER_MESSAGE = 16384  # WatchKVEvents: prefix-cache keys in one message (128 KiB)
@@ -55,6 +61,13 @@ def prompt_chunk_tokens(engine) -> int:
     return budget if chunk is None or engine.config.role != "decode" else min(budget, chunk)
 
 
+def _role_name(value: int) -> str:
+    try:
+        return worker_pb2.WorkerRole.Name(value)
+    except ValueError:
+        return f"unknown role {value}"
+
+
 def _round3(x: float) -> float:
     """3 significant digits: a published estimate changes the status only when it really moves."""
     return float(f"{x:.3g}")
@@ -74,14 +87,22 @@ class WorkerOptions:
 
 
 class WorkerInfoServicer(worker_pb2_grpc.WorkerServicer):
-    """Status, status stream and abort: served by every role."""
+    """Status, status stream, abort and role switch: served by every role."""
 
-    def __init__(self, aengine: AsyncEngine, worker_id: str, state: WorkerState, kv_address: str = "") -> None:
+    def __init__(self, aengine: AsyncEngine, worker_id: str, state: WorkerState, kv_address: str = "",
+                 sides: RoleSides | None = None, metrics: "WorkerMetrics | None" = None) -> None:
+        """sides: the roles this worker can take (None: it cannot switch); metrics: relabelled
+        with the new role on a switch."""
         self.aengine = aengine
-        self.role = aengine.config.role
         self.worker_id = worker_id
         self.state = state
         self.kv_address = kv_address
+        self.sides = sides
+        self.metrics = metrics
+
+    @property
+    def role(self) -> str:
+        return self.state.role
 
     def status(self) -> worker_pb2.WorkerStatus:
         stats = self.aengine.engine.stats()
@@ -117,6 +138,46 @@ class WorkerInfoServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
         return common_pb2.AbortResponse(found=self.aengine.abort(request.request_id))
+
+    async def SetRole(self, request: worker_pb2.SetRoleRequest, context) -> worker_pb2.WorkerStatus:
+        """Switch prefill <-> decode in this process, model and KV pool kept loaded. Only an idle
+        worker switches (FAILED_PRECONDITION naming what is still here: the router drains it
+        first); the same role answers the status; a draining worker refuses (UNAVAILABLE)."""
+        role = ROLE_NAMES.get(request.role)
+        if role is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role must be WORKER_ROLE_PREFILL or "
+                                f"WORKER_ROLE_DECODE, got {_role_name(request.role)}")
+        await self.state.refuse_if_draining(context)
+        old = self.state.role
+        if role == old:
+            return self.status()
+        if self.sides is None or {old, role} != set(SWITCHABLE):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"a {old} worker cannot switch to {role}: prefill <-> decode only")
+        busy = self.busy_reasons()
+        if busy:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker {self.worker_id} cannot switch "
+                                f"{old} -> {role} while requests are here: {', '.join(busy)} (drain it first)")
+        try:
+            self.sides.handler(role)   # the new role's side first (say, its KV data listener): may fail
+        except (OSError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker {self.worker_id} cannot take the "
+                                f"{role} role: {exc}")
+        try:
+            self.aengine.set_role(role)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        self.state.role = role
+        if self.metrics is not None:
+            self.metrics.set_role(role)
+        log.info("worker %s switched role %s -> %s", self.worker_id, old, role)
+        self.aengine.status_changed()
+        return self.status()
+
+    def busy_reasons(self) -> list[str]:
+        """What keeps this worker from switching roles ([]: idle): its RPCs in flight, the engine's work."""
+        rpcs = [f"{self.state.inflight} RPC(s) in flight"] if self.state.inflight else []
+        return [*rpcs, *self.aengine.busy_reasons()]
 
     async def WatchKVEvents(self, request, context) -> AsyncIterator[worker_pb2.KVEvents]:
         """A snapshot of the prefix-cache keys, then their net changes, woken by the same
@@ -160,59 +221,31 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
     aengine = AsyncEngine(config, lease=options.config.lease, on_step=metrics.on_step)
     metrics.attach(aengine.engine)   # gauges read at scrape time: exact after admission, cancel, finish
     aengine.start()
-    state = WorkerState()
-    info = WorkerInfoServicer(aengine, worker_id, state, options.kv_address or options.config.kv_advertise_address)
-    services = worker_pb2.DESCRIPTOR.services_by_name
-    registrations: list[tuple[Callable, object, str]] = [service_registration(services["Worker"], info)]
-    sender = data_sender = listener = None
-    if config.role == "prefill":
-        creds = options.credentials
-        wc = options.config
-        if wc.kv_shared_memory and shared_memory.available(wc.kv_shared_memory_dir):
-            # segments a previous sender died holding; no live hand-off outlives a lease (and the
-            # sender sweeps again periodically)
-            shared_memory.sweep(wc.kv_lease_max_s, wc.kv_shared_memory_dir)
-        sender = options.kv_sender or GrpcKVSender(
-            lambda address: creds.channel(address, channel_options([("grpc.max_send_message_length",
-                                                                     grpc_message_limit())]), attach_token=False),
-            proof=creds.call_proof if creds.key is not None else None, shared_memory=wc.kv_shared_memory,
-            shared_memory_route=SharedMemoryRoute(wc.kv_shared_memory_dir, max_bytes=wc.kv_shared_memory_max_bytes,
-                                                  sweep_after_s=wc.kv_lease_max_s),
-            cluster_token=creds.cluster_token, kv_compression=wc.kv_compression)
-        data_sender = kv_data_sender(options) if options.kv_sender is None else None
-        registrations.append(service_registration(services["PrefillWorker"],
-                                                  PrefillHandler(aengine, sender, state, metrics,
-                                                                 data_sender=data_sender)))
-    elif config.role == "decode":
-        kv = aengine.engine.kv
-        listener = kv_data_listener(kv, options)
-        registrations.append(service_registration(services["DecodeWorker"], DecodeHandler(
-            aengine, state, listener.address() if listener is not None else "")))
-        kv.on_block = metrics.kv_received
-        notify = kv.on_change
-        kv.on_change = lambda rid, st: (metrics.kv_handoff_ended(st), notify(rid, st))
-        kv_servicer = KVTransferServicer(kv, shared_memory=options.config.kv_shared_memory,
-                                         shared_memory_dir=options.config.kv_shared_memory_dir,
-                                         cluster_token=options.credentials.cluster_token)
-        registrations.append((lambda servicer, server: register_kv_servicer(servicer, server), kv_servicer,
-                              "pdserve.v1.KVTransfer"))
-    else:
-        registrations.append(service_registration(services["ColocatedWorker"], ColocatedHandler(aengine, state)))
-    server = await start_server(registrations, options.host, options.port,
+    state = WorkerState(config.role)
+    sides = RoleSides(aengine, state, metrics, options)
+    sides.handler(config.role)   # the starting role's side now (its KV data listener, senders)
+    info = WorkerInfoServicer(aengine, worker_id, state, options.kv_address or options.config.kv_advertise_address,
+                              sides=sides, metrics=metrics)
+    server = await start_server(role_registrations(info, sides, options), options.host, options.port,
                                 interceptors=options.credentials.server_interceptors(),
                                 credentials=options.credentials.server_credentials())
     metrics_note = ""
     if options.metrics_port is not None:
         mport = start_metrics_server(metrics.registry, options.host, options.metrics_port, options.metrics_token)
         metrics_note = f", metrics on http://{options.host}:{mport}/metrics"
-    data_note = f", KV data plane on {listener.address()}" if listener is not None else ""
+    data_note = f", KV data plane on {sides.listener.address()}" if sides.listener is not None else ""
     print(f"pdserve {config.role} worker {worker_id} listening on {options.host}:{server.port}{metrics_note}"
           f"{data_note}", flush=True)
     stop = stop or asyncio.Event()
     stop_on_signals(stop)
     aengine.on_fatal = stop.set   # a dead tensor-parallel rank: drain, then raise aengine.failure
     if on_start is not None:
-        on_start(RunningWorker(aengine, info, server, metrics, sender))
+        on_start(RunningWorker(aengine, info, server, metrics, sides.sender))
+    membership = None
+    if options.config.router:   # a member of that router for as long as this process serves
+        address = options.config.advertise_address or f"{options.host}:{server.port}"
+        membership = asyncio.create_task(keep_joined(options.config.router, lambda: membership_pb2.JoinRequest(
+            address=address, role=ROLE_ENUM[state.role], worker_id=worker_id), options.credentials))
     try:
         await stop.wait()
         state.draining = True               # refuse new work, tell the router, let the rest finish
@@ -221,13 +254,30 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
         if not await state.wait_idle(options.config.drain_timeout_s):
             log.warning("drain timeout: %d request(s) still in flight on %s", state.inflight, worker_id)
     finally:
+        if membership is not None:
+            membership.cancel()
         await server.server.stop(grace=1)
-        for kv_sender in (sender, data_sender):
-            if kv_sender is not None:
-                await kv_sender.close()
-        if listener is not None:
-            listener.close()
+        await sides.close()
         aengine.stop()
     if aengine.failure is not None:
         raise aengine.failure
 
+
+def role_registrations(info: WorkerInfoServicer, sides: RoleSides, options: WorkerOptions
+                       ) -> list[tuple[Callable, object, str]]:
+    """The services a worker registers: Worker, and its role's; a prefill or decode worker
+    registers both of those roles' services (KVTransfer too), each answering in its role only."""
+    services = worker_pb2.DESCRIPTOR.services_by_name
+    registrations: list[tuple[Callable, object, str]] = [service_registration(services["Worker"], info)]
+    state = sides.state
+    if state.role not in SWITCHABLE:
+        return [*registrations, service_registration(services["ColocatedWorker"], sides.handler(state.role))]
+    for role, name in (("prefill", "PrefillWorker"), ("decode", "DecodeWorker")):
+        registrations.append(service_registration(services[name], RoleGate(services[name], role, state, sides)))
+    wc = options.config
+    kv_servicer = GatedKVTransfer(state, sides.aengine.engine.kv, shared_memory=wc.kv_shared_memory,
+                                  shared_memory_dir=wc.kv_shared_memory_dir,
+                                  cluster_token=options.credentials.cluster_token)
+    registrations.append((lambda servicer, server: register_kv_servicer(servicer, server), kv_servicer,
+                          "pdserve.v1.KVTransfer"))
+    return registrations

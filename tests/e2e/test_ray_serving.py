@@ -31,6 +31,7 @@ from services.deployment.launcher import free_port
 from services.process_table import group_pids
 from services.security import API_KEY_ENV, CLUSTER_TOKEN_ENV, Credentials
 from tests.conftest import random_prompts
+from tests.serving import SteadyLoad
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
 
@@ -367,6 +368,33 @@ def test_stop_without_the_cluster_token_is_refused_and_the_actor_keeps_serving(c
             ray.get(_actor(name).stop.remote(), timeout=30)
     assert _tokens(cli_deployment["router_address"]) == offline_reference
     assert ray.get(_actor("cli-router").health.remote(), timeout=30) == "SERVING"
+
+
+def test_cli_scale_adds_and_removes_a_decode_worker_under_load(ray_cluster, cli_deployment, tiny_qwen3) -> None:
+    """`pdserve ray scale` changes the running deployment through its router's membership API: a
+    new decode actor joins and takes requests, then is drained, removed and stopped; under a
+    steady load no request is lost and every one has the offline engine's tokens."""
+    from services.ray_deploy.deploy import list_actors
+
+    def scale(decode: int) -> subprocess.CompletedProcess:
+        res = _cli("ray", "scale", "--address", ray_cluster.address, "--namespace", NAMESPACE, "--name", "cli",
+                   "--decode-workers", str(decode))
+        assert res.returncode == 0, res.stderr[-4000:]
+        return res
+
+    with SteadyLoad(cli_deployment["router_address"], seed=11) as load:
+        load.served(3)
+        assert "added: cli-decode-1" in scale(2).stdout
+        assert "cli-decode-1" in list_actors("cli", NAMESPACE)
+        deadline = time.monotonic() + 60
+        while _info("cli-decode-1")["metrics"]["generation_tokens"] == 0:   # it decodes requests now
+            assert time.monotonic() < deadline, "the added decode worker took no request"
+            time.sleep(0.2)
+        assert "cli-decode-1" in _info("cli-router")["workers"].values()   # followed across restarts by name
+        assert "removed: cli-decode-1" in scale(1).stdout
+        load.served(3)
+    load.check(LLM(tiny_qwen3, **ENGINE))
+    assert list_actors("cli", NAMESPACE) == ["cli-decode-0", "cli-prefill-0", "cli-router"]
 
 
 def test_cli_down_removes_the_deployment(ray_cluster, cli_deployment) -> None:

@@ -33,8 +33,9 @@ OTHERWISE = {
     "role": None,                                         # the subcommand (worker: --role)
     ("up", "num_threads"): "--threads-per-worker",        # per worker process
     ("ray", "up", "name"): "--name", ("ray", "up", "namespace"): "--namespace",
-    # one worker's own address: given per worker (`pdserve decode`), never to a whole deployment
-    ("up", "kv_advertise_address"): None, ("ray", "up", "kv_advertise_address"): None,
+    # one worker's own addresses: given per worker (`pdserve decode`), never to a whole deployment
+    **{(*command, name): None for command in (("up",), ("ray", "up"))
+       for name in ("kv_advertise_address", "router", "advertise_address")},
 }
 
 

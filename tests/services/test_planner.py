@@ -20,23 +20,6 @@ from services.cli.commands import main
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def cost(tiny_qwen3: str) -> CostModel:
-    """A fixed cost model (the input the simulator prices steps with) for the tiny model."""
-    fits = {
-        "prefill": KindFit({"const": 0.004, "prefill_tokens": 0.0004, "prefill_seqs": 0.0005,
-                            "prefill_attention": 0.0002}, 0, 0.0),
-        "decode": KindFit({"const": 0.006, "decode_seqs": 0.0004, "decode_context": 0.002}, 0, 0.0),
-        "mixed": KindFit({"const": 0.006, "prefill_tokens": 0.0004, "prefill_seqs": 0.0005,
-                          "prefill_attention": 0.0002, "decode_seqs": 0.0004, "decode_context": 0.002}, 0, 0.0),
-    }
-    engine = {"model": tiny_qwen3, "block_size": 16, "max_num_seqs": 64, "enable_prefix_caching": True,
-              "max_model_len": None, "resolved_num_kv_blocks": 4096, "seed": 0}
-    return CostModel(fits, kv_transfer_s_per_block=0.0005, export_s_per_block=0.0001, kv_bytes_per_block=4096,
-                     engine=engine, model_config=json.loads((Path(tiny_qwen3) / "config.json").read_text()),
-                     machine={"torch_threads": 1})
-
-
 def _sim(cost: CostModel, candidate: Candidate, prompts, outs, offsets) -> tuple[Simulation, list]:
     sim = Simulation(cost, candidate, Overheads())
     return sim, sim.run(prompts, outs, offsets)

@@ -1,0 +1,104 @@
+"""`pdserve plan --watch` (services/planner/watch.py): the router's metrics read as a window of
+traffic, the split the simulator recommends for it, and when a change is made (hysteresis,
+confirmations, dwell). The loop against a running deployment is in tests/e2e/test_membership.py."""
+from __future__ import annotations
+
+import io
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from services.planner.plan import PlanConfig
+from services.planner.watch import Members, Planner, Scrape, Split, Traffic, WatchConfig, decide
+
+SLOS = ("ttft:500", "tpot:60")
+
+
+def metrics_text(success: int, prompt: int, generated: int, ttft: dict[str, int], failure: int = 0) -> str:
+    """The router's /metrics as Prometheus text: two label sets per counter, a TTFT histogram."""
+    lines = ["# HELP pdserve:request_success_total Requests finished normally"]
+    for worker, share in (("router", 0.75), ("other", 0.25)):   # summed over labels
+        lines += [f'pdserve:request_success_total{{model_name="m",role="router",worker="{worker}"}} {success * share}',
+                  f'pdserve:prompt_tokens_total{{model_name="m",role="router",worker="{worker}"}} {prompt * share}',
+                  f'pdserve:generation_tokens_total{{model_name="m",role="router",worker="{worker}"}} '
+                  f'{generated * share}']
+    lines.append(f'pdserve:request_failure_total{{model_name="m",role="router",worker="router"}} {failure}')
+    for le, count in ttft.items():
+        lines.append(f'pdserve:time_to_first_token_seconds_bucket{{le="{le}",model_name="m",role="router",'
+                     f'worker="router"}} {count}')
+    return "\n".join(lines) + "\n"
+
+
+def test_a_window_of_traffic_from_two_scrapes() -> None:
+    old = Scrape.parse(metrics_text(10, 1000, 500, {"0.25": 5, "0.5": 8, "+Inf": 10}), at=100.0)
+    new = Scrape.parse(metrics_text(40, 4000, 6500, {"0.25": 15, "0.5": 26, "+Inf": 40}, failure=2), at=110.0)
+    traffic = Traffic.between(old, new, {"ttft": 500.0, "tpot": 60.0})
+    assert (traffic.seconds, traffic.requests, traffic.failures) == (10.0, 30.0, 2.0)
+    assert traffic.rate == 3.0
+    assert traffic.within["ttft"] == pytest.approx(18 / 30)    # buckets up to 0.5 s
+    assert math.isnan(traffic.within["tpot"])                  # no TPOT observed in the window
+    workload = traffic.workload(num_prompts=50, seed=3)
+    assert (workload.rate, workload.input_len, workload.output_len, workload.num_prompts) == (3.0, 100, 200, 50)
+    assert "3.00 req/s" in traffic.describe() and "2 failed" in traffic.describe()
+
+
+def test_decode_heavy_traffic_moves_a_prefill_worker_to_decode(cost) -> None:
+    plan = PlanConfig(profile="unused", num_prompts=100, slos=SLOS)
+    heavy = Traffic(10.0, 300.0, 0.0, 300 * 16.0, 300 * 200.0)          # 30 req/s, 16 in / 200 out
+    decision = decide(cost, plan, Split(2, 1), heavy, hysteresis=0.1)
+    assert decision.best == Split(1, 2) and decision.change
+    assert decision.predicted["1P2D"]["goodput"] > 1.1 * decision.predicted["2P1D"]["goodput"]
+    assert "move to 1P2D" in decision.describe()
+    same = decide(cost, plan, Split(1, 2), heavy, hysteresis=0.1)           # already there: keep
+    assert same.best == Split(1, 2) and not same.change
+    light = Traffic(10.0, 600.0, 0.0, 600 * 24.0, 600 * 10.0)             # short answers: a split barely matters
+    assert not decide(cost, plan, Split(2, 1), light, hysteresis=0.1).change
+
+
+def _members(prefill: int, decode: int) -> Members:
+    make = lambda role, i: SimpleNamespace(address=f"127.0.0.1:{i + 1}", role=role, inflight=i)   # noqa: E731
+    return Members([make("prefill", i) for i in range(prefill)], [make("decode", 10 + i) for i in range(decode)], 0)
+
+
+def test_a_change_waits_for_its_confirmations_and_the_dwell_time(cost) -> None:
+    now = [0.0]
+    out = io.StringIO()
+    watch = WatchConfig(interval_s=1, confirmations=2, min_dwell_s=30, apply=True, min_window_requests=5)
+    planner = Planner(cost, PlanConfig(profile="unused", num_prompts=100, slos=SLOS), watch, None, out,
+                      clock=lambda: now[0])
+    applied: list[tuple[str, str]] = []
+    planner.apply = lambda decision, members: applied.append((decision.current.name, decision.best.name))
+    heavy = Traffic(10.0, 300.0, 0.0, 300 * 16.0, 300 * 200.0)
+    assert planner.window(Traffic(10.0, 2.0, 0.0, 32.0, 400.0), _members(2, 1)) is None   # too few requests
+    assert planner.window(heavy, _members(2, 1)).change and applied == []                  # confirmed 1 of 2
+    planner.window(heavy, _members(2, 1))
+    assert applied == [("2P1D", "1P2D")]
+    now[0] = 10.0                                                                           # inside the dwell time
+    planner.window(heavy, _members(3, 1))
+    planner.window(heavy, _members(3, 1))
+    assert len(applied) == 1 and "min dwell" in out.getvalue()
+    now[0] = 45.0
+    planner.window(heavy, _members(3, 1))
+    assert len(applied) == 2
+    assert planner.window(heavy, SimpleNamespace(colocated=2, prefill=[], decode=[],
+                                                 split=Split(0, 0))) is None               # colocated: nothing to do
+    assert '"applied": true' in out.getvalue()
+
+
+def test_without_apply_the_planner_only_says_what_it_would_do(cost) -> None:
+    out = io.StringIO()
+    planner = Planner(cost, PlanConfig(profile="unused", num_prompts=100, slos=SLOS),
+                      WatchConfig(confirmations=1, min_dwell_s=0), None, out)
+    planner.apply = lambda *a: pytest.fail("applied without --apply")
+    assert planner.window(Traffic(10.0, 300.0, 0.0, 300 * 16.0, 300 * 200.0), _members(2, 1)).change
+    assert "not applied: --apply is off" in out.getvalue()
+
+
+def test_watch_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="--router"):
+        WatchConfig(watch=True)
+    with pytest.raises(ValueError, match="interval_s"):
+        WatchConfig(interval_s=0)
+    with pytest.raises(ValueError, match="confirmations"):
+        WatchConfig(confirmations=-1)
