@@ -92,11 +92,21 @@ def scale(name: str, namespace: str, want: dict[str, int | None], drain_timeout_
                 handle = ray.get_actor(actor, namespace=namespace)
                 address = ray.get(handle.address.remote(), timeout=30)
                 membership.remove(address, drain_timeout_s)
-                ray.get(handle.stop.remote(control_proof(credentials, actor, "stop")), timeout=60)
+                _stop(handle, control_proof(credentials, actor, "stop"))
                 result.removed.append(actor)
     except Exception as exc:
         raise ScaleError(f"{exc} ({result.describe()} so far)") from exc
     return result
+
+
+def _stop(handle, proof: str) -> None:
+    """Drain and end the actor for good: its stop() exits the actor, so the call ends with the
+    actor's (intended) death."""
+    import ray
+    try:
+        ray.get(handle.stop.remote(proof), timeout=60)
+    except ray.exceptions.RayActorError:
+        pass
 
 
 def _start_worker(template: dict[str, Any], actor: str, namespace: str, timeout_s: float) -> str:
