@@ -3,17 +3,27 @@
 A full block's key is hash(parent key, its token ids). Freed blocks keep their key and
 stay findable until the pool hands them out again (lazy eviction, least recently freed
 first). A key lookup also compares token ids, so a hash collision can never share a block.
+
+With KV tiers (engine/kv_tiers.py), a computed block the pool hands out again is first copied
+to host RAM (and from there to disk); an allocation whose cached prefix runs out in the pool
+continues it from the tiers, writing each block found into a fresh pool block.
 """
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from engine.kv_events import KVEventLog
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.kv_tiers import KVTiers
 
 ROOT_HASH = 0
 
@@ -61,7 +71,17 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] | None = None
+    parent: int = ROOT_HASH  # the key hash was chained from (with token_ids)
     computed: bool = False   # its KV bytes are valid
+
+
+class Evicted(NamedTuple):
+    """A computed, keyed block the pool is handing out again: what the KV tiers copy first."""
+
+    block_id: int
+    key: int
+    parent: int
+    token_ids: tuple[int, ...]
 
 
 class NoFreeBlocks(RuntimeError):
@@ -70,7 +90,7 @@ class NoFreeBlocks(RuntimeError):
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: KVEventLog | None = None) -> None:
+                 events: KVEventLog | None = None, tiers: "KVTiers | None" = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         self.block_size = block_size
@@ -81,6 +101,8 @@ class BlockManager:
         self.prefix_cache_queries = 0   # prompt tokens looked up
         self.prefix_cache_hits = 0      # prompt tokens found computed in the cache
         self.events = events            # keys held computed / dropped, for routers (kv_events)
+        self.tiers = tiers if enable_prefix_caching else None   # host RAM / disk under the cache
+        self._evicted: list[Evicted] = []   # computed blocks handed out, bytes not yet offloaded
 
     # ---- pool -----------------------------------------------------------------
     @property
@@ -99,10 +121,19 @@ class BlockManager:
             raise NoFreeBlocks("no free KV blocks")
         block_id, _ = self.free_ids.popitem(last=False)
         block = self.blocks[block_id]
+        if self.tiers is not None and block.computed and block.hash is not None and \
+                self.hash_to_block.get(block.hash) == block_id:
+            self._evicted.append(Evicted(block_id, block.hash, block.parent, block.token_ids))
         self._forget_hash(block)
         block.ref_count = 1
         block.computed = False
         return block
+
+    def _offload_evicted(self) -> None:
+        """Copy the computed blocks just handed out to the tiers, before anything overwrites them."""
+        if self._evicted:
+            victims, self._evicted = self._evicted, []
+            self.tiers.offload(victims)
 
     def _forget_hash(self, block: Block) -> None:
         if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
@@ -111,6 +142,7 @@ class BlockManager:
                 self.events.removed(block.hash)
         block.hash = None
         block.token_ids = None
+        block.parent = ROOT_HASH
 
     def _ref(self, block: Block) -> None:
         if block.ref_count == 0:
@@ -131,8 +163,8 @@ class BlockManager:
         block = self.blocks[block_id]
         return block if block.token_ids == token_ids else None
 
-    def _register(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
-        block.hash, block.token_ids = block_hash, token_ids
+    def _register(self, block: Block, block_hash: int, token_ids: tuple[int, ...], parent: int) -> None:
+        block.hash, block.token_ids, block.parent = block_hash, token_ids, parent
         if self.enable_prefix_caching and block_hash not in self.hash_to_block:
             self.hash_to_block[block_hash] = block.block_id
             if block.computed:
@@ -154,17 +186,22 @@ class BlockManager:
         (scheduled in the same step): the caller recomputes from the first uncomputed block,
         which writes identical bytes, and no key is ever overwritten.
 
+        Where the pool's computed prefix ends, the KV tiers (if any) continue it: each following
+        block a tier holds is written into a fresh block, computed and keyed as if computed here
+        (host RAM, then disk, up to the first miss; a disk read happens here, synchronously).
+
         receiving=True (a decode worker's reservation, whose bytes arrive from elsewhere): only
         computed blocks are shared, and the fresh ones get no key until mark_computed, so no
-        other sequence can find a block whose received bytes are not verified yet.
+        other sequence can find a block whose received bytes are not verified yet (blocks from
+        a tier are verified: they are keyed at once, and are not shipped).
         reserve_blocks: free blocks that must remain after this allocation (room for others).
         """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.request_id} already holds blocks")
         bs = self.block_size
-        n_full = seq.num_tokens // bs
-        hashes = prompt_block_hashes(seq.token_ids, bs, salt_root(seq.params.cache_salt)) \
-            if self.enable_prefix_caching else []
+        root = salt_root(seq.params.cache_salt)
+        hashes = prompt_block_hashes(seq.token_ids, bs, root) if self.enable_prefix_caching else []
+        n_full = len(hashes)
         # Blocks we will share: leading prefix found by key. Count fresh ones before touching state.
         shared: list[Block] = []
         for i, h in enumerate(hashes):
@@ -182,23 +219,46 @@ class BlockManager:
             seq.block_table.append(block.block_id)
             if block.computed and computed_prefix == i:
                 computed_prefix = i + 1
+        limit = seq.num_tokens - 1 if max_cached_tokens is None else max_cached_tokens
+        loaded = self._fetch(seq, hashes, root, len(shared), min(limit // bs, n_full)) \
+            if computed_prefix == len(shared) else []
         # The fresh blocks (the least recently freed) in ascending id order: a freed sequence's
         # blocks come back tail first, so they would come out descending, and every block would
         # be its own copy where the pool is written or read a run at a time (KV hand-off).
         fresh = sorted((self._take_free() for _ in range(fresh_needed)), key=lambda b: b.block_id)
+        self._offload_evicted()   # their old bytes leave before tier blocks or a step overwrite them
+        if loaded:
+            self.tiers.write([b.block_id for b in fresh[:len(loaded)]], loaded)
+            computed_prefix += len(loaded)
+        keyed = len(shared) + len(loaded) if receiving else n_full
         for i, block in enumerate(fresh, start=len(shared)):
-            if i < n_full and hashes and not receiving:
-                self._register(block, hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            if i < keyed:
+                block.computed = i < len(shared) + len(loaded)
+                self._register(block, hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]),
+                               hashes[i - 1] if i else root)
             seq.block_table.append(block.block_id)
         # A receiving sequence's keys are (re)computed by mark_computed once its bytes are verified.
-        seq.block_hashes = hashes[:len(shared)] if receiving else hashes[:n_full]
+        seq.block_hashes = hashes[:keyed]
         seq.num_hashed_blocks = len(seq.block_hashes)
         cached = computed_prefix * bs
-        limit = seq.num_tokens - 1 if max_cached_tokens is None else max_cached_tokens
         cached = min(cached, (limit // bs) * bs)   # always compute at least the last token
         self.prefix_cache_queries += seq.num_tokens
         self.prefix_cache_hits += cached
         return cached
+
+    def _fetch(self, seq: Sequence, hashes: list[int], root: int, start: int, stop: int) -> list["torch.Tensor"]:
+        """The bytes of seq's blocks start, start+1, ... (before stop) the tiers hold, up to the first miss."""
+        found: list["torch.Tensor"] = []
+        if self.tiers is None:
+            return found
+        bs = self.block_size
+        for i in range(start, stop):
+            parent = hashes[i - 1] if i else root
+            data = self.tiers.fetch(hashes[i], parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            if data is None:
+                break
+            found.append(data)
+        return found
 
     def free(self, seq: Sequence) -> None:
         # Release in reverse so a sequence's tail is evicted before its (more shareable) head.
@@ -210,8 +270,11 @@ class BlockManager:
 
     def append_slot(self, seq: Sequence) -> None:
         """Make sure seq has a block for its last token (before a decode step)."""
-        while len(seq.block_table) * self.block_size < seq.num_tokens:
-            seq.block_table.append(self._take_free().block_id)
+        try:
+            while len(seq.block_table) * self.block_size < seq.num_tokens:
+                seq.block_table.append(self._take_free().block_id)
+        finally:
+            self._offload_evicted()
 
     def mark_computed(self, seq: Sequence) -> None:
         """After a step: flag full computed blocks and give them keys for the prefix cache."""
@@ -230,7 +293,7 @@ class BlockManager:
             h = chain_hash(parent, tokens)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
-                self._register(block, h, tokens)
+                self._register(block, h, tokens, parent)
             seq.block_hashes.append(h)
             seq.num_hashed_blocks += 1
 

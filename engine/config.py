@@ -33,6 +33,13 @@ class EngineConfig:
     kv_cache_memory_bytes: int = setting(1 << 30, "CPU: KV pool budget in bytes")
     gpu_memory_utilization: float = setting(0.85, "CUDA: fraction of free memory for the KV pool")
     enable_prefix_caching: bool = setting(True, "share computed blocks between prompts with a common prefix")
+    kv_host_cache_bytes: int = setting(0, "KV tier in host RAM under the prefix cache: bytes of prefix blocks the "
+                                          "pool evicts kept for reuse instead of recomputation (0: off)")
+    kv_disk_cache_dir: str = setting("", "KV tier on disk under the prefix cache: a directory for prefix blocks "
+                                         "evicted from the pool (or from the host tier), one file each; kept across "
+                                         "restarts and shared by workers of the same model on one host (empty: off)")
+    kv_disk_cache_bytes: int = setting(1 << 30, "bytes of block files one worker keeps in kv_disk_cache_dir (least "
+                                                "recently used deleted first)")
     schedule_policy: str = setting("auto", "what one step holds: prefill_first, interleave (decode after each "
                                       "prefill step while prompts wait), mixed (decodes and prefill chunks in "
                                       "one step); auto: mixed where decodes run (the best ITL tail, as vLLM "
@@ -73,6 +80,11 @@ class EngineConfig:
         _check_int("block_size", self.block_size, 1)
         _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("kv_host_cache_bytes", self.kv_host_cache_bytes, 0)
+        _check_int("kv_disk_cache_bytes", self.kv_disk_cache_bytes, 0)
+        if not isinstance(self.kv_disk_cache_dir, str):
+            raise ValueError(f"kv_disk_cache_dir must be a directory path (a string, empty: off), "
+                             f"got {self.kv_disk_cache_dir!r}")
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1)
         if self.num_kv_blocks is not None:

@@ -29,6 +29,7 @@ from engine.config import ROLES, EngineConfig
 from engine.kv_connector import KVConnector, LeasePolicy, Reservation
 from engine.kv_pool import KVBlockPool
 from engine.kv_events import KVEventBatch, KVEventLog
+from engine.kv_tiers import no_tier_stats, tiers_for
 from engine.logprobs import TokenLogprob, logprob_of
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
@@ -75,8 +76,9 @@ class LLMEngine:
                                  self.model_config.max_position_embeddings)
         self.runner = runner if runner is not None else ModelRunner(config, self.model_config)
         self.kv_events = KVEventLog()
+        self.kv_tiers = tiers_for(config, self.runner)   # host RAM / disk under the prefix cache, or None
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                          events=self.kv_events)
+                                          events=self.kv_events, tiers=self.kv_tiers)
         self.step_cost = StepCost()          # steps that compute prompt tokens, by tokens computed
         # decode-only steps, by sequences: a slope over a spread of a sequence or two needs more steps
         self.decode_step_cost = StepCost(decay=DECODE_FIT_DECAY, min_spread=MIN_SPREAD_SEQS)
@@ -141,7 +143,10 @@ class LLMEngine:
             raise
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks this engine started (idempotent; nothing else to release)."""
+        """Stop the tensor-parallel ranks this engine started and write out the blocks queued for
+        the disk KV tier (idempotent)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
@@ -346,6 +351,7 @@ class LLMEngine:
                 "num_waiting": len(self.scheduler.waiting),
                 **self.kv.stats(),
                 "num_queued_prompt_tokens": self.scheduler.num_queued_prompt_tokens,
+                **(self.kv_tiers.stats() if self.kv_tiers is not None else no_tier_stats()),
             }
 
 

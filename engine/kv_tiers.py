@@ -1,0 +1,425 @@
+"""KV tiers under the prefix cache: host RAM, then disk, keyed by the same chain hashes.
+
+The block manager offloads a computed prefix block to the tiers when it is about to reuse the
+block (lazy eviction), and asks them for the blocks that follow the pool's own cached prefix
+when it allocates a sequence (host first, then disk, up to the first miss); a block found is
+written into a fresh pool block and counts as a prefix-cache hit. Both directions go through
+``KVTiers``, which holds the pool's read and write paths (the model runner's, as the KV
+hand-off uses them).
+
+- Host tier: a bounded LRU of ``TierBlock`` (the bytes of one block across layers, with the
+  parent hash and token ids a lookup compares, as the pool does against hash collisions).
+  Blocks it evicts go to the disk tier when there is one.
+- Disk tier: ``<kv_disk_cache_dir>/<fingerprint>/<chain hash>.kv``, one file per block
+  (engine/kv_tier_file.py), so engines of other models, dtypes or block sizes sharing a
+  directory never see each other's blocks, and engines of the same model on one host share
+  theirs. Files are written on one background thread fed by a bounded queue (full: the block
+  is dropped and counted), each to a temporary name renamed into place, so readers see whole
+  files or none; a block still queued is found in the queue. The index (key -> file size,
+  least recently used first) bounds the bytes kept: a write first deletes the least recently
+  used files. It is rebuilt from the directory at start (by modification time; a hit touches
+  its file), so a restarted engine serves its prefixes from disk. A key missing from the index
+  is still looked for on disk (another engine may have written it). A file refused
+  (engine/kv_tier_file.decode) is counted and deleted, unless it is a sound block of another
+  prefix; one vanishing between index and read is a miss. OS errors (a full or unwritable
+  disk) are counted and cost recomputation, never an exception.
+
+Threads: lookups, offloads and the host tier run on the caller's thread under the engine's
+lock; a disk read is synchronous (inside the allocation that asks for it). Only disk writes
+are asynchronous.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from engine.block_manager import Evicted
+from engine.kv_tier_file import RefusedBlock, TierBlock, decode, encode, file_size, kv_fingerprint
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+WRITE_QUEUE_BYTES = 64 << 20   # block bytes waiting for the disk writer, at most (at least one block)
+WARNINGS_LOGGED = 5            # per disk tier; the rest at debug level (the counters keep counting)
+STALE_TEMP_S = 600             # a temporary block file this old was left by a killed writer (a write takes ms)
+_FILE_NAME = re.compile(r"^([0-9a-f]{16})\.kv$")
+STAT_KEYS = ("kv_host_hits", "kv_disk_hits", "kv_offloaded_blocks", "kv_host_blocks", "kv_host_bytes",
+             "kv_disk_blocks", "kv_disk_bytes", "kv_disk_writes", "kv_tier_refused", "kv_tier_dropped_writes",
+             "kv_tier_write_errors")
+
+
+class HostTier:
+    """A bounded LRU of blocks in host RAM."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.bytes = 0
+        self._blocks: OrderedDict[int, TierBlock] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def get(self, key: int) -> TierBlock | None:
+        block = self._blocks.get(key)
+        if block is not None:
+            self._blocks.move_to_end(key)
+        return block
+
+    def put(self, block: TierBlock) -> list[TierBlock]:
+        """Keep block (the most recently used); returns the blocks evicted to stay in budget."""
+        old = self._blocks.pop(block.key, None)
+        if old is not None:
+            self.bytes -= old.nbytes
+        self._blocks[block.key] = block
+        self.bytes += block.nbytes
+        evicted = []
+        while self.bytes > self.budget and self._blocks:
+            _, out = self._blocks.popitem(last=False)
+            self.bytes -= out.nbytes
+            evicted.append(out)
+        return evicted
+
+
+class DiskTier:
+    """Block files under one fingerprint's directory, bounded in bytes (see the module doc)."""
+
+    def __init__(self, root: str | Path, budget: int, fingerprint: bytes, shape: tuple[int, ...],
+                 dtype: torch.dtype, queue_blocks: int = 64) -> None:
+        self.dir = Path(root) / fingerprint.hex()
+        self.budget = budget
+        self.fingerprint = fingerprint
+        self.shape, self.dtype = tuple(shape), dtype
+        self._lock = threading.Lock()   # the index, pending and byte count: shared with the writer
+        self._index: OrderedDict[int, int] = OrderedDict()   # key -> file size, least recently used first
+        self._pending: dict[int, TierBlock] = {}              # queued for the writer
+        self._queue: queue.Queue[TierBlock | None] = queue.Queue(maxsize=max(1, queue_blocks))
+        self._thread: threading.Thread | None = None
+        self.bytes = 0
+        self.hits = self.writes = self.refused = self.dropped = self.errors = 0
+        self._warnings = 0
+        self._scan()
+
+    def _count(self, counter: str, warning: str | None = None, *args: object) -> None:
+        """Count an event (the writer and the engine's thread both count); log the first few
+        warnings at WARNING, the rest at DEBUG (a broken disk is not a log flood)."""
+        with self._lock:
+            setattr(self, counter, getattr(self, counter) + 1)
+            self._warnings += warning is not None
+            n = self._warnings
+        if warning is None:
+            return
+        if n < WARNINGS_LOGGED:
+            log.warning(warning, *args)
+        elif n == WARNINGS_LOGGED:
+            log.warning(warning + " (further ones at debug level)", *args)
+        else:
+            log.debug(warning, *args)
+
+    # ---- the index --------------------------------------------------------------------------
+    def _path(self, key: int) -> Path:
+        return self.dir / f"{key:016x}.kv"
+
+    def _scan(self) -> None:
+        """Rebuild the index from the directory (least recently modified first), within budget;
+        delete temporary files a killed writer left behind."""
+        found = []
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for entry in os.scandir(self.dir):
+                match = _FILE_NAME.match(entry.name)
+                st = entry.stat()
+                if match:
+                    found.append((st.st_mtime_ns, int(match.group(1), 16), st.st_size))
+                elif entry.name.endswith(".tmp") and time.time() - st.st_mtime > STALE_TEMP_S:
+                    _unlink(Path(entry.path))
+        except OSError as exc:
+            self._count("errors", "KV disk tier %s: %s; evicted blocks will be recomputed", self.dir, exc)
+        with self._lock:
+            for _, key, size in sorted(found):
+                self._index[key] = size
+                self.bytes += size
+            self._make_room(0)
+
+    def _make_room(self, size: int) -> bool:
+        """Under the lock: delete least recently used files until size more bytes fit, and count
+        them in (the caller writes the file or gives them back). False: size cannot fit."""
+        if size > self.budget:
+            return False
+        while self._index and self.bytes + size > self.budget:
+            key, old = self._index.popitem(last=False)
+            self.bytes -= old
+            _unlink(self._path(key))
+        self.bytes += size
+        return True
+
+    def _forget(self, key: int, delete: bool) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self.bytes -= size
+        if delete:
+            _unlink(self._path(key))
+
+    def holds(self, key: int) -> bool:
+        """A file or the write queue holds key (a file held counts as used now)."""
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                return True
+            return key in self._pending
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # ---- reads (the caller's thread) -------------------------------------------------------
+    def get(self, key: int, parent: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
+        """The block's bytes if a file (or the write queue) holds this block, verified; None otherwise."""
+        with self._lock:
+            block = self._pending.get(key)
+            indexed = key in self._index
+            if indexed:
+                self._index.move_to_end(key)
+        if block is not None:
+            if block.parent == parent and block.token_ids == token_ids:
+                self._count("hits")
+                return block.data
+            self._count("refused")   # a hash collision
+            return None
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                buf = bytearray(os.fstat(f.fileno()).st_size)
+                n = f.readinto(buf)
+            del buf[n:]
+        except FileNotFoundError:   # never written here, or deleted by a sharer since it was indexed
+            if indexed:
+                self._forget(key, delete=False)
+            return None
+        except OSError as exc:
+            self._count("errors", "KV disk tier: reading %s: %s", path, exc)
+            return None
+        try:
+            data = decode(buf, self.fingerprint, key, parent, token_ids, self.shape, self.dtype)
+        except RefusedBlock as exc:
+            self._count("refused", "KV disk tier: refused %s: %s", path, exc)
+            if not exc.keep:
+                self._forget(key, delete=True)
+            return None
+        if not indexed:   # another engine's file: ours to keep in budget from now on
+            with self._lock:
+                if key not in self._index and self._make_room(len(buf)):
+                    self._index[key] = len(buf)
+        try:
+            os.utime(path)   # least recently used survives a restart
+        except OSError:
+            pass
+        self._count("hits")
+        return data
+
+    # ---- writes (queued for the writer thread) ---------------------------------------------
+    def put(self, block: TierBlock) -> None:
+        """Queue block for writing; never blocks (a full queue drops it, counted)."""
+        with self._lock:
+            if block.key in self._pending:
+                return
+            if block.key in self._index:
+                self._index.move_to_end(block.key)
+                return
+            if file_size(len(block.token_ids), block.nbytes) > self.budget:
+                self.dropped += 1   # (under the lock)
+                return
+            self._pending[block.key] = block
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kv-disk-writer", daemon=True)
+                self._thread.start()
+        try:
+            self._queue.put_nowait(block)
+        except queue.Full:
+            with self._lock:
+                self._pending.pop(block.key, None)
+                self.dropped += 1
+
+    def flush(self) -> None:
+        """Wait until every queued block is written (or dropped)."""
+        if self._thread is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued and stop the writer (a later put starts it again)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            block = self._queue.get()
+            try:
+                if block is None:
+                    return
+                self._write(block)
+            except Exception:   # never let the writer die: count it, the block is recomputed
+                log.exception("KV disk tier: writing block %016x", block.key if block else 0)
+                self._count("errors")
+            finally:
+                if block is not None:
+                    with self._lock:
+                        if self._pending.get(block.key) is block:
+                            del self._pending[block.key]
+                self._queue.task_done()
+
+    def _write(self, block: TierBlock) -> None:
+        size = file_size(len(block.token_ids), block.nbytes)
+        with self._lock:
+            if not self._make_room(size):
+                self.dropped += 1
+                return
+        path = self._path(block.key)
+        tmp = self.dir / f".{block.key:016x}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                for piece in encode(block, self.fingerprint):
+                    f.write(piece)
+            os.replace(tmp, path)   # atomic: readers see the whole file or none
+        except OSError as exc:
+            with self._lock:
+                self.bytes -= size
+            _unlink(tmp)
+            self._count("errors", "KV disk tier: writing %s: %s (the block will be recomputed)", path, exc)
+            return
+        with self._lock:
+            old = self._index.pop(block.key, None)
+            if old is not None:
+                self.bytes -= old
+            self._index[block.key] = size
+            self.writes += 1
+            self._pending.pop(block.key, None)   # findable in the index from now on
+
+
+class KVTiers:
+    """The tiers under one pool's prefix cache: what the block manager calls."""
+
+    def __init__(self, read: Callable[[list[int]], torch.Tensor], write: Callable[[list[int], torch.Tensor], None],
+                 host_bytes: int = 0, disk: DiskTier | None = None) -> None:
+        """read(block_ids) -> [n, *block shape] on CPU, write(block_ids, data): the pool's bytes."""
+        self._read, self._write = read, write
+        self.host = HostTier(host_bytes) if host_bytes > 0 else None
+        self.disk = disk
+        self.host_hits = self.offloaded = self.refused = 0
+
+    def offload(self, victims: list[Evicted]) -> None:
+        """Copy the blocks the pool is about to reuse into the tiers (those not held already)."""
+        todo = [v for v in victims if not self._holds(v.key)]
+        if not todo:
+            return
+        try:
+            data = self._read([v.block_id for v in todo])
+        except Exception:   # the pool's own read: should not fail; the blocks are recomputed if it does
+            log.exception("KV tiers: reading %d evicted blocks", len(todo))
+            return
+        for i, v in enumerate(todo):
+            self._store(TierBlock(v.key, v.parent, v.token_ids, data[i] if len(todo) == 1 else data[i].clone()))
+        self.offloaded += len(todo)
+
+    def _holds(self, key: int) -> bool:
+        """The first tier an offload would go to holds key already (a host hit refreshes it)."""
+        if self.host is not None:
+            return self.host.get(key) is not None
+        return self.disk is not None and self.disk.holds(key)
+
+    def _store(self, block: TierBlock) -> None:
+        spill = [block]
+        if self.host is not None and block.nbytes <= self.host.budget:
+            spill = self.host.put(block)
+        if self.disk is not None:
+            for out in spill:
+                self.disk.put(out)
+
+    def fetch(self, key: int, parent: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
+        """The bytes of the block keyed key, derived from parent and token_ids, if a tier holds it."""
+        try:
+            return self._fetch(key, parent, token_ids)
+        except Exception:   # a tier fault costs recomputation, never the allocation
+            log.exception("KV tiers: looking up block %016x", key)
+            return None
+
+    def _fetch(self, key: int, parent: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
+        if self.host is not None:
+            block = self.host.get(key)
+            if block is not None:
+                if block.parent == parent and block.token_ids == token_ids:
+                    self.host_hits += 1
+                    return block.data
+                self.refused += 1   # a hash collision: recompute
+                return None
+        if self.disk is not None:
+            return self.disk.get(key, parent, token_ids)
+        return None
+
+    def write(self, block_ids: list[int], data: list[torch.Tensor]) -> None:
+        """Write fetched blocks' bytes into these pool blocks."""
+        self._write(block_ids, torch.stack(data))
+
+    def flush(self) -> None:
+        if self.disk is not None:
+            self.disk.flush()
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+    def stats(self) -> dict[str, int]:
+        host = self.host if self.host is not None else HostTier(0)   # (tiers have a len: never test their truth)
+        disk = self.disk
+        return {
+            "kv_host_hits": self.host_hits,
+            "kv_disk_hits": disk.hits if disk is not None else 0,
+            "kv_offloaded_blocks": self.offloaded,
+            "kv_host_blocks": len(host),
+            "kv_host_bytes": host.bytes,
+            "kv_disk_blocks": len(disk) if disk is not None else 0,
+            "kv_disk_bytes": disk.bytes if disk is not None else 0,
+            "kv_disk_writes": disk.writes if disk is not None else 0,
+            "kv_tier_refused": self.refused + (disk.refused if disk is not None else 0),
+            "kv_tier_dropped_writes": disk.dropped if disk is not None else 0,
+            "kv_tier_write_errors": disk.errors if disk is not None else 0,
+        }
+
+
+def no_tier_stats() -> dict[str, int]:
+    return dict.fromkeys(STAT_KEYS, 0)
+
+
+def tiers_for(config: "EngineConfig", runner: "ModelRunner") -> KVTiers | None:
+    """The tiers config asks for, over runner's pool; None when there are none (or no prefix cache)."""
+    if not config.enable_prefix_caching or not (config.kv_host_cache_bytes or config.kv_disk_cache_dir):
+        return None
+    disk = None
+    if config.kv_disk_cache_dir:
+        shape = tuple(runner.block_shape)
+        compute = str(runner.compute_dtype).removeprefix("torch.")
+        kernels = f"{runner.device.type}|{runner.backend.name}|batch-invariant={runner.batch_invariant}"
+        fingerprint = kv_fingerprint(config.model, runner.kv_dtype_name, compute, config.quantization, shape, kernels)
+        disk = DiskTier(config.kv_disk_cache_dir, config.kv_disk_cache_bytes, fingerprint, shape, runner.dtype,
+                        queue_blocks=WRITE_QUEUE_BYTES // max(1, runner.kv_bytes_per_block))
+    return KVTiers(runner.read_blocks, runner.write_blocks, config.kv_host_cache_bytes, disk)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
