@@ -1,20 +1,52 @@
-"""The router's admission queue: requests wait here, in arrival order, for decode capacity.
+"""The router's admission queue: requests wait here for decode capacity, highest priority first,
+and within a priority, in fair shares between clients.
 
 Only the request at the head of the queue looks for capacity, and only when a worker's status
 changes (the pool's status streams wake it); the others wait on an event. Waiting therefore
-costs no CPU and sends no RPCs. A full queue refuses at once with a retry hint.
+costs no CPU and sends no RPCs. A full queue refuses at once with a retry hint, unless the newcomer
+outranks the lowest waiter, which is then refused in its place.
+
+Order (``Ticket``): priority first (lower values first, as vLLM's ``priority``), then a fair tag
+inside the priority class, then arrival. The tag is start-time fair queuing over the class's
+clients: a client's next request is tagged one past the later of its own last tag and the class's
+virtual time (the tag of the last request admitted), so two clients that keep the class busy are
+served one for one whatever their sending rates, and a client that was idle starts at the
+current virtual time (no credit saved up).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import contextlib
+import heapq
+import itertools
 import time
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from services.router.errors import RouterError
 
 RATE_WINDOW_S = 30.0
+MAX_CLIENT_TAGS = 4096   # clients remembered per class before the stale ones are dropped
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """Who waits, and in which class: the admission queue's view of a request."""
+
+    priority: int = 0     # lower first
+    client: str = ""      # the fair-share key inside a priority class (OpenAI `user`)
+
+
+@dataclass(order=True, slots=True)
+class _Waiter:
+    priority: int
+    tag: int
+    seq: int
+    event: asyncio.Event = field(compare=False)
+    ticket: Ticket = field(compare=False)
+    evicted: bool = field(default=False, compare=False)
+    gone: bool = field(default=False, compare=False)
 
 
 class AdmissionQueue:
@@ -23,51 +55,106 @@ class AdmissionQueue:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_waiting}")
         self.max_waiting = max_waiting
         self.rate_window_s = rate_window_s
-        self._queue: collections.deque[asyncio.Event] = collections.deque()
+        self._waiting: list[_Waiter] = []    # a heap: the next head first
+        self._head: _Waiter | None = None    # the one placing itself now
+        self._seq = itertools.count()
+        self._vtime: dict[int, int] = collections.defaultdict(int)          # class -> tag of its last head
+        self._last_tag: dict[int, dict[str, int]] = collections.defaultdict(dict)   # class -> client -> tag
         self._admitted: collections.deque[float] = collections.deque()   # recent admission times
 
     def __len__(self) -> int:
-        return len(self._queue)
+        """Requests in the queue, the head included."""
+        return len(self._waiting) + (self._head is not None)
 
+    def ahead_of(self, ticket: Ticket) -> int:
+        """Requests that would be served before a newcomer with ticket (the head included)."""
+        tag = self._tag(ticket, commit=False)
+        return (self._head is not None) + sum(1 for w in self._waiting if (w.priority, w.tag) <= (ticket.priority, tag))
+
+    # ---- rates ------------------------------------------------------------------------------
     def _prune(self, now: float) -> None:
         while self._admitted and now - self._admitted[0] > self.rate_window_s:
             self._admitted.popleft()
 
-    def retry_after_s(self) -> float:
-        """How long a refused caller should wait: the queue's length over the recent admission rate."""
+    def admission_rate(self) -> float:
+        """Requests admitted per second over the recent window (0: none)."""
         self._prune(time.monotonic())
-        rate = len(self._admitted) / self.rate_window_s
-        return min(60.0, max(1.0, len(self._queue) / rate if rate else 5.0))
+        return len(self._admitted) / self.rate_window_s
+
+    def retry_after_s(self, ahead: int | None = None) -> float:
+        """How long a refused caller should wait: the requests ahead over the recent admission rate."""
+        rate = self.admission_rate()
+        ahead = len(self) if ahead is None else ahead
+        return min(60.0, max(1.0, ahead / rate if rate else 5.0))
 
     def full_error(self) -> RouterError:
         return RouterError("RESOURCE_EXHAUSTED",
                            f"admission queue is full ({self.max_waiting} requests waiting for decode capacity); "
                            f"retry later", retry_after_s=self.retry_after_s())
 
+    # ---- order ------------------------------------------------------------------------------
+    def _tag(self, ticket: Ticket, commit: bool = True) -> int:
+        tags = self._last_tag[ticket.priority]
+        tag = max(self._vtime[ticket.priority], tags.get(ticket.client, 0)) + 1
+        if commit:
+            tags[ticket.client] = tag
+            if len(tags) > MAX_CLIENT_TAGS:   # clients at or behind the virtual time carry no credit: forget them
+                vtime = self._vtime[ticket.priority]
+                for client in [c for c, t in tags.items() if t <= vtime]:
+                    del tags[client]
+        return tag
+
+    def _promote(self) -> None:
+        """The next waiter becomes the head (if none is)."""
+        while self._head is None and self._waiting:
+            w = heapq.heappop(self._waiting)
+            if w.gone:
+                continue
+            self._head = w
+            self._vtime[w.priority] = max(self._vtime[w.priority], w.tag)
+            w.event.set()
+
+    def _evict_lowest(self, ticket: Ticket) -> bool:
+        """Make room for ticket by refusing the lowest waiter of a lower class (True if one was)."""
+        live = [w for w in self._waiting if not w.gone]
+        if not live:
+            return False
+        worst = max(live, key=lambda w: (w.priority, w.tag, w.seq))
+        if worst.priority <= ticket.priority:
+            return False
+        worst.evicted, worst.gone = True, True
+        worst.event.set()
+        return True
+
     @contextlib.asynccontextmanager
-    async def turn(self, timeout: float) -> AsyncIterator[None]:
-        """Wait (up to timeout) to be the head of the queue; the block runs as the head."""
-        if len(self._queue) >= self.max_waiting + 1:   # the head is not waiting, the others are
+    async def turn(self, timeout: float, ticket: Ticket = Ticket()) -> AsyncIterator[None]:
+        """Wait (up to timeout) to be the head of the queue; the block runs as the head.
+        RouterError RESOURCE_EXHAUSTED when the queue is full, when the wait times out, or when a
+        request of a higher class took this one's place."""
+        live = sum(1 for w in self._waiting if not w.gone)
+        if live >= self.max_waiting and self._head is not None and not self._evict_lowest(ticket):
             raise self.full_error()
-        me = asyncio.Event()
-        if not self._queue:
-            me.set()
-        self._queue.append(me)
+        me = _Waiter(ticket.priority, self._tag(ticket), next(self._seq), asyncio.Event(), ticket)
+        heapq.heappush(self._waiting, me)
+        self._promote()
         try:
             try:
-                await asyncio.wait_for(me.wait(), timeout)
+                await asyncio.wait_for(me.event.wait(), timeout)
             except asyncio.TimeoutError:
                 raise RouterError("RESOURCE_EXHAUSTED", f"no decode capacity within {timeout:g}s "
-                                  f"({len(self._queue) - 1} requests ahead)", retry_after_s=self.retry_after_s()) from None
+                                  f"({self.ahead_of(ticket)} requests ahead)", retry_after_s=self.retry_after_s()) from None
+            if me.evicted:
+                raise RouterError("RESOURCE_EXHAUSTED", "admission queue is full and a request of a higher priority "
+                                  "took this one's place; retry later", retry_after_s=self.retry_after_s())
             yield
             now = time.monotonic()
             self._prune(now)   # at every admission: the record holds the last window, never more
             self._admitted.append(now)
         finally:
-            was_head = bool(self._queue) and self._queue[0] is me
-            self._queue.remove(me)
-            if was_head and self._queue:
-                self._queue[0].set()
+            me.gone = True
+            if self._head is me:
+                self._head = None
+                self._promote()
 
 
 class PendingGate:

@@ -91,3 +91,80 @@ def test_the_pending_gate_refuses_past_its_limit_and_frees_on_exit() -> None:
     assert gate.count == 0
     with gate.hold():
         assert gate.count == 1
+
+
+def _served_order(arrivals: list[tuple[int, str]], capacity: int = 64) -> list[tuple[int, str]]:
+    """The order in which requests (priority, client) that all arrive while the head holds its turn
+    are admitted."""
+    from services.router.admission import Ticket
+
+    async def run():
+        queue, order = AdmissionQueue(capacity), []
+        head_in, release = asyncio.Event(), asyncio.Event()
+
+        async def head() -> None:
+            async with queue.turn(5.0):
+                head_in.set()
+                await release.wait()
+
+        async def one(priority: int, client: str) -> None:
+            async with queue.turn(5.0, Ticket(priority, client)):
+                order.append((priority, client))
+        first = asyncio.create_task(head())
+        await head_in.wait()
+        tasks = []
+        for p, c in arrivals:
+            tasks.append(asyncio.create_task(one(p, c)))
+            await asyncio.sleep(0)   # each is queued in arrival order
+        release.set()
+        await asyncio.gather(first, *tasks)
+        return order
+    return asyncio.run(run())
+
+
+def test_a_higher_priority_is_admitted_first_and_fifo_holds_within_one_client() -> None:
+    arrivals = [(1, "a"), (1, "a"), (0, "b"), (2, "c"), (0, "b"), (1, "a")]
+    assert _served_order(arrivals) == [(0, "b"), (0, "b"), (1, "a"), (1, "a"), (1, "a"), (2, "c")]
+
+
+def test_two_clients_of_one_class_share_it_one_for_one_whatever_their_sending_rate() -> None:
+    """Client a sends three requests for each of b's (all queued behind a busy head): while both
+    wait, they are served alternately; a's surplus goes after b has none left."""
+    arrivals = [("a" if i % 4 else "b") for i in range(16)]   # b, a, a, a, b, a, a, a, ...
+    order = [c for _, c in _served_order([(0, c) for c in arrivals])]
+    for n in range(1, 9):   # while both have requests waiting, neither gets more than one ahead
+        assert abs(order[:n].count("a") - order[:n].count("b")) <= 1, order
+    assert order[8:] == ["a"] * 8
+
+
+def test_a_full_queue_refuses_the_lowest_class_to_admit_a_higher_one() -> None:
+    from services.router.admission import Ticket
+
+    async def run():
+        queue = AdmissionQueue(2)
+        head_in, release = asyncio.Event(), asyncio.Event()
+        outcome: dict[str, str] = {}
+
+        async def one(name: str, ticket: Ticket, hold: bool = False) -> None:
+            try:
+                async with queue.turn(5.0, ticket):
+                    if hold:
+                        head_in.set()
+                        await release.wait()
+                    outcome[name] = "admitted"
+            except RouterError as exc:
+                outcome[name] = exc.code
+        tasks = [asyncio.create_task(one("head", Ticket(1), hold=True))]
+        await head_in.wait()
+        for name, prio in (("low-1", 2), ("low-2", 2)):
+            tasks.append(asyncio.create_task(one(name, Ticket(prio))))
+            await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(one("high", Ticket(0))))   # full: low-2 (the lowest, latest) makes room
+        await asyncio.sleep(0.01)
+        tasks.append(asyncio.create_task(one("same", Ticket(2))))   # full, and outranks nobody: refused
+        await asyncio.sleep(0.01)
+        release.set()
+        await asyncio.gather(*tasks)
+        return outcome
+    assert asyncio.run(run()) == {"head": "admitted", "low-1": "admitted", "low-2": "RESOURCE_EXHAUSTED",
+                                  "high": "admitted", "same": "RESOURCE_EXHAUSTED"}
