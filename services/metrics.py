@@ -205,6 +205,10 @@ class RouterMetrics(_Metrics):
             "time_per_output_token_seconds", "Per request: (e2e - TTFT) / (output tokens - 1), requests of 2+ tokens")
         self.e2e_request_latency_seconds = self.histogram("e2e_request_latency_seconds", "Request latency")
         self.migrations = self.counter("request_migrations", "Requests moved to another worker after a fault")
+        self.slo_rejected = self.counter("request_slo_rejected", "Requests refused at arrival: predicted to miss "
+                                         "their TTFT target (--slo-admission)")
+        self.slo_shed = self.counter("request_slo_shed", "Requests shed while queued: their TTFT target passed "
+                                     "(--slo-admission)")
         self.prefix_waits = self.counter("router_prefix_waits", "Requests that waited for their prefix to be computed "
                                          "or received on their worker by another request routed there before")
         self._prefill_routes = Counter("pdserve:prefill_route", "Requests by where their prompt was prefilled: "

@@ -29,6 +29,7 @@ from services.api.request_front import FrontRequest, Prompt, RequestFront, Valid
 from services.security import Credentials, api_key_interceptor
 from services.router.config import RouterConfig
 from services.router.membership import SERVICE_PREFIX as MEMBERSHIP_PREFIX, MembershipServicer, MembershipSettings
+from services.router.slo import ServiceClass
 from services.router.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             remaining = context.time_remaining()   # the client's deadline, if it set one
             deadline = time.monotonic() + remaining if remaining is not None else None
             async for chunk, gen in self.generator.generate(parsed.request_id, parsed.prompt, parsed.params,
-                                                            deadline):
+                                                            deadline, parsed.service):
                 now = time.perf_counter()
                 if chunk.token_ids:
                     self.observe_tokens(gen, len(chunk.token_ids), now)
@@ -161,7 +162,15 @@ def front_request(request: router_pb2.GenerateRequest, front: RequestFront) -> F
     prompt = None if which is None else Prompt(text=request.text) if which == "text" else \
         Prompt(token_ids=request.token_ids.ids)   # the repeated field itself: measured before it is copied
     skip = msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
-    return FrontRequest(rid, params_from_proto(msg), prompt, skip_special_tokens=skip)
+    return FrontRequest(rid, params_from_proto(msg), prompt, skip_special_tokens=skip, service=service_class(request))
+
+
+def service_class(request: router_pb2.GenerateRequest) -> ServiceClass:
+    """The request's scheduling class; InvalidRequest naming the field when one is out of range."""
+    try:
+        return ServiceClass(request.priority, request.user, request.slo_ttft_ms or None, request.slo_tpot_ms or None)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), str(exc).split(" ", 1)[0]) from None
 
 
 def timings(gen: Generation, now: float) -> router_pb2.Timings:

@@ -22,6 +22,7 @@ from engine import SamplingParams
 from engine.sampling_params import MAX_LOGPROBS
 from services.router.errors import RouterError
 from services.api.request_limits import InvalidRequest, RequestLimits, check_count, utf8_size
+from services.router.slo import ServiceClass
 from services.api.request_front import FrontRequest, Prompt, field_of_message
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,7 @@ class ParsedBody:
     chat: bool = False
     messages: list[dict] = field(default_factory=list)
     add_generation_prompt: bool = True
+    service: ServiceClass = field(default_factory=ServiceClass)
 
 
 def _stop_strings(body: dict, limits: RequestLimits) -> list[str]:
@@ -315,11 +317,10 @@ def _parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimit
     options = _field(body, "stream_options", dict)
     if options is not None and not stream:
         raise HTTPError(400, "stream_options is only allowed with stream=true", "stream_options")
-    _field(body, "user", str)
     parsed = ParsedBody(prompts=[], params=params, n=n, stop=_stop_strings(body, limits), stream=stream,
                         include_usage=bool(options and options.get("include_usage")),
                         skip_special_tokens=_field(body, "skip_special_tokens", bool, True), model=model,
-                        max_tokens_given=max_tokens is not None, chat=chat)
+                        max_tokens_given=max_tokens is not None, chat=chat, service=_service_class(body))
     if chat:
         _choices_limit(1, n, limits)
         parsed.messages = _chat_messages(body, limits)
@@ -329,11 +330,23 @@ def _parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimit
     return parsed
 
 
+def _service_class(body: dict) -> ServiceClass:
+    """vLLM's `priority` (lower first), OpenAI's `user` (the fair-share key), and pdserve's latency
+    targets `slo_ttft_ms` / `slo_tpot_ms` (services/router/slo.py)."""
+    values = (_field(body, "priority", int, 0), _field(body, "user", str, ""), _field(body, "slo_ttft_ms", float),
+              _field(body, "slo_tpot_ms", float))
+    try:
+        return ServiceClass(*values)
+    except ValueError as exc:
+        name = str(exc).split(" ", 1)[0]
+        raise HTTPError(400, str(exc), name) from None
+
+
 def front_requests(parsed: ParsedBody, request_id: str) -> list[FrontRequest]:
     """The body's prompts (a chat: its messages) in the request front's terms, one per prompt."""
     def one(prompt: Prompt | None = None, messages: list[dict] | None = None) -> FrontRequest:
         return FrontRequest(request_id, parsed.params, prompt, messages, parsed.add_generation_prompt,
-                            parsed.max_tokens_given, parsed.skip_special_tokens)
+                            parsed.max_tokens_given, parsed.skip_special_tokens, parsed.service)
     if parsed.chat:
         return [one(messages=parsed.messages)]
     return [one(prompt) for prompt in parsed.prompts]

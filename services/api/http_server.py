@@ -53,7 +53,7 @@ import logging
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
 import uvicorn
@@ -64,6 +64,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engine import SamplingParams
 from services.api.detokenizer import IncrementalDetokenizer
 from services.router.errors import RouterError
+from services.router.slo import ServiceClass
 from services.api.http_connections import OPEN_PATHS, BoundedHttpToolsProtocol, RequestGuard
 from services.api.http_stream import (SSE_DONE, ClientGone, SSEResponse, cancel_all, gather_or_cancel, sse_event,
                                   until_disconnect)
@@ -97,6 +98,7 @@ class Choice:
     prompt: list[int]
     params: SamplingParams
     first_of_prompt: bool      # counts the prompt's tokens in usage (once per prompt, not per n)
+    service: ServiceClass = field(default_factory=ServiceClass)
 
 
 # ---- the app -------------------------------------------------------------------------------
@@ -231,7 +233,7 @@ class OpenAIServer:
                 if p.seed is not None:
                     p.seed = (p.seed + i) % 2**63
                 k = p_index * parsed.n + i
-                choices.append(Choice(k, f"{base}-{k}", ready.prompt, p, i == 0))
+                choices.append(Choice(k, f"{base}-{k}", ready.prompt, p, i == 0, ready.service))
         return choices
 
     def _logprobs(self, parsed: ParsedBody, d: Delta, text_offset: int = 0) -> dict | None:
@@ -269,7 +271,8 @@ class OpenAIServer:
         completion = 0
         servicer.metrics.num_requests_running.inc()
         finished = False
-        gen_iter = servicer.generator.generate(choice.request_id, choice.prompt, choice.params)
+        gen_iter = servicer.generator.generate(choice.request_id, choice.prompt, choice.params,
+                                               service=choice.service)
         try:
             async with contextlib.aclosing(gen_iter):
                 async for chunk, gen in gen_iter:

@@ -23,6 +23,7 @@ import jinja2
 from engine import SamplingParams
 from engine.validation import validate_request
 from services.api.request_limits import InvalidRequest, RequestLimits, check_count, utf8_size
+from services.router.slo import ServiceClass
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +63,18 @@ class FrontRequest:
     add_generation_prompt: bool = True
     max_tokens_given: bool = True
     skip_special_tokens: bool = True
+    service: ServiceClass = dataclasses.field(default_factory=ServiceClass)
 
 
 @dataclass(slots=True)
 class ValidatedRequest:
-    """Ready for Generator.generate(request_id, prompt, params)."""
+    """Ready for Generator.generate(request_id, prompt, params, service=service)."""
 
     request_id: str
     prompt: list[int]
     params: SamplingParams
     skip_special_tokens: bool = True
+    service: ServiceClass = dataclasses.field(default_factory=ServiceClass)
 
 
 class RequestFront:
@@ -112,7 +115,7 @@ class RequestFront:
         except ValueError as exc:
             msg = str(exc)
             raise InvalidRequest(msg, field_of_message(msg) or ("messages" if chat else None)) from None
-        return ValidatedRequest(request.request_id, ids, params, request.skip_special_tokens)
+        return ValidatedRequest(request.request_id, ids, params, request.skip_special_tokens, request.service)
 
     async def prompt_ids(self, prompt: Prompt) -> list[int]:
         if prompt.token_ids is not None:

@@ -2,10 +2,12 @@
 hold state, its timing breakdown, and the chunks it streams to the client."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine import SamplingParams
 from pdserve.v1 import common_pb2
+from services.router.slo import ServiceClass
 from services.router.worker_pool import WorkerHandle
 
 
@@ -51,6 +53,8 @@ class Generation:
     failed: set[str] = field(default_factory=set)              # workers it left after a fault
     aborted: bool = False
     deadline: float | None = None      # the client's own deadline (monotonic), when it gave one
+    service: ServiceClass = field(default_factory=ServiceClass)   # its priority, client and latency targets
+    arrived: float = field(default_factory=time.monotonic)
 
     @property
     def worker_request_id(self) -> str:

@@ -31,6 +31,7 @@ from services.router.route_colocated import colocated
 from services.router.route_context import RouteContext
 from services.router.route_disaggregated import DisaggregatedRoute
 from services.router.placement import DISAGGREGATION_MODES, ROUTING_POLICIES, Placement
+from services.router.slo import MAX_TARGET_MS, ServiceClass, SloPolicy
 from services.router.worker_pool import WorkerHandle, WorkerPool
 
 
@@ -64,6 +65,16 @@ class GenerationOptions:
              "worker's extra decode load costs more than computing the prefix again)")
     kv_index_max_keys: int = setting(DEFAULT_MAX_KEYS, "kv-aware routing: prefix-cache keys remembered per worker "
                                                        "(least recently seen dropped)")
+    slo_admission: bool = setting(False, "admit by prediction: refuse at once (429 / RESOURCE_EXHAUSTED, with a "
+                                         "retry hint) a request predicted to miss its TTFT target, offer a decode "
+                                         "worker only requests that keep every TPOT target there, and shed a "
+                                         "request still queued past its TTFT target")
+    slo_ttft_ms: float = setting(0.0, "the deployment's time-to-first-token target in ms (0: none); a request's "
+                                      "own (slo_ttft_ms) wins")
+    slo_tpot_ms: float = setting(0.0, "the deployment's time-per-output-token target in ms (0: none); a request's "
+                                      "own (slo_tpot_ms) wins")
+    slo_shed: bool = setting(True, "with --slo-admission: shed a request still waiting for decode capacity once its "
+                                   "TTFT target has passed, rather than serve it late")
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
@@ -76,6 +87,9 @@ class GenerationOptions:
             raise ValueError(f"cache_affinity_weight must be >= 0, got {self.cache_affinity_weight}")
         if self.kv_index_max_keys < 1:
             raise ValueError(f"kv_index_max_keys must be >= 1, got {self.kv_index_max_keys}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            if not 0 <= getattr(self, name) <= MAX_TARGET_MS:
+                raise ValueError(f"{name} must be in [0, {MAX_TARGET_MS:g}] ms, got {getattr(self, name)}")
         for name in ("migration_limit", "max_queued_requests", "kv_lease_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -95,17 +109,21 @@ class Generator:
         self.placement = Placement(pool, options.routing, options.disaggregation, costs, self._tokens_left)
         self.active: dict[str, Generation] = {}
         self.routes = RouteContext(pool, options, metrics, self.placement, self.admission,
-                                   WorkerWatch(pool, options.stall_timeout_s, options.worker_wait_s))
+                                   WorkerWatch(pool, options.stall_timeout_s, options.worker_wait_s),
+                                   SloPolicy(options.slo_admission, options.slo_ttft_ms, options.slo_tpot_ms,
+                                             options.slo_shed), self._tpot_targets)
         self.migration = MigrationLoop(options.migration_limit, metrics)
         self._disaggregated = DisaggregatedRoute(self.routes)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       deadline: float | None = None) -> AsyncIterator[tuple[Chunk, Generation]]:
+                       deadline: float | None = None, service: ServiceClass = ServiceClass()
+                       ) -> AsyncIterator[tuple[Chunk, Generation]]:
         """Chunks of new tokens; the last has a finish_reason. Raises RouterError. deadline: the
-        client's (time.monotonic()), which bounds its wait for a restarting worker."""
+        client's (time.monotonic()), which bounds its wait for a restarting worker; service: its
+        priority, client and latency targets (services/router/slo.py)."""
         if request_id in self.active:
             raise RouterError("INVALID_ARGUMENT", f"request_id {request_id!r} is already in flight")
-        gen = Generation(request_id, prompt, params, Timing(time.perf_counter()), deadline=deadline)
+        gen = Generation(request_id, prompt, params, Timing(time.perf_counter()), deadline=deadline, service=service)
         self.active[request_id] = gen
         try:
             async with contextlib.aclosing(self.migration.run(gen, self._attempt, self.routes.release)) as chunks:
@@ -126,6 +144,12 @@ class Generator:
 
     def _attempt(self, gen: Generation) -> AsyncIterator[Chunk]:
         return colocated(self.routes, gen) if self.pool.colocated else self._disaggregated(gen)
+
+    def _tpot_targets(self, worker: WorkerHandle) -> list[float]:
+        """The TPOT targets of the requests this router has on worker now."""
+        slo = self.routes.slo
+        return [t for gen in self.active.values() if worker in gen.workers
+                if (t := slo.tpot_target_ms(gen.service)) is not None]
 
     def _tokens_left(self, worker: WorkerHandle) -> list[int]:
         """Output tokens still to come of each request placed on worker (routing's decode load)."""

@@ -21,6 +21,7 @@ async def colocated(ctx: RouteContext, gen: Generation) -> AsyncIterator[Chunk]:
     if sum(w.status.num_waiting for w in ctx.pool.healthy("both") if w.status) > ctx.options.max_queued_requests:
         raise ctx.admission.full_error()
     keys = ctx.keys(gen)
+    ctx.admit_by_prediction(gen, keys)   # --slo-admission: refused now rather than late
     route = await ctx.watch.pick(gen, lambda: ctx.best_route(gen, keys))
     if ctx.prefix_in_flight(route, keys):
         ctx.metrics.prefix_waits.inc()

@@ -7,18 +7,19 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 
 from pdserve.v1 import common_pb2, worker_pb2
 from services.router.admission import AdmissionQueue
-from services.router.errors import WorkerFailure
+from services.router.errors import RouterError, WorkerFailure
 from services.router.generation_state import Chunk, Generation
 from services.router.prefix_index import request_keys
 from services.metrics import RouterMetrics
 from services.router.migration import WorkerWatch
 from services.router.placement import Placement, Route
+from services.router.slo import SloPolicy, predicted_wait_ms, retry_after_s, step_ms_with_one_more
 from services.router.worker_pool import NoWorker, WorkerHandle, WorkerPool
 
 if TYPE_CHECKING:
@@ -37,6 +38,8 @@ class RouteContext:
     placement: Placement
     admission: AdmissionQueue
     watch: WorkerWatch
+    slo: SloPolicy = field(default_factory=SloPolicy)
+    tpot_targets: Callable[[WorkerHandle], list[float]] = lambda worker: []   # of the requests on a worker
     _background: set[asyncio.Task] = field(default_factory=set, repr=False)   # prefill followers, aborts
 
     def keys(self, gen: Generation) -> list[int]:
@@ -47,6 +50,51 @@ class RouteContext:
 
     def best_route(self, gen: Generation, keys: list[int]) -> Route:
         return self.placement.decode_routes(keys, gen.n_tokens, gen.params.max_tokens, gen.failed)[0]
+
+    # ---- SLO admission (services/router/slo.py) -------------------------------------------
+    def predicted_ttft_ms(self, gen: Generation, keys: list[int]) -> float:
+        """The request's TTFT if it arrived now: its wait in the admission queue (disaggregated),
+        then the best route's estimate (the prefill worker's queue and compute, the transfer)."""
+        route = self.best_route(gen, keys)
+        if self.pool.colocated:
+            worker = route.decode
+            return self.placement.costs.prefill_ms(self.placement.step_cost(worker), self.placement.load(worker),
+                                                   self.placement.uncached(worker, keys, gen.n_tokens))
+        wait = predicted_wait_ms(self.admission.ahead_of(gen.service.ticket), self.admission.admission_rate())
+        return wait + (route.local_ms if route.local else route.remote_ms)
+
+    def admit_by_prediction(self, gen: Generation, keys: list[int]) -> None:
+        """Refuse at once a new request predicted to miss its TTFT target (RouterError with a retry
+        hint of the predicted excess); a migrating one, or one without a target, goes on."""
+        target = self.slo.ttft_target_ms(gen.service)
+        if not self.slo.admission or target is None or gen.generated or gen.timing.migrations:
+            return
+        try:
+            predicted = self.predicted_ttft_ms(gen, keys)
+        except NoWorker:
+            return   # no worker to predict with: it waits for one as any request does
+        if predicted > target:
+            self.metrics.slo_rejected.inc()
+            raise RouterError("RESOURCE_EXHAUSTED", f"would miss its TTFT target: predicted {predicted:.0f} ms > "
+                              f"{target:g} ms; retry later", retry_after_s=retry_after_s(predicted - target))
+
+    def ttft_deadline(self, gen: Generation) -> float | None:
+        """When (monotonic) a request still waiting for capacity is shed: its TTFT target passed."""
+        target = self.slo.ttft_target_ms(gen.service)
+        if not (self.slo.admission and self.slo.shed_late) or target is None or gen.generated:
+            return None
+        return gen.arrived + target / 1e3
+
+    def keeps_tpot(self, gen: Generation, worker: WorkerHandle) -> bool:
+        """Whether one more sequence on worker keeps the tightest TPOT target of this request and of
+        those already there (by the worker's learned step costs)."""
+        if not self.slo.admission:
+            return True
+        targets = [t for t in (self.slo.tpot_target_ms(gen.service), *self.tpot_targets(worker)) if t is not None]
+        if not targets:
+            return True
+        cost, load = self.placement.step_cost(worker), self.placement.load(worker)
+        return step_ms_with_one_more(cost.base_ms, cost.ms_per_seq, load.running) <= min(targets)
 
     def prefix_in_flight(self, route: Route, keys: list[int]) -> bool:
         """The route's worker has this prompt's prefix only in flight: an earlier request routed

@@ -47,6 +47,7 @@ class DisaggregatedRoute:
         if not ctx.placement.conditional:   # conditional: with no prefill worker it prefills locally
             await ctx.watch.await_role(gen, "prefill")
         keys = ctx.keys(gen)
+        ctx.admit_by_prediction(gen, keys)   # --slo-admission: refused now rather than late
         loop = asyncio.get_running_loop()
         wait_until = None   # for a prefix in flight on the chosen worker: at most the stall timeout
         while True:
@@ -184,16 +185,26 @@ class DisaggregatedRoute:
                                             lease_ms=ctx.options.kv_lease_ms)
         now = time.monotonic()
         deadline, own = own_deadline(gen, now + ctx.options.queue_timeout_s)   # the client's deadline bounds the queue too
+        shed_at = ctx.ttft_deadline(gen)   # --slo-admission: shed once its TTFT target has passed
+        shedding = shed_at is not None and shed_at < deadline
+        if shedding:
+            deadline = shed_at
         t0 = time.perf_counter()
         # A deadline already inside the margin still gets one try at placement (no wait).
         deadline = max(deadline, now + MIN_TURN_S)
         try:
-            async with ctx.admission.turn(deadline - now):
+            async with ctx.admission.turn(deadline - now, gen.service.ticket):
                 return await self._place(gen, request, keys, wait_for_prefix, deadline, t0)
         except RouterError as exc:   # it waited behind a request waiting for a restarting role: say so
             role = "both" if ctx.pool.colocated else "decode"
             if exc.code == "RESOURCE_EXHAUSTED" and ctx.pool.outage_started(role) is not None:
                 raise ctx.watch.outage_error(NoWorker(role), own) from None
+            if exc.code == "RESOURCE_EXHAUSTED" and shedding and time.monotonic() >= shed_at:
+                ctx.metrics.slo_shed.inc()
+                waited = (time.monotonic() - gen.arrived) * 1e3
+                raise RouterError("RESOURCE_EXHAUSTED", f"shed: waited {waited:.0f} ms for decode capacity, past its "
+                                  f"TTFT target of {ctx.slo.ttft_target_ms(gen.service):g} ms; retry later",
+                                  retry_after_s=exc.retry_after_s) from None
             raise
 
     async def _place(self, gen: Generation, request: worker_pb2.ReserveRequest, keys: list[int],
@@ -208,6 +219,8 @@ class DisaggregatedRoute:
                 bs = worker.status.block_size if worker.status and worker.status.block_size else 1
                 if worker.status is not None and worker.free_blocks < -(-n_tokens // bs):
                     continue   # cannot fit: do not ask
+                if not ctx.keeps_tpot(gen, worker):
+                    continue   # one more sequence there would push a TPOT target past its limit
                 if wait_for_prefix and ctx.prefix_in_flight(route, keys):
                     return None
                 routed_at = time.perf_counter()

@@ -1,0 +1,58 @@
+"""A request's scheduling class and the SLO policy's arithmetic (services/router/slo.py), and the
+doors' mapping of bad scheduling fields to a clear error. Over real processes:
+tests/e2e/test_slo_admission.py."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdserve.v1 import router_pb2
+from services.api.grpc_router import service_class
+from services.api.http_request import HTTPError, _service_class
+from services.api.request_limits import InvalidRequest
+from services.router.admission import Ticket
+from services.router.slo import (MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, ServiceClass, SloPolicy, predicted_wait_ms,
+                                 retry_after_s, step_ms_with_one_more)
+
+
+def test_a_service_class_is_checked_and_gives_its_ticket() -> None:
+    service = ServiceClass(priority=-3, client="alice", ttft_ms=500.0, tpot_ms=60)
+    assert service.ticket == Ticket(-3, "alice")
+    for kwargs, field in ((dict(priority=2 ** 31), "priority"), (dict(priority=True), "priority"),
+                          (dict(client="x" * 257), "user"), (dict(ttft_ms=0.0), "slo_ttft_ms"),
+                          (dict(tpot_ms=float("nan")), "slo_tpot_ms"), (dict(ttft_ms=1e9), "slo_ttft_ms")):
+        with pytest.raises(ValueError, match=field):
+            ServiceClass(**kwargs)
+
+
+def test_the_policy_takes_a_requests_own_targets_before_the_deployments() -> None:
+    policy = SloPolicy(admission=True, ttft_ms=500.0, tpot_ms=0.0)
+    assert policy.ttft_target_ms(ServiceClass()) == 500.0
+    assert policy.ttft_target_ms(ServiceClass(ttft_ms=200.0)) == 200.0
+    assert policy.tpot_target_ms(ServiceClass()) is None
+    assert policy.tpot_target_ms(ServiceClass(tpot_ms=40.0)) == 40.0
+
+
+def test_predictions_and_retry_hints() -> None:
+    assert predicted_wait_ms(0, 10.0) == 0.0
+    assert predicted_wait_ms(5, 0.0) == 0.0               # no admission seen yet: unknown, not infinite
+    assert predicted_wait_ms(5, 10.0) == pytest.approx(500.0)
+    assert retry_after_s(30.0) == MIN_RETRY_AFTER_S
+    assert retry_after_s(2500.0) == pytest.approx(2.5)
+    assert retry_after_s(math.inf) == MAX_RETRY_AFTER_S
+    assert step_ms_with_one_more(base_ms=5.0, ms_per_seq=0.5, running=9) == pytest.approx(10.0)
+
+
+def test_both_doors_refuse_bad_scheduling_fields_naming_them() -> None:
+    assert service_class(router_pb2.GenerateRequest(priority=2, user="bob", slo_ttft_ms=300)) == \
+        ServiceClass(2, "bob", 300.0, None)
+    with pytest.raises(InvalidRequest) as err:
+        service_class(router_pb2.GenerateRequest(slo_tpot_ms=-5))
+    assert err.value.field == "slo_tpot_ms"
+    assert _service_class({"priority": 1, "user": "u", "slo_ttft_ms": 250}) == ServiceClass(1, "u", 250.0, None)
+    for body, field in (({"priority": "high"}, "priority"), ({"priority": 1.5}, "priority"),
+                        ({"slo_ttft_ms": -1}, "slo_ttft_ms"), ({"user": 7}, "user")):
+        with pytest.raises(HTTPError) as http:
+            _service_class(body)
+        assert http.value.status == 400 and field in str(http.value), body
