@@ -101,6 +101,34 @@ class _Metrics:
             setattr(self, attr, self._child(family))
 
 
+KV_TIER_COUNTERS = {"kv_host_hits": "Prefix blocks served from the host-RAM KV tier",
+                    "kv_disk_hits": "Prefix blocks served from the disk KV tier",
+                    "kv_offloaded_blocks": "Computed blocks the pool evicted into the KV tiers",
+                    "kv_disk_writes": "Block files written to the disk KV tier",
+                    "kv_tier_refused": "Tier blocks refused (corrupt, truncated, another model's)",
+                    "kv_tier_dropped_writes": "Disk tier writes dropped (the write queue was full)",
+                    "kv_tier_write_errors": "Disk tier writes that failed (full disk, I/O error)"}
+KV_TIER_GAUGES = {"kv_host_blocks": "Blocks held in the host-RAM KV tier", "kv_host_bytes": "Bytes held there",
+                  "kv_disk_blocks": "Blocks held in the disk KV tier", "kv_disk_bytes": "Bytes held there"}
+
+
+class KVTierCollector:
+    """The engine's KV tier stats as Prometheus samples, read at scrape time."""
+
+    def __init__(self, engine: "LLMEngine", labels) -> None:
+        self.engine, self.labels = engine, labels
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        stats = self.engine.kv_tiers.stats()
+        values = self.labels()
+        for kinds, family in ((KV_TIER_COUNTERS, CounterMetricFamily), (KV_TIER_GAUGES, GaugeMetricFamily)):
+            for key, doc in kinds.items():
+                metric = family(f"pdserve:{key}", doc, labels=LABELS)
+                metric.add_metric(values, stats[key])
+                yield metric
+
+
 class WorkerMetrics(_Metrics):
     """Engine-side metrics: counters and histograms from the engine thread after every step,
     gauges read from the engine when scraped (see ``attach``)."""
@@ -131,6 +159,7 @@ class WorkerMetrics(_Metrics):
             "time is serving around the engine: RPCs, token delivery, KV receive)")
         self._last = {"queries": 0, "hits": 0, "preemptions": 0}
         self._engine: "LLMEngine | None" = None
+        self._tiers_watched = False
 
     def attach(self, engine: "LLMEngine") -> None:
         """Read the gauges from engine whenever scraped: admission, cancel, abort and finish show
@@ -140,6 +169,16 @@ class WorkerMetrics(_Metrics):
         self.num_requests_waiting.set_function(lambda: len(sched.waiting))
         self.kv_cache_usage_perc.set_function(bm.usage)
         self._engine = engine
+        self.watch_kv_tiers(engine)
+
+    def watch_kv_tiers(self, engine: "LLMEngine") -> None:
+        """Publish the engine's KV tier figures (engine/kv_tiers.py), read when scraped: hits per
+        tier, blocks offloaded, refused, writes dropped or failed (counters), blocks and bytes held
+        per tier (gauges). Nothing is published without tiers."""
+        if engine.kv_tiers is None or self._tiers_watched:
+            return
+        self._tiers_watched = True
+        self.registry.register(KVTierCollector(engine, lambda: [self.labels[name] for name in LABELS]))
 
     def set_role(self, role: str) -> None:
         """The worker switched roles: later samples carry the new role label (``relabel``); the
