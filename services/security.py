@@ -382,9 +382,9 @@ def api_key_interceptor(api_key: str, exempt: tuple[str, ...] = ()) -> SecretInt
     return SecretInterceptor(API_KEY_HEADER, api_key, scheme="Bearer", exempt=exempt)
 
 
-_MAKE = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+MAKE_HANDLER = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
          (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-_BEHAVIOR = {(False, False): "unary_unary", (False, True): "unary_stream", (True, False): "stream_unary",
+HANDLER_BEHAVIOR = {(False, False): "unary_unary", (False, True): "unary_stream", (True, False): "stream_unary",
              (True, True): "stream_stream"}
 
 
@@ -401,7 +401,7 @@ def _refusing(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMe
         yield  # pragma: no cover - makes this an async generator
 
     kind = (handler.request_streaming, handler.response_streaming)
-    return _MAKE[kind](streaming if kind[1] else unary, request_deserializer=None, response_serializer=None)
+    return MAKE_HANDLER[kind](streaming if kind[1] else unary, request_deserializer=None, response_serializer=None)
 
 
 def _proving(handler: grpc.RpcMethodHandler | None, metadata: tuple[tuple[str, str], ...]
@@ -412,7 +412,7 @@ def _proving(handler: grpc.RpcMethodHandler | None, metadata: tuple[tuple[str, s
     if handler is None:
         return None
     kind = (handler.request_streaming, handler.response_streaming)
-    behavior = getattr(handler, _BEHAVIOR[kind])
+    behavior = getattr(handler, HANDLER_BEHAVIOR[kind])
 
     if inspect.isasyncgenfunction(behavior):
         async def wrapped(request, context):
@@ -427,7 +427,7 @@ def _proving(handler: grpc.RpcMethodHandler | None, metadata: tuple[tuple[str, s
             result = behavior(request, context)
             return await result if inspect.isawaitable(result) else result
 
-    return _MAKE[kind](wrapped, request_deserializer=handler.request_deserializer,
+    return MAKE_HANDLER[kind](wrapped, request_deserializer=handler.request_deserializer,
                        response_serializer=handler.response_serializer)
 
 

@@ -26,6 +26,7 @@ from services.router.generation_state import Generation
 from services.metrics import RouterMetrics
 from services.api.request_limits import InvalidRequest, RequestLimits
 from services.api.request_front import FrontRequest, Prompt, RequestFront, ValidatedRequest
+from services import tracing
 from services.security import Credentials, api_key_interceptor
 from services.router.config import RouterConfig
 from services.router.membership import SERVICE_PREFIX as MEMBERSHIP_PREFIX, MembershipServicer, MembershipSettings
@@ -209,6 +210,7 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
 
     credentials = credentials or Credentials()
     check_port_free(host, port)
+    tracing.configure("pdserve-router", options.config.otlp_endpoint)
     gen_options = options.generation
     pool = WorkerPool(options.prefill, options.decode, options.colocated, credentials, resolver=resolver,
                       watch_kv=gen_options.routing == "kv-aware", kv_index_max_keys=gen_options.kv_index_max_keys,
@@ -264,6 +266,7 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
     finally:
         await membership.close()
         await pool.close()
+        tracing.shutdown()
 
 
 def served_model_names(config: RouterConfig, model: str) -> tuple[str, ...]:

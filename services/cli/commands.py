@@ -15,8 +15,8 @@ from engine.config import EngineConfig
 from engine.settings import ENV
 from services.cli.parser import CLIParser, add_engine_args, add_model_arg, add_router_args, model_dir, router_argv
 from services.cli.config_flags import add_config_args, config_from_args, config_to_argv, field_default, given
-from services.deployment.topology import (DEFAULT_HOST, ENGINE_FIXED, PER_WORKER, ROUTER_PORT, SERVE_HTTP_PORT,
-                                         UP_OWN, UP_PER_PROCESS, WORKER_THREADS)
+from services.deployment.topology import (DEFAULT_HOST, ENGINE_FIXED, PER_WORKER, ROLES_SHARED, ROUTER_PORT,
+                                         SERVE_HTTP_PORT, UP_OWN, UP_PER_PROCESS, WORKER_THREADS)
 from services.cli.usage_errors import EXIT_USAGE, RuntimeFailure, UsageError, configure_logging, parse_log_level
 
 # Importing this module, and `pdserve --help` or `pdserve generate --router`, must not import torch
@@ -418,7 +418,7 @@ def _add_up_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     dep_exclude = ("model", "port") if serve else ("model",)
     add_config_args(p.add_argument_group("deployment"), Deployment, exclude=dep_exclude)
     add_config_args(p.add_argument_group("engine"), EngineConfig, exclude=(*ENGINE_FIXED, *UP_PER_PROCESS))
-    add_config_args(p.add_argument_group("workers"), WorkerConfig, exclude=(*UP_OWN, *PER_WORKER))
+    add_config_args(p.add_argument_group("workers"), WorkerConfig, exclude=(*UP_OWN, *PER_WORKER, *ROLES_SHARED))
     add_router_args(p, exclude=(*UP_OWN, "http_port") if serve else UP_OWN)
     _add_security_args(p, router=True, binds=True)
     p.set_defaults(func=cmd_up)

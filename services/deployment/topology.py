@@ -25,6 +25,7 @@ ENGINE_FIXED = ("model", "role")  # EngineConfig fields set by --model and the s
 UP_PER_PROCESS = ("num_threads",)  # set by `up` per worker (threads_per_worker), not forwarded as given
 UP_OWN = ("drain_timeout_s",)     # set by `up` on every child from its Deployment
 PER_WORKER = ("kv_advertise_address", "router", "advertise_address")   # one worker's own: never flags of `up`
+ROLES_SHARED = ("otlp_endpoint",)   # declared by the router's and the workers' configs: one flag of `up` sets both
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,12 @@ class Topology:
 def drain_timeout_setting() -> Any:
     """The drain-time field every role's config declares (one default, one help text)."""
     return setting(DRAIN_TIMEOUT_S, "on SIGTERM, in-flight requests get this long to finish")
+
+
+def otlp_endpoint_setting() -> Any:
+    """The tracing field every role's config declares (one default, one help text)."""
+    return setting(None, "export OpenTelemetry spans of every request to the OTLP/gRPC collector at HOST:PORT "
+                         "(plaintext; needs pdserve[tracing]); none: no tracing, at no cost", metavar="HOST:PORT")
 
 
 def role_argv(command: str, *configs: Any, exclude: tuple[str, ...] = (), **flags: Any) -> list[str]:

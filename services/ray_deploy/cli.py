@@ -6,7 +6,7 @@ import json
 import sys
 
 from services.cli.parser import add_engine_args, add_router_args, model_dir, router_argv
-from services.deployment.topology import ENGINE_FIXED, PER_WORKER, UP_OWN
+from services.deployment.topology import ENGINE_FIXED, PER_WORKER, ROLES_SHARED, UP_OWN
 
 
 RAY_UP_FIXED = ("model", "name", "namespace")   # --model, and the flags every ray command has
@@ -36,7 +36,7 @@ def add_ray_parser(sub, parents: list[argparse.ArgumentParser] | tuple = ()) -> 
     up.add_argument("--if-exists", default="fail", choices=["fail", "keep", "replace"],
                     help="when the deployment exists: fail; keep it if its router is SERVING (else replace it); "
                          "replace it. `keep` makes `ray up` idempotent (the KubeRay submitter runs it in a loop)")
-    add_config_args(up.add_argument_group("workers"), WorkerConfig, exclude=PER_WORKER)
+    add_config_args(up.add_argument_group("workers"), WorkerConfig, exclude=(*PER_WORKER, *ROLES_SHARED))
     add_router_args(up, exclude=(*UP_OWN, "ready_timeout_s"))
     local = up.add_argument_group("--address local")
     local.add_argument("--local-num-cpus", type=float, default=None, metavar="N",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.settings import setting
-from services.deployment.topology import drain_timeout_setting
+from services.deployment.topology import drain_timeout_setting, otlp_endpoint_setting
 
 
 @dataclass(slots=True)
@@ -19,6 +19,7 @@ class RouterConfig:
         None, "model name(s) of the HTTP API, as vLLM's: the first is the one reported, every one is accepted; "
               "none: the --model argument as given (the default model: its directory's name). The checkpoint "
               "directory's name is accepted too", metavar="NAME")
+    otlp_endpoint: str | None = otlp_endpoint_setting()
     allowed_hosts: str | None = setting(None, "comma-separated Host names the HTTP API answers without an API key, "
                                               "besides localhost and IP addresses (DNS rebinding needs a name); "
                                               "'*': any")

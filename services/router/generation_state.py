@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine import SamplingParams
 from pdserve.v1 import common_pb2
@@ -55,6 +56,7 @@ class Generation:
     deadline: float | None = None      # the client's own deadline (monotonic), when it gave one
     service: ServiceClass = field(default_factory=ServiceClass)   # its priority, client and latency targets
     arrived: float = field(default_factory=time.monotonic)
+    trace: Any = None                  # its root span (services/tracing.py), None when tracing is off
 
     @property
     def worker_request_id(self) -> str:

@@ -20,6 +20,7 @@ from typing import AsyncIterator
 
 from engine import SamplingParams
 from engine.settings import setting
+from services import tracing
 from services.router.admission import AdmissionQueue
 from services.router.cost_model import CostModel
 from services.router.errors import RouterError
@@ -124,15 +125,24 @@ class Generator:
         if request_id in self.active:
             raise RouterError("INVALID_ARGUMENT", f"request_id {request_id!r} is already in flight")
         gen = Generation(request_id, prompt, params, Timing(time.perf_counter()), deadline=deadline, service=service)
+        gen.trace = tracing.start("pdserve.request", request_id=request_id, prompt_tokens=len(prompt),
+                                  max_tokens=params.max_tokens, priority=service.priority, user=service.client or None)
         self.active[request_id] = gen
+        finish, error = None, None
         try:
             async with contextlib.aclosing(self.migration.run(gen, self._attempt, self.routes.release)) as chunks:
                 async for chunk in chunks:
+                    finish = chunk.finish_reason or finish
                     yield chunk, gen
+        except RouterError as exc:
+            error = f"{exc.code}: {exc.message}"
+            raise
         finally:
             self.active.pop(request_id, None)
             if gen.workers:
                 await self.routes.release(gen)
+            tracing.end(gen.trace, error, finish_reason=finish, output_tokens=len(gen.generated),
+                        migrations=gen.timing.migrations, route=gen.timing.prefill_route or None)
 
     async def abort(self, request_id: str) -> bool:
         gen = self.active.get(request_id)

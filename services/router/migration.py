@@ -17,6 +17,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from services import tracing
 from services.router.errors import RouterError, WorkerFailure
 from services.router.generation_state import Chunk, Generation
 from services.metrics import RouterMetrics
@@ -135,6 +136,7 @@ class MigrationLoop:
             raise RouterError(fault.code, fault.client_message(),
                               detail=f"after {gen.timing.migrations} migration(s): {fault}") from None
         gen.timing.migrations += 1
+        tracing.event(gen.trace, "migration", cause=str(fault), attempt=gen.timing.migrations)
         if self.metrics is not None:
             self.metrics.migrations.inc()
         log.warning("request %s migrates (%d/%d) after %s", gen.request_id, gen.timing.migrations, self.limit, fault)

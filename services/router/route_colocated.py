@@ -9,6 +9,7 @@ import time
 from typing import AsyncIterator
 
 from pdserve.v1 import worker_pb2
+from services import tracing
 from services.proto_convert import params_to_proto
 from services.router.errors import WorkerFailure
 from services.router.generation_state import Chunk, Generation
@@ -48,7 +49,7 @@ async def on_one_worker(ctx: RouteContext, gen: Generation, worker: WorkerHandle
         queued.enter_context(ctx.pool.placed(worker, uncached, count=False))
         call = rpc(worker_pb2.GenerateLocalRequest(
             request_id=gen.worker_request_id, prompt_token_ids=gen.prompt, output_token_ids=gen.generated,
-            params=params_to_proto(gen.params)))
+            params=params_to_proto(gen.params)), metadata=tracing.metadata(gen.trace))
         async for event in ctx.watch.events(call, worker, gen):
             if event.HasField("progress"):   # queued or prefilling there: alive (the watchdog saw it)
                 continue

@@ -15,6 +15,7 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.v1 import worker_pb2
+from services import tracing
 from services.proto_convert import params_to_proto
 from services.router.errors import RouterError, WorkerFailure
 from services.router.generation_state import Chunk, Generation
@@ -92,7 +93,8 @@ class DisaggregatedRoute:
                     params=params_to_proto(gen.params),
                     target=worker_pb2.KVTarget(address=decode.kv_address, transfer_token=reservation.transfer_token,
                                                needed_block_indices=reservation.needed_block_indices,
-                                               data_address=reservation.data_address)))
+                                               data_address=reservation.data_address)),
+                    metadata=tracing.metadata(gen.trace))
                 first_token: asyncio.Future[worker_pb2.FirstToken] = asyncio.get_running_loop().create_future()
                 follow = ctx.spawn(self._follow_prefill(call, prefill, decode, gen, first_token))
                 try:
@@ -125,7 +127,7 @@ class DisaggregatedRoute:
         ctx = self.ctx
         call = decode.decode.Decode(worker_pb2.DecodeRequest(
             request_id=gen.worker_request_id, first_token_id=first_token_id,
-            kv_wait_ms=int(ctx.options.stall_timeout_s * 1e3)))
+            kv_wait_ms=int(ctx.options.stall_timeout_s * 1e3)), metadata=tracing.metadata(gen.trace))
         first_event = True
         async for event in ctx.watch.events(call, decode, gen):
             if first_event:
@@ -144,12 +146,19 @@ class DisaggregatedRoute:
         """The whole prefill stream: the sampled token resolves first_token, KVDelivered gives the
         exposed transfer time. A fault before the token fails first_token; one after it (the KV
         may be incomplete) is reported to the decode worker."""
+        hand_off = None   # the span of the KV hand-off's exposed part: first token to the last block's ack
         try:
             async for event in self.ctx.watch.events(call, prefill, gen):
                 if event.HasField("first_token") and not first_token.done():
                     first_token.set_result(event.first_token)
+                    hand_off = tracing.start("pdserve.kv_transfer", gen.trace, prefill_worker=prefill.address,
+                                             decode_worker=decode.address)
                 elif event.HasField("kv_delivered") and not gen.timing.kv_transfer_ms:
                     delivered = event.kv_delivered
+                    tracing.end(hand_off, blocks=delivered.blocks, bytes=delivered.bytes,
+                                wire_bytes=delivered.wire_bytes, codec=delivered.codec or None,
+                                exposed_ms=delivered.exposed_ms, streams=delivered.streams)
+                    hand_off = None
                     gen.timing.kv_transfer_ms = delivered.exposed_ms
                     gen.timing.kv_bytes += delivered.bytes
                     gen.timing.kv_wire_bytes += delivered.wire_bytes
@@ -159,18 +168,27 @@ class DisaggregatedRoute:
             if not first_token.done():
                 raise WorkerFailure(prefill.address, "UNAVAILABLE", "prefill ended without a token")
         except (WorkerFailure, RouterError) as exc:
-            if not first_token.done():
-                first_token.set_exception(exc)
-                return
-            # The KV may not all have arrived: if the decode worker still waits for blocks, it fails
-            # the reservation now (the decode call then fails and the request migrates); a request
-            # it already admitted is left alone.
-            log.info("prefill of %s ended after its token: %s", gen.request_id, exc)
-            try:
-                await decode.decode.FailTransfer(worker_pb2.FailTransferRequest(
-                    request_id=gen.worker_request_id, reason=str(exc)), timeout=RPC_TIMEOUT_S / 2)
-            except grpc.aio.AioRpcError as rpc:
-                log.info("FailTransfer of %s on %s: %s", gen.request_id, decode.address, rpc.code().name)
+            tracing.end(hand_off, f"{exc}")
+            hand_off = None
+            await self._after_prefill_fault(exc, decode, gen, first_token)
+        finally:
+            tracing.end(hand_off, "the prefill stream was cancelled")
+
+    async def _after_prefill_fault(self, exc: Exception, decode: WorkerHandle, gen: Generation,
+                                   first_token: asyncio.Future) -> None:
+        """A prefill fault: before the token, the attempt fails with it; after, the KV may be short."""
+        if not first_token.done():
+            first_token.set_exception(exc)
+            return
+        # The KV may not all have arrived: if the decode worker still waits for blocks, it fails
+        # the reservation now (the decode call then fails and the request migrates); a request
+        # it already admitted is left alone.
+        log.info("prefill of %s ended after its token: %s", gen.request_id, exc)
+        try:
+            await decode.decode.FailTransfer(worker_pb2.FailTransferRequest(
+                request_id=gen.worker_request_id, reason=str(exc)), timeout=RPC_TIMEOUT_S / 2)
+        except grpc.aio.AioRpcError as rpc:
+            log.info("FailTransfer of %s on %s: %s", gen.request_id, decode.address, rpc.code().name)
 
     # ---- placement ------------------------------------------------------------------------
     async def _reserve(self, gen: Generation, keys: list[int], wait_for_prefix: bool) -> Placed | None:
@@ -192,10 +210,14 @@ class DisaggregatedRoute:
         t0 = time.perf_counter()
         # A deadline already inside the margin still gets one try at placement (no wait).
         deadline = max(deadline, now + MIN_TURN_S)
+        span = tracing.start("pdserve.admission", gen.trace, queued=len(ctx.admission))
+        placed = error = None
         try:
             async with ctx.admission.turn(deadline - now, gen.service.ticket):
-                return await self._place(gen, request, keys, wait_for_prefix, deadline, t0)
+                placed = await self._place(gen, request, keys, wait_for_prefix, deadline, t0)
+                return placed
         except RouterError as exc:   # it waited behind a request waiting for a restarting role: say so
+            error = f"{exc.code}: {exc.message}"
             role = "both" if ctx.pool.colocated else "decode"
             if exc.code == "RESOURCE_EXHAUSTED" and ctx.pool.outage_started(role) is not None:
                 raise ctx.watch.outage_error(NoWorker(role), own) from None
@@ -206,6 +228,9 @@ class DisaggregatedRoute:
                                   f"TTFT target of {ctx.slo.ttft_target_ms(gen.service):g} ms; retry later",
                                   retry_after_s=exc.retry_after_s) from None
             raise
+        finally:
+            tracing.end(span, error, decode_worker=placed[0].address if placed else None,
+                        route=("local" if placed[1].local else "remote") if placed else None)
 
     async def _place(self, gen: Generation, request: worker_pb2.ReserveRequest, keys: list[int],
                      wait_for_prefix: bool, deadline: float, t0: float) -> Placed | None:
@@ -227,7 +252,8 @@ class DisaggregatedRoute:
                 response = None
                 if not route.local:
                     try:
-                        response = await worker.decode.Reserve(request, timeout=RPC_TIMEOUT_S)
+                        response = await worker.decode.Reserve(request, timeout=RPC_TIMEOUT_S,
+                                                               metadata=tracing.metadata(gen.trace))
                     except grpc.aio.AioRpcError as exc:
                         code = exc.code().name
                         error = refused(code, worker, exc.details())

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from engine.settings import setting
 from services.kv_transfer import shared_memory
-from services.deployment.topology import drain_timeout_setting
+from services.deployment.topology import drain_timeout_setting, otlp_endpoint_setting
 
 if TYPE_CHECKING:
     from engine.kv_connector import LeasePolicy
@@ -50,6 +50,7 @@ class WorkerConfig:
                                  choices=KV_DATA_PLANES)
     kv_data_port: int = setting(0, "decode: the TCP port of the KV data plane on --host (0: an ephemeral port, "
                                    "advertised to the router in each reservation)")
+    otlp_endpoint: str | None = otlp_endpoint_setting()
     router: str = setting("", "join the router at HOST:PORT (its membership API, with the cluster token) and stay "
                               "a member while running: it routes to this worker once healthy, and drains it "
                               "before removing it (`pdserve workers`); a restarted router gets it back",

@@ -20,6 +20,7 @@ from engine import EngineConfig
 from pdserve.v1 import common_pb2, membership_pb2, worker_pb2, worker_pb2_grpc
 from services.workers.async_engine import AsyncEngine
 from services.kv_transfer import KVSender, register_kv_servicer
+from services import tracing
 from services.security import Credentials
 from services.grpc_setup import Server, service_registration, start_server, stop_on_signals
 from services.workers.config import WorkerConfig
@@ -226,8 +227,10 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
     sides.handler(config.role)   # the starting role's side now (its KV data listener, senders)
     info = WorkerInfoServicer(aengine, worker_id, state, options.kv_address or options.config.kv_advertise_address,
                               sides=sides, metrics=metrics)
+    tracing.configure(f"pdserve-{config.role}", options.config.otlp_endpoint, worker_id)
     server = await start_server(role_registrations(info, sides, options), options.host, options.port,
-                                interceptors=options.credentials.server_interceptors(),
+                                interceptors=[*options.credentials.server_interceptors(),
+                                              *tracing.server_interceptors()],
                                 credentials=options.credentials.server_credentials())
     metrics_note = ""
     if options.metrics_port is not None:
@@ -259,6 +262,7 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
         await server.server.stop(grace=1)
         await sides.close()
         aengine.stop()
+        tracing.shutdown()
     if aengine.failure is not None:
         raise aengine.failure
 
