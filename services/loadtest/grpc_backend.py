@@ -46,6 +46,9 @@ async def send_request(client, req: SampleRequest, request_id: str, sampling: Sa
                     res.prompt_len = msg.usage.prompt_tokens
     except grpc.aio.AioRpcError as exc:
         res.error = f"{exc.code().name}: {exc.details()}"
+        res.error_s = time.perf_counter() - st
+        hint = next((v for k, v in exc.trailing_metadata() or () if k == "retry-after-ms"), None)
+        res.retry_after_s = int(hint) / 1e3 if hint is not None and str(hint).isdigit() else None
         return res
     except Exception as exc:  # noqa: BLE001 - a benchmark records, it does not crash
         res.error = f"{type(exc).__name__}: {exc}"

@@ -26,6 +26,8 @@ class RequestResult:
     decode_cached_tokens: int = 0         # prompt tokens the decode worker already held
     kv_bytes: int = 0                     # KV bytes shipped to the decode worker
     kv_wire_bytes: int = 0                # their size on the wire (encoded)
+    error_s: float = 0.0                  # a failed request: from sending it to its error
+    retry_after_s: float | None = None    # a refused one: the server's retry hint, when it gave one
 
     @property
     def tpot(self) -> float | None:

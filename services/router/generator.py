@@ -139,6 +139,7 @@ class Generator:
             raise
         finally:
             self.active.pop(request_id, None)
+            self.routes.placed_prompt(gen)   # refused or failed before its prompt reached a worker
             if gen.workers:
                 await self.routes.release(gen)
             tracing.end(gen.trace, error, finish_reason=finish, output_tokens=len(gen.generated),

@@ -45,6 +45,7 @@ async def on_one_worker(ctx: RouteContext, gen: Generation, worker: WorkerHandle
                         uncached: int, keys: list[int]) -> AsyncIterator[Chunk]:
     """Prefill and decode on one worker: rpc is its Generate. uncached counts as queued prompt
     tokens there until the first token; then the prompt's blocks (keys) are held there."""
+    ctx.placed_prompt(gen)
     with ctx.pool.placed(worker), contextlib.ExitStack() as queued:
         queued.enter_context(ctx.pool.placed(worker, uncached, count=False))
         call = rpc(worker_pb2.GenerateLocalRequest(

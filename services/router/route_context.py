@@ -40,6 +40,9 @@ class RouteContext:
     watch: WorkerWatch
     slo: SloPolicy = field(default_factory=SloPolicy)
     tpot_targets: Callable[[WorkerHandle], list[float]] = lambda worker: []   # of the requests on a worker
+    # Prompt tokens of requests admitted by prediction and not yet handed to a worker: a burst
+    # arrives faster than it is placed, and each arrival's prediction must count the ones before it.
+    unplaced_tokens: int = 0
     _background: set[asyncio.Task] = field(default_factory=set, repr=False)   # prefill followers, aborts
 
     def keys(self, gen: Generation) -> list[int]:
@@ -54,14 +57,45 @@ class RouteContext:
     # ---- SLO admission (services/router/slo.py) -------------------------------------------
     def predicted_ttft_ms(self, gen: Generation, keys: list[int]) -> float:
         """The request's TTFT if it arrived now: its wait in the admission queue (disaggregated),
-        then the best route's estimate (the prefill worker's queue and compute, the transfer)."""
+        the prompt tokens admitted before it and not yet placed (at the prefill workers' learned
+        cost, shared among them), then the best route's estimate (the prefill worker's queue and
+        compute, the transfer)."""
         route = self.best_route(gen, keys)
         if self.pool.colocated:
             worker = route.decode
-            return self.placement.costs.prefill_ms(self.placement.step_cost(worker), self.placement.load(worker),
-                                                   self.placement.uncached(worker, keys, gen.n_tokens))
-        wait = predicted_wait_ms(self.admission.ahead_of(gen.service.ticket), self.admission.admission_rate())
-        return wait + (route.local_ms if route.local else route.remote_ms)
+            cost = self.placement.step_cost(worker)
+            unplaced = self.unplaced_tokens * cost.ms_per_token / max(1, len(self.pool.healthy("both")))
+            return unplaced + self.placement.costs.prefill_ms(cost, self.placement.load(worker),
+                                                              self.placement.uncached(worker, keys, gen.n_tokens))
+        wait = max(predicted_wait_ms(self.admission.ahead_of(gen.service.ticket), self.admission.admission_rate()),
+                   self.decode_wait_ms(gen))
+        prefill = self.pool.healthy("prefill")
+        per_token = (sum(self.placement.step_cost(w).ms_per_token for w in prefill) / len(prefill)) if prefill else 0.0
+        unplaced = self.unplaced_tokens * per_token / max(1, len(prefill))
+        return wait + unplaced + (route.local_ms if route.local else route.remote_ms)
+
+    def decode_wait_ms(self, gen: Generation) -> float:
+        """How long until some decode worker can take the request: 0 where it fits now (its free
+        blocks hold the prompt and one more sequence keeps the TPOT targets there); elsewhere, until
+        the first of the sequences this router placed there ends (its tokens left, at the worker's
+        step time now). The least over the decode workers; 0 when none is known."""
+        bs = self.placement.block_size or 1
+        need = -(-gen.n_tokens // bs)
+        waits = []
+        for worker in self.pool.healthy("decode"):
+            if worker.free_blocks >= need and self.keeps_tpot(gen, worker):
+                return 0.0
+            left = self.placement.tokens_left(worker)
+            if left:
+                cost, load = self.placement.step_cost(worker), self.placement.load(worker)
+                waits.append(min(left) * (cost.base_ms + cost.ms_per_seq * max(1, load.running)))
+        return min(waits, default=0.0)
+
+    def placed_prompt(self, gen: Generation) -> None:
+        """The request's prompt is on a worker now (or the request is gone): it no longer counts as
+        admitted and unplaced."""
+        self.unplaced_tokens -= gen.unplaced_tokens
+        gen.unplaced_tokens = 0
 
     def admit_by_prediction(self, gen: Generation, keys: list[int]) -> None:
         """Refuse at once a new request predicted to miss its TTFT target (RouterError with a retry
@@ -77,6 +111,8 @@ class RouteContext:
             self.metrics.slo_rejected.inc()
             raise RouterError("RESOURCE_EXHAUSTED", f"would miss its TTFT target: predicted {predicted:.0f} ms > "
                               f"{target:g} ms; retry later", retry_after_s=retry_after_s(predicted - target))
+        gen.unplaced_tokens = gen.n_tokens
+        self.unplaced_tokens += gen.n_tokens
 
     def ttft_deadline(self, gen: Generation) -> float | None:
         """When (monotonic) a request still waiting for capacity is shed: its TTFT target passed."""

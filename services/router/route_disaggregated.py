@@ -87,6 +87,7 @@ class DisaggregatedRoute:
             prefill, _ = await ctx.watch.pick(gen, lambda: ctx.placement.pick_prefill(keys, gen.n_tokens, gen.failed))
             prefill.index.note_routed(keys)
             gen.workers.add(prefill)
+            ctx.placed_prompt(gen)
             with ctx.pool.placed(prefill, ctx.placement.uncached(prefill, keys, gen.n_tokens)):
                 call = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
                     request_id=gen.worker_request_id, prompt_token_ids=gen.prompt, output_token_ids=gen.generated,
