@@ -52,6 +52,8 @@ class SampleRequest:
     prompt_len: int           # -1 for a text prompt: the router's usage tells after the fact
     expected_output_len: int
     kind: str = ""            # "short" / "long" for the mixed dataset
+    priority: int = 0         # its scheduling class (gRPC backend): lower first
+    user: str = ""            # its fair-share key inside the class
 
 
 @dataclass(slots=True)

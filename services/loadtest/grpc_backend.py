@@ -20,8 +20,9 @@ async def send_request(client, req: SampleRequest, request_id: str, sampling: Sa
     last_token = st
     finished = False
     try:
-        async for msg in client.generate_stream(req.prompt, request_id=request_id,
-                                                max_tokens=req.expected_output_len, **sampling.kwargs()):
+        async for msg in client.generate_stream(req.prompt, request_id=request_id, priority=req.priority,
+                                                user=req.user, max_tokens=req.expected_output_len,
+                                                **sampling.kwargs()):
             now = time.perf_counter()
             if finished:     # nothing follows the final message; ignore anything that would
                 continue

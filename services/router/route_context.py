@@ -19,7 +19,8 @@ from services.router.prefix_index import request_keys
 from services.metrics import RouterMetrics
 from services.router.migration import WorkerWatch
 from services.router.placement import Placement, Route
-from services.router.slo import SloPolicy, predicted_wait_ms, retry_after_s, step_ms_with_one_more
+from services.router.slo import (OverloadShares, SloPolicy, predicted_wait_ms, retry_after_s,
+                                 step_ms_with_one_more)
 from services.router.worker_pool import NoWorker, WorkerHandle, WorkerPool
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ class RouteContext:
     # Prompt tokens of requests admitted by prediction and not yet handed to a worker: a burst
     # arrives faster than it is placed, and each arrival's prediction must count the ones before it.
     unplaced_tokens: int = 0
+    shares: OverloadShares = field(default_factory=OverloadShares)
     _background: set[asyncio.Task] = field(default_factory=set, repr=False)   # prefill followers, aborts
 
     def keys(self, gen: Generation) -> list[int]:
@@ -67,8 +69,9 @@ class RouteContext:
             unplaced = self.unplaced_tokens * cost.ms_per_token / max(1, len(self.pool.healthy("both")))
             return unplaced + self.placement.costs.prefill_ms(cost, self.placement.load(worker),
                                                               self.placement.uncached(worker, keys, gen.n_tokens))
-        wait = max(predicted_wait_ms(self.admission.ahead_of(gen.service.ticket), self.admission.admission_rate()),
-                   self.decode_wait_ms(gen))
+        # the first free decode slot, then one admission interval per request ahead of it in the queue's order
+        wait = self.decode_wait_ms(gen) + predicted_wait_ms(self.admission.ahead_of(gen.service.ticket),
+                                                           self.admission.admission_rate())
         prefill = self.pool.healthy("prefill")
         per_token = (sum(self.placement.step_cost(w).ms_per_token for w in prefill) / len(prefill)) if prefill else 0.0
         unplaced = self.unplaced_tokens * per_token / max(1, len(prefill))
@@ -107,10 +110,18 @@ class RouteContext:
             predicted = self.predicted_ttft_ms(gen, keys)
         except NoWorker:
             return   # no worker to predict with: it waits for one as any request does
+        now, ticket = time.monotonic(), gen.service.ticket
         if predicted > target:
             self.metrics.slo_rejected.inc()
+            self.shares.refused(ticket, now)
             raise RouterError("RESOURCE_EXHAUSTED", f"would miss its TTFT target: predicted {predicted:.0f} ms > "
                               f"{target:g} ms; retry later", retry_after_s=retry_after_s(predicted - target))
+        why = self.shares.yields(ticket, now)
+        if why is not None:
+            self.metrics.slo_rejected.inc()
+            raise RouterError("RESOURCE_EXHAUSTED", f"overloaded: {why}; retry later",
+                              retry_after_s=retry_after_s(predicted))
+        self.shares.admitted(ticket, now)
         gen.unplaced_tokens = gen.n_tokens
         self.unplaced_tokens += gen.n_tokens
 

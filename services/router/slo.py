@@ -19,6 +19,7 @@ With ``--slo-admission`` the router admits by prediction (``SloPolicy``):
 """
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass
 
@@ -72,6 +73,45 @@ class SloPolicy:
 
     def tpot_target_ms(self, service: ServiceClass) -> float | None:
         return service.tpot_ms or self.tpot_ms or None
+
+
+class OverloadShares:
+    """Who yields while the deployment is overloaded (a request was refused in the last
+    ``window_s``): a request of a class below one refused meanwhile yields to it, and inside a
+    class a client already admitted more than its fair share (the class's admissions over its
+    active clients) yields to the others. Prediction alone refuses whoever arrives when capacity
+    is short, in proportion to sending rates; this keeps the capacity there is for the higher
+    classes and the clients under their share."""
+
+    def __init__(self, window_s: float = 10.0, overload_s: float = 1.0) -> None:
+        self.window_s, self.overload_s = window_s, overload_s
+        self._admitted: collections.deque[tuple[float, int, str]] = collections.deque()
+        self._refused_at: dict[int, float] = {}   # priority -> when one of it was last refused
+
+    def _prune(self, now: float) -> None:
+        while self._admitted and now - self._admitted[0][0] > self.window_s:
+            self._admitted.popleft()
+
+    def refused(self, ticket: Ticket, now: float) -> None:
+        self._refused_at[ticket.priority] = now
+
+    def admitted(self, ticket: Ticket, now: float) -> None:
+        self._prune(now)
+        self._admitted.append((now, ticket.priority, ticket.client))
+
+    def yields(self, ticket: Ticket, now: float) -> str | None:
+        """Why ticket yields now (None: it need not)."""
+        recent = {p for p, t in self._refused_at.items() if now - t <= self.overload_s}
+        if not recent:
+            return None
+        if any(p < ticket.priority for p in recent):
+            return "a higher priority class is being refused: this one yields to it"
+        self._prune(now)
+        mine = [c for _, p, c in self._admitted if p == ticket.priority]
+        clients = set(mine) | {ticket.client}
+        if len(clients) > 1 and mine.count(ticket.client) > len(mine) / len(clients):
+            return "its client has more than its fair share of this class while the deployment is overloaded"
+        return None
 
 
 def predicted_wait_ms(ahead: int, admissions_per_s: float) -> float:

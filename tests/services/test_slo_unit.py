@@ -56,3 +56,18 @@ def test_both_doors_refuse_bad_scheduling_fields_naming_them() -> None:
         with pytest.raises(HTTPError) as http:
             _service_class(body)
         assert http.value.status == 400 and field in str(http.value), body
+
+
+def test_while_overloaded_lower_classes_and_clients_over_their_share_yield() -> None:
+    from services.router.slo import OverloadShares
+    shares = OverloadShares(window_s=10.0, overload_s=1.0)
+    a, b, low = Ticket(0, "a"), Ticket(0, "b"), Ticket(1, "a")
+    for t in range(6):                      # a was admitted 6 times, b once
+        shares.admitted(a, float(t))
+    shares.admitted(b, 6.0)
+    assert shares.yields(a, 7.0) is None    # not overloaded: nobody yields
+    shares.refused(b, 7.0)                  # overloaded from now (for overload_s)
+    assert "fair share" in shares.yields(a, 7.5)
+    assert shares.yields(b, 7.5) is None
+    assert "higher priority" in shares.yields(low, 7.5)
+    assert shares.yields(a, 9.0) is None    # the overload has passed
