@@ -82,9 +82,9 @@ class LLMEngine:
         self.step_cost = StepCost()          # steps that compute prompt tokens, by tokens computed
         # decode-only steps, by sequences: a slope over a spread of a sequence or two needs more steps
         self.decode_step_cost = StepCost(decay=DECODE_FIT_DECAY, min_spread=MIN_SPREAD_SEQS)
-        self.scheduler = Scheduler(config, self.block_manager)
         self.lock = threading.RLock()
         self.kv = KVConnector(KVBlockPool(self.block_manager, self.runner), self.lock, config.role, lease)
+        self.scheduler = Scheduler(config, self.block_manager, held=self.kv.owns)   # blocks in hand-off: kept
         self._learn_prompt_chunk = config.prompt_tokens_with_decodes is None and self.kv.paces_local_prompts
         self.requests: dict[str, Sequence] = {}     # sequences the scheduler holds
         self.trace: deque[StepTrace] = deque(maxlen=trace_limit)
@@ -347,6 +347,7 @@ class LLMEngine:
                 "prefix_cache_queries": bm.prefix_cache_queries,
                 "prefix_cache_hits": bm.prefix_cache_hits,
                 "num_preemptions": self.scheduler.num_preemptions,
+                "num_priority_preemptions": self.scheduler.num_priority_preemptions,
                 "num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting),
                 **self.kv.stats(),

@@ -8,6 +8,7 @@ MAX_LOGPROBS = 20   # vLLM's default max_logprobs
 MAX_TOP_K = 2**31 - 1        # the wire's bounds (common.proto: top_k int32, token counts uint32)
 MAX_TOKENS = 2**32 - 1
 MAX_CACHE_SALT_CHARS = 256
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)   # the wire's int32 (common.proto: priority)
 FLOAT32_MIN_NORMAL = 1.1754943508222875e-38   # smaller (subnormal) reads as 0 in a process that flushes denormals
 
 
@@ -29,6 +30,7 @@ class SamplingParams:
     min_tokens: int = 0          # EOS and stop_token_ids do not end the request before this many tokens
     logprobs: int | None = None  # report the sampled token's logprob and this many top alternatives
     cache_salt: str | None = None  # prefix-cache namespace: blocks are shared only within one salt
+    priority: int = 0            # lower is served first (vLLM's); a higher class may preempt a lower one
 
     def validate(self) -> None:
         """Raise ValueError naming the first field outside its limits."""
@@ -52,6 +54,10 @@ class SamplingParams:
                                             or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
             raise ValueError(f"cache_salt must be a non-empty printable string of at most {MAX_CACHE_SALT_CHARS} "
                              f"characters")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) or \
+                not PRIORITY_RANGE[0] <= self.priority <= PRIORITY_RANGE[1]:
+            raise ValueError(f"priority must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], "
+                             f"got {self.priority!r}")
         for tok in self.stop_token_ids:
             if not isinstance(tok, int) or tok < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {tok!r}")

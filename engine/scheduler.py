@@ -3,13 +3,26 @@
 Every scheduled sequence computes the KV of token_ids[num_computed : num_computed + n]; when
 that reaches the end of its tokens, the step also samples its next token. A decode is the
 special case n == 1, so prefill chunks and decodes share one batch format.
+
+Priority (SamplingParams.priority, lower first as vLLM's): the waiting queue is ordered by it,
+FIFO within a class, so all-equal priorities are plain FIFO. When the first waiting sequence
+does not fit in the pool, running sequences of a lower class (a higher value) are preempted
+for it, the lowest class and the latest arrival first, until it fits; a decode that finds the
+pool empty preempts the lowest class too, the last admitted first. Preemption is by recompute:
+the victim's blocks are freed (its computed ones stay in the prefix cache, and with KV tiers
+go on to host RAM / disk when the pool hands them out, so resuming is mostly prefix hits) and
+it waits ahead of its class to be prefilled again over its prompt and the tokens it generated,
+which gives the tokens a run without preemption gives. A sequence whose blocks the KV
+connector holds (sent or received) is never a victim.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
+from bisect import bisect_left, bisect_right
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Callable
 
 from engine.block_manager import BlockManager, NoFreeBlocks
 from engine.config import EngineConfig
@@ -52,14 +65,22 @@ class StepTrace:
 POLICIES = ("prefill_first", "interleave", "mixed")
 
 
+def _priority(seq: Sequence) -> int:
+    return seq.priority
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 held: Callable[[str], bool] | None = None) -> None:
+        """held(request_id): the KV connector holds the request's blocks (never preempted)."""
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()   # by priority, FIFO within one
         self.running: list[Sequence] = []     # admission order: the last is the youngest
         self.last_kind: StepKind | None = None
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0     # of those, to admit a waiting sequence of a higher class
+        self.held = held or (lambda request_id: False)
         self._preempted_this_step: list[str] = []
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
         # Prompt tokens a step that also decodes may hold (None: the step budget). The engine
@@ -68,7 +89,8 @@ class Scheduler:
 
     # ---- queue management -------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue seq behind the waiting sequences of its class and of higher ones."""
+        self.waiting.insert(bisect_right(self.waiting, seq.priority, key=_priority), seq)
 
     def add_running(self, seq: Sequence) -> None:
         """Decode role: a sequence whose KV arrived from elsewhere joins the batch."""
@@ -114,6 +136,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         seqs: list[Sequence] = []
         counts: list[int] = []
+        if prefill:
+            self._preempt_for_waiting()
         if decode:
             budget = self._schedule_decodes(seqs, counts, budget)
         n_decode = len(seqs)
@@ -132,37 +156,79 @@ class Scheduler:
         return ScheduledBatch(kind, seqs, counts, n_decode)
 
     def _schedule_decodes(self, seqs: list[Sequence], counts: list[int], budget: int) -> int:
+        """Schedule each running decoder (seqs comes empty); returns the budget left."""
         for seq in list(self.running):
-            if budget <= 0:
+            if len(seqs) >= budget:
                 break
             if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling:
                 continue
-            if not self._make_room_for(seq):
+            if not self._make_room_for(seq, seqs, counts):
                 continue   # seq itself was preempted
             seqs.append(seq)
             counts.append(1)
-            budget -= 1
-        return budget
+        return budget - len(seqs)
 
-    def _make_room_for(self, seq: Sequence) -> bool:
-        """Ensure seq has a slot for its next token, preempting the youngest others if needed."""
+    def _make_room_for(self, seq: Sequence, seqs: list[Sequence], counts: list[int]) -> bool:
+        """Ensure seq has a slot for its next token, preempting others if needed (_growth_victim),
+        a victim already in this step's decodes taken out of them. False: seq itself was preempted."""
         bm = self.block_manager
         while True:
             try:
                 bm.append_slot(seq)
                 return True
             except NoFreeBlocks:
-                victim = self.running[-1]
+                victim = self._growth_victim(seq)
+                if victim in seqs:
+                    i = seqs.index(victim)
+                    del seqs[i], counts[i]
                 self._preempt(victim)
                 if victim is seq:
                     return False
 
+    def _growth_victim(self, seq: Sequence) -> Sequence:
+        """Whom a decode that finds the pool empty preempts: the lowest class (the highest priority
+        value), and within it the last admitted; seq itself, possibly. All classes equal: the youngest."""
+        candidates = [(s.priority, i) for i, s in enumerate(self.running) if s is seq or not self.held(s.request_id)]
+        return self.running[max(candidates)[1]]
+
+    def _preempt_for_waiting(self) -> None:
+        """The first waiting sequence, if the pool cannot hold it, takes the blocks of running
+        sequences of a lower class: the lowest class and the latest arrival first, until it fits.
+        None is preempted when all of them together would not make room; a sequence of its own
+        class or a higher one never is."""
+        if not self.waiting or self._fits(self.waiting[0]):
+            return
+        head = self.waiting[0]
+        victims = sorted((s for s in self.running if s.priority > head.priority and not self.held(s.request_id)),
+                         key=lambda s: (s.priority, s.arrival_time), reverse=True)
+        if not victims or not self._fits(head, self._blocks_freed_by(victims), len(self.running) - len(victims)):
+            return
+        for victim in victims:
+            self._preempt(victim)
+            self.num_priority_preemptions += 1
+            if self._fits(head):
+                return
+
+    def _fits(self, seq: Sequence, freed: int = 0, num_running: int | None = None) -> bool:
+        """Whether admission (_schedule_prefills) finds blocks for seq, with freed more blocks free
+        and num_running sequences running (default: the pool and the batch as they are)."""
+        bm = self.block_manager
+        num_running = len(self.running) if num_running is None else num_running
+        reserve = self.watermark_blocks if num_running else 0
+        return bm.num_free_blocks + freed - bm.blocks_needed(seq.num_tokens) >= reserve
+
+    def _blocks_freed_by(self, seqs: list[Sequence]) -> int:
+        """Blocks that freeing all of seqs returns to the pool (those no other sequence shares)."""
+        refs = Counter(b for s in seqs for b in s.block_table)
+        return sum(1 for b, n in refs.items() if self.block_manager.blocks[b].ref_count == n)
+
     def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: blocks freed, seq waits ahead of its class to be prefilled again."""
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.insert(bisect_left(self.waiting, seq.priority, key=_priority), seq)
         self.num_preemptions += 1
         self._preempted_this_step.append(seq.request_id)
 

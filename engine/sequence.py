@@ -40,6 +40,11 @@ class Sequence:
             self.num_prompt_tokens = len(self.token_ids)
 
     @property
+    def priority(self) -> int:
+        """Its class: lower is served first, and may preempt a higher value (engine/scheduler.py)."""
+        return self.params.priority
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

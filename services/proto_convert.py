@@ -6,7 +6,8 @@ from pdserve.v1 import common_pb2, worker_pb2
 
 # The optional fields of common.proto's SamplingParams, with their engine types.
 OPTIONAL_FIELDS = (("temperature", float), ("top_p", float), ("top_k", int), ("max_tokens", int), ("seed", int),
-                   ("ignore_eos", bool), ("min_tokens", int), ("logprobs", int), ("cache_salt", str))
+                   ("ignore_eos", bool), ("min_tokens", int), ("logprobs", int), ("cache_salt", str),
+                   ("priority", int))
 
 
 def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -30,6 +31,8 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = p.seed
     if p.cache_salt is not None:
         msg.cache_salt = p.cache_salt
+    if p.priority:
+        msg.priority = p.priority
     return msg
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from engine import SamplingParams
@@ -124,6 +124,7 @@ class Generator:
         priority, client and latency targets (services/router/slo.py)."""
         if request_id in self.active:
             raise RouterError("INVALID_ARGUMENT", f"request_id {request_id!r} is already in flight")
+        params = replace(params, priority=service.priority)   # the workers admit and preempt by it
         gen = Generation(request_id, prompt, params, Timing(time.perf_counter()), deadline=deadline, service=service)
         gen.trace = tracing.start("pdserve.request", request_id=request_id, prompt_tokens=len(prompt),
                                   max_tokens=params.max_tokens, priority=service.priority, user=service.client or None)

@@ -23,11 +23,11 @@ import collections
 import math
 from dataclasses import dataclass
 
+from engine.sampling_params import PRIORITY_RANGE
 from services.router.admission import Ticket
 
 MAX_CLIENT_CHARS = 256
 MAX_TARGET_MS = 3_600_000.0
-PRIORITY_RANGE = (-(2 ** 31), 2 ** 31 - 1)
 MIN_RETRY_AFTER_S = 0.1
 MAX_RETRY_AFTER_S = 60.0
 
