@@ -4,64 +4,64 @@ trace: the router's root span, its admission and KV hand-off spans, and the pref
 workers' spans as its children, the decode steps as events. Without an endpoint nothing traces."""
 from __future__ import annotations
 
-import threading
+import json
+import subprocess
+import sys
 import time
-from concurrent import futures
+from pathlib import Path
 
-import grpc
 import pytest
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
                     reason="tracing needs pdserve[tracing] (the OTLP exporter)")
 
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc  # noqa: E402
-
 from services import tracing  # noqa: E402
 from services.client import Client  # noqa: E402
 from tests.serving import start_cluster  # noqa: E402
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
-class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP trace receiver on loopback: every span it is sent, with its service's name."""
 
-    def __init__(self) -> None:
-        self.spans: list[tuple[str, object]] = []
-        self.lock = threading.Lock()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
+class Collector:
+    """tests/e2e/otlp_collector.py in its own process: every span it receives, as dicts."""
 
-    def Export(self, request, context):
-        with self.lock:
-            for resource_spans in request.resource_spans:
-                service = next(a.value.string_value for a in resource_spans.resource.attributes
-                               if a.key == "service.name")
-                for scope in resource_spans.scope_spans:
-                    self.spans.extend((service, span) for span in scope.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.otlp_collector", str(path)], cwd=REPO_ROOT,
+                                     stdout=subprocess.PIPE, text=True)
+        self.port = int(self.proc.stdout.readline())
 
-    def trace_of(self, request_id: str, want: set[str], timeout: float = 30.0) -> list[tuple[str, object]]:
+    def spans(self) -> list[dict]:
+        return [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
+
+    def trace_of(self, request_id: str, want: set[str], timeout: float = 30.0) -> list[dict]:
         """The spans of the trace whose root is request_id's, once spans named want have all come."""
         deadline = time.monotonic() + timeout
         while True:
-            with self.lock:
-                spans = list(self.spans)
-            roots = [s for _, s in spans if s.name == "pdserve.request"
-                     and any(a.key == "request_id" and a.value.string_value == request_id for a in s.attributes)]
+            spans = self.spans()
+            roots = [s for s in spans if s["name"] == "pdserve.request"
+                     and {"key": "request_id", "value": {"stringValue": request_id}} in s["attributes"]]
             if roots:
-                trace = [(svc, s) for svc, s in spans if s.trace_id == roots[0].trace_id]
-                if want <= {s.name for _, s in trace}:
+                trace = [s for s in spans if s["trace_id"] == roots[0]["trace_id"]]
+                if want <= {s["name"] for s in trace}:
                     return trace
-            assert time.monotonic() < deadline, f"spans so far: {sorted({s.name for _, s in spans})}"
+            assert time.monotonic() < deadline, f"spans so far: {sorted({s['name'] for s in spans})}"
             time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 @pytest.fixture(scope="module")
-def collector():
-    c = Collector()
+def collector(tmp_path_factory):
+    c = Collector(tmp_path_factory.mktemp("otlp") / "spans.jsonl")
     yield c
-    c.server.stop(0)
+    c.stop()
+
+
+def _attr(span: dict, key: str) -> dict:
+    return next(a["value"] for a in span["attributes"] if a["key"] == key)
 
 
 def test_a_disaggregated_request_is_one_trace_across_router_prefill_and_decode(tiny_qwen3, collector) -> None:
@@ -77,17 +77,17 @@ def test_a_disaggregated_request_is_one_trace_across_router_prefill_and_decode(t
                                                 *workers})
     finally:
         cluster.stop()
-    by_name = {s.name: (svc, s) for svc, s in trace}
-    root_service, root = by_name["pdserve.request"]
-    assert root_service == "pdserve-router" and not root.parent_span_id
-    assert {a.key: a.value.int_value for a in root.attributes}["output_tokens"] == 6
+    by_name = {s["name"]: s for s in trace}
+    root = by_name["pdserve.request"]
+    assert root["service"] == "pdserve-router" and not root["parent_span_id"]
+    assert int(_attr(root, "output_tokens")["intValue"]) == 6
     for name in ("pdserve.admission", "pdserve.kv_transfer", *workers):
-        assert by_name[name][1].parent_span_id == root.span_id, name
-    assert by_name["pdserve.worker/Prefill"][0] == "pdserve-prefill"
-    assert by_name["pdserve.worker/Decode"][0] == "pdserve-decode"
-    steps = [e for e in by_name["pdserve.worker/Decode"][1].events]
-    assert sum(a.value.int_value for e in steps for a in e.attributes if a.key == "tokens") == 5   # after the first
-    prefill_events = [e.name for e in by_name["pdserve.worker/Prefill"][1].events]
+        assert by_name[name]["parent_span_id"] == root["span_id"], name
+    assert by_name["pdserve.worker/Prefill"]["service"] == "pdserve-prefill"
+    assert by_name["pdserve.worker/Decode"]["service"] == "pdserve-decode"
+    steps = by_name["pdserve.worker/Decode"]["events"]
+    assert sum(int(a["value"]["intValue"]) for e in steps for a in e.get("attributes", []) if a["key"] == "tokens") == 5
+    prefill_events = [e["name"] for e in by_name["pdserve.worker/Prefill"]["events"]]
     assert "first_token" in prefill_events and "kv_delivered" in prefill_events
 
 
