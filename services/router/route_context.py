@@ -58,7 +58,8 @@ class RouteContext:
 
     # ---- SLO admission (services/router/slo.py) -------------------------------------------
     def predicted_ttft_ms(self, gen: Generation, keys: list[int]) -> float:
-        """The request's TTFT if it arrived now: its wait in the admission queue (disaggregated),
+        """The request's TTFT if it arrived now: its wait for decode capacity (disaggregated: the
+        first free decode slot, then an admission interval per request ahead of it in the queue),
         the prompt tokens admitted before it and not yet placed (at the prefill workers' learned
         cost, shared among them), then the best route's estimate (the prefill worker's queue and
         compute, the transfer)."""
