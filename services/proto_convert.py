@@ -4,6 +4,11 @@ from __future__ import annotations
 from engine import SamplingParams
 from pdserve.v1 import common_pb2, worker_pb2
 
+# A worker's role as the router and the workers name it, and as the wire does (worker.proto WorkerRole).
+ROLE_ENUM = {"prefill": worker_pb2.WORKER_ROLE_PREFILL, "decode": worker_pb2.WORKER_ROLE_DECODE,
+             "both": worker_pb2.WORKER_ROLE_BOTH}
+ROLE_NAMES = {value: name for name, value in ROLE_ENUM.items()}
+
 # The optional fields of common.proto's SamplingParams, with their engine types.
 OPTIONAL_FIELDS = (("temperature", float), ("top_p", float), ("top_k", int), ("max_tokens", int), ("seed", int),
                    ("ignore_eos", bool), ("min_tokens", int), ("logprobs", int), ("cache_salt", str),

@@ -27,6 +27,7 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.v1 import membership_pb2, membership_pb2_grpc, worker_pb2
+from services.proto_convert import ROLE_ENUM, ROLE_NAMES
 from services.router.worker_pool import MembershipError, WorkerHandle, WorkerPool
 from services.security import host_of, is_loopback
 
@@ -42,9 +43,6 @@ SET_ROLE_TIMEOUT_S = 30.0
 MAX_ADDRESS_CHARS = 256
 MAX_WORKER_ID_CHARS = 128
 
-ROLE_NAMES = {worker_pb2.WORKER_ROLE_PREFILL: "prefill", worker_pb2.WORKER_ROLE_DECODE: "decode",
-              worker_pb2.WORKER_ROLE_BOTH: "both"}
-ROLE_ENUMS = {name: enum for enum, name in ROLE_NAMES.items()}
 S = membership_pb2
 
 
@@ -66,7 +64,7 @@ class MembershipServicer(membership_pb2_grpc.MembershipServicer):
     # ---- the member entry ----------------------------------------------------------------
     def member(self, worker: WorkerHandle) -> membership_pb2.Member:
         status = worker.status
-        return S.Member(address=worker.address, role=ROLE_ENUMS[worker.role],
+        return S.Member(address=worker.address, role=ROLE_ENUM[worker.role],
                         worker_id=status.worker_id if status is not None else "", state=self.state(worker),
                         joined=worker.joined, inflight=worker.inflight, placed_total=worker.placed_total,
                         num_free_blocks=status.num_free_blocks if status is not None else 0,
@@ -166,7 +164,7 @@ class MembershipServicer(membership_pb2_grpc.MembershipServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"{worker.address} did not become idle: its role was not switched")
             try:
-                status = await worker.info.SetRole(worker_pb2.SetRoleRequest(role=ROLE_ENUMS[role]),
+                status = await worker.info.SetRole(worker_pb2.SetRoleRequest(role=ROLE_ENUM[role]),
                                                    timeout=SET_ROLE_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
                 await context.abort(exc.code(), f"{worker.address} refused the switch: {exc.details()}")

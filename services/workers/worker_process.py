@@ -21,6 +21,7 @@ from pdserve.v1 import common_pb2, membership_pb2, worker_pb2, worker_pb2_grpc
 from services.workers.async_engine import AsyncEngine
 from services.kv_transfer import KVSender, register_kv_servicer
 from services import tracing
+from services.proto_convert import ROLE_ENUM, ROLE_NAMES
 from services.security import Credentials
 from services.grpc_setup import Server, service_registration, start_server, stop_on_signals
 from services.workers.config import WorkerConfig
@@ -33,9 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ROLE_ENUM = {"prefill": worker_pb2.WORKER_ROLE_PREFILL, "decode": worker_pb2.WORKER_ROLE_DECODE,
-             "both": worker_pb2.WORKER_ROLE_BOTH}
-ROLE_NAMES = {value: name for name, value in ROLE_ENUM.items()}
 STATUS_HEARTBEAT_S = 1.0     # WatchStatus sends the status at least this often
 STATUS_MIN_INTERVAL_S = 0.01  # and at most once per this interval
 MAX_KEYS_PER_MESSAGE = 16384  # WatchKVEvents: prefix-cache keys in one message (128 KiB)
