@@ -149,10 +149,6 @@ class MembershipServicer(membership_pb2_grpc.MembershipServicer):
         timeout = await self._drain_timeout(request.drain_timeout_s, context)
         if role == worker.role:
             return self.member(worker)
-        try:
-            self.pool.check_role(role, exclude=worker)
-        except MembershipError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         if worker in self.switching:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{worker.address} is switching its role already")
         was_admitting = worker.admitting

@@ -12,6 +12,7 @@ requests in flight then most free blocks, prefill workers by fewest queued promp
 
 Disaggregation ``always`` prefills every prompt on a prefill worker; ``conditional`` prefills it
 on the chosen decode worker when that is cheaper (the rule and its threshold: cost_model.py).
+A colocated member among prefill and decode workers always prefills its own prompts.
 """
 from __future__ import annotations
 
@@ -149,13 +150,16 @@ class Placement:
             local, threshold = 0.0, None
             cost_d = self.step_cost(d)
             load_d = self.load(d)
-            if self.conditional:
+            prefills_itself = d.role == "both"   # a colocated member among P/D workers
+            if self.conditional or prefills_itself:
                 local = self.costs.local_ms(cost_d, load_d, max(1, n_tokens - held * bs))
-                if prefill is not None:
+                if prefill is not None and not prefills_itself:
                     threshold = self.costs.threshold_tokens(cost_d, load_d, self.step_cost(prefill),
                                                             self.load(prefill), bs)
                     self._log_threshold(d, threshold, cost_d, load_d)
-            is_local = self.conditional and local < remote
+            is_local = prefills_itself or (self.conditional and local < remote)
+            if not is_local and prefill is None:
+                continue   # it needs a prefill worker, and none is healthy
             if self.kv_aware:
                 cost = (local if is_local else remote) + self._decode_ms(candidates, d, load_d, max_tokens)
                 if prefill_cost is not None:
@@ -163,6 +167,8 @@ class Placement:
             else:
                 cost = float(i)
             routes.append(Route(d, is_local, held, local, remote if math.isfinite(remote) else 0.0, threshold, cost))
+        if not routes:
+            raise NoWorker("prefill")
         routes.sort(key=lambda r: (r.cost, -r.decode.free_blocks))
         return routes
 

@@ -45,8 +45,8 @@ class DisaggregatedRoute:
         # A role restarting: wait here, every request on its own clock, rather than at the head of
         # the admission queue (one at a time) or holding a decode reservation whose lease may lapse.
         await ctx.watch.await_role(gen, "decode")
-        if not ctx.placement.conditional:   # conditional: with no prefill worker it prefills locally
-            await ctx.watch.await_role(gen, "prefill")
+        if not ctx.placement.conditional and not ctx.pool.healthy("both"):
+            await ctx.watch.await_role(gen, "prefill")   # else a decode or colocated worker may prefill it
         keys = ctx.keys(gen)
         ctx.admit_by_prediction(gen, keys)   # --slo-admission: refused now rather than late
         loop = asyncio.get_running_loop()
@@ -76,8 +76,9 @@ class DisaggregatedRoute:
             t.threshold_tokens = route.threshold_tokens
         ctx.metrics.count_route("local" if route.local else "remote")
         decode.index.note_routed(keys)
-        if route.local:
-            async for chunk in on_one_worker(ctx, gen, decode, decode.decode.Generate, routed_at,
+        if route.local:   # on a colocated member, its own service (the decode service is closed there)
+            rpc = decode.colocated.Generate if decode.role == "both" else decode.decode.Generate
+            async for chunk in on_one_worker(ctx, gen, decode, rpc, routed_at,
                                              ctx.placement.uncached(decode, keys, gen.n_tokens), keys):
                 yield chunk
             return
@@ -219,7 +220,7 @@ class DisaggregatedRoute:
                 return placed
         except RouterError as exc:   # it waited behind a request waiting for a restarting role: say so
             error = f"{exc.code}: {exc.message}"
-            role = "both" if ctx.pool.colocated else "decode"
+            role = "both" if ctx.pool.colocated else "decode"   # "decode": colocated members too
             if exc.code == "RESOURCE_EXHAUSTED" and ctx.pool.outage_started(role) is not None:
                 raise ctx.watch.outage_error(NoWorker(role), own) from None
             if exc.code == "RESOURCE_EXHAUSTED" and shedding and time.monotonic() >= shed_at:

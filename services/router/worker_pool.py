@@ -17,6 +17,10 @@ Membership changes while the router serves (services/router/membership.py): ``ad
 (its streams start at once), ``remove`` one (its streams stop, its index goes with it). A worker
 the router drains (``WorkerHandle.admitting`` False) takes no new requests; ``evict`` makes every
 stream of a request still on it fail as a worker fault, so those requests migrate.
+
+Roles may mix: a colocated ("both") worker among prefill and decode workers serves as a decode
+worker that prefills its own prompts (``healthy("decode")`` includes it); the pool is
+``colocated`` only while every member is.
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ from services.grpc_setup import options as channel_options
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "both")
+# The member roles that can do a role's part of a request: a colocated worker decodes too.
+SERVED_BY = {"prefill": ("prefill",), "decode": ("decode", "both"), "both": ("both",)}
 
 
 @dataclass(eq=False)
@@ -121,10 +127,8 @@ class WorkerPool:
         self.workers: list[WorkerHandle] = []
         if not (prefill or decode or colocated) and not dynamic:
             raise ValueError("the router needs at least one worker")
-        if bool(prefill) != bool(decode) and not dynamic:
+        if not dynamic and not colocated and bool(prefill) != bool(decode):
             raise ValueError("disaggregated serving needs both prefill and decode workers")
-        if colocated and (prefill or decode):
-            raise ValueError("a router serves either colocated workers or prefill + decode workers, not both")
         for role, addresses in (("prefill", prefill), ("decode", decode), ("both", colocated)):
             for address in addresses:
                 self.workers.append(self._handle(address, role))
@@ -147,14 +151,10 @@ class WorkerPool:
     def find(self, address: str) -> WorkerHandle | None:
         return next((w for w in self.workers if w.address == address), None)
 
-    def check_role(self, role: str, exclude: WorkerHandle | None = None) -> None:
-        """A router serves colocated workers or prefill + decode workers, never both at once."""
-        others = {w.role for w in self.workers if w is not exclude}
+    @staticmethod
+    def check_role(role: str) -> None:
         if role not in ROLES:
             raise MembershipError(f"role must be one of {ROLES}, got {role!r}")
-        if (role == "both" and others - {"both"}) or (role != "both" and "both" in others):
-            raise MembershipError(f"a {role} worker cannot join a router serving "
-                                  f"{'colocated' if 'both' in others else 'prefill + decode'} workers")
 
     def add(self, address: str, role: str) -> WorkerHandle:
         """The worker at address, a member from now on (its status stream starts at once); the
@@ -189,7 +189,7 @@ class WorkerPool:
     def set_role(self, worker: WorkerHandle, role: str) -> None:
         """The worker serves role now (it switched in its process): its prefix index is rebuilt
         from its events, its placement counts start again."""
-        self.check_role(role, exclude=worker)
+        self.check_role(role)
         worker.role = role
         worker.index.clear()
         self.notify()
@@ -201,7 +201,8 @@ class WorkerPool:
 
     @property
     def colocated(self) -> bool:
-        return any(w.role == "both" for w in self.workers)
+        """Every member is colocated (a mixed pool routes as a disaggregated one)."""
+        return bool(self.workers) and all(w.role == "both" for w in self.workers)
 
     @property
     def block_size(self) -> int:
@@ -212,12 +213,13 @@ class WorkerPool:
         return [w for w in self.workers if w.role == role]
 
     def healthy(self, role: str) -> list[WorkerHandle]:
-        return [w for w in self.workers if w.role == role and w.healthy]
+        """The healthy members that can do role's part (SERVED_BY: for "decode", colocated ones too)."""
+        return [w for w in self.workers if w.role in SERVED_BY[role] and w.healthy]
 
     def outage_started(self, role: str) -> float | None:
         """Since when (monotonic) the role has had no healthy worker: when the last of them was
         last heard healthy, or the pool's start when none ever was; None while one is healthy."""
-        workers = self.of_role(role)
+        workers = [w for w in self.workers if w.role in SERVED_BY[role]]
         if any(w.healthy for w in workers):
             return None
         heard = [w.healthy_at for w in workers if w.healthy_at is not None]
@@ -225,9 +227,8 @@ class WorkerPool:
 
     @property
     def serving(self) -> bool:
-        """Every role the router needs has a healthy worker."""
-        roles = ("both",) if self.colocated else ("prefill", "decode")
-        return all(self.healthy(r) for r in roles)
+        """A request can be served now: by a healthy colocated worker, or a healthy prefill and decode worker."""
+        return bool(self.healthy("both")) or bool(self.healthy("prefill") and self.healthy("decode"))
 
     # ---- status streams -----------------------------------------------------------------
     def start(self) -> None:
@@ -352,7 +353,7 @@ class WorkerPool:
     def decode_candidates(self, exclude: set[str] = frozenset()) -> list[WorkerHandle]:
         """Healthy decode (or colocated) workers, least loaded first: fewest in-flight requests,
         then most free KV blocks."""
-        role = "both" if self.colocated else "decode"
+        role = "decode"   # colocated workers included (SERVED_BY)
         healthy = [w for w in self.healthy(role) if w.address not in exclude] or self.healthy(role)
         if not healthy:
             raise NoWorker(role)

@@ -1,8 +1,8 @@
-"""The roles one worker process can serve: a prefill or decode worker registers both roles'
-services from the start (a started gRPC server takes no new service), answers each only while
-it is in that role (UNAVAILABLE otherwise), and builds each role's side (its handler, KV senders
-or the KV data listener) the first time it takes the role. Worker.SetRole switches between them
-(services/workers/worker_process.py)."""
+"""The roles one worker process can serve: every worker registers the prefill, decode and
+colocated services from the start (a started gRPC server takes no new service), answers each only
+while it is in that role (UNAVAILABLE otherwise), and builds each role's side (its handler, KV
+senders or the KV data listener) the first time it takes the role. Worker.SetRole switches between
+them (services/workers/worker_process.py)."""
 from __future__ import annotations
 
 import logging
@@ -28,8 +28,6 @@ if TYPE_CHECKING:
     from services.workers.worker_process import WorkerOptions
 
 log = logging.getLogger(__name__)
-
-SWITCHABLE = ("prefill", "decode")   # the roles a worker may switch between (a colocated one stays)
 
 
 class RoleSides:
@@ -98,7 +96,7 @@ class RoleGate:
     In its role a call costs one comparison: the handler's own coroutine or stream is returned."""
 
     def __init__(self, service: ServiceDescriptor, role: str, state: WorkerState, sides: RoleSides) -> None:
-        self.role = role
+        self.role = role   # "prefill", "decode" or "both"
         self.state = state
         self.sides = sides
         for method in service.methods:

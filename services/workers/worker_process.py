@@ -2,9 +2,9 @@
 Worker service, and KVTransfer on decode workers), with health, reflection, metrics, the
 cluster-token check on every internal call, and a graceful drain on SIGTERM.
 
-A prefill or decode worker serves either role: both roles' services are registered, the other
-role's refused (services/workers/roles.py), and Worker.SetRole switches an idle worker between
-them in its running process, model and KV pool kept loaded."""
+A worker serves any role: every role's services are registered, the other roles' refused
+(services/workers/roles.py), and Worker.SetRole switches an idle worker between prefill, decode
+and colocated in its running process, model and KV pool kept loaded."""
 from __future__ import annotations
 
 import asyncio
@@ -27,7 +27,7 @@ from services.grpc_setup import Server, service_registration, start_server, stop
 from services.workers.config import WorkerConfig
 from services.workers.lifecycle import WorkerState
 from services.workers.membership_client import keep_joined
-from services.workers.roles import SWITCHABLE, GatedKVTransfer, RoleGate, RoleSides
+from services.workers.roles import GatedKVTransfer, RoleGate, RoleSides
 
 if TYPE_CHECKING:
     from services.metrics import WorkerMetrics
@@ -139,20 +139,20 @@ class WorkerInfoServicer(worker_pb2_grpc.WorkerServicer):
         return common_pb2.AbortResponse(found=self.aengine.abort(request.request_id))
 
     async def SetRole(self, request: worker_pb2.SetRoleRequest, context) -> worker_pb2.WorkerStatus:
-        """Switch prefill <-> decode in this process, model and KV pool kept loaded. Only an idle
+        """Switch between prefill, decode and colocated ("both") in this process, model and KV
+        pool kept loaded. Only an idle
         worker switches (FAILED_PRECONDITION naming what is still here: the router drains it
         first); the same role answers the status; a draining worker refuses (UNAVAILABLE)."""
         role = ROLE_NAMES.get(request.role)
         if role is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role must be WORKER_ROLE_PREFILL or "
-                                f"WORKER_ROLE_DECODE, got {_role_name(request.role)}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role must be WORKER_ROLE_PREFILL, "
+                                f"WORKER_ROLE_DECODE or WORKER_ROLE_BOTH, got {_role_name(request.role)}")
         await self.state.refuse_if_draining(context)
         old = self.state.role
         if role == old:
             return self.status()
-        if self.sides is None or {old, role} != set(SWITCHABLE):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"a {old} worker cannot switch to {role}: prefill <-> decode only")
+        if self.sides is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"a {old} worker cannot switch to {role}")
         busy = self.busy_reasons()
         if busy:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker {self.worker_id} cannot switch "
@@ -267,14 +267,12 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
 
 def role_registrations(info: WorkerInfoServicer, sides: RoleSides, options: WorkerOptions
                        ) -> list[tuple[Callable, object, str]]:
-    """The services a worker registers: Worker, and its role's; a prefill or decode worker
-    registers both of those roles' services (KVTransfer too), each answering in its role only."""
+    """The services a worker registers: Worker, and every role's (KVTransfer too), each answering
+    in its role only, so that the worker can switch roles in place."""
     services = worker_pb2.DESCRIPTOR.services_by_name
     registrations: list[tuple[Callable, object, str]] = [service_registration(services["Worker"], info)]
     state = sides.state
-    if state.role not in SWITCHABLE:
-        return [*registrations, service_registration(services["ColocatedWorker"], sides.handler(state.role))]
-    for role, name in (("prefill", "PrefillWorker"), ("decode", "DecodeWorker")):
+    for role, name in (("prefill", "PrefillWorker"), ("decode", "DecodeWorker"), ("both", "ColocatedWorker")):
         registrations.append(service_registration(services[name], RoleGate(services[name], role, state, sides)))
     wc = options.config
     kv_servicer = GatedKVTransfer(state, sides.aengine.engine.kv, shared_memory=wc.kv_shared_memory,

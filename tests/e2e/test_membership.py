@@ -96,7 +96,6 @@ def test_the_membership_api_needs_the_cluster_token(cluster) -> None:
     (m.AddWorkerRequest(address="no-port", role=worker_pb2.WORKER_ROLE_DECODE), "INVALID_ARGUMENT"),
     (m.AddWorkerRequest(address="127.0.0.1:9", role=worker_pb2.WORKER_ROLE_UNSPECIFIED), "INVALID_ARGUMENT"),
     (m.AddWorkerRequest(address="10.99.0.2:5000", role=worker_pb2.WORKER_ROLE_DECODE), "FAILED_PRECONDITION"),
-    (m.AddWorkerRequest(address="127.0.0.1:9", role=worker_pb2.WORKER_ROLE_BOTH), "FAILED_PRECONDITION"),
     (m.DrainWorkerRequest(address="127.0.0.1:9"), "NOT_FOUND"),
 ])
 def test_bad_membership_requests_are_refused_with_a_clear_status(cluster, request_, code) -> None:
@@ -190,6 +189,34 @@ def test_a_worker_switches_role_under_load_without_a_loss(cluster, reference) ->
         assert members(cluster)[proc.address].role == worker_pb2.WORKER_ROLE_PREFILL
         serves_in_its_role(cluster, proc.address, of_role(worker_pb2.WORKER_ROLE_PREFILL))  # and prefills again
         load.served(4)
+    load.check(reference)
+    status = worker_status(cluster, proc.address)
+    assert status.role == worker_pb2.WORKER_ROLE_PREFILL and status.num_free_blocks == status.num_total_blocks
+
+
+def test_a_worker_turns_colocated_among_prefill_and_decode_workers_and_back_under_load(cluster, reference) -> None:
+    """prefill -> colocated -> decode -> prefill under load: colocated, it prefills and decodes
+    its own requests beside the others, and serves alone while every other worker is drained."""
+    proc = joined_worker(cluster, "prefill", "colocated-switched")
+    wait_member(cluster, proc.address, serving)
+    others = [a for a in members(cluster) if a != proc.address]
+    with SteadyLoad(cluster.router_address, seed=7) as load:
+        load.served(3)
+        cli = workers_cli(cluster, "switch-role", proc.address, "--role", "both", "--json")
+        assert cli.returncode == 0 and '"role": "both"' in cli.stdout, cli.stdout + cli.stderr
+        assert worker_status(cluster, proc.address).role == worker_pb2.WORKER_ROLE_BOTH
+        before = members(cluster)[proc.address].placed_total
+        serves_in_its_role(cluster, proc.address, others)   # alone: no prefill or decode worker admits
+        assert members(cluster)[proc.address].placed_total > before
+        load.served(3)
+        cli = workers_cli(cluster, "switch-role", proc.address, "--role", "decode")
+        assert cli.returncode == 0, cli.stderr
+        decoders = [a for a, w in members(cluster).items()
+                    if w.role == worker_pb2.WORKER_ROLE_DECODE and a != proc.address]
+        serves_in_its_role(cluster, proc.address, decoders)
+        cli = workers_cli(cluster, "switch-role", proc.address, "--role", "prefill")
+        assert cli.returncode == 0, cli.stderr
+        load.served(3)
     load.check(reference)
     status = worker_status(cluster, proc.address)
     assert status.role == worker_pb2.WORKER_ROLE_PREFILL and status.num_free_blocks == status.num_total_blocks

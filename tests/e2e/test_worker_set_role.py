@@ -1,7 +1,7 @@
 """Worker.SetRole on a real worker process: a prefill worker becomes a decode worker and back in
-its running process (one process for every case): the other role's calls answer UNAVAILABLE,
-the new role's work; a worker with a reservation held refuses FAILED_PRECONDITION, a role not
-given INVALID_ARGUMENT, prefill <-> colocated FAILED_PRECONDITION."""
+its running process (one process for every case), and colocated and back: the other roles'
+calls answer UNAVAILABLE, the new role's work; a worker with a reservation held refuses
+FAILED_PRECONDITION, a role not given INVALID_ARGUMENT."""
 from __future__ import annotations
 
 import os
@@ -21,7 +21,7 @@ from tests.serving import scrape
 
 PROMPT = [(13 * i) % 200 + 3 for i in range(20)]
 PARAMS = common_pb2.SamplingParams(temperature=0.0, max_tokens=4)
-PREFILL, DECODE = worker_pb2.WORKER_ROLE_PREFILL, worker_pb2.WORKER_ROLE_DECODE
+PREFILL, DECODE, BOTH = worker_pb2.WORKER_ROLE_PREFILL, worker_pb2.WORKER_ROLE_DECODE, worker_pb2.WORKER_ROLE_BOTH
 
 
 class WorkerProc:
@@ -100,6 +100,18 @@ def _prefill(ch: grpc.Channel, rid: str) -> list[worker_pb2.PrefillEvent]:
         worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=PROMPT, params=PARAMS), timeout=30))
 
 
+def _generate(ch: grpc.Channel, rid: str, service=worker_pb2_grpc.ColocatedWorkerStub) -> list[int]:
+    """A whole generation on one worker (colocated, or a decode worker prefilling locally): its tokens."""
+    tokens: list[int] = []
+    for event in service(ch).Generate(
+            worker_pb2.GenerateLocalRequest(request_id=rid, prompt_token_ids=PROMPT, params=PARAMS), timeout=30):
+        if event.HasField("first_token"):
+            tokens.append(event.first_token.token_id)
+        if event.HasField("decode"):
+            tokens.extend(event.decode.token_ids)
+    return tokens
+
+
 def _abort(ch: grpc.Channel, rid: str) -> bool:
     return worker_pb2_grpc.WorkerStub(ch).Abort(common_pb2.AbortRequest(request_id=rid), timeout=10).found
 
@@ -136,10 +148,30 @@ def test_a_prefill_worker_switches_to_decode_and_back_in_its_process(worker) -> 
     assert status.role == PREFILL and status.num_free_blocks == status.num_total_blocks
 
 
+def test_a_prefill_worker_turns_colocated_and_back(worker) -> None:
+    """Colocated, it generates a whole sequence itself (the same tokens as a decode worker
+    prefilling locally), refuses prefill and decode calls; back as prefill, it refuses Generate."""
+    _, ch, _ = worker
+    code, details = _code(lambda: _generate(ch, "early"))
+    assert code is grpc.StatusCode.UNAVAILABLE and "prefill worker now" in details, details
+    assert _set_role(ch, BOTH).role == BOTH
+    tokens = _generate(ch, "colocated")
+    assert len(tokens) == PARAMS.max_tokens, tokens
+    for call in (lambda: _prefill(ch, "refused"), lambda: _reserve(ch, "refused")):
+        code, details = _code(call)
+        assert code is grpc.StatusCode.UNAVAILABLE and "both worker now" in details, details
+    assert _set_role(ch, DECODE).role == DECODE
+    assert _generate(ch, "local", worker_pb2_grpc.DecodeWorkerStub) == tokens   # greedy: the same tokens
+    assert _set_role(ch, PREFILL).role == PREFILL
+    code, details = _code(lambda: _generate(ch, "late"))
+    assert code is grpc.StatusCode.UNAVAILABLE and "prefill worker now" in details, details
+    status = worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.StatusRequest(), timeout=10)
+    assert status.num_free_blocks == status.num_total_blocks
+
+
 @pytest.mark.parametrize("role, expected, words", [
     (worker_pb2.WORKER_ROLE_UNSPECIFIED, grpc.StatusCode.INVALID_ARGUMENT, "WORKER_ROLE_UNSPECIFIED"),
-    (42, grpc.StatusCode.INVALID_ARGUMENT, "unknown role 42"),
-    (worker_pb2.WORKER_ROLE_BOTH, grpc.StatusCode.FAILED_PRECONDITION, "prefill <-> decode only")])
+    (42, grpc.StatusCode.INVALID_ARGUMENT, "unknown role 42")])
 def test_a_role_that_cannot_be_taken_is_refused(worker, role: int, expected: grpc.StatusCode, words: str) -> None:
     _, ch, _ = worker
     code, details = _code(lambda: _set_role(ch, role))

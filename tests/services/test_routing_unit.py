@@ -18,11 +18,11 @@ PROMPT = list(range(100, 164))   # 8 blocks of 8
 
 
 @contextlib.contextmanager
-def _pool(prefill: list[str], decode: list[str]):
+def _pool(prefill: list[str], decode: list[str], colocated: list[str] = ()):
     """A pool whose workers report the same status (their channels need a current event loop)."""
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    pool = WorkerPool(prefill, decode, [])
+    pool = WorkerPool(prefill, decode, list(colocated))
     for w in pool.workers:
         w.status = worker_pb2.WorkerStatus(block_size=8, num_total_blocks=256, num_free_blocks=256,
                                            step_base_ms=5.0, step_ms_per_token=0.05, decode_ms_per_seq=0.1)
@@ -101,3 +101,25 @@ def test_the_remote_route_is_always_taken_unless_conditional(pool: WorkerPool) -
     conditional = Placement(pool, "kv-aware", "conditional").decode_routes([], len(PROMPT), 16)
     assert all(r.local_ms > 0 and r.threshold_tokens is not None for r in conditional)
     assert all(r.local == (r.local_ms < r.remote_ms) for r in conditional)
+
+
+@pytest.mark.parametrize("routing", ["kv-aware", "load"])
+def test_a_colocated_member_among_prefill_and_decode_workers_prefills_its_own_prompts(routing: str) -> None:
+    """A worker switched to colocated in a disaggregated deployment is a decode candidate whose
+    route is always local; with no prefill worker healthy, it is the only route (the decode
+    worker needs one), and with none of it either, NoWorker names prefill."""
+    with _pool(["127.0.0.1:11"], ["127.0.0.1:21"], ["127.0.0.1:31"]) as pool:
+        assert not pool.colocated and pool.serving
+        both = pool.of_role("both")[0]
+        assert both in pool.healthy("decode") and both not in pool.healthy("prefill")
+        placement = Placement(pool, routing)
+        routes = {r.decode.address: r for r in placement.decode_routes(request_keys(PROMPT, 8), len(PROMPT), 16)}
+        assert routes["127.0.0.1:31"].local and not routes["127.0.0.1:21"].local
+        pool.of_role("prefill")[0].connected = False
+        routes = placement.decode_routes(request_keys(PROMPT, 8), len(PROMPT), 16)
+        assert [r.decode for r in routes] == [both] and pool.serving
+        both.connected = False
+        assert not pool.serving and pool.outage_started("decode") is None   # the decode worker is healthy
+        with pytest.raises(NoWorker) as err:
+            placement.decode_routes(request_keys(PROMPT, 8), len(PROMPT), 16)
+        assert err.value.role == "prefill"
