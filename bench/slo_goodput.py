@@ -1,43 +1,72 @@
 #!/usr/bin/env python
-"""Goodput against offered load, with and without SLO admission, in one run (DistServe's measure:
-requests per second that meet both the TTFT and the TPOT target).
+"""Goodput against offered load, with and without SLO admission, and vLLM-CPU at the same rates,
+in one run (DistServe's measure: requests per second that meet both the TTFT and the TPOT target).
 
-Setups, each a `pdserve up` on this machine (small model, one thread per worker, loopback):
+Setups, each a server on this machine (small model, loopback):
 
-* ``disagg``:     1 prefill + 1 decode worker, today's admission (a FIFO queue for decode capacity)
+* ``disagg``:     ``pdserve up`` with 1 prefill + 1 decode worker (one thread each, each pinned to
+  its own core), today's admission (a FIFO queue for decode capacity)
 * ``disagg-slo``: the same with ``--slo-admission --slo-ttft-ms T --slo-tpot-ms P``: a request
   predicted to miss its TTFT target is refused at once with a retry hint, one queued past it is
   shed, a decode worker takes only requests that keep its TPOT targets
-* ``colocated``:  1 colocated worker, today's admission, for comparison
+* ``colocated``:  ``pdserve up`` with 1 colocated worker, today's admission, for comparison
+* ``vllm``:       vLLM-CPU's OpenAI server (``--vllm-python``, default ``$PDSERVE_VLLM_PYTHON``; vLLM
+  lives in its own virtualenv, never a pdserve dependency), started as ``bench/vs_vllm.py online``
+  starts it: ``VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0 python -m
+  vllm.entrypoints.openai.api_server --model M --dtype D --max-model-len 2048``, its defaults
+  otherwise (prefix caching on, as vLLM has it). D: ``--vllm-dtype auto``, bfloat16 where the CPU
+  computes bf16 natively (AMX or AVX512-BF16), else float32. CPU: the whole machine, as the 1P1D
+  deployment has it. ``bench/vs_vllm.py online`` binds vLLM's engine as at ``--threads 1``:
+  ``VLLM_CPU_OMP_THREADS_BIND=0``, its one OpenMP thread on core 0, and leaves the other core to
+  vLLM's API server and scheduler process, which is what vLLM's own ``auto`` binding does on 2
+  cores (it reserves a core for that process); pdserve's 1P1D likewise computes on core 0
+  (prefill) and core 1 (decode), its router on either. This script does the same
+  (``--vllm-omp-bind 0``); ``--vllm-omp-bind 0-1`` gives vLLM's engine two OpenMP threads on both
+  cores instead (its API server then shares them). Included by default when a vLLM python is
+  given; without one it is skipped, saying so. Its server runs in its own process group, stopped
+  as a whole (and checked) at the end, also on an error, Ctrl-C or SIGTERM.
 
 First the capacity is measured (``disagg`` at a rate it cannot keep up with: its request
 throughput), then each setup serves the same Poisson load (random prompts of ``--input-len``
 tokens, ``--output-len`` output tokens with ignore_eos, greedy) at each fraction of that capacity
-in ``--load-factors``. Per point: goodput (requests within both targets, per second of the run),
-completed, refused and their time to the refusal (max, p99) and whether each carried a retry
-hint. The table goes to stdout, the rows to ``slo_goodput.json`` and a plot of goodput against
-the offered rate to ``slo_goodput.png`` (``--out``, default ``docs/images``)::
+in ``--load-factors``, after 4 warm-up requests. One load generator measures all of them
+(``services.loadtest.run.run_load``): pdserve over its router's gRPC API, vLLM over
+``/v1/completions`` (``services.loadtest.openai_backend.OpenAIBackend``, the same token-id prompts,
+streamed). Per point: goodput (requests within both targets, per second of the run), completed,
+refused (pdserve's RESOURCE_EXHAUSTED, an HTTP 429 or 503 from vLLM) and their time to the refusal
+(max, p99) and whether each carried a retry hint, other failures. The table goes to stdout, the
+rows to ``slo_goodput.json`` and a plot of goodput against the offered rate to ``slo_goodput.png``
+(``--out``, default ``docs/images``)::
 
-    PYTHONPATH=. python bench/slo_goodput.py --num-prompts 60 --load-factors 0.5,1,1.5,2
+    PYTHONPATH=. python bench/slo_goodput.py --num-prompts 60 --load-factors 0.5,1,1.5,2 \\
+        --vllm-python /work/vllm-venv/bin/python
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench import drivers  # noqa: E402
+from bench.vs_vllm import VENV_TOOL, VLLM_PYTHON_ENV  # noqa: E402
+from bench.vs_vllm_commands import (default_omp_bind, format_command, vllm_dtype, vllm_env,  # noqa: E402
+                                    vllm_server_command)
+from bench.vs_vllm_procs import ProcessGroup, _on_sigterm, _Terminated, free_port, wait_http  # noqa: E402
 
-SETUPS = ("disagg", "disagg-slo", "colocated")
+SETUPS = ("disagg", "disagg-slo", "colocated", "vllm")
+REFUSALS = ("RESOURCE_EXHAUSTED", "HTTP 429", "HTTP 503")   # pdserve's gRPC status, an HTTP server's
 
 
 def up_flags(setup: str, ttft_ms: float, tpot_ms: float) -> list[str]:
@@ -53,54 +82,112 @@ def requests(n: int, input_len: int, output_len: int, seed: int, vocab: int):
     return sample_requests(DatasetOptions("random", input_len=input_len, output_len=output_len), n, vocab, seed=seed)
 
 
-def point(address: str, rate: float, args: argparse.Namespace, seed: int, vocab: int) -> dict[str, Any]:
-    """One load at rate against the router at address, summarised."""
+@dataclass
+class Target:
+    """A serving setup as the load generator reaches it: address, the router's gRPC address (or,
+    for an HTTP server, its base URL, for messages); backend, a factory of run_load's backend for
+    one load (None: the router's gRPC API at address)."""
+
+    address: str
+    backend: Callable[[], Any] | None = None
+
+
+def refused(error: str) -> bool:
+    return error.startswith(REFUSALS)
+
+
+def point(target: Target, rate: float, args: argparse.Namespace, seed: int, vocab: int) -> dict[str, Any]:
+    """One load at rate against target, summarised."""
     import numpy as np
 
     from services.loadtest.results import Sampling
     from services.loadtest.run import run_load
     reqs = requests(args.num_prompts, args.input_len, args.output_len, seed, vocab)
-    results, duration = asyncio.run(run_load(address, reqs, rate=rate, seed=seed,
+    backend = target.backend() if target.backend is not None else None
+    results, duration = asyncio.run(run_load(target.address, reqs, rate=rate, seed=seed, backend=backend,
                                              sampling=Sampling(temperature=0.0, ignore_eos=True), tag="slo"))
     good = [r for r in results if r.success and r.ttft * 1e3 <= args.ttft_ms
             and (r.tpot is None or r.tpot * 1e3 <= args.tpot_ms)]
-    refused = [r for r in results if not r.success and r.error.startswith("RESOURCE_EXHAUSTED")]
-    other = [r for r in results if not r.success and not r.error.startswith("RESOURCE_EXHAUSTED")]
+    refusals = [r for r in results if not r.success and refused(r.error)]
+    other = [r for r in results if not r.success and not refused(r.error)]
     done = [r for r in results if r.success]
-    refusal_ms = [r.error_s * 1e3 for r in refused]
-    return {"offered_rate": rate, "duration_s": duration, "completed": len(done), "refused": len(refused),
+    refusal_ms = [r.error_s * 1e3 for r in refusals]
+    return {"offered_rate": rate, "duration_s": duration, "completed": len(done), "refused": len(refusals),
             "failed_otherwise": len(other), "goodput": len(good) / duration,
             "throughput": len(done) / duration, "slo_attainment_of_all": len(good) / len(results),
             "ttft_p50_ms": float(np.percentile([r.ttft * 1e3 for r in done], 50)) if done else None,
             "ttft_p99_ms": float(np.percentile([r.ttft * 1e3 for r in done], 99)) if done else None,
             "refusal_max_ms": max(refusal_ms) if refusal_ms else None,
             "refusal_p99_ms": float(np.percentile(refusal_ms, 99)) if refusal_ms else None,
-            "refused_with_retry_hint": sum(r.retry_after_s is not None for r in refused),
-            "shed": sum("shed" in r.error for r in refused),
+            "refused_with_retry_hint": sum(r.retry_after_s is not None for r in refusals),
+            "shed": sum("shed" in r.error for r in refusals),
             "errors": sorted({r.error.split(";")[0][:80] for r in other})[:3]}
 
 
-def run_setup(setup: str, args: argparse.Namespace, model: str, logs: Path, rates: list[float]) -> list[dict]:
-    from services.deployment.launcher import free_port, wait_serving
-    from engine.model_config import ModelConfig
-    port = free_port()
+@contextlib.contextmanager
+def pdserve_target(setup: str, args: argparse.Namespace, model: str, logs: Path) -> Iterator[Target]:
+    """`pdserve up` for setup, serving; stopped (its router and workers) on leaving."""
+    from services.deployment.launcher import free_port as free_router_port
+    from services.deployment.launcher import wait_serving
+    port = free_router_port()
     cmd = [sys.executable, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--threads", "1", *up_flags(setup, args.ttft_ms, args.tpot_ms)]
     popen = drivers.start_up(cmd, logs / f"{setup}-up.log", f"[{setup}]")
-    rows = []
     try:
         wait_serving(f"127.0.0.1:{port}", popen, timeout=300)
         time.sleep(1.0)
-        vocab = ModelConfig.from_dir(model).vocab_size
-        point(f"127.0.0.1:{port}", 2.0, argparse.Namespace(**{**vars(args), "num_prompts": 4}), 999, vocab)  # warm
-        for i, rate in enumerate(rates):
-            row = {"setup": setup, **point(f"127.0.0.1:{port}", rate, args, args.seed + i, vocab)}
-            print(f"[{setup}] {rate:.2f} req/s: goodput {row['goodput']:.2f}, completed {row['completed']}, refused "
-                  f"{row['refused']} (shed {row['shed']}, max {row['refusal_max_ms'] or 0:.0f} ms), TTFT p99 "
-                  f"{row['ttft_p99_ms'] or 0:.0f} ms", flush=True)
-            rows.append(row)
+        yield Target(f"127.0.0.1:{port}")
     finally:
         drivers.stop_up(popen)
+
+
+def vllm_command(args: argparse.Namespace, model: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """vLLM's server command and environment overrides, as bench/vs_vllm.py online makes them."""
+    return (vllm_server_command(args.vllm_python, model, port, dtype=vllm_dtype(args.vllm_dtype)),
+            vllm_env(args.vllm_kvcache_gib, args.vllm_omp_bind))
+
+
+@contextlib.contextmanager
+def vllm_target(args: argparse.Namespace, model: str, logs: Path) -> Iterator[Target]:
+    """vLLM-CPU's OpenAI server in its own process group, healthy; on leaving the group is
+    stopped as a whole and checked for leftovers."""
+    from services.loadtest.openai_backend import OpenAIBackend
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd, env = vllm_command(args, model, port)
+    print(f"[vllm] {format_command(cmd, env)}", flush=True)
+    server = ProcessGroup("vllm", cmd, logs / "vllm-server.log", env)
+    try:
+        t0 = time.monotonic()
+        wait_http(server, [f"{base}/health"], args.vllm_startup_timeout_s)
+        server.refresh()
+        print(f"[vllm] healthy after {time.monotonic() - t0:.0f}s", flush=True)
+        yield Target(base, lambda: OpenAIBackend(base, model=model))
+    finally:
+        left = server.stop()
+        if left:
+            print(f"WARNING: [vllm] processes left after the stop: {left}", file=sys.stderr, flush=True)
+        else:
+            print("[vllm] stopped; no process of it left", flush=True)
+
+
+def serve(setup: str, args: argparse.Namespace, model: str, logs: Path):
+    return vllm_target(args, model, logs) if setup == "vllm" else pdserve_target(setup, args, model, logs)
+
+
+def run_setup(setup: str, args: argparse.Namespace, model: str, logs: Path, rates: list[float]) -> list[dict]:
+    from engine.model_config import ModelConfig
+    vocab = ModelConfig.from_dir(model).vocab_size
+    rows = []
+    with serve(setup, args, model, logs) as target:
+        point(target, 2.0, argparse.Namespace(**{**vars(args), "num_prompts": 4}), 999, vocab)  # warm
+        for i, rate in enumerate(rates):
+            row = {"setup": setup, **point(target, rate, args, args.seed + i, vocab)}
+            print(f"[{setup}] {rate:.2f} req/s: goodput {row['goodput']:.2f}, completed {row['completed']}, refused "
+                  f"{row['refused']} (shed {row['shed']}, max {row['refusal_max_ms'] or 0:.0f} ms), failed otherwise "
+                  f"{row['failed_otherwise']}{' ' + str(row['errors']) if row['errors'] else ''}, TTFT p99 "
+                  f"{row['ttft_p99_ms'] or 0:.0f} ms", flush=True)
+            rows.append(row)
     return rows
 
 
@@ -124,11 +211,14 @@ def plot(rows: list[dict], capacity: float, path: Path, args: argparse.Namespace
     for setup in SETUPS:
         pts = [r for r in rows if r["setup"] == setup]
         if pts:
-            ax.plot([r["offered_rate"] for r in pts], [r["goodput"] for r in pts], marker="o", label=setup)
+            ax.plot([r["offered_rate"] for r in pts], [r["goodput"] for r in pts], marker="o",
+                    label="vLLM-CPU" if setup == "vllm" else setup, **({"color": "black", "linestyle": "--"}
+                                                                       if setup == "vllm" else {}))
     ax.axvline(capacity, color="grey", linestyle=":", label=f"capacity {capacity:.2f} req/s")
     ax.set_xlabel("offered load (req/s)")
     ax.set_ylabel(f"goodput (req/s, TTFT <= {args.ttft_ms:g} ms and TPOT <= {args.tpot_ms:g} ms)")
-    ax.set_title("pdserve goodput under load, SLO admission on and off")
+    vllm = any(r["setup"] == "vllm" for r in rows)
+    ax.set_title("goodput under load: pdserve, SLO admission on and off" + (", and vLLM-CPU" if vllm else ""))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -138,7 +228,8 @@ def plot(rows: list[dict], capacity: float, path: Path, args: argparse.Namespace
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint (default: the small model, made once)")
-    p.add_argument("--setups", default=",".join(SETUPS))
+    p.add_argument("--setups", default=None,
+                   help=f"comma list of {', '.join(SETUPS)} (default: all; vllm only when a vLLM python is given)")
     p.add_argument("--load-factors", default="0.5,0.75,1,1.5,2", help="offered load as fractions of the capacity")
     p.add_argument("--capacity", type=float, default=None, help="req/s; default: measured first")
     p.add_argument("--num-prompts", type=int, default=60)
@@ -148,12 +239,42 @@ def main() -> int:
     p.add_argument("--tpot-ms", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO_ROOT / "docs" / "images"))
+    p.add_argument("--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV),
+                   help=f"python of a virtualenv with vLLM's CPU build (default ${VLLM_PYTHON_ENV}); make one with "
+                        f"{VENV_TOOL} DIR")
+    p.add_argument("--vllm-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="vLLM's --dtype; auto: bfloat16 where the CPU has AMX or AVX512-BF16, else float32")
+    p.add_argument("--vllm-omp-bind", default=default_omp_bind(1),
+                   help="VLLM_CPU_OMP_THREADS_BIND (default 0, as bench/vs_vllm.py online at --threads 1: the engine "
+                        "on core 0, the other core for vLLM's API server; 0-1: the engine on both; 'auto': vLLM's)")
+    p.add_argument("--vllm-kvcache-gib", type=float, default=4, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
+    p.add_argument("--vllm-startup-timeout-s", type=float, default=600)
     args = p.parse_args()
+    setups = drivers.names(args.setups or ",".join(SETUPS), SETUPS, "setup")
+    if "vllm" in setups and not args.vllm_python:
+        if args.setups:
+            p.error(f"setup vllm needs vLLM's python: --vllm-python PATH or ${VLLM_PYTHON_ENV} "
+                    f"(make a venv with {VENV_TOOL} DIR)")
+        setups.remove("vllm")
+        print(f"skipping setup vllm: no vLLM python given (--vllm-python PATH or ${VLLM_PYTHON_ENV})", flush=True)
+    if "vllm" in setups and not Path(args.vllm_python).exists():
+        p.error(f"--vllm-python {args.vllm_python} does not exist (make a venv with {VENV_TOOL} DIR)")
+    old = signal.signal(signal.SIGTERM, _on_sigterm)   # SIGTERM unwinds too: every server is stopped
+    try:
+        return measure(args, setups)
+    except (KeyboardInterrupt, _Terminated):
+        print("\ninterrupted; the servers were stopped", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def measure(args: argparse.Namespace, setups: list[str]) -> int:
     model = drivers.model_dir(args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     logs = drivers.result_dir(None, "slo-goodput")   # the deployments' logs
-    setups = drivers.names(args.setups, SETUPS, "setup")
+    print(f"servers' logs in {logs}", flush=True)
     capacity = args.capacity
     if capacity is None:   # the disaggregated deployment's throughput under more load than it can serve
         probe = run_setup("disagg", argparse.Namespace(**{**vars(args), "num_prompts": 40}), model, logs, [20.0])[0]
@@ -162,8 +283,12 @@ def main() -> int:
     rates = [capacity * float(f) for f in args.load_factors.split(",")]
     rows = [row for setup in setups for row in run_setup(setup, args, model, logs, rates)]
     print(table(rows, capacity))
-    (out / "slo_goodput.json").write_text(json.dumps({"capacity": capacity, "args": vars(args), "rows": rows,
-                                                      "cpu": drivers_cpu()}, indent=1))
+    record: dict[str, Any] = {"capacity": capacity, "args": vars(args), "setups": setups, "rows": rows,
+                              "cpu": drivers_cpu()}
+    if "vllm" in setups:
+        cmd, env = vllm_command(args, model, 0)
+        record["vllm_server"] = format_command(cmd, env).replace("--port 0", "--port PORT")
+    (out / "slo_goodput.json").write_text(json.dumps(record, indent=1))
     plot(rows, capacity, out / "slo_goodput.png", args)
     print(f"wrote {out / 'slo_goodput.json'} and {out / 'slo_goodput.png'}")
     return 0
