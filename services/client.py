@@ -74,17 +74,19 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_toke
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                   seed: int | None = None, stop_token_ids: Sequence[int] = (), ignore_eos: bool | None = None,
                   skip_special_tokens: bool | None = None, priority: int = 0, user: str = "",
-                  slo_ttft_ms: float = 0.0, slo_tpot_ms: float = 0.0) -> router_pb2.GenerateRequest:
+                  slo_ttft_ms: float = 0.0, slo_tpot_ms: float = 0.0, session_id: str = ""
+                  ) -> router_pb2.GenerateRequest:
     """Only the parameters given are set; the rest take the server's defaults. priority (lower
     first), user (the fair-share key) and the latency targets (ms; 0: the deployment's): the
-    request's scheduling class (services/router/slo.py)."""
+    request's scheduling class (services/router/slo.py); session_id: its multi-turn conversation
+    (services/router/sessions.py)."""
     params = common_pb2.SamplingParams(stop_token_ids=list(stop_token_ids))
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                         ("seed", seed), ("ignore_eos", ignore_eos), ("skip_special_tokens", skip_special_tokens)):
         if value is not None:
             setattr(params, name, value)
     req = router_pb2.GenerateRequest(request_id=request_id, params=params, priority=priority, user=user,
-                                     slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
+                                     slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, session_id=session_id)
     if isinstance(prompt, str):
         req.text = prompt
     else:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xdf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0c\n\x04user\x18\x06 \x01(\t\x12\x13\n\x0bslo_ttft_ms\x18\x07 \x01(\x01\x12\x13\n\x0bslo_tpot_ms\x18\x08 \x01(\x01\x42\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa7\x03\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x03 \x01(\x01\x12\x1c\n\x14\x66irst_decode_step_ms\x18\x04 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x06 \x01(\x01\x12\x12\n\nmigrations\x18\x07 \x01(\r\x12\x15\n\rprefill_route\x18\x08 \x01(\t\x12\x1a\n\x12\x65stimated_local_ms\x18\t \x01(\x01\x12\x1b\n\x13\x65stimated_remote_ms\x18\n \x01(\x01\x12+\n\x1elocal_prefill_threshold_tokens\x18\x0b \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x0c \x01(\r\x12\x10\n\x08kv_bytes\x18\r \x01(\x04\x12\x15\n\rkv_wire_bytes\x18\x0e \x01(\x04\x12\x12\n\nkv_streams\x18\x0f \x01(\r\x12\x10\n\x08kv_codec\x18\x10 \x01(\tB!\n\x1f_local_prefill_threshold_tokens\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x1a\n\rfinish_reason\x18\x04 \x01(\tH\x00\x88\x01\x01\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprobB\x10\n\x0e_finish_reason\"\x12\n\x10ModelInfoRequest\"\xad\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1b\n\x13num_prefill_workers\x18\x06 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x07 \x01(\r2\xd4\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x43\n\x0cGetModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0c\n\x04user\x18\x06 \x01(\t\x12\x13\n\x0bslo_ttft_ms\x18\x07 \x01(\x01\x12\x13\n\x0bslo_tpot_ms\x18\x08 \x01(\x01\x12\x12\n\nsession_id\x18\t \x01(\tB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa7\x03\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x03 \x01(\x01\x12\x1c\n\x14\x66irst_decode_step_ms\x18\x04 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x06 \x01(\x01\x12\x12\n\nmigrations\x18\x07 \x01(\r\x12\x15\n\rprefill_route\x18\x08 \x01(\t\x12\x1a\n\x12\x65stimated_local_ms\x18\t \x01(\x01\x12\x1b\n\x13\x65stimated_remote_ms\x18\n \x01(\x01\x12+\n\x1elocal_prefill_threshold_tokens\x18\x0b \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x0c \x01(\r\x12\x10\n\x08kv_bytes\x18\r \x01(\x04\x12\x15\n\rkv_wire_bytes\x18\x0e \x01(\x04\x12\x12\n\nkv_streams\x18\x0f \x01(\r\x12\x10\n\x08kv_codec\x18\x10 \x01(\tB!\n\x1f_local_prefill_threshold_tokens\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x1a\n\rfinish_reason\x18\x04 \x01(\tH\x00\x88\x01\x01\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprobB\x10\n\x0e_finish_reason\"\x12\n\x10ModelInfoRequest\"\xad\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1b\n\x13num_prefill_workers\x18\x06 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x07 \x01(\r2\xd4\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x43\n\x0cGetModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=64
   _globals['_TOKENIDS']._serialized_end=87
   _globals['_GENERATEREQUEST']._serialized_start=90
-  _globals['_GENERATEREQUEST']._serialized_end=313
-  _globals['_USAGE']._serialized_start=315
-  _globals['_USAGE']._serialized_end=395
-  _globals['_TIMINGS']._serialized_start=398
-  _globals['_TIMINGS']._serialized_end=821
-  _globals['_GENERATERESPONSE']._serialized_start=824
-  _globals['_GENERATERESPONSE']._serialized_end=1075
-  _globals['_MODELINFOREQUEST']._serialized_start=1077
-  _globals['_MODELINFOREQUEST']._serialized_end=1095
-  _globals['_MODELINFO']._serialized_start=1098
-  _globals['_MODELINFO']._serialized_end=1271
-  _globals['_ROUTER']._serialized_start=1274
-  _globals['_ROUTER']._serialized_end=1486
+  _globals['_GENERATEREQUEST']._serialized_end=333
+  _globals['_USAGE']._serialized_start=335
+  _globals['_USAGE']._serialized_end=415
+  _globals['_TIMINGS']._serialized_start=418
+  _globals['_TIMINGS']._serialized_end=841
+  _globals['_GENERATERESPONSE']._serialized_start=844
+  _globals['_GENERATERESPONSE']._serialized_end=1095
+  _globals['_MODELINFOREQUEST']._serialized_start=1097
+  _globals['_MODELINFOREQUEST']._serialized_end=1115
+  _globals['_MODELINFO']._serialized_start=1118
+  _globals['_MODELINFO']._serialized_end=1291
+  _globals['_ROUTER']._serialized_start=1294
+  _globals['_ROUTER']._serialized_end=1506
 # @@protoc_insertion_point(module_scope)

@@ -169,7 +169,8 @@ def front_request(request: router_pb2.GenerateRequest, front: RequestFront) -> F
 def service_class(request: router_pb2.GenerateRequest) -> ServiceClass:
     """The request's scheduling class; InvalidRequest naming the field when one is out of range."""
     try:
-        return ServiceClass(request.priority, request.user, request.slo_ttft_ms or None, request.slo_tpot_ms or None)
+        return ServiceClass(request.priority, request.user, request.slo_ttft_ms or None, request.slo_tpot_ms or None,
+                            request.session_id)
     except ValueError as exc:
         raise InvalidRequest(str(exc), str(exc).split(" ", 1)[0]) from None
 

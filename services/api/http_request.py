@@ -331,10 +331,11 @@ def _parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimit
 
 
 def _service_class(body: dict) -> ServiceClass:
-    """vLLM's `priority` (lower first), OpenAI's `user` (the fair-share key), and pdserve's latency
-    targets `slo_ttft_ms` / `slo_tpot_ms` (services/router/slo.py)."""
+    """vLLM's `priority` (lower first), OpenAI's `user` (the fair-share key), pdserve's latency
+    targets `slo_ttft_ms` / `slo_tpot_ms` (services/router/slo.py) and its `session_id`
+    (services/router/sessions.py)."""
     values = (_field(body, "priority", int, 0), _field(body, "user", str, ""), _field(body, "slo_ttft_ms", float),
-              _field(body, "slo_tpot_ms", float))
+              _field(body, "slo_tpot_ms", float), _field(body, "session_id", str, ""))
     try:
         return ServiceClass(*values)
     except ValueError as exc:

@@ -29,6 +29,7 @@ from services.router.prefix_index import DEFAULT_MAX_KEYS
 from services.metrics import RouterMetrics
 from services.router.migration import MigrationLoop, WorkerWatch
 from services.router.route_colocated import colocated
+from services.router.sessions import SessionTable
 from services.router.route_context import RouteContext
 from services.router.route_disaggregated import DisaggregatedRoute
 from services.router.placement import DISAGGREGATION_MODES, ROUTING_POLICIES, Placement
@@ -76,6 +77,10 @@ class GenerationOptions:
                                       "own (slo_tpot_ms) wins")
     slo_shed: bool = setting(True, "with --slo-admission: shed a request still waiting for decode capacity once its "
                                    "TTFT target has passed, rather than serve it late")
+    session_ttl_s: float = setting(600.0, "multi-turn sessions (session_id, else user): for this long after a turn, "
+                                          "the next turn may prefill on the decode worker that holds the "
+                                          "conversation's KV, computing only its new tokens (0: off)")
+    max_sessions: int = setting(100_000, "sessions remembered (least recently used dropped)")
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
@@ -94,6 +99,9 @@ class GenerationOptions:
         for name in ("migration_limit", "max_queued_requests", "kv_lease_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.session_ttl_s < 0 or self.max_sessions < 1:
+            raise ValueError(f"session_ttl_s must be >= 0 and max_sessions >= 1, got {self.session_ttl_s}, "
+                             f"{self.max_sessions}")
         for name in ("stall_timeout_s", "queue_timeout_s", "worker_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -112,7 +120,8 @@ class Generator:
         self.routes = RouteContext(pool, options, metrics, self.placement, self.admission,
                                    WorkerWatch(pool, options.stall_timeout_s, options.worker_wait_s),
                                    SloPolicy(options.slo_admission, options.slo_ttft_ms, options.slo_tpot_ms,
-                                             options.slo_shed), self._tpot_targets)
+                                             options.slo_shed), self._tpot_targets,
+                                   sessions=SessionTable(options.session_ttl_s, options.max_sessions))
         self.migration = MigrationLoop(options.migration_limit, metrics)
         self._disaggregated = DisaggregatedRoute(self.routes)
 

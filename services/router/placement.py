@@ -119,10 +119,15 @@ class Placement:
         return max(1, n_tokens - self._matched(worker, keys) * self.block_size)
 
     # ---- decode (and the route) -------------------------------------------------------------
-    def decode_routes(self, keys: Sequence[int], n_tokens: int, max_tokens: int, exclude: set[str] = frozenset()
-                      ) -> list[Route]:
-        """Every healthy decode worker's offer, best first. Raises NoWorker."""
+    def decode_routes(self, keys: Sequence[int], n_tokens: int, max_tokens: int, exclude: set[str] = frozenset(),
+                      session_worker: str | None = None) -> list[Route]:
+        """Every healthy decode worker's offer, best first. session_worker: the address of the
+        worker the request's session last ended on (services/router/sessions.py): it may prefill
+        the request itself (priced as conditional disaggregation prices it), and the load policy
+        tries it first. Raises NoWorker."""
         candidates = self.pool.decode_candidates(exclude)   # load order: fewest in flight, most free blocks
+        if session_worker is not None:
+            candidates.sort(key=lambda w: w.address != session_worker)   # stable: load order otherwise
         if self.pool.colocated:   # prefill and decode where the request goes: by both costs
             routes = []
             for i, w in enumerate(candidates):
@@ -151,13 +156,14 @@ class Placement:
             cost_d = self.step_cost(d)
             load_d = self.load(d)
             prefills_itself = d.role == "both"   # a colocated member among P/D workers
-            if self.conditional or prefills_itself:
+            may_prefill = self.conditional or d.address == session_worker
+            if may_prefill or prefills_itself:
                 local = self.costs.local_ms(cost_d, load_d, max(1, n_tokens - held * bs))
                 if prefill is not None and not prefills_itself:
                     threshold = self.costs.threshold_tokens(cost_d, load_d, self.step_cost(prefill),
                                                             self.load(prefill), bs)
                     self._log_threshold(d, threshold, cost_d, load_d)
-            is_local = prefills_itself or (self.conditional and local < remote)
+            is_local = prefills_itself or (may_prefill and local < remote)
             if not is_local and prefill is None:
                 continue   # it needs a prefill worker, and none is healthy
             if self.kv_aware:

@@ -16,6 +16,7 @@ from services.router.admission import AdmissionQueue
 from services.router.errors import RouterError, WorkerFailure
 from services.router.generation_state import Chunk, Generation
 from services.router.prefix_index import request_keys
+from services.router.sessions import SessionTable
 from services.metrics import RouterMetrics
 from services.router.migration import WorkerWatch
 from services.router.placement import Placement, Route
@@ -45,6 +46,7 @@ class RouteContext:
     # arrives faster than it is placed, and each arrival's prediction must count the ones before it.
     unplaced_tokens: int = 0
     shares: OverloadShares = field(default_factory=OverloadShares)
+    sessions: SessionTable = field(default_factory=lambda: SessionTable(0, 1))   # default: off
     _background: set[asyncio.Task] = field(default_factory=set, repr=False)   # prefill followers, aborts
 
     def keys(self, gen: Generation) -> list[int]:
@@ -53,8 +55,14 @@ class RouteContext:
         return request_keys([*gen.prompt, *gen.generated], bs, gen.params.cache_salt) \
             if bs and self.placement.kv_aware else []
 
+    def routes(self, gen: Generation, keys: list[int]) -> list[Route]:
+        """Every decode worker's offer for the request, best first (Placement.decode_routes); the
+        worker its session's last turn ended on may prefill it. Raises NoWorker."""
+        return self.placement.decode_routes(keys, gen.n_tokens, gen.params.max_tokens, gen.failed,
+                                            session_worker=self.sessions.worker(gen.service.session_key))
+
     def best_route(self, gen: Generation, keys: list[int]) -> Route:
-        return self.placement.decode_routes(keys, gen.n_tokens, gen.params.max_tokens, gen.failed)[0]
+        return self.routes(gen, keys)[0]
 
     # ---- SLO admission (services/router/slo.py) -------------------------------------------
     def predicted_ttft_ms(self, gen: Generation, keys: list[int]) -> float:
@@ -180,12 +188,13 @@ class RouteContext:
         return Chunk([first.token_id], first.finish_reason if finish else None,
                      [first.logprob] if first.HasField("logprob") else None)
 
-    @staticmethod
-    def decode_chunk(event: worker_pb2.DecodeEvent, worker: WorkerHandle, gen: Generation) -> Chunk:
+    def decode_chunk(self, event: worker_pb2.DecodeEvent, worker: WorkerHandle, gen: Generation) -> Chunk:
         """A decode event as a chunk. A worker ending the request with "abort" that nobody asked
         for (its engine failed, or it was told by a stale abort) is a fault: the request moves."""
         if event.finished and event.finish_reason == "abort" and not gen.aborted:
             raise WorkerFailure(worker.address, "ABORTED", "the worker aborted the request")
+        if event.finished:   # the turn's KV (history, message, answer) is on that worker now
+            self.sessions.turn_ended(gen.service.session_key, worker.address)
         return Chunk(list(event.token_ids), event.finish_reason if event.finished else None,
                      list(event.logprobs) or None)
 

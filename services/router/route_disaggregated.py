@@ -239,8 +239,7 @@ class DisaggregatedRoute:
         """_reserve as the head of the admission queue, until deadline (monotonic)."""
         ctx, n_tokens = self.ctx, gen.n_tokens
         while True:
-            routes = await ctx.watch.pick(gen, lambda: ctx.placement.decode_routes(
-                keys, n_tokens, gen.params.max_tokens, gen.failed))
+            routes = await ctx.watch.pick(gen, lambda: ctx.routes(gen, keys))
             for route in routes:
                 worker = route.decode
                 bs = worker.status.block_size if worker.status and worker.status.block_size else 1

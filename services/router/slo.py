@@ -1,8 +1,9 @@
 """What a request was promised, and whether the router can still keep it.
 
 A request's ``ServiceClass``: its priority (lower first, as vLLM's ``priority``), its client (the
-fair-share key inside a priority: OpenAI's ``user``), and its latency targets (TTFT and TPOT in
-ms; unset: the deployment's ``--slo-ttft-ms`` / ``--slo-tpot-ms``).
+fair-share key inside a priority: OpenAI's ``user``), its latency targets (TTFT and TPOT in
+ms; unset: the deployment's ``--slo-ttft-ms`` / ``--slo-tpot-ms``), and its session
+(``session_id``; services/router/sessions.py).
 
 With ``--slo-admission`` the router admits by prediction (``SloPolicy``):
 
@@ -38,21 +39,30 @@ class ServiceClass:
     client: str = ""
     ttft_ms: float | None = None      # None: the deployment's target (if any)
     tpot_ms: float | None = None
+    session: str = ""                 # session_id; empty: the client's, if any
 
     def __post_init__(self) -> None:
-        check_service_class(self.priority, self.client, self.ttft_ms, self.tpot_ms)
+        check_service_class(self.priority, self.client, self.ttft_ms, self.tpot_ms, self.session)
 
     @property
     def ticket(self) -> Ticket:
         return Ticket(self.priority, self.client)
 
+    @property
+    def session_key(self) -> str:
+        """The multi-turn session the request belongs to ("" : none)."""
+        return self.session or self.client
 
-def check_service_class(priority: int, client: str, ttft_ms: float | None, tpot_ms: float | None) -> None:
+
+def check_service_class(priority: int, client: str, ttft_ms: float | None, tpot_ms: float | None,
+                        session: str = "") -> None:
     """ValueError naming the field and its limit (the doors map it to INVALID_ARGUMENT / 400)."""
     if isinstance(priority, bool) or not isinstance(priority, int) or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
         raise ValueError(f"priority must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], got {priority!r}")
     if not isinstance(client, str) or len(client) > MAX_CLIENT_CHARS:
         raise ValueError(f"user must be a string of at most {MAX_CLIENT_CHARS} characters")
+    if not isinstance(session, str) or len(session) > MAX_CLIENT_CHARS:
+        raise ValueError(f"session_id must be a string of at most {MAX_CLIENT_CHARS} characters")
     for name, value in (("slo_ttft_ms", ttft_ms), ("slo_tpot_ms", tpot_ms)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not 0 < value <= MAX_TARGET_MS):

@@ -154,6 +154,32 @@ def test_shared_prefix_sends_fewer_kv_bytes(cluster_1p1d) -> None:
     assert first.usage["cached_tokens"] == 0
 
 
+def test_a_sessions_next_turn_prefills_only_its_new_tokens_on_the_decode_worker(cluster_1p1d, tiny_qwen3) -> None:
+    """Turn 2 of a session (history + turn 1's answer + a new message) goes back to the decode
+    worker that served turn 1 and prefills there: only the tokens past the blocks it holds are
+    computed (nothing is shipped), with the tokens the offline engine gives the whole prompt.
+    The same turn without a session is prefilled remotely, as --disaggregation always says."""
+    llm = LLM(tiny_qwen3, dtype="float32", block_size=8, num_kv_blocks=512)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    history = random_prompts(1, 100, 100, seed=61)[0]
+    message = random_prompts(1, 12, 12, seed=62)[0]
+    with Client(cluster_1p1d.router_address, timeout=30) as client:
+        kwargs = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+        turn1 = client.generate(history, session_id="conversation-1", **kwargs)
+        assert turn1.timings["prefill_route"] == "remote"
+        prompt2 = history + turn1.token_ids + message
+        time.sleep(0.3)   # the decode worker's KV events of turn 1 reach the router
+        turn2 = client.generate(prompt2, session_id="conversation-1", **kwargs)
+        alone = client.generate(prompt2[:-1] + [prompt2[-1] ^ 1], **kwargs)   # no session, another last token
+    held = (len(history) + len(turn1.token_ids) - 1) // 8 * 8   # its full blocks, the last token's K/V not yet
+    assert turn2.timings["prefill_route"] == "local", turn2.timings
+    assert turn2.usage["cached_tokens"] == held and turn2.timings["kv_bytes"] == 0, (turn2.usage, turn2.timings)
+    assert alone.timings["prefill_route"] == "remote"
+    assert turn1.token_ids == llm.generate([history], greedy)[0].token_ids
+    assert turn2.token_ids == llm.generate([prompt2], greedy)[0].token_ids
+    assert_blocks_at_baseline(cluster_1p1d)
+
+
 def test_corrupted_block_is_refused(cluster_1p1d) -> None:
     decode_addr = workers(cluster_1p1d, "decode")[0]
     prompt = random_prompts(1, 20, 20, seed=51)[0]

@@ -50,9 +50,14 @@ def test_both_doors_refuse_bad_scheduling_fields_naming_them() -> None:
     with pytest.raises(InvalidRequest) as err:
         service_class(router_pb2.GenerateRequest(slo_tpot_ms=-5))
     assert err.value.field == "slo_tpot_ms"
+    with pytest.raises(InvalidRequest) as err:
+        service_class(router_pb2.GenerateRequest(session_id="s" * 300))
+    assert err.value.field == "session_id"
     assert _service_class({"priority": 1, "user": "u", "slo_ttft_ms": 250}) == ServiceClass(1, "u", 250.0, None)
+    assert _service_class({"session_id": "chat-1"}).session_key == "chat-1"
     for body, field in (({"priority": "high"}, "priority"), ({"priority": 1.5}, "priority"),
-                        ({"slo_ttft_ms": -1}, "slo_ttft_ms"), ({"user": 7}, "user")):
+                        ({"slo_ttft_ms": -1}, "slo_ttft_ms"), ({"user": 7}, "user"),
+                        ({"session_id": 7}, "session_id"), ({"session_id": "s" * 300}, "session_id")):
         with pytest.raises(HTTPError) as http:
             _service_class(body)
         assert http.value.status == 400 and field in str(http.value), body
