@@ -121,10 +121,11 @@ class BlockManager:
             raise NoFreeBlocks("no free KV blocks")
         block_id, _ = self.free_ids.popitem(last=False)
         block = self.blocks[block_id]
-        if self.tiers is not None and block.computed and block.hash is not None and \
-                self.hash_to_block.get(block.hash) == block_id:
+        offloading = self.tiers is not None and block.computed and block.hash is not None and \
+            self.hash_to_block.get(block.hash) == block_id
+        if offloading:   # its key is announced tiered or removed once the tiers took it or not
             self._evicted.append(Evicted(block_id, block.hash, block.parent, block.token_ids))
-        self._forget_hash(block)
+        self._forget_hash(block, announce=not offloading)
         block.ref_count = 1
         block.computed = False
         return block
@@ -133,12 +134,19 @@ class BlockManager:
         """Copy the computed blocks just handed out to the tiers, before anything overwrites them."""
         if self._evicted:
             victims, self._evicted = self._evicted, []
-            self.tiers.offload(victims)
+            kept, dropped = self.tiers.offload(victims)
+            if self.events is not None:
+                for key in kept:
+                    if key not in self.hash_to_block:   # (the pool may hold it again already)
+                        self.events.tiered(key)
+                for key in dropped:
+                    if key not in self.hash_to_block:
+                        self.events.removed(key)
 
-    def _forget_hash(self, block: Block) -> None:
+    def _forget_hash(self, block: Block, announce: bool = True) -> None:
         if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
             del self.hash_to_block[block.hash]
-            if self.events is not None:
+            if self.events is not None and announce:
                 self.events.removed(block.hash)
         block.hash = None
         block.token_ids = None
@@ -300,6 +308,10 @@ class BlockManager:
     def computed_keys(self) -> list[int]:
         """Every key a lookup finds computed (what routers are told is held)."""
         return [h for h, b in self.hash_to_block.items() if self.blocks[b].computed]
+
+    def tiered_keys(self) -> list[int]:
+        """Every key the KV tiers hold (routers: a load, not a recompute)."""
+        return self.tiers.keys() if self.tiers is not None else []
 
     def computed_prefix_blocks(self, token_ids: list[int], root: int = ROOT_HASH) -> list[int]:
         """Hashes of the leading full blocks of token_ids this pool holds computed."""

@@ -71,6 +71,9 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def keys(self):
+        return self._blocks.keys()
+
     def get(self, key: int) -> TierBlock | None:
         block = self._blocks.get(key)
         if block is not None:
@@ -182,6 +185,11 @@ class DiskTier:
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def keys(self) -> list[int]:
+        """The keys of the files and of the blocks queued for writing."""
+        with self._lock:
+            return [*self._index, *(k for k in self._pending if k not in self._index)]
 
     # ---- reads (the caller's thread) -------------------------------------------------------
     def get(self, key: int, parent: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
@@ -319,20 +327,35 @@ class KVTiers:
         self.host = HostTier(host_bytes) if host_bytes > 0 else None
         self.disk = disk
         self.host_hits = self.offloaded = self.refused = 0
+        self.loaded_blocks = 0
+        self.load_s = 0.0   # time spent finding and writing back the blocks loaded
 
-    def offload(self, victims: list[Evicted]) -> None:
-        """Copy the blocks the pool is about to reuse into the tiers (those not held already)."""
-        todo = [v for v in victims if not self._holds(v.key)]
+    def offload(self, victims: list[Evicted]) -> tuple[list[int], list[int]]:
+        """Copy the blocks the pool is about to reuse into the tiers (those not held already).
+        Returns the victims' keys the tiers hold now, and the keys they no longer hold (a victim
+        not taken, a block the host tier dropped with no disk tier under it). A block on its way
+        to disk counts as held (a disk tier that drops it later does not say so)."""
+        held = [v.key for v in victims if self._holds(v.key)]
+        todo = [v for v in victims if v.key not in set(held)]
         if not todo:
-            return
+            return held, []
         try:
             data = self._read([v.block_id for v in todo])
         except Exception:   # the pool's own read: should not fail; the blocks are recomputed if it does
             log.exception("KV tiers: reading %d evicted blocks", len(todo))
-            return
+            return held, [v.key for v in todo]
+        dropped: list[int] = []
         for i, v in enumerate(todo):
-            self._store(TierBlock(v.key, v.parent, v.token_ids, data[i] if len(todo) == 1 else data[i].clone()))
+            dropped += self._store(TierBlock(v.key, v.parent, v.token_ids,
+                                             data[i] if len(todo) == 1 else data[i].clone()))
         self.offloaded += len(todo)
+        gone = set(dropped)
+        return [k for k in [*held, *(v.key for v in todo)] if k not in gone], dropped
+
+    def keys(self) -> list[int]:
+        """Every key a tier holds (the host tier's, the disk index's)."""
+        host = list(self.host.keys()) if self.host is not None else []
+        return host + (self.disk.keys() if self.disk is not None else [])
 
     def _holds(self, key: int) -> bool:
         """The first tier an offload would go to holds key already (a host hit refreshes it)."""
@@ -340,21 +363,28 @@ class KVTiers:
             return self.host.get(key) is not None
         return self.disk is not None and self.disk.holds(key)
 
-    def _store(self, block: TierBlock) -> None:
+    def _store(self, block: TierBlock) -> list[int]:
+        """Keep block; returns the keys no tier holds any more (spilled with no disk tier)."""
         spill = [block]
         if self.host is not None and block.nbytes <= self.host.budget:
             spill = self.host.put(block)
-        if self.disk is not None:
-            for out in spill:
-                self.disk.put(out)
+        if self.disk is None:
+            return [out.key for out in spill]
+        for out in spill:
+            self.disk.put(out)
+        return []
 
     def fetch(self, key: int, parent: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
         """The bytes of the block keyed key, derived from parent and token_ids, if a tier holds it."""
+        t0 = time.perf_counter()
         try:
-            return self._fetch(key, parent, token_ids)
+            data = self._fetch(key, parent, token_ids)
         except Exception:   # a tier fault costs recomputation, never the allocation
             log.exception("KV tiers: looking up block %016x", key)
             return None
+        if data is not None:
+            self.load_s += time.perf_counter() - t0
+        return data
 
     def _fetch(self, key: int, parent: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
         if self.host is not None:
@@ -371,7 +401,15 @@ class KVTiers:
 
     def write(self, block_ids: list[int], data: list[torch.Tensor]) -> None:
         """Write fetched blocks' bytes into these pool blocks."""
+        t0 = time.perf_counter()
         self._write(block_ids, torch.stack(data))
+        self.load_s += time.perf_counter() - t0
+        self.loaded_blocks += len(block_ids)
+
+    @property
+    def load_ms_per_block(self) -> float:
+        """The mean time a block loaded from a tier took, lookup and write into the pool (0: none yet)."""
+        return self.load_s * 1e3 / self.loaded_blocks if self.loaded_blocks else 0.0
 
     def flush(self) -> None:
         if self.disk is not None:

@@ -334,9 +334,9 @@ class LLMEngine:
 
     # ---- introspection ----------------------------------------------------------
     def read_kv_events(self, cursor: int | None) -> KVEventBatch:
-        """Prefix-cache keys stored / removed since cursor (None: a snapshot of every key)."""
+        """Prefix-cache keys stored / tiered / removed since cursor (None: a snapshot of every key)."""
         with self.lock:
-            return self.kv_events.read(cursor, self.block_manager.computed_keys)
+            return self.kv_events.read(cursor, self.block_manager.computed_keys, self.block_manager.tiered_keys)
 
     def stats(self) -> dict[str, int]:
         with self.lock:

@@ -30,7 +30,7 @@ class SetRoleRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("role", "worker_id", "model_name", "kv_address", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "num_queued_prompt_tokens", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_dtype", "max_model_len", "draining", "num_sending", "step_base_ms", "step_ms_per_token", "max_num_batched_tokens", "decode_ms_per_seq")
+    __slots__ = ("role", "worker_id", "model_name", "kv_address", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "num_queued_prompt_tokens", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_dtype", "max_model_len", "draining", "num_sending", "step_base_ms", "step_ms_per_token", "max_num_batched_tokens", "decode_ms_per_seq", "kv_tier_load_ms_per_block")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class WorkerStatus(_message.Message):
     STEP_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODE_MS_PER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_LOAD_MS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     worker_id: str
     model_name: str
@@ -75,17 +76,20 @@ class WorkerStatus(_message.Message):
     step_ms_per_token: float
     max_num_batched_tokens: int
     decode_ms_per_seq: float
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., kv_address: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_queued_prompt_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_sending: _Optional[int] = ..., step_base_ms: _Optional[float] = ..., step_ms_per_token: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., decode_ms_per_seq: _Optional[float] = ...) -> None: ...
+    kv_tier_load_ms_per_block: float
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., kv_address: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_queued_prompt_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_sending: _Optional[int] = ..., step_base_ms: _Optional[float] = ..., step_ms_per_token: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., decode_ms_per_seq: _Optional[float] = ..., kv_tier_load_ms_per_block: _Optional[float] = ...) -> None: ...
 
 class KVEvents(_message.Message):
-    __slots__ = ("reset", "stored", "removed")
+    __slots__ = ("reset", "stored", "removed", "tiered")
     RESET_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    TIERED_FIELD_NUMBER: _ClassVar[int]
     reset: bool
     stored: _containers.RepeatedScalarFieldContainer[int]
     removed: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reset: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
+    tiered: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reset: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., tiered: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("address", "transfer_token", "needed_block_indices", "data_address")

@@ -3,7 +3,8 @@ prefilled remotely (KV shipped) or locally on the decode worker.
 
 ``kv-aware`` (the default) scores candidates by their cost to serve, in estimated milliseconds
 (services/router/cost_model.py): the uncached prompt tokens each would compute (from the prefix index
-the workers' KV events keep, services/router/prefix_index.py), the prompt tokens queued ahead and the
+the workers' KV events keep, services/router/prefix_index.py; blocks a worker holds only in a KV
+tier count as held, plus their load at its measured cost per block), the prompt tokens queued ahead and the
 sequences running there, the KV blocks a decode worker lacks and would be shipped, its decode
 load over the request's output, and cache affinity: the prefill time of the prefix blocks
 another decode worker holds and it lacks (a prefix stays where it is until that worker's extra
@@ -113,7 +114,17 @@ class Placement:
 
     def _prefill_cost(self, worker: WorkerHandle, keys: Sequence[int], n_tokens: int) -> float:
         uncached = self.uncached(worker, keys, n_tokens)
-        return self.costs.prefill_ms(self.step_cost(worker), self.load(worker), uncached)
+        return self.costs.prefill_ms(self.step_cost(worker), self.load(worker), uncached) + \
+            self.tier_load_ms(worker, keys)
+
+    def tier_load_ms(self, worker: WorkerHandle, keys: Sequence[int]) -> float:
+        """Loading the prompt's leading blocks the worker holds only in a KV tier (host RAM or
+        disk) back into its pool, at the worker's measured cost per block (0 before it measured
+        one: priced as a pool hit). Those blocks count as held: a load, not a recompute."""
+        per_block = worker.status.kv_tier_load_ms_per_block if worker.status is not None else 0.0
+        if not self.kv_aware or not per_block:
+            return 0.0
+        return worker.index.tiered_blocks(keys) * per_block
 
     def uncached(self, worker: WorkerHandle, keys: Sequence[int], n_tokens: int) -> int:
         return max(1, n_tokens - self._matched(worker, keys) * self.block_size)
@@ -135,7 +146,7 @@ class Placement:
                 if self.kv_aware:
                     step, load = self.step_cost(w), self.load(w)
                     cost = (self.costs.prefill_ms(step, load, self.uncached(w, keys, n_tokens))
-                        + self._decode_ms(candidates, w, load, max_tokens))
+                            + self.tier_load_ms(w, keys) + self._decode_ms(candidates, w, load, max_tokens))
                 routes.append(Route(w, True, self._matched(w, keys), 0.0, 0.0, None, cost))
             routes.sort(key=lambda r: (r.cost, -r.decode.free_blocks))
             return routes
@@ -151,14 +162,16 @@ class Placement:
         routes = []
         for i, d in enumerate(candidates):
             held = held_by[d.address]
-            remote = prefill_ms + self.costs.overhead_ms["remote"].value + self.costs.transfer_ms(n_blocks - held)
+            tier_d = self.tier_load_ms(d, keys)   # either route loads what d holds in a tier
+            remote = prefill_ms + self.costs.overhead_ms["remote"].value + self.costs.transfer_ms(n_blocks - held) + \
+                tier_d
             local, threshold = 0.0, None
             cost_d = self.step_cost(d)
             load_d = self.load(d)
             prefills_itself = d.role == "both"   # a colocated member among P/D workers
             may_prefill = self.conditional or d.address == session_worker
             if may_prefill or prefills_itself:
-                local = self.costs.local_ms(cost_d, load_d, max(1, n_tokens - held * bs))
+                local = self.costs.local_ms(cost_d, load_d, max(1, n_tokens - held * bs)) + tier_d
                 if prefill is not None and not prefills_itself:
                     threshold = self.costs.threshold_tokens(cost_d, load_d, self.step_cost(prefill),
                                                             self.load(prefill), bs)

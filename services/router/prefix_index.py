@@ -1,7 +1,7 @@
 """The router's picture of which prefix blocks each worker holds (KV-aware routing).
 
-Fed by the worker's ``WatchKVEvents`` stream (keys of blocks computed there, and removed,
-engine/kv_events.py) and by the router itself: a request routed to a worker will leave its
+Fed by the worker's ``WatchKVEvents`` stream (keys of blocks computed there, moved to a KV tier
+under its pool, and removed, engine/kv_events.py) and by the router itself: a request routed to a worker will leave its
 prompt's blocks there, so its keys are noted at once (``note_routed``), before the worker
 reports them, and a burst of requests sharing a prefix follows the first one. Until the
 worker reports them computed they are *pending*: a request that reaches the worker before
@@ -28,7 +28,7 @@ class PrefixIndex:
         if max_keys < 1:
             raise ValueError(f"max_keys must be >= 1, got {max_keys}")
         self.max_keys = max_keys
-        self._keys: OrderedDict[int, None] = OrderedDict()
+        self._keys: OrderedDict[int, bool] = OrderedDict()   # key -> in a KV tier only (a load away)
         self._pending: set[int] = set()   # noted as routed here, not reported computed yet
 
     def __len__(self) -> int:
@@ -41,7 +41,7 @@ class PrefixIndex:
         self._keys.clear()
         self._pending.clear()
 
-    def apply(self, reset: bool, stored: Iterable[int], removed: Iterable[int]) -> None:
+    def apply(self, reset: bool, stored: Iterable[int], removed: Iterable[int], tiered: Iterable[int] = ()) -> None:
         """One KVEvents message."""
         if reset:
             self.clear()
@@ -51,6 +51,7 @@ class PrefixIndex:
         stored = list(stored)
         self._pending.difference_update(stored)
         self._add(stored)
+        self._add(tiered, tiered=True)
 
     def note_routed(self, keys: Iterable[int]) -> None:
         """A request with these block keys was just sent here: they will be held soon."""
@@ -63,9 +64,9 @@ class PrefixIndex:
         the worker to report them (whatever it reported, the index keeps)."""
         self._pending.difference_update(keys)
 
-    def _add(self, keys: Iterable[int]) -> None:
+    def _add(self, keys: Iterable[int], tiered: bool = False) -> None:
         for key in keys:
-            self._keys[key] = None
+            self._keys[key] = tiered
             self._keys.move_to_end(key)
         while len(self._keys) > self.max_keys:
             key, _ = self._keys.popitem(last=False)
@@ -78,6 +79,16 @@ class PrefixIndex:
             if key not in self._keys:
                 break
             n += 1
+        return n
+
+    def tiered_blocks(self, keys: Sequence[int]) -> int:
+        """How many of a prompt's leading blocks held here (matched_blocks) are in a KV tier only."""
+        n = 0
+        for key in keys:
+            tiered = self._keys.get(key)
+            if tiered is None:
+                break
+            n += tiered
         return n
 
     def pending_blocks(self, keys: Sequence[int]) -> int:

@@ -250,7 +250,7 @@ class WorkerPool:
             call = worker.info.WatchKVEvents(worker_pb2.StatusRequest())
             try:
                 async for events in call:
-                    worker.index.apply(events.reset, events.stored, events.removed)
+                    worker.index.apply(events.reset, events.stored, events.removed, events.tiered)
                     self.notify()   # a request waiting for a prefix in flight there may go on
                 raise ConnectionError("KV event stream ended")
             except asyncio.CancelledError:

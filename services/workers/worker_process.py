@@ -119,7 +119,8 @@ class WorkerInfoServicer(worker_pb2_grpc.WorkerServicer):
             draining=self.state.draining, num_sending=stats["num_pinned"],
             step_base_ms=_round3(base_ms), step_ms_per_token=_round3(ms_per_token),
             decode_ms_per_seq=_round3(ms_per_seq),
-            max_num_batched_tokens=prompt_chunk_tokens(engine))
+            max_num_batched_tokens=prompt_chunk_tokens(engine),
+            kv_tier_load_ms_per_block=_round3(engine.kv_tiers.load_ms_per_block) if engine.kv_tiers else 0.0)
 
     async def GetStatus(self, request, context):
         return self.status()
@@ -187,12 +188,14 @@ class WorkerInfoServicer(worker_pb2_grpc.WorkerServicer):
             cursor = batch.cursor
             if batch:
                 reset = batch.reset
-                stored, removed = batch.stored, batch.removed
-                while reset or stored or removed:
+                stored, removed, tiered = batch.stored, batch.removed, batch.tiered
+                while reset or stored or removed or tiered:
                     n_removed = min(len(removed), MAX_KEYS_PER_MESSAGE)
                     n_stored = min(len(stored), MAX_KEYS_PER_MESSAGE - n_removed)
-                    yield worker_pb2.KVEvents(reset=reset, stored=stored[:n_stored], removed=removed[:n_removed])
-                    stored, removed, reset = stored[n_stored:], removed[n_removed:], False
+                    n_tiered = min(len(tiered), MAX_KEYS_PER_MESSAGE - n_removed - n_stored)
+                    yield worker_pb2.KVEvents(reset=reset, stored=stored[:n_stored], removed=removed[:n_removed],
+                                              tiered=tiered[:n_tiered])
+                    stored, removed, tiered, reset = stored[n_stored:], removed[n_removed:], tiered[n_tiered:], False
             await self.aengine.wait_status_change(STATUS_HEARTBEAT_S)
             await asyncio.sleep(STATUS_MIN_INTERVAL_S)
 

@@ -127,7 +127,9 @@ def test_tiers_are_off_without_prefix_caching_or_settings(tiny_qwen3: str, tmp_p
     assert {k: plain.stats()[k] for k in STAT_KEYS} == dict.fromkeys(STAT_KEYS, 0)
 
 
-def test_kv_events_say_removed_on_offload_and_stored_on_reload(tiny_qwen3: str) -> None:
+def test_kv_events_say_tiered_on_offload_and_stored_on_reload(tiny_qwen3: str) -> None:
+    """A router learns that a prefix left the pool for a tier (a load, not a recompute), that it
+    came back, and, in a snapshot, which keys only a tier holds."""
     llm = make_llm(tiny_qwen3, kv_host_cache_bytes=1 << 20)
     engine = llm.engine
     keys = prompt_block_hashes(PREFIX_A, BS)
@@ -135,9 +137,24 @@ def test_kv_events_say_removed_on_offload_and_stored_on_reload(tiny_qwen3: str) 
     cursor = engine.read_kv_events(None).cursor
     llm.generate([TURNS[1]], GREEDY)                   # prefix A leaves the pool for the host tier
     batch = engine.read_kv_events(cursor)
-    assert set(keys) <= set(batch.removed)
+    assert set(keys) <= set(batch.tiered) and not set(keys) & set(batch.removed), batch
+    snapshot = engine.read_kv_events(None)
+    assert set(keys) <= set(snapshot.tiered) and not set(keys) & set(snapshot.stored)
     llm.generate([TURNS[2]], GREEDY)                   # and comes back from it
     assert set(keys) <= set(engine.read_kv_events(batch.cursor).stored)
+
+
+def test_kv_events_say_removed_when_no_tier_keeps_the_block(tiny_qwen3: str) -> None:
+    """A host tier of one block, no disk: the blocks it cannot keep are announced removed."""
+    llm = make_llm(tiny_qwen3, kv_host_cache_bytes=BLOCK_BYTES)
+    engine = llm.engine
+    keys = prompt_block_hashes(PREFIX_A, BS)
+    llm.generate([TURNS[0]], GREEDY)
+    cursor = engine.read_kv_events(None).cursor
+    llm.generate([TURNS[1]], GREEDY)
+    batch = engine.read_kv_events(cursor)
+    assert len(set(keys) & set(batch.tiered)) <= 1 and len(set(keys) & set(batch.removed)) >= len(keys) - 1, batch
+    assert len(engine.read_kv_events(None).tiered) == 1
 
 
 def test_a_decode_reservation_does_not_ask_for_blocks_a_tier_holds(tiny_qwen3: str) -> None:

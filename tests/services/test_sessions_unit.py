@@ -87,3 +87,26 @@ def test_the_load_policy_tries_the_sessions_worker_first() -> None:
         placement = Placement(pool, "load", "always")
         assert placement.decode_routes([], len(PROMPT), 16)[0].decode is not busy
         assert placement.decode_routes([], len(PROMPT), 16, session_worker=busy.address)[0].decode is busy
+
+
+def test_a_prefix_held_in_a_kv_tier_is_priced_as_a_load_not_a_recompute() -> None:
+    """The prefill worker holding the prompt in its host tier beats one holding nothing, by the
+    recompute it saves less the load it costs (its measured ms per block), and loses to one
+    holding it in its pool."""
+    with _pool(["127.0.0.1:11", "127.0.0.1:12", "127.0.0.1:13"], ["127.0.0.1:21"]) as pool:
+        keys = request_keys(PROMPT, 8)
+        pooled, tiered, empty = pool.of_role("prefill")
+        pooled.index.apply(False, keys, ())
+        tiered.index.apply(False, (), (), keys)
+        for w in pool.workers:
+            w.status.kv_tier_load_ms_per_block = 0.1   # 8 tokens recomputed: 0.4 ms and more
+        assert tiered.index.matched_blocks(keys) == len(keys) and tiered.index.tiered_blocks(keys) == len(keys)
+        placement = Placement(pool, "kv-aware")
+        costs = {w.address: placement._prefill_cost(w, keys, len(PROMPT)) for w in (pooled, tiered, empty)}
+        assert costs[pooled.address] < costs[tiered.address] < costs[empty.address], costs
+        assert costs[tiered.address] - costs[pooled.address] == pytest.approx(0.1 * len(keys))
+        assert placement.pick_prefill(keys, len(PROMPT))[0] is pooled
+        pooled.index.apply(False, (), keys)                     # the pool copy is gone: the tier wins
+        assert placement.pick_prefill(keys, len(PROMPT))[0] is tiered
+        tiered.index.apply(False, keys, ())                     # back in its pool: no load to price
+        assert tiered.index.tiered_blocks(keys) == 0 and placement.tier_load_ms(tiered, keys) == 0.0
