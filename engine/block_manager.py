@@ -254,6 +254,38 @@ class BlockManager:
         self.prefix_cache_hits += cached
         return cached
 
+    def ready(self, seq: Sequence) -> bool:
+        """False while seq's prefix blocks are read from the disk KV tier in the background: the
+        read starts here, the first time the scheduler asks, for the blocks after the pool's
+        computed prefix that only the disk tier holds; meanwhile other sequences are admitted."""
+        tiers = self.tiers
+        if seq.tier_load is True or tiers is None or tiers.disk is None:
+            return True
+        if seq.tier_load is not None:
+            if not seq.tier_load.done():
+                return False
+            seq.tier_load = True
+            return True
+        seq.tier_load = True
+        bs = self.block_size
+        root = salt_root(seq.params.cache_salt)
+        hashes = prompt_block_hashes(seq.token_ids, bs, root)
+        stop = min((seq.num_tokens - 1) // bs, len(hashes))   # as allocate: at least one token is computed
+        tokens = lambda i: tuple(seq.token_ids[i * bs:(i + 1) * bs])   # noqa: E731
+        i = 0
+        while i < stop and (block := self._lookup(hashes[i], tokens(i))) is not None and block.computed:
+            i += 1
+        wanted = []
+        for j in range(i, stop):
+            if tiers.holds_on_disk(hashes[j]):
+                wanted.append((hashes[j], hashes[j - 1] if j else root, tokens(j)))
+            elif not tiers.holds_in_host(hashes[j]):
+                break   # the chain ends here
+        if not wanted:
+            return True
+        seq.tier_load = tiers.start_load(wanted)
+        return False
+
     def _fetch(self, seq: Sequence, hashes: list[int], root: int, start: int, stop: int) -> list["torch.Tensor"]:
         """The bytes of seq's blocks start, start+1, ... (before stop) the tiers hold, up to the first miss."""
         found: list["torch.Tensor"] = []

@@ -25,8 +25,12 @@ hand-off uses them).
   disk) are counted and cost recomputation, never an exception.
 
 Threads: lookups, offloads and the host tier run on the caller's thread under the engine's
-lock; a disk read is synchronous (inside the allocation that asks for it). Only disk writes
-are asynchronous.
+lock. Disk writes are asynchronous, and so are the disk reads of a prompt's prefix: the first
+time the scheduler considers a waiting sequence, the blocks after the pool's and the host
+tier's that only the disk tier holds are read on a background thread into a bounded staging
+area (``start_load``), and the sequence waits for them while the scheduler admits others; its
+allocation then finds them staged. A block read neither way in time (evicted meanwhile, the
+staging area full) is read synchronously by the allocation, or recomputed.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -52,6 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WRITE_QUEUE_BYTES = 64 << 20   # block bytes waiting for the disk writer, at most (at least one block)
+STAGED_BYTES = 64 << 20        # block bytes read ahead from disk, waiting for their allocation
 WARNINGS_LOGGED = 5            # per disk tier; the rest at debug level (the counters keep counting)
 STALE_TEMP_S = 600             # a temporary block file this old was left by a killed writer (a write takes ms)
 _FILE_NAME = re.compile(r"^([0-9a-f]{16})\.kv$")
@@ -329,6 +335,12 @@ class KVTiers:
         self.host_hits = self.offloaded = self.refused = 0
         self.loaded_blocks = 0
         self.load_s = 0.0   # time spent finding and writing back the blocks loaded
+        self.prefetched = 0   # blocks read ahead from disk in the background
+        self._staged: OrderedDict[int, TierBlock] = OrderedDict()   # read ahead, oldest first
+        self._staged_bytes = 0
+        self._staged_lock = threading.Lock()
+        self._reader: ThreadPoolExecutor | None = None
+        self._loads: set[Future] = set()
 
     def offload(self, victims: list[Evicted]) -> tuple[list[int], list[int]]:
         """Copy the blocks the pool is about to reuse into the tiers (those not held already).
@@ -386,7 +398,71 @@ class KVTiers:
             self.load_s += time.perf_counter() - t0
         return data
 
+    # ---- reads ahead from disk ----------------------------------------------------------------
+    def holds_in_host(self, key: int) -> bool:
+        return self.host is not None and key in self.host.keys()
+
+    def holds_on_disk(self, key: int) -> bool:
+        """The disk tier holds key, and it is not read ahead already."""
+        if self.disk is None:
+            return False
+        with self._staged_lock:
+            if key in self._staged:
+                return False
+        return self.disk.holds(key)
+
+    def start_load(self, blocks: list[tuple[int, int, tuple[int, ...]]]) -> Future:
+        """Read these blocks (key, parent, token ids: a run of one prompt's chain) from the disk
+        tier on the reader thread into the staging area, up to the first miss. Done: the future."""
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-reader")
+        future = self._reader.submit(self._read_ahead, blocks)
+        self._loads.add(future)
+        future.add_done_callback(self._loads.discard)
+        return future
+
+    def _read_ahead(self, blocks: list[tuple[int, int, tuple[int, ...]]]) -> None:
+        for key, parent, token_ids in blocks:
+            try:
+                data = self.disk.get(key, parent, token_ids)
+            except Exception:   # a fault costs recomputation
+                log.exception("KV tiers: reading block %016x ahead", key)
+                return
+            if data is None:
+                return
+            block = TierBlock(key, parent, token_ids, data)
+            with self._staged_lock:
+                if block.nbytes > STAGED_BYTES:
+                    return
+                self._staged[key] = block
+                self._staged_bytes += block.nbytes
+                while self._staged_bytes > STAGED_BYTES:
+                    _, out = self._staged.popitem(last=False)
+                    self._staged_bytes -= out.nbytes
+                self.prefetched += 1
+
+    def wait_for_loads(self, timeout: float) -> bool:
+        """Wait (at most timeout s) until a read ahead ends; False when none runs."""
+        loads = list(self._loads)
+        if not loads:
+            return False
+        wait(loads, timeout, return_when=FIRST_COMPLETED)
+        return True
+
+    def _take_staged(self, key: int, parent: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
+        with self._staged_lock:
+            block = self._staged.pop(key, None)
+            if block is not None:
+                self._staged_bytes -= block.nbytes
+        if block is not None and block.parent == parent and block.token_ids == token_ids:
+            return block.data
+        return None
+
     def _fetch(self, key: int, parent: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
+        if self._staged:
+            data = self._take_staged(key, parent, token_ids)
+            if data is not None:
+                return data
         if self.host is not None:
             block = self.host.get(key)
             if block is not None:
@@ -416,6 +492,8 @@ class KVTiers:
             self.disk.flush()
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)
         if self.disk is not None:
             self.disk.close()
 

@@ -62,6 +62,7 @@ class NoCapacity(RuntimeError):
 # A decode worker's prompt chunk (a local prefill) may lengthen a decode step by this share:
 # the inter-token gaps it makes stay below the tail that decoding alone has (p99 ~2x p50 here).
 PROMPT_CHUNK_STEP_SHARE = 0.5
+LOAD_WAIT_S = 0.05   # an idle step waits this long at most for a prompt's blocks read ahead from disk
 
 
 class LLMEngine:
@@ -186,12 +187,15 @@ class LLMEngine:
             if self._learn_prompt_chunk:
                 self.scheduler.prompt_tokens_with_decodes = self.prompt_chunk_with_decodes()
             batch = self.scheduler.schedule()
-            if batch is None:
-                return []
-            self.num_steps += 1
-            self.trace.append(self.scheduler.trace(self.num_steps, batch))
-            for seq in batch.seqs:
-                seq.in_flight = True
+            if batch is not None:
+                self.num_steps += 1
+                self.trace.append(self.scheduler.trace(self.num_steps, batch))
+                for seq in batch.seqs:
+                    seq.in_flight = True
+        if batch is None:   # nothing to run now; a prompt may wait for its blocks from disk
+            if self.kv_tiers is not None:
+                self.kv_tiers.wait_for_loads(LOAD_WAIT_S)
+            return []
         try:
             tokens = self.runner.run(batch)
         except RankFailure:

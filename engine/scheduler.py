@@ -14,6 +14,10 @@ go on to host RAM / disk when the pool hands them out, so resuming is mostly pre
 it waits ahead of its class to be prefilled again over its prompt and the tokens it generated,
 which gives the tokens a run without preemption gives. A sequence whose blocks the KV
 connector holds (sent or received) is never a victim.
+
+A waiting sequence whose cached prefix is being read from the disk KV tier in the background
+(BlockManager.ready) is passed over until its blocks are in; the sequences behind it are
+admitted meanwhile.
 """
 from __future__ import annotations
 
@@ -244,8 +248,11 @@ class Scheduler:
                 budget -= n
         # Then admit waiting prompts while tokens, sequence slots and blocks last.
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not bm.ready(seq):
+                continue   # its cached blocks are on their way from disk: the next ones go first
             # Leave a little room for running decoders to grow, or admission and preemption thrash.
             if self.running and bm.num_free_blocks - bm.blocks_needed(seq.num_tokens) < self.watermark_blocks:
                 break
@@ -256,7 +263,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
                 seq.num_cached_tokens = seq.num_computed_tokens
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_pending_tokens, budget)

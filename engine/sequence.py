@@ -34,6 +34,9 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Its prefix blocks' background read from the disk KV tier (engine/kv_tiers.py): None before
+    # the scheduler first asked, a Future while it runs, True once done or not needed.
+    tier_load: object = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

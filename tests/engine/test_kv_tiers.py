@@ -190,6 +190,33 @@ def test_a_restarted_engine_serves_a_prefix_from_disk_without_recomputing_it(tin
     assert first.num_tokens == [len(prompt) - PREFIX_TOKENS]     # only the uncached tail was computed
 
 
+def test_a_prompt_waits_for_its_blocks_from_disk_while_another_is_served(tiny_qwen3: str, reference,
+                                                                        tmp_path: Path, monkeypatch) -> None:
+    """Disk reads run ahead on the reader thread: the prompt whose prefix is on disk waits for
+    it (made slow here) while a prompt behind it is admitted and computed; then it is served
+    from the blocks read ahead, with the tokens of a run without tiers."""
+    fill_disk(tiny_qwen3, tmp_path)
+    slow_get = DiskTier.get
+
+    def get(self, *args):
+        import threading
+        import time
+        assert threading.current_thread().name.startswith("kv-disk-reader")   # never the engine's step
+        time.sleep(0.3)
+        return slow_get(self, *args)
+    monkeypatch.setattr(DiskTier, "get", get)
+    llm = make_llm(tiny_qwen3, kv_disk_cache_dir=str(tmp_path), num_kv_blocks=16)
+    on_disk, other = PREFIX_A + TAILS[3], PREFIX_C + TAILS[3]
+    outs = llm.generate([on_disk, other], GREEDY)
+    check_exact(reference, [on_disk, other], [(o.token_ids, o.num_cached_tokens) for o in outs])
+    assert outs[0].num_cached_tokens == PREFIX_TOKENS and outs[1].num_cached_tokens == 0
+    trace = llm.engine.trace
+    assert trace[0].request_ids == [outs[1].request_id]   # the second prompt went first
+    assert llm.engine.kv_tiers.prefetched == PREFIX_TOKENS // BS
+    assert_no_leak(llm)
+    llm.close()
+
+
 def test_a_restart_in_a_real_subprocess_serves_its_blocks(tiny_qwen3: str, reference, tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         from engine import LLM, SamplingParams
