@@ -25,6 +25,12 @@ Datasets (``--dataset-name``):
     (``--mixed-long-output-len``, 16), so it is chunked by the prefill scheduler while the
     short ones are decoding. Short requests: ``--mixed-short-input-len`` (64) input tokens and
     ``--random-output-len`` output tokens; ``--random-range-ratio`` applies to both kinds.
+``multi-turn``
+    Sessions of several turns with a growing shared history (services/loadtest/multi_turn.py):
+    each later turn's prompt is the previous prompt, the previous answer's token ids as
+    generated, and new random tokens. Built per session while the load runs (a turn needs the
+    previous answer), so ``sample_requests`` does not make it; its tokens come from
+    ``TokenSource`` as the random dataset's do.
 ``jsonl``
     ``--dataset-path`` with one JSON object per line: ``"prompt"`` (text, tokenized by the
     router) or ``"prompt_token_ids"`` (a list of ids), and optionally ``"output_len"`` (else
@@ -40,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MIN_TOKEN_ID = 2          # skip EOS (0) and BOS (1) of pdserve's made models
-DATASETS = ("random", "shared-prefix", "mixed", "jsonl")
+DATASETS = ("random", "shared-prefix", "mixed", "multi-turn", "jsonl")
 DEFAULT_SHARED_PREFIX_LEN = 256
 
 
@@ -54,6 +60,7 @@ class SampleRequest:
     kind: str = ""            # "short" / "long" for the mixed dataset
     priority: int = 0         # its scheduling class (gRPC backend): lower first
     user: str = ""            # its fair-share key inside the class
+    session_id: str = ""      # its conversation (multi-turn): the router keeps its turns together
 
 
 @dataclass(slots=True)
@@ -78,7 +85,10 @@ def length_range(length: int, ratio: float) -> tuple[int, int]:
     return max(0, math.floor(length * (1 - ratio))), math.ceil(length * (1 + ratio))
 
 
-class _TokenSource:
+class TokenSource:
+    """Random prompt tokens and lengths from one generator: ids uniform in [MIN_TOKEN_ID,
+    vocab_size), the EOS id replaced."""
+
     def __init__(self, rng: np.random.Generator, vocab_size: int, eos_token_id: int | None) -> None:
         if vocab_size <= MIN_TOKEN_ID + 1:
             raise ValueError(f"vocab_size {vocab_size} is too small")
@@ -102,7 +112,9 @@ def sample_requests(opts: DatasetOptions, num_prompts: int, vocab_size: int, see
         raise ValueError("--num-prompts must be >= 1")
     if opts.name == "jsonl":
         return _jsonl(opts, num_prompts)
-    src = _TokenSource(np.random.default_rng(seed), vocab_size, eos_token_id)
+    if opts.name == "multi-turn":
+        raise ValueError("multi-turn sessions are built while the load runs: services/loadtest/multi_turn.py")
+    src = TokenSource(np.random.default_rng(seed), vocab_size, eos_token_id)
     out: list[SampleRequest] = []
     if opts.name in ("random", "shared-prefix"):
         prefix_len = opts.prefix_len if opts.prefix_len is not None else (

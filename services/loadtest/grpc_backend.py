@@ -1,6 +1,7 @@
 """The load generator's client for the router's gRPC API: one streamed Generate per request, timed
 on this client (TTFT: first token-carrying message; one ITL gap per later token-carrying message;
-e2el: the final message), with the router's own Timings from the final message."""
+e2el: the final message), with the router's own Timings and cached prompt tokens from the final
+message. A request of a session (SampleRequest.session_id) carries it in GenerateRequest.session_id."""
 from __future__ import annotations
 
 import time
@@ -21,8 +22,8 @@ async def send_request(client, req: SampleRequest, request_id: str, sampling: Sa
     finished = False
     try:
         async for msg in client.generate_stream(req.prompt, request_id=request_id, priority=req.priority,
-                                                user=req.user, max_tokens=req.expected_output_len,
-                                                **sampling.kwargs()):
+                                                user=req.user, session_id=req.session_id,
+                                                max_tokens=req.expected_output_len, **sampling.kwargs()):
             now = time.perf_counter()
             if finished:     # nothing follows the final message; ignore anything that would
                 continue
@@ -43,6 +44,7 @@ async def send_request(client, req: SampleRequest, request_id: str, sampling: Sa
                 res.prefill_route, res.decode_cached_tokens, res.kv_bytes = (t.prefill_route, t.decode_cached_tokens,
                                                                              t.kv_bytes)
                 res.kv_wire_bytes = t.kv_wire_bytes
+                res.cached_tokens = msg.usage.cached_tokens if msg.HasField("usage") else None
                 if req.prompt_len < 0:
                     res.prompt_len = msg.usage.prompt_tokens
     except grpc.aio.AioRpcError as exc:

@@ -9,6 +9,14 @@ ends at ``data: [DONE]``. Output tokens: the usage chunk's ``completion_tokens``
 ``stream_options.include_usage``), else one per text chunk. Token-id prompts go to
 /v1/completions as they are (exact input lengths); ``openai-chat`` sends their decoded text as one
 user message, and the input length is then the server's ``usage.prompt_tokens``.
+
+Multi-turn sessions (services/loadtest/multi_turn.py) need the answer's token ids: with
+``return_token_ids`` the body asks for them (vLLM's extension: each streamed choice carries its
+delta's ``token_ids``), and a chunk with ids but no text (a character not complete yet) counts as a
+token-carrying chunk. With ``send_session_id`` a request of a session carries pdserve's
+``session_id`` body field (other servers ignore it; off by default). Cached prompt tokens come from
+the usage chunk's ``prompt_tokens_details.cached_tokens`` when the server gives it (vLLM with
+``--enable-prompt-tokens-details``).
 """
 from __future__ import annotations
 
@@ -132,9 +140,10 @@ class OpenAIBackend:
     """Streams requests to one OpenAI-compatible server. chat: /v1/chat/completions."""
 
     def __init__(self, base_url: str, model: str | None = None, chat: bool = False, api_key: str | None = None,
-                 timeout: float | None = 600.0) -> None:
+                 timeout: float | None = 600.0, send_session_id: bool = False, return_token_ids: bool = False) -> None:
         self.endpoint = Endpoint.parse(base_url)
         self.model, self.chat, self.timeout = model, chat, timeout
+        self.send_session_id, self.return_token_ids = send_session_id, return_token_ids
         key = api_key or ENV.OPENAI_API_KEY.get() or ENV.API_KEY.get()
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -170,6 +179,10 @@ class OpenAIBackend:
             body["top_k"] = sampling.top_k       # an extension vLLM, SGLang and pdserve accept
         if sampling.ignore_eos:
             body["ignore_eos"] = True            # likewise
+        if self.return_token_ids:
+            body["return_token_ids"] = True      # vLLM's: each choice's token_ids
+        if self.send_session_id and req.session_id:
+            body["session_id"] = req.session_id  # pdserve's
         return body
 
     async def events(self, body: dict[str, Any]) -> AsyncIterator[tuple[float, str]]:
@@ -228,6 +241,7 @@ class OpenAIBackend:
                         res.prompt_len = int(usage["prompt_tokens"])
                 else:
                     res.output_len = chunks
+                res.cached_tokens = cached_tokens(usage)
                 return True
             doc = json.loads(data)
             if "error" in doc or doc.get("object") == "error":
@@ -236,7 +250,9 @@ class OpenAIBackend:
             usage = doc.get("usage") or usage
             for choice in doc.get("choices") or ():
                 text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
-                if text:
+                ids = choice.get("token_ids") or ()
+                res.token_ids.extend(int(t) for t in ids)
+                if text or ids:
                     if chunks == 0:
                         res.ttft = now - st
                     else:
@@ -246,6 +262,13 @@ class OpenAIBackend:
                 if choice.get("finish_reason"):
                     res.finish_reason = choice["finish_reason"]
         return False
+
+
+def cached_tokens(usage: dict[str, Any] | None) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens, when the server reports it."""
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return int(value) if value is not None else None
 
 
 @dataclass(slots=True)

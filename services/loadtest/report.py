@@ -1,5 +1,5 @@
 """The console output of ``pdserve bench serve``: vLLM's summary table, the router's timing
-breakdown, the sweep table."""
+breakdown, the sweep table, the multi-turn table by turn number."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -52,3 +52,27 @@ def print_sweep_table(rows: Sequence[dict[str, Any]], percentiles: Sequence[floa
               f"{r['completed']:>5} {r['failed']:>4} {cells}")
     print("(latencies in ms)", flush=True)
 
+
+
+def _cell(value: float | None, fmt: str = ".1f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def print_turn_table(summary: dict[str, Any]) -> None:
+    """Sessions and, per turn number, TTFT and tokens (services/loadtest/multi_turn.py's summary);
+    cached and recomputed show '-' where the server did not report cached tokens."""
+    head = (f"{'turn':>4} {'ok':>5} {'fail':>4} {'TTFT p50':>9} {'TTFT p99':>9} {'prompt':>8} {'cached':>8} "
+            f"{'recomputed':>10} {'new':>6}")
+    print("{s:{c}^{n}}".format(s=" Multi-turn sessions ", n=len(head), c="="))
+    print(f"sessions: {summary['sessions_completed']} completed, {summary['sessions_failed']} failed of "
+          f"{summary['sessions']}; {summary['completed']} turns ok, {summary['failed']} failed; "
+          f"{summary['request_throughput']:.2f} req/s, {summary['output_throughput']:.1f} output tok/s")
+    print(head)
+    for r in summary["per_turn"]:
+        print(f"{r['turn']:>4} {r['count']:>5} {r['failed']:>4} {_cell(r['ttft_p50_ms']):>9} "
+              f"{_cell(r['ttft_p99_ms']):>9} {_cell(r['mean_prompt_tokens']):>8} {_cell(r['mean_cached_tokens']):>8} "
+              f"{_cell(r['mean_recomputed_tokens']):>10} {_cell(r['mean_new_tokens']):>6}")
+    print("(TTFT in ms; tokens are means over the successful turns; new: what an ideal server computes)")
+    for err in summary["session_errors"][:3]:
+        print(f"  session ended: {err}")
+    print("=" * len(head), flush=True)

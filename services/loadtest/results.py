@@ -21,7 +21,8 @@ class RequestResult:
     finish_reason: str = ""
     kind: str = ""
     server_timings: dict[str, float] = field(default_factory=dict)   # the router's Timings, ms
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)   # the answer, as generated
+    cached_tokens: int | None = None      # prompt tokens the server found cached; None: it did not say
     prefill_route: str = ""               # the router's Timings: "remote" | "local" | "colocated"
     decode_cached_tokens: int = 0         # prompt tokens the decode worker already held
     kv_bytes: int = 0                     # KV bytes shipped to the decode worker

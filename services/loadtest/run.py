@@ -19,8 +19,8 @@ class LoadProgress:
     """Requests done so far: a tqdm bar on a terminal; elsewhere (logs, pipes) a plain line at every
     10% and at the end, so that a file gets a few readable lines, not a stream of carriage returns."""
 
-    def __init__(self, total: int, desc: str, enabled: bool | None = None, stream=None) -> None:
-        self.total, self.desc, self.done, self.failed = total, desc, 0, 0
+    def __init__(self, total: int, desc: str, enabled: bool | None = None, stream=None, noun: str = "requests") -> None:
+        self.total, self.desc, self.done, self.failed, self.noun = total, desc, 0, 0, noun
         self.stream = stream or sys.stderr
         tty = self.stream.isatty() if hasattr(self.stream, "isatty") else False
         self.lines = enabled is not False and not tty      # plain lines instead of a bar
@@ -29,7 +29,8 @@ class LoadProgress:
         self._next_line = 0.1
         if enabled is not False and tty:
             from tqdm import tqdm
-            self.bar = tqdm(total=total, desc=desc, unit="req", file=self.stream, dynamic_ncols=True)
+            self.bar = tqdm(total=total, desc=desc, unit="req" if noun == "requests" else noun, file=self.stream,
+                            dynamic_ncols=True)
 
     def update(self, ok: bool) -> None:
         self.done += 1
@@ -41,7 +42,7 @@ class LoadProgress:
         elif self.lines and (self.done >= self._next_line * self.total or self.done == self.total):
             while self._next_line * self.total <= self.done:
                 self._next_line += 0.1
-            print(f"{self.desc}: {self.done}/{self.total} requests done ({self.failed} failed, "
+            print(f"{self.desc}: {self.done}/{self.total} {self.noun} done ({self.failed} failed, "
                   f"{time.perf_counter() - self.t0:.1f}s)", file=self.stream, flush=True)
 
     def close(self) -> None:
@@ -50,7 +51,8 @@ class LoadProgress:
 
 
 @contextlib.asynccontextmanager
-async def _no_close(backend):
+async def not_closed(backend):
+    """A backend its caller owns, as a context that leaves it open."""
     yield backend
 
 
@@ -65,7 +67,7 @@ async def run_load(address: str, requests: Sequence[SampleRequest], *, rate: flo
     offsets = arrival_offsets(len(requests), rate, burstiness, seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     run_id = uuid.uuid4().hex[:8]
-    async with (GrpcBackend(address, timeout) if backend is None else _no_close(backend)) as client:
+    async with (GrpcBackend(address, timeout) if backend is None else not_closed(backend)) as client:
         start = time.perf_counter()
 
         async def one(i: int) -> RequestResult:

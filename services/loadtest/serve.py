@@ -43,6 +43,18 @@ Plots (PNG, matplotlib; made with ``--save-result`` unless ``--no-plot``, or wit
 ``--sweep RATE,RATE,...`` one benchmark runs per rate (fresh prompts each, seed + index, so the
 prefix cache does not carry over) and ``<stem>_sweep.png`` plots latency percentiles against
 the achieved request throughput; ``<stem>_sweep.json`` holds the summary rows.
+
+``--dataset-name multi-turn`` (services/loadtest/multi_turn.py): ``--num-prompts`` sessions of
+``--multi-turn-turns`` turns arrive at ``--request-rate`` sessions/s; turn 1 has
+``--multi-turn-first-input-len`` random tokens, each later turn the history so far, the previous
+answer's exact token ids and ``--multi-turn-input-len`` new tokens, after a think time
+(``--multi-turn-think-time-s``, exponential mean); answers of ``--random-output-len`` tokens.
+Every request carries its session id (gRPC ``session_id``; over HTTP only with
+``--send-session-id``, pdserve's body field), and the OpenAI backends ask for the answers' token
+ids (``return_token_ids``, vLLM's extension). Besides the summary, a table by turn number: TTFT
+p50/p99, mean prompt, cached (as the server reports them) and recomputed tokens, new tokens; the
+JSON adds ``multi_turn`` (options, sessions, ``per_turn`` rows) and per-request ``session_ids``,
+``turns``, ``cached_tokens``, ``new_tokens``. Not with ``--sweep`` or ``openai-chat``.
 """
 from __future__ import annotations
 
@@ -51,6 +63,7 @@ import asyncio
 import json
 import math
 import sys
+from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
@@ -58,8 +71,9 @@ from typing import Any, Sequence
 from services.loadtest.datasets import DATASETS, DatasetOptions, SampleRequest, sample_requests
 from services.loadtest.metrics import METRICS, calculate_metrics, parse_goodput, server_breakdown
 from services.loadtest.openai_backend import BACKENDS, OpenAIBackend, prepare_chat_prompts, server_info
+from services.loadtest.multi_turn import MultiTurnOptions, plan_sessions, request_fields, run_sessions, summarise
 from services.loadtest.plots import plot_itl_over_time, plot_latency_cdfs, plot_sweep
-from services.loadtest.report import print_server_breakdown, print_summary, print_sweep_table
+from services.loadtest.report import print_server_breakdown, print_summary, print_sweep_table, print_turn_table
 from services.loadtest.results import RequestResult, Sampling
 from services.loadtest.run import LoadProgress, run_load
 
@@ -155,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="--backend openai/openai-chat: the tokenizer that makes random prompts (default: --model, "
                         "when it is a local directory)")
+    p.add_argument("--send-session-id", action="store_true",
+                   help="--backend openai: send a session's id as the body field session_id (pdserve's HTTP "
+                        "extension; the gRPC backend always sends it)")
     p.add_argument("--api-key", default=None,
                    help="--backend openai/openai-chat: sent as Bearer (default: $OPENAI_API_KEY, else "
                         "$PDSERVE_API_KEY)")
@@ -174,6 +191,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--mixed-long-input-len", type=int, default=1024)
     d.add_argument("--mixed-long-output-len", type=int, default=16)
     d.add_argument("--mixed-long-fraction", type=float, default=0.125)
+    mt = MultiTurnOptions()
+    d.add_argument("--multi-turn-turns", type=int, default=mt.turns,
+                   help="multi-turn: turns per session (default: %(default)s)")
+    d.add_argument("--multi-turn-first-input-len", type=int, default=mt.first_input_len,
+                   help="multi-turn: tokens of a session's first prompt (default: %(default)s)")
+    d.add_argument("--multi-turn-input-len", type=int, default=mt.input_len,
+                   help="multi-turn: new user tokens of each later turn (default: %(default)s)")
+    d.add_argument("--multi-turn-think-time-s", type=float, default=mt.think_time_s,
+                   help="multi-turn: mean pause (exponential) between an answer and the next turn; 0: none "
+                        "(default: %(default)s)")
     t = p.add_argument_group("traffic")
     t.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s; inf sends all at once")
     t.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
@@ -226,8 +253,18 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--random-output-len must be >= 1 and --random-input-len >= 0")
     try:
         args.goodput = parse_goodput(args.goodput)
+        if args.dataset_name == "multi-turn":
+            _multi_turn_options(args)
     except ValueError as exc:
         p.error(str(exc))
+    if args.dataset_name == "multi-turn" and (args.sweep or args.backend == "openai-chat"):
+        p.error("--dataset-name multi-turn runs one rate (no --sweep) over token ids (not openai-chat)")
+
+
+def _multi_turn_options(args: argparse.Namespace) -> MultiTurnOptions:
+    return MultiTurnOptions(turns=args.multi_turn_turns, first_input_len=args.multi_turn_first_input_len,
+                            input_len=args.multi_turn_input_len, output_len=args.random_output_len,
+                            think_time_s=args.multi_turn_think_time_s)
 
 
 def _result_stem(args: argparse.Namespace, model: str, rate: float | None) -> str:
@@ -254,7 +291,8 @@ async def _connect(args: argparse.Namespace):
         return info, None, None, (f"router {args.router}, model {info.model_name} (vocab {info.vocab_size}, "
                                   f"{info.num_prefill_workers} prefill / {info.num_decode_workers} decode workers)")
     backend = OpenAIBackend(args.base_url, args.model, chat=args.backend == "openai-chat", api_key=args.api_key,
-                            timeout=args.request_timeout)
+                            timeout=args.request_timeout, send_session_id=args.send_session_id,
+                            return_token_ids=args.dataset_name == "multi-turn")
     try:
         info, tokenizer = await server_info(backend, args.tokenizer, need_vocab=args.dataset_name != "jsonl")
     except (OSError, asyncio.TimeoutError) as exc:
@@ -280,7 +318,9 @@ async def _bench(args: argparse.Namespace) -> int:
     eos = info.eos_token_id
 
     def workload(seed: int, n: int) -> list[SampleRequest]:
-        reqs = sample_requests(opts, n, info.vocab_size, seed=seed, eos_token_id=eos)
+        warm_opts = DatasetOptions(input_len=args.multi_turn_first_input_len, output_len=args.random_output_len)
+        reqs = sample_requests(warm_opts if args.dataset_name == "multi-turn" else opts, n, info.vocab_size,
+                               seed=seed, eos_token_id=eos)
         too_long = sum(1 for r in reqs if r.prompt_len >= 0 and r.prompt_len + r.expected_output_len > info.max_model_len)
         if too_long:
             print(f"warning: {too_long} request(s) exceed max_model_len {info.max_model_len} and will fail",
@@ -298,6 +338,8 @@ async def _bench(args: argparse.Namespace) -> int:
         print(f"warmup: {len(wres) - len(bad)}/{len(wres)} requests ok" + (f" (first error: {bad[0]})" if bad else ""),
               flush=True)
 
+    if args.dataset_name == "multi-turn":
+        return await _bench_multi_turn(args, info, backend, sampling, out_dir, plot)
     rows: list[dict[str, Any]] = []
     for i, rate in enumerate(rates):
         seed = args.seed + i
@@ -342,6 +384,42 @@ async def _bench(args: argparse.Namespace) -> int:
             print(f"sweep result: {path}", flush=True)
         if plot:
             print(f"plot: {plot_sweep(rows, out_dir / f'{stem}_sweep.png', args.metric_percentiles)}", flush=True)
+    return 0
+
+
+async def _bench_multi_turn(args: argparse.Namespace, info, backend, sampling: Sampling, out_dir: Path,
+                            plot: bool) -> int:
+    """One run of multi-turn sessions (the module docstring): the summary, the table by turn, the JSON."""
+    opts = _multi_turn_options(args)
+    if opts.max_total_len > info.max_model_len:
+        print(f"warning: the last turns may reach {opts.max_total_len} tokens, over max_model_len "
+              f"{info.max_model_len}, and fail", file=sys.stderr)
+    plans = plan_sessions(opts, args.num_prompts, info.vocab_size, seed=args.seed, eos_token_id=info.eos_token_id)
+    run = await run_sessions(args.router, plans, rate=args.request_rate, burstiness=args.burstiness,
+                             max_concurrency=args.max_concurrency, seed=args.seed, sampling=sampling,
+                             timeout=args.request_timeout, backend=backend,
+                             progress=LoadProgress(len(plans), "multi-turn", args.progress, noun="sessions"))
+    results = [t.result for t in run.turns]
+    metrics = calculate_metrics(results, run.duration, args.metric_percentiles, args.goodput)
+    print_summary(metrics, max_concurrency=args.max_concurrency, percentile_metrics=args.percentile_metrics,
+                  percentiles=args.metric_percentiles)
+    print_server_breakdown(server_breakdown(results))
+    summary = summarise(run)
+    print_turn_table(summary)
+    result = {**build_result(args, info, args.request_rate, metrics, results), **request_fields(run.turns),
+              "multi_turn": {"options": asdict(opts), **summary}}
+    stem = _result_stem(args, info.model_name, args.request_rate)
+    if args.save_result:
+        path = out_dir / (args.result_filename or f"{stem}.json")
+        path.write_text(json.dumps(result, indent=1))
+        print(f"result: {path}", flush=True)
+    if plot:
+        try:
+            for written in (plot_latency_cdfs(result, out_dir / f"{stem}_latency_cdf.png"),
+                            plot_itl_over_time(result, out_dir / f"{stem}_itl_over_time.png")):
+                print(f"plot: {written}", flush=True)
+        except ImportError:
+            print("warning: matplotlib is not installed (pip install 'pdserve[bench]'); no plots", file=sys.stderr)
     return 0
 
 
