@@ -34,7 +34,7 @@ from engine.logprobs import TokenLogprob, logprob_of
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler, StepTrace
+from engine.scheduler import Claim, ScheduledBatch, Scheduler, StepTrace
 from engine.step_cost import DECODE_FIT_DECAY, MIN_SPREAD_SEQS, StepCost
 from engine.sequence import Sequence, SequenceStatus
 from engine.validation import validate_request
@@ -62,6 +62,7 @@ class NoCapacity(RuntimeError):
 # A decode worker's prompt chunk (a local prefill) may lengthen a decode step by this share:
 # the inter-token gaps it makes stay below the tail that decoding alone has (p99 ~2x p50 here).
 PROMPT_CHUNK_STEP_SHARE = 0.5
+CLAIM_S = 2.0        # a higher-class reservation's claim on a full pool lasts this long unless asked again
 LOAD_WAIT_S = 0.05   # an idle step waits this long at most for a prompt's blocks read ahead from disk
 
 
@@ -276,14 +277,25 @@ class LLMEngine:
                 output_token_ids: Seq[int] = (), lease_s: float | None = None) -> Reservation:
         """Reserve blocks for the sequence (prompt + tokens already generated) whose KV arrives
         from a prefill worker. Blocks this pool holds computed are shared and not shipped.
-        Raises NoCapacity (keeping room for the running sequences to grow) or ValueError."""
+        Raises NoCapacity (keeping room for the running sequences to grow) or ValueError. A
+        sequence of a higher class than some running ones that does not fit leaves a claim: the
+        next steps preempt those (engine/scheduler.py), and the reservation asked again fits."""
         with self.lock:
             seq = self._new_sequence(request_id, prompt_token_ids, params, output_token_ids)
             headroom = max(self.scheduler.watermark_blocks, len(self.scheduler.running))
+            scheduler = self.scheduler
             try:
-                return self.kv.reserve(seq, lease_s, reserve_blocks=headroom)
+                reservation = self.kv.reserve(seq, lease_s, reserve_blocks=headroom)
             except NoFreeBlocks as exc:
+                need = self.block_manager.blocks_needed(seq.num_tokens) + headroom
+                if scheduler.lower_class_blocks(seq.priority) + self.block_manager.num_free_blocks >= need \
+                        and (scheduler.claim is None or seq.priority <= scheduler.claim.priority):
+                    scheduler.claim = Claim(seq.priority, need, time.monotonic() + CLAIM_S)
+                    raise NoCapacity(f"{exc}; sequences of lower classes are being preempted for it") from exc
                 raise NoCapacity(f"{exc} (keeping {headroom} for running sequences)") from exc
+            if scheduler.claim is not None and seq.priority <= scheduler.claim.priority:
+                scheduler.claim = None   # the room was for this class: it is taken
+            return reservation
 
     def admit(self, request_id: str, first_token: int) -> str | None:
         """Every block arrived and verified: the sequence joins the running batch with the token

@@ -15,6 +15,12 @@ it waits ahead of its class to be prefilled again over its prompt and the tokens
 which gives the tokens a run without preemption gives. A sequence whose blocks the KV
 connector holds (sent or received) is never a victim.
 
+A decode worker's pool fills with sequences whose KV arrived from elsewhere: a reservation of
+a higher class that does not fit leaves a ``Claim`` (its class and the free blocks it needs,
+for a moment); the next steps preempt running sequences of lower classes until the pool has
+them, and admit no waiting sequence of a lower class meanwhile, so the reservation, asked again,
+fits.
+
 A waiting sequence whose cached prefix is being read from the disk KV tier in the background
 (BlockManager.ready) is passed over until its blocks are in; the sequences behind it are
 admitted meanwhile.
@@ -73,6 +79,15 @@ def _priority(seq: Sequence) -> int:
     return seq.priority
 
 
+@dataclass(slots=True)
+class Claim:
+    """A reservation of class priority that found the pool full: free blocks it needs, until expires."""
+
+    priority: int
+    blocks: int
+    expires: float
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
                  held: Callable[[str], bool] | None = None) -> None:
@@ -84,6 +99,7 @@ class Scheduler:
         self.last_kind: StepKind | None = None
         self.num_preemptions = 0
         self.num_priority_preemptions = 0     # of those, to admit a waiting sequence of a higher class
+        self.claim: Claim | None = None       # a higher-class reservation waiting for room
         self.held = held or (lambda request_id: False)
         self._preempted_this_step: list[str] = []
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
@@ -140,6 +156,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         seqs: list[Sequence] = []
         counts: list[int] = []
+        self._preempt_for_claim()
         if prefill:
             self._preempt_for_waiting()
         if decode:
@@ -213,6 +230,27 @@ class Scheduler:
             if self._fits(head):
                 return
 
+    def lower_class_blocks(self, priority: int) -> int:
+        """Blocks that preempting every running sequence of a class below priority would free."""
+        return self._blocks_freed_by([s for s in self.running if s.priority > priority and not self.held(s.request_id)])
+
+    def _preempt_for_claim(self) -> None:
+        """Make room for a claim: preempt running sequences of lower classes (the lowest class and
+        the latest arrival first) until the pool has its free blocks; an expired claim is dropped."""
+        claim = self.claim
+        if claim is None:
+            return
+        if time.monotonic() >= claim.expires:
+            self.claim = None
+            return
+        victims = sorted((s for s in self.running if s.priority > claim.priority and not self.held(s.request_id)),
+                         key=lambda s: (s.priority, s.arrival_time), reverse=True)
+        for victim in victims:
+            if self.block_manager.num_free_blocks >= claim.blocks:
+                return
+            self._preempt(victim)
+            self.num_priority_preemptions += 1
+
     def _fits(self, seq: Sequence, freed: int = 0, num_running: int | None = None) -> bool:
         """Whether admission (_schedule_prefills) finds blocks for seq, with freed more blocks free
         and num_running sequences running (default: the pool and the batch as they are)."""
@@ -253,6 +291,8 @@ class Scheduler:
                 break
             if not bm.ready(seq):
                 continue   # its cached blocks are on their way from disk: the next ones go first
+            if self.claim is not None and seq.priority > self.claim.priority:
+                break      # the room made for a higher-class reservation stays free for it
             # Leave a little room for running decoders to grow, or admission and preemption thrash.
             if self.running and bm.num_free_blocks - bm.blocks_needed(seq.num_tokens) < self.watermark_blocks:
                 break

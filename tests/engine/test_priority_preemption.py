@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import zlib
 
+import pytest
 import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
@@ -249,4 +250,38 @@ def test_decode_role_preempts_an_admitted_sequence_never_a_reservation(tiny_qwen
     run_to_end(engine, tokens)
     assert len(tokens["hi"]) == 4 and rx.num_blocks == 3
     assert engine.abort("rx")
+    assert_no_leak(engine)
+
+
+def test_a_higher_class_reservation_on_a_full_decode_pool_preempts_a_lower_class(tiny_qwen3: str) -> None:
+    """A decode worker full of a lower class (a local prompt here, whose KV is real): the
+    higher-class reservation is refused once, with a claim; the next step preempts the lower
+    sequence (recomputed later from its prompt and tokens, exact), and the reservation asked
+    again fits. A reservation of the same class or a lower one leaves no claim."""
+    from engine.llm_engine import NoCapacity
+    engine = LLMEngine(EngineConfig(model=tiny_qwen3, role="decode", num_kv_blocks=10, **KW))
+    lo_prompt = random_prompts(1, 40, 40, seed=35)[0]
+    engine.add_request("lo", lo_prompt, greedy(24, 1))                # prefilled here: its KV is real
+    tokens: dict[str, list[int]] = {}
+    while engine.stats()["num_free_blocks"] > 4:                      # 5 blocks, then 6 as it decodes
+        step_into(engine, tokens)
+    hi_prompt = random_prompts(1, 40, 40, seed=36)[0]
+    for priority in (1, 2):                                            # not above lo's class: no claim
+        with pytest.raises(NoCapacity, match="keeping"):
+            engine.reserve("peer", hi_prompt, greedy(4, priority))
+    assert engine.scheduler.claim is None
+    with pytest.raises(NoCapacity, match="being preempted"):
+        engine.reserve("hi", hi_prompt, greedy(4, 0))
+    step_into(engine, tokens)   # lo is preempted, and waits (the claim keeps its room free): no step runs
+    assert [q.request_id for q in engine.scheduler.waiting] == ["lo"] and not engine.scheduler.running
+    hi = engine.reserve("hi", hi_prompt, greedy(4, 0))
+    assert engine.scheduler.claim is None                              # taken
+    for i in hi.needed_block_indices:
+        receive(engine, "hi", i, hi.transfer_token)
+    assert engine.admit("hi", 7) is None
+    tokens["hi"] = [7]
+    run_to_end(engine, tokens)
+    assert len(tokens["hi"]) == 4
+    assert tokens["lo"] == alone(tiny_qwen3, lo_prompt, 24)            # recomputed: as if never preempted
+    assert engine.stats()["num_priority_preemptions"] == 1
     assert_no_leak(engine)
