@@ -25,31 +25,31 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import worker_pb2 as pdserve_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/membership.proto\x12\npdserve.v1\x1a\x17pdserve/v1/worker.proto\"W\n\x0bJoinRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x11\n\tworker_id\x18\x03 \x01(\t\"\xe5\x01\n\x06Member\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12&\n\x05state\x18\x04 \x01(\x0e\x32\x17.pdserve.v1.MemberState\x12\x0e\n\x06joined\x18\x05 \x01(\x08\x12\x10\n\x08inflight\x18\x06 \x01(\r\x12\x14\n\x0cplaced_total\x18\x07 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\r\x12\x18\n\x10num_total_blocks\x18\t \x01(\r\"\x14\n\x12ListWorkersRequest\"1\n\nWorkerList\x12#\n\x07workers\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Member\"I\n\x10\x41\x64\x64WorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\" \n\rMemberRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\">\n\x12\x44rainWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x17\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01\"c\n\x11SwitchRoleRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01*\xe1\x01\n\x0bMemberState\x12\x1c\n\x18MEMBER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14MEMBER_STATE_JOINING\x10\x01\x12\x18\n\x14MEMBER_STATE_SERVING\x10\x02\x12\x15\n\x11MEMBER_STATE_DOWN\x10\x03\x12\x19\n\x15MEMBER_STATE_DRAINING\x10\x04\x12\x18\n\x14MEMBER_STATE_DRAINED\x10\x05\x12\x18\n\x14MEMBER_STATE_REMOVED\x10\x06\x12\x1a\n\x16MEMBER_STATE_SWITCHING\x10\x07\x32\xd0\x03\n\nMembership\x12\x35\n\x04Join\x12\x17.pdserve.v1.JoinRequest\x1a\x12.pdserve.v1.Member0\x01\x12\x45\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x16.pdserve.v1.WorkerList\x12=\n\tAddWorker\x12\x1c.pdserve.v1.AddWorkerRequest\x1a\x12.pdserve.v1.Member\x12\x41\n\x0b\x44rainWorker\x12\x1e.pdserve.v1.DrainWorkerRequest\x1a\x12.pdserve.v1.Member\x12=\n\x0cResumeWorker\x12\x19.pdserve.v1.MemberRequest\x1a\x12.pdserve.v1.Member\x12\x42\n\x0cRemoveWorker\x12\x1e.pdserve.v1.DrainWorkerRequest\x1a\x12.pdserve.v1.Member\x12?\n\nSwitchRole\x12\x1d.pdserve.v1.SwitchRoleRequest\x1a\x12.pdserve.v1.Memberb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/membership.proto\x12\npdserve.v1\x1a\x17pdserve/v1/worker.proto\"W\n\x0bJoinRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x11\n\tworker_id\x18\x03 \x01(\t\"\x85\x02\n\x06Member\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12&\n\x05state\x18\x04 \x01(\x0e\x32\x17.pdserve.v1.MemberState\x12\x0e\n\x06joined\x18\x05 \x01(\x08\x12\x10\n\x08inflight\x18\x06 \x01(\r\x12\x14\n\x0cplaced_total\x18\x07 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\r\x12\x18\n\x10num_total_blocks\x18\t \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\r\"\x14\n\x12ListWorkersRequest\"1\n\nWorkerList\x12#\n\x07workers\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Member\"I\n\x10\x41\x64\x64WorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\" \n\rMemberRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\">\n\x12\x44rainWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x17\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01\"c\n\x11SwitchRoleRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01*\xe1\x01\n\x0bMemberState\x12\x1c\n\x18MEMBER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14MEMBER_STATE_JOINING\x10\x01\x12\x18\n\x14MEMBER_STATE_SERVING\x10\x02\x12\x15\n\x11MEMBER_STATE_DOWN\x10\x03\x12\x19\n\x15MEMBER_STATE_DRAINING\x10\x04\x12\x18\n\x14MEMBER_STATE_DRAINED\x10\x05\x12\x18\n\x14MEMBER_STATE_REMOVED\x10\x06\x12\x1a\n\x16MEMBER_STATE_SWITCHING\x10\x07\x32\xd0\x03\n\nMembership\x12\x35\n\x04Join\x12\x17.pdserve.v1.JoinRequest\x1a\x12.pdserve.v1.Member0\x01\x12\x45\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x16.pdserve.v1.WorkerList\x12=\n\tAddWorker\x12\x1c.pdserve.v1.AddWorkerRequest\x1a\x12.pdserve.v1.Member\x12\x41\n\x0b\x44rainWorker\x12\x1e.pdserve.v1.DrainWorkerRequest\x1a\x12.pdserve.v1.Member\x12=\n\x0cResumeWorker\x12\x19.pdserve.v1.MemberRequest\x1a\x12.pdserve.v1.Member\x12\x42\n\x0cRemoveWorker\x12\x1e.pdserve.v1.DrainWorkerRequest\x1a\x12.pdserve.v1.Member\x12?\n\nSwitchRole\x12\x1d.pdserve.v1.SwitchRoleRequest\x1a\x12.pdserve.v1.Memberb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.membership_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMBERSTATE']._serialized_start=737
-  _globals['_MEMBERSTATE']._serialized_end=962
+  _globals['_MEMBERSTATE']._serialized_start=769
+  _globals['_MEMBERSTATE']._serialized_end=994
   _globals['_JOINREQUEST']._serialized_start=68
   _globals['_JOINREQUEST']._serialized_end=155
   _globals['_MEMBER']._serialized_start=158
-  _globals['_MEMBER']._serialized_end=387
-  _globals['_LISTWORKERSREQUEST']._serialized_start=389
-  _globals['_LISTWORKERSREQUEST']._serialized_end=409
-  _globals['_WORKERLIST']._serialized_start=411
-  _globals['_WORKERLIST']._serialized_end=460
-  _globals['_ADDWORKERREQUEST']._serialized_start=462
-  _globals['_ADDWORKERREQUEST']._serialized_end=535
-  _globals['_MEMBERREQUEST']._serialized_start=537
-  _globals['_MEMBERREQUEST']._serialized_end=569
-  _globals['_DRAINWORKERREQUEST']._serialized_start=571
-  _globals['_DRAINWORKERREQUEST']._serialized_end=633
-  _globals['_SWITCHROLEREQUEST']._serialized_start=635
-  _globals['_SWITCHROLEREQUEST']._serialized_end=734
-  _globals['_MEMBERSHIP']._serialized_start=965
-  _globals['_MEMBERSHIP']._serialized_end=1429
+  _globals['_MEMBER']._serialized_end=419
+  _globals['_LISTWORKERSREQUEST']._serialized_start=421
+  _globals['_LISTWORKERSREQUEST']._serialized_end=441
+  _globals['_WORKERLIST']._serialized_start=443
+  _globals['_WORKERLIST']._serialized_end=492
+  _globals['_ADDWORKERREQUEST']._serialized_start=494
+  _globals['_ADDWORKERREQUEST']._serialized_end=567
+  _globals['_MEMBERREQUEST']._serialized_start=569
+  _globals['_MEMBERREQUEST']._serialized_end=601
+  _globals['_DRAINWORKERREQUEST']._serialized_start=603
+  _globals['_DRAINWORKERREQUEST']._serialized_end=665
+  _globals['_SWITCHROLEREQUEST']._serialized_start=667
+  _globals['_SWITCHROLEREQUEST']._serialized_end=766
+  _globals['_MEMBERSHIP']._serialized_start=997
+  _globals['_MEMBERSHIP']._serialized_end=1461
 # @@protoc_insertion_point(module_scope)

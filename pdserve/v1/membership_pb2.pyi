@@ -38,7 +38,7 @@ class JoinRequest(_message.Message):
     def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.WorkerRole, str]] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class Member(_message.Message):
-    __slots__ = ("address", "role", "worker_id", "state", "joined", "inflight", "placed_total", "num_free_blocks", "num_total_blocks")
+    __slots__ = ("address", "role", "worker_id", "state", "joined", "inflight", "placed_total", "num_free_blocks", "num_total_blocks", "max_num_batched_tokens")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class Member(_message.Message):
     PLACED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: _worker_pb2.WorkerRole
     worker_id: str
@@ -57,7 +58,8 @@ class Member(_message.Message):
     placed_total: int
     num_free_blocks: int
     num_total_blocks: int
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.WorkerRole, str]] = ..., worker_id: _Optional[str] = ..., state: _Optional[_Union[MemberState, str]] = ..., joined: _Optional[bool] = ..., inflight: _Optional[int] = ..., placed_total: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ...) -> None: ...
+    max_num_batched_tokens: int
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.WorkerRole, str]] = ..., worker_id: _Optional[str] = ..., state: _Optional[_Union[MemberState, str]] = ..., joined: _Optional[bool] = ..., inflight: _Optional[int] = ..., placed_total: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

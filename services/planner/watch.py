@@ -29,7 +29,8 @@ from services.planner.cost_model import CostModel
 from services.planner.plan import PlanConfig, Workload, parse_slos, simulate
 from services.planner.simulator import Candidate
 
-ROUTER_METRICS = ("request_success_total", "request_failure_total", "prompt_tokens_total", "generation_tokens_total")
+ROUTER_METRICS = ("request_success_total", "request_failure_total", "prompt_tokens_total", "generation_tokens_total",
+                  "num_requests_running")   # the last a gauge: requests in flight through the router
 HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "tpot": "time_per_output_token_seconds"}
 
 
@@ -98,7 +99,9 @@ class Scrape:
 
 @dataclass(slots=True)
 class Traffic:
-    """The requests that finished between two scrapes."""
+    """The requests between two scrapes: those that finished (their lengths), and those that
+    arrived (finished, failed, and the change in the requests in flight): a deployment that
+    cannot keep up finishes fewer than arrive, and the planner must plan for what arrives."""
 
     seconds: float
     requests: float
@@ -106,6 +109,7 @@ class Traffic:
     prompt_tokens: float
     output_tokens: float
     within: dict[str, float] = field(default_factory=dict)   # "ttft"/"tpot" -> fraction within its SLO
+    backlog: float = 0.0      # the change in requests in flight through the router
 
     @classmethod
     def between(cls, old: Scrape, new: Scrape, slos: dict[str, float]) -> "Traffic":
@@ -115,11 +119,13 @@ class Traffic:
             if key in slos:
                 within[key] = _fraction_within(old.buckets.get(hist, {}), new.buckets.get(hist, {}), slos[key] / 1e3)
         return cls(new.at - old.at, d["request_success_total"], d["request_failure_total"], d["prompt_tokens_total"],
-                   d["generation_tokens_total"], within)
+                   d["generation_tokens_total"], within, d["num_requests_running"])
 
     @property
     def rate(self) -> float:
-        return self.requests / self.seconds if self.seconds > 0 else 0.0
+        """Arrivals per second."""
+        arrived = max(0.0, self.requests + self.failures + self.backlog)
+        return arrived / self.seconds if self.seconds > 0 else 0.0
 
     def workload(self, num_prompts: int, seed: int) -> Workload:
         """The window as the planner's workload: Poisson arrivals at its rate, its mean lengths."""
@@ -130,7 +136,8 @@ class Traffic:
     def describe(self) -> str:
         n = max(self.requests, 1.0)
         seen = ", ".join(f"{k} within SLO {v:.0%}" for k, v in self.within.items() if not math.isnan(v))
-        return (f"{self.rate:.2f} req/s over {self.seconds:.0f}s, {self.prompt_tokens / n:.0f} in / "
+        return (f"{self.rate:.2f} req/s arriving ({self.requests / max(self.seconds, 1e-9):.2f} finishing) over "
+                f"{self.seconds:.0f}s, {self.prompt_tokens / n:.0f} in / "
                 f"{self.output_tokens / n:.0f} out tokens" + (f", {seen}" if seen else "")
                 + (f", {self.failures:.0f} failed" if self.failures else ""))
 
@@ -174,10 +181,12 @@ class Decision:
         return f"{verdict} {self.best.name}: predicted {fig(self.best.name)} against {fig(self.current.name)}"
 
 
-def decide(cost: CostModel, plan: PlanConfig, current: Split, traffic: Traffic, hysteresis: float) -> Decision:
-    """Simulate every prefill:decode split of the current workers on the window's traffic."""
+def decide(cost: CostModel, plan: PlanConfig, current: Split, traffic: Traffic, hysteresis: float,
+           budget: int = 0) -> Decision:
+    """Simulate every prefill:decode split of the current workers on the window's traffic, at the
+    workers' step token budget (0: the first of --chunk-budgets)."""
     slos = parse_slos(plan.slos)
-    budget = int(plan.chunk_budgets.split(",")[0])
+    budget = budget or int(plan.chunk_budgets.split(",")[0])
     workload = traffic.workload(plan.num_prompts, plan.seed)
     total = current.prefill + current.decode
     predicted: dict[str, dict[str, float]] = {}
@@ -206,6 +215,11 @@ class Members:
     @property
     def split(self) -> Split:
         return Split(len(self.prefill), len(self.decode))
+
+    @property
+    def budget(self) -> int:
+        """The step token budget the workers report (the largest; 0: none known)."""
+        return max((w.max_num_batched_tokens for w in [*self.prefill, *self.decode]), default=0)
 
 
 class Planner:
@@ -245,7 +259,7 @@ class Planner:
                      f"not planned on")
             self.streak = ("", 0)
             return None
-        decision = decide(self.cost, self.plan, members.split, traffic, self.watch.hysteresis)
+        decision = decide(self.cost, self.plan, members.split, traffic, self.watch.hysteresis, members.budget)
         wanted = decision.best.name if decision.change else ""
         count = self.streak[1] + 1 if wanted and wanted == self.streak[0] else (1 if wanted else 0)
         self.streak = (wanted, count)

@@ -68,7 +68,8 @@ class MembershipServicer(membership_pb2_grpc.MembershipServicer):
                         worker_id=status.worker_id if status is not None else "", state=self.state(worker),
                         joined=worker.joined, inflight=worker.inflight, placed_total=worker.placed_total,
                         num_free_blocks=status.num_free_blocks if status is not None else 0,
-                        num_total_blocks=status.num_total_blocks if status is not None else 0)
+                        num_total_blocks=status.num_total_blocks if status is not None else 0,
+                        max_num_batched_tokens=status.max_num_batched_tokens if status is not None else 0)
 
     def state(self, worker: WorkerHandle) -> int:
         if worker not in self.pool.workers:

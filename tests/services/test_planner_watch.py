@@ -15,7 +15,8 @@ from services.planner.watch import Members, Planner, Scrape, Split, Traffic, Wat
 SLOS = ("ttft:500", "tpot:60")
 
 
-def metrics_text(success: int, prompt: int, generated: int, ttft: dict[str, int], failure: int = 0) -> str:
+def metrics_text(success: int, prompt: int, generated: int, ttft: dict[str, int], failure: int = 0,
+                 running: int = 0) -> str:
     """The router's /metrics as Prometheus text: two label sets per counter, a TTFT histogram."""
     lines = ["# HELP pdserve:request_success_total Requests finished normally"]
     for worker, share in (("router", 0.75), ("other", 0.25)):   # summed over labels
@@ -24,6 +25,7 @@ def metrics_text(success: int, prompt: int, generated: int, ttft: dict[str, int]
                   f'pdserve:generation_tokens_total{{model_name="m",role="router",worker="{worker}"}} '
                   f'{generated * share}']
     lines.append(f'pdserve:request_failure_total{{model_name="m",role="router",worker="router"}} {failure}')
+    lines.append(f'pdserve:num_requests_running{{model_name="m",role="router",worker="router"}} {running}')
     for le, count in ttft.items():
         lines.append(f'pdserve:time_to_first_token_seconds_bucket{{le="{le}",model_name="m",role="router",'
                      f'worker="router"}} {count}')
@@ -31,16 +33,19 @@ def metrics_text(success: int, prompt: int, generated: int, ttft: dict[str, int]
 
 
 def test_a_window_of_traffic_from_two_scrapes() -> None:
-    old = Scrape.parse(metrics_text(10, 1000, 500, {"0.25": 5, "0.5": 8, "+Inf": 10}), at=100.0)
-    new = Scrape.parse(metrics_text(40, 4000, 6500, {"0.25": 15, "0.5": 26, "+Inf": 40}, failure=2), at=110.0)
+    old = Scrape.parse(metrics_text(10, 1000, 500, {"0.25": 5, "0.5": 8, "+Inf": 10}, running=1), at=100.0)
+    new = Scrape.parse(metrics_text(40, 4000, 6500, {"0.25": 15, "0.5": 26, "+Inf": 40}, failure=2, running=9),
+                       at=110.0)
     traffic = Traffic.between(old, new, {"ttft": 500.0, "tpot": 60.0})
-    assert (traffic.seconds, traffic.requests, traffic.failures) == (10.0, 30.0, 2.0)
-    assert traffic.rate == 3.0
+    assert (traffic.seconds, traffic.requests, traffic.failures, traffic.backlog) == (10.0, 30.0, 2.0, 8.0)
+    assert traffic.rate == 4.0   # arrivals: 30 finished, 2 failed, 8 more in flight than before
+    assert "4.00 req/s arriving (3.00 finishing)" in traffic.describe()
+    traffic.backlog = 0.0
     assert traffic.within["ttft"] == pytest.approx(18 / 30)    # buckets up to 0.5 s
     assert math.isnan(traffic.within["tpot"])                  # no TPOT observed in the window
     workload = traffic.workload(num_prompts=50, seed=3)
-    assert (workload.rate, workload.input_len, workload.output_len, workload.num_prompts) == (3.0, 100, 200, 50)
-    assert "3.00 req/s" in traffic.describe() and "2 failed" in traffic.describe()
+    assert (workload.rate, workload.input_len, workload.output_len, workload.num_prompts) == (3.2, 100, 200, 50)
+    assert "2 failed" in traffic.describe()
 
 
 def test_decode_heavy_traffic_moves_a_prefill_worker_to_decode(cost) -> None:
@@ -57,7 +62,8 @@ def test_decode_heavy_traffic_moves_a_prefill_worker_to_decode(cost) -> None:
 
 
 def _members(prefill: int, decode: int) -> Members:
-    make = lambda role, i: SimpleNamespace(address=f"127.0.0.1:{i + 1}", role=role, inflight=i)   # noqa: E731
+    def make(role: str, i: int) -> SimpleNamespace:
+        return SimpleNamespace(address=f"127.0.0.1:{i + 1}", role=role, inflight=i, max_num_batched_tokens=2048)
     return Members([make("prefill", i) for i in range(prefill)], [make("decode", 10 + i) for i in range(decode)], 0)
 
 
