@@ -338,6 +338,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     engine_kwargs = given(args, EngineConfig, ENGINE_FIXED)
     engine_kwargs.setdefault("num_threads", WORKER_THREADS)   # as each worker `pdserve up` starts
     engine = EngineConfig(model=model_dir(args), **engine_kwargs)
+    import signal
     config = config_from_args(ProfileConfig, args)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)   # its serving measurement's `pdserve up` is stopped on the way out
     model = run_profile(engine, config, say=lambda line: print(line, file=sys.stderr, flush=True))
