@@ -48,6 +48,7 @@ import json
 import math
 import os
 import signal
+import shlex
 import socket
 import sys
 import time
@@ -74,9 +75,10 @@ VLLM_MAX_MODEL_LEN = 2048
 WORKERS = ("prefill-0", "decode-0")        # `up --metrics-port-base N`: router N, then these on N+1, N+2
 
 
-def up_flags(setup: str) -> list[str]:
-    """`pdserve up` flags of a pdserve setup beyond the 1P1D shape."""
-    return ["--session-ttl-s", "0"] if setup == "today" else ["--kv-host-cache-bytes", str(HOST_TIER_BYTES)]
+def up_flags(setup: str, extra: str = "") -> list[str]:
+    """`pdserve up` flags of a pdserve setup beyond the 1P1D shape (extra: --pdserve-args, for both)."""
+    own = ["--session-ttl-s", "0"] if setup == "today" else ["--kv-host-cache-bytes", str(HOST_TIER_BYTES)]
+    return [*own, *shlex.split(extra)]
 
 
 def free_port_run(n: int) -> int:
@@ -137,12 +139,12 @@ def cache_figures(before: dict[str, float] | None, after: dict[str, float] | Non
 
 
 @contextlib.contextmanager
-def pdserve_target(setup: str, model: str, logs: Path) -> Iterator[tuple[Target, dict[str, str]]]:
+def pdserve_target(setup: str, model: str, logs: Path, extra: str = "") -> Iterator[tuple[Target, dict[str, str]]]:
     """`pdserve up` (1P1D) for setup, serving, with its workers' /metrics URLs; stopped on leaving."""
     from services.deployment.launcher import wait_serving
     port, metrics = free_port(), free_port_run(1 + len(WORKERS))
     cmd = pdserve_up_command(sys.executable, model, port, "1p1d", threads=1,
-                             extra=[*up_flags(setup), "--metrics-port-base", str(metrics)])
+                             extra=[*up_flags(setup, extra), "--metrics-port-base", str(metrics)])
     popen = drivers.start_up(cmd, logs / f"{setup}-up.log", f"[{setup}]")
     try:
         wait_serving(f"127.0.0.1:{port}", popen, timeout=300)
@@ -204,7 +206,7 @@ def run_setup(setup: str, args: argparse.Namespace, model: str, logs: Path) -> d
     vocab = ModelConfig.from_dir(model).vocab_size
     block_size = EngineConfig.__dataclass_fields__["block_size"].default
     opts = multi_turn_options(args)
-    serve = vllm_target(args, model, logs) if setup == "vllm" else pdserve_target(setup, model, logs)
+    serve = vllm_target(args, model, logs) if setup == "vllm" else pdserve_target(setup, model, logs, args.pdserve_args)
     with serve as (target, metrics_urls):
         if args.num_warmups:
             warm = load(target, replace(opts, turns=min(2, opts.turns), think_time_s=0.0), args.num_warmups,
@@ -319,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multi-turn-think-time-s", type=float, default=mt.think_time_s)
     p.add_argument("--num-warmups", type=int, default=2, help="two-turn sessions of another seed first")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pdserve-args", default="", help="more `pdserve up` flags for both pdserve setups (say, a "
+                                                      "small pool: --num-kv-blocks 64, so that tiers are used)")
     p.add_argument("--out", default=str(REPO_ROOT / "docs" / "images"))
     p.add_argument("--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV),
                    help=f"python of a virtualenv with vLLM's CPU build (default ${VLLM_PYTHON_ENV}); make one with "
@@ -372,7 +376,7 @@ def measure(args: argparse.Namespace, setups: list[str]) -> int:
     print()
     print(setup_table(rows))
     record: dict[str, Any] = {"args": vars(args), "setups": setups, "cpu": drivers_cpu(), "rows": rows,
-                              "up_flags": {s: up_flags(s) for s in setups if s != "vllm"}}
+                              "up_flags": {s: up_flags(s, args.pdserve_args) for s in setups if s != "vllm"}}
     if "vllm" in setups:
         cmd, env = vllm_command(args, model, 0)
         record["vllm_server"] = format_command(cmd, env).replace("--port 0", "--port PORT")
