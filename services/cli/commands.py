@@ -327,11 +327,6 @@ def cmd_workers(args: argparse.Namespace) -> int:
     return run(args, _credentials(args))
 
 
-def _exit_on_sigterm(signum: int, frame) -> None:  # noqa: ARG001
-    """SIGTERM as an exit that runs every finally (a command's children are stopped there)."""
-    raise SystemExit(128 + signum)
-
-
 def cmd_profile(args: argparse.Namespace) -> int:
     from engine.settings import pdserve_home
     from services.planner.profile import ProfileConfig, run_profile
@@ -340,7 +335,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     engine = EngineConfig(model=model_dir(args), **engine_kwargs)
     import signal
     config = config_from_args(ProfileConfig, args)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)   # its serving measurement's `pdserve up` is stopped on the way out
+    # SIGTERM as an exit: the finally blocks stop its serving measurement's `pdserve up`
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     model = run_profile(engine, config, say=lambda line: print(line, file=sys.stderr, flush=True))
     out = config.out or str(pdserve_home() / "profiles" / f"{os.path.basename(os.path.normpath(engine.model))}.json")
     path = model.save(out)
