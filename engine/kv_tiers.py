@@ -338,7 +338,7 @@ class KVTiers:
         self.prefetched = 0   # blocks read ahead from disk in the background
         self._staged: OrderedDict[int, TierBlock] = OrderedDict()   # read ahead, oldest first
         self._staged_bytes = 0
-        self._staged_lock = threading.Lock()
+        self._staged_lock = threading.Lock()   # the staging area and the reads in flight (_loads)
         self._reader: ThreadPoolExecutor | None = None
         self._loads: set[Future] = set()
 
@@ -348,7 +348,8 @@ class KVTiers:
         not taken, a block the host tier dropped with no disk tier under it). A block on its way
         to disk counts as held (a disk tier that drops it later does not say so)."""
         held = [v.key for v in victims if self._holds(v.key)]
-        todo = [v for v in victims if v.key not in set(held)]
+        held_keys = set(held)
+        todo = [v for v in victims if v.key not in held_keys]
         if not todo:
             return held, []
         try:
@@ -417,9 +418,14 @@ class KVTiers:
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-reader")
         future = self._reader.submit(self._read_ahead, blocks)
-        self._loads.add(future)
-        future.add_done_callback(self._loads.discard)
+        with self._staged_lock:
+            self._loads.add(future)
+        future.add_done_callback(self._load_done)
         return future
+
+    def _load_done(self, future: Future) -> None:   # (on the reader thread)
+        with self._staged_lock:
+            self._loads.discard(future)
 
     def _read_ahead(self, blocks: list[tuple[int, int, tuple[int, ...]]]) -> None:
         for key, parent, token_ids in blocks:
@@ -443,7 +449,8 @@ class KVTiers:
 
     def wait_for_loads(self, timeout: float) -> bool:
         """Wait (at most timeout s) until a read ahead ends; False when none runs."""
-        loads = list(self._loads)
+        with self._staged_lock:
+            loads = list(self._loads)
         if not loads:
             return False
         wait(loads, timeout, return_when=FIRST_COMPLETED)
