@@ -177,8 +177,6 @@ class Placement:
                                                             self.load(prefill), bs)
                     self._log_threshold(d, threshold, cost_d, load_d)
             is_local = prefills_itself or (may_prefill and local < remote)
-            if not is_local and prefill is None:
-                continue   # it needs a prefill worker, and none is healthy
             if self.kv_aware:
                 cost = (local if is_local else remote) + self._decode_ms(candidates, d, load_d, max_tokens)
                 if prefill_cost is not None:
@@ -186,8 +184,10 @@ class Placement:
             else:
                 cost = float(i)
             routes.append(Route(d, is_local, held, local, remote if math.isfinite(remote) else 0.0, threshold, cost))
-        if not routes:
-            raise NoWorker("prefill")
+        if prefill is None and any(r.local for r in routes):
+            # no healthy prefill worker: the routes that need one wait for it (after their
+            # reservation, outside the admission queue); while another serves, they are not offered
+            routes = [r for r in routes if r.local]
         routes.sort(key=lambda r: (r.cost, -r.decode.free_blocks))
         return routes
 

@@ -106,8 +106,9 @@ def test_the_remote_route_is_always_taken_unless_conditional(pool: WorkerPool) -
 @pytest.mark.parametrize("routing", ["kv-aware", "load"])
 def test_a_colocated_member_among_prefill_and_decode_workers_prefills_its_own_prompts(routing: str) -> None:
     """A worker switched to colocated in a disaggregated deployment is a decode candidate whose
-    route is always local; with no prefill worker healthy, it is the only route (the decode
-    worker needs one), and with none of it either, NoWorker names prefill."""
+    route is always local; with no prefill worker healthy, it is the only route offered (the
+    decode worker needs one); with none of it either, the remote route is offered all the same:
+    a request reserves there and waits for its prefill worker outside the admission queue."""
     with _pool(["127.0.0.1:11"], ["127.0.0.1:21"], ["127.0.0.1:31"]) as pool:
         assert not pool.colocated and pool.serving
         both = pool.of_role("both")[0]
@@ -120,6 +121,8 @@ def test_a_colocated_member_among_prefill_and_decode_workers_prefills_its_own_pr
         assert [r.decode for r in routes] == [both] and pool.serving
         both.connected = False
         assert not pool.serving and pool.outage_started("decode") is None   # the decode worker is healthy
+        routes = placement.decode_routes(request_keys(PROMPT, 8), len(PROMPT), 16)
+        assert [r.decode.address for r in routes] == ["127.0.0.1:21"] and not routes[0].local
         with pytest.raises(NoWorker) as err:
-            placement.decode_routes(request_keys(PROMPT, 8), len(PROMPT), 16)
+            placement.pick_prefill(request_keys(PROMPT, 8), len(PROMPT))
         assert err.value.role == "prefill"
