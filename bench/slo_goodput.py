@@ -47,8 +47,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -60,10 +58,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench import drivers  # noqa: E402
-from bench.vs_vllm import VENV_TOOL, VLLM_PYTHON_ENV  # noqa: E402
-from bench.vs_vllm_commands import (default_omp_bind, format_command, vllm_dtype, vllm_env,  # noqa: E402
-                                    vllm_server_command)
-from bench.vs_vllm_procs import ProcessGroup, _on_sigterm, _Terminated, free_port, wait_http  # noqa: E402
+from bench.vllm_server import add_vllm_args, check_vllm_setup, run_stopping_servers, vllm_command, vllm_server  # noqa: E402,E501
+from bench.vs_vllm_commands import format_command, machine_info  # noqa: E402
 
 SETUPS = ("disagg", "disagg-slo", "colocated", "vllm")
 REFUSALS = ("RESOURCE_EXHAUSTED", "HTTP 429", "HTTP 503")   # pdserve's gRPC status, an HTTP server's
@@ -141,34 +137,12 @@ def pdserve_target(setup: str, args: argparse.Namespace, model: str, logs: Path)
         drivers.stop_up(popen)
 
 
-def vllm_command(args: argparse.Namespace, model: str, port: int) -> tuple[list[str], dict[str, str]]:
-    """vLLM's server command and environment overrides, as bench/vs_vllm.py online makes them."""
-    return (vllm_server_command(args.vllm_python, model, port, dtype=vllm_dtype(args.vllm_dtype)),
-            vllm_env(args.vllm_kvcache_gib, args.vllm_omp_bind))
-
-
 @contextlib.contextmanager
 def vllm_target(args: argparse.Namespace, model: str, logs: Path) -> Iterator[Target]:
-    """vLLM-CPU's OpenAI server in its own process group, healthy; on leaving the group is
-    stopped as a whole and checked for leftovers."""
+    """vLLM-CPU's OpenAI server (bench/vllm_server.py), loaded over /v1/completions."""
     from services.loadtest.openai_backend import OpenAIBackend
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    cmd, env = vllm_command(args, model, port)
-    print(f"[vllm] {format_command(cmd, env)}", flush=True)
-    server = ProcessGroup("vllm", cmd, logs / "vllm-server.log", env)
-    try:
-        t0 = time.monotonic()
-        wait_http(server, [f"{base}/health"], args.vllm_startup_timeout_s)
-        server.refresh()
-        print(f"[vllm] healthy after {time.monotonic() - t0:.0f}s", flush=True)
+    with vllm_server(args, model, logs) as base:
         yield Target(base, lambda: OpenAIBackend(base, model=model))
-    finally:
-        left = server.stop()
-        if left:
-            print(f"WARNING: [vllm] processes left after the stop: {left}", file=sys.stderr, flush=True)
-        else:
-            print("[vllm] stopped; no process of it left", flush=True)
 
 
 def serve(setup: str, args: argparse.Namespace, model: str, logs: Path):
@@ -239,34 +213,11 @@ def main() -> int:
     p.add_argument("--tpot-ms", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO_ROOT / "docs" / "images"))
-    p.add_argument("--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV),
-                   help=f"python of a virtualenv with vLLM's CPU build (default ${VLLM_PYTHON_ENV}); make one with "
-                        f"{VENV_TOOL} DIR")
-    p.add_argument("--vllm-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
-                   help="vLLM's --dtype; auto: bfloat16 where the CPU has AMX or AVX512-BF16, else float32")
-    p.add_argument("--vllm-omp-bind", default=default_omp_bind(1),
-                   help="VLLM_CPU_OMP_THREADS_BIND (default 0, as bench/vs_vllm.py online at --threads 1: the engine "
-                        "on core 0, the other core for vLLM's API server; 0-1: the engine on both; 'auto': vLLM's)")
-    p.add_argument("--vllm-kvcache-gib", type=float, default=4, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
-    p.add_argument("--vllm-startup-timeout-s", type=float, default=600)
+    add_vllm_args(p)
     args = p.parse_args()
     setups = drivers.names(args.setups or ",".join(SETUPS), SETUPS, "setup")
-    if "vllm" in setups and not args.vllm_python:
-        if args.setups:
-            p.error(f"setup vllm needs vLLM's python: --vllm-python PATH or ${VLLM_PYTHON_ENV} "
-                    f"(make a venv with {VENV_TOOL} DIR)")
-        setups.remove("vllm")
-        print(f"skipping setup vllm: no vLLM python given (--vllm-python PATH or ${VLLM_PYTHON_ENV})", flush=True)
-    if "vllm" in setups and not Path(args.vllm_python).exists():
-        p.error(f"--vllm-python {args.vllm_python} does not exist (make a venv with {VENV_TOOL} DIR)")
-    old = signal.signal(signal.SIGTERM, _on_sigterm)   # SIGTERM unwinds too: every server is stopped
-    try:
-        return measure(args, setups)
-    except (KeyboardInterrupt, _Terminated):
-        print("\ninterrupted; the servers were stopped", file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    check_vllm_setup(p, args, setups)
+    return run_stopping_servers(lambda: measure(args, setups))
 
 
 def measure(args: argparse.Namespace, setups: list[str]) -> int:
@@ -284,7 +235,7 @@ def measure(args: argparse.Namespace, setups: list[str]) -> int:
     rows = [row for setup in setups for row in run_setup(setup, args, model, logs, rates)]
     print(table(rows, capacity))
     record: dict[str, Any] = {"capacity": capacity, "args": vars(args), "setups": setups, "rows": rows,
-                              "cpu": drivers_cpu()}
+                              "cpu": machine_info()["cpu_model"]}
     if "vllm" in setups:
         cmd, env = vllm_command(args, model, 0)
         record["vllm_server"] = format_command(cmd, env).replace("--port 0", "--port PORT")
@@ -292,13 +243,6 @@ def measure(args: argparse.Namespace, setups: list[str]) -> int:
     plot(rows, capacity, out / "slo_goodput.png", args)
     print(f"wrote {out / 'slo_goodput.json'} and {out / 'slo_goodput.png'}")
     return 0
-
-
-def drivers_cpu() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return os.uname().machine
 
 
 if __name__ == "__main__":
