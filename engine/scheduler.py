@@ -286,11 +286,12 @@ class Scheduler:
                 budget -= n
         # Then admit waiting prompts while tokens, sequence slots and blocks last.
         bm = self.block_manager
-        for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                break
+        i = 0   # the first waiting sequence not passed over (its blocks on their way from disk)
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
             if not bm.ready(seq):
-                continue   # its cached blocks are on their way from disk: the next ones go first
+                i += 1   # its cached blocks are on their way from disk: the next ones go first
+                continue
             if self.claim is not None and seq.priority > self.claim.priority:
                 break      # the room made for a higher-class reservation stays free for it
             # Leave a little room for running decoders to grow, or admission and preemption thrash.
@@ -303,7 +304,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
                 seq.num_cached_tokens = seq.num_computed_tokens
-            self.waiting.remove(seq)
+            del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_pending_tokens, budget)
