@@ -60,7 +60,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from bench import drivers  # noqa: E402
 from bench.slo_goodput import Target  # noqa: E402
-from bench.vllm_server import add_vllm_args, check_vllm_setup, run_stopping_servers, vllm_command, vllm_server  # noqa: E402,E501
+from bench.vs_vllm_server import add_vllm_args, check_vllm_setup, run_stopping_servers, vllm_command, vllm_server  # noqa: E402,E501
 from bench.vs_vllm_commands import format_command, machine_info, pdserve_up_command  # noqa: E402
 from bench.vs_vllm_procs import free_port  # noqa: E402
 
@@ -154,7 +154,7 @@ def pdserve_target(setup: str, model: str, logs: Path, extra: str = "") -> Itera
 
 @contextlib.contextmanager
 def vllm_target(args: argparse.Namespace, model: str, logs: Path) -> Iterator[tuple[Target, dict[str, str]]]:
-    """vLLM-CPU's OpenAI server (bench/vllm_server.py) reporting cached tokens, loaded over
+    """vLLM-CPU's OpenAI server (bench/vs_vllm_server.py) reporting cached tokens, loaded over
     /v1/completions with the answers' token ids returned; its /metrics URL."""
     from services.loadtest.openai_backend import OpenAIBackend
     with vllm_server(args, model, logs, VLLM_MAX_MODEL_LEN, VLLM_EXTRA) as base:

@@ -58,7 +58,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench import drivers  # noqa: E402
-from bench.vllm_server import add_vllm_args, check_vllm_setup, run_stopping_servers, vllm_command, vllm_server  # noqa: E402,E501
+from bench.vs_vllm_server import add_vllm_args, check_vllm_setup, run_stopping_servers, vllm_command, vllm_server  # noqa: E402,E501
 from bench.vs_vllm_commands import format_command, machine_info  # noqa: E402
 
 SETUPS = ("disagg", "disagg-slo", "colocated", "vllm")
@@ -139,7 +139,7 @@ def pdserve_target(setup: str, args: argparse.Namespace, model: str, logs: Path)
 
 @contextlib.contextmanager
 def vllm_target(args: argparse.Namespace, model: str, logs: Path) -> Iterator[Target]:
-    """vLLM-CPU's OpenAI server (bench/vllm_server.py), loaded over /v1/completions."""
+    """vLLM-CPU's OpenAI server (bench/vs_vllm_server.py), loaded over /v1/completions."""
     from services.loadtest.openai_backend import OpenAIBackend
     with vllm_server(args, model, logs) as base:
         yield Target(base, lambda: OpenAIBackend(base, model=model))
