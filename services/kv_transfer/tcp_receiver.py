@@ -162,6 +162,8 @@ class KVDataListener:
             return False
         if header is None:
             return False
+        if header[0] == tcp_wire.BEAT:
+            return self._beat(conn, reader.body(header[1]))
         pending: deque[Pending] = deque()
         conn.settimeout(self.limits.poll_s)
         unopened_until = time.monotonic() + self.limits.frame_timeout_s
@@ -197,6 +199,21 @@ class KVDataListener:
         except OSError:
             session.cancelled()
         return False
+
+    def _beat(self, conn: socket.socket, body: memoryview) -> bool:
+        """A BEAT between transfers: the named reservation's lease is extended when the beat holds
+        its token. One that does not (lapsed, unknown, wrong token) changes nothing and is not
+        answered: its stream learns of it when it sends. A malformed one ends the connection."""
+        frame = parse_frame(body)
+        if frame.error or frame.open is None or not frame.open.request_id:
+            self._refuse(conn, ReceiveSession(self.sink, self.cluster_token),
+                         HandoffError("INVALID_ARGUMENT", frame.error or "a KV beat must name a stream"))
+            return False
+        try:
+            self.sink.heartbeat(frame.open.request_id, frame.open.transfer_token)
+        except HandoffError as exc:
+            log.debug("KV beat for %r not taken: %s", frame.open.request_id, exc)
+        return True
 
     def _refuse(self, conn: socket.socket, session: ReceiveSession, exc: HandoffError) -> None:
         """The sink's refusal (that request's blocks freed), told to the sender; what it still had in

@@ -11,6 +11,12 @@ is one sequence per stream, and one TCP stream already fills the link where it w
 raw socket's one stream: 9.4 MiB in 8.2 ms at 10 Gbit/s, the link's own time 7.9 ms;
 bench/kv_handoff_hosts.py). What the hand-off lacks there is CPU (two cores), which more
 streams would spend more of, not bandwidth.
+
+A stream takes its connection when its first blocks come. Before that (its request queued on
+the prefill worker) its heartbeats go as BEAT records over the pool's one beat connection per
+target: a backlog of queued requests keeps its reservations alive without holding any of the
+decode worker's connections (it serves at most ``max_connections``; one held per queued
+request, a backlog past that bound had its streams refused and its reservations lapse).
 """
 from __future__ import annotations
 
@@ -42,6 +48,8 @@ MAX_IDLE_PER_TARGET = 8       # pooled connections kept per decode worker
 POOLED_IDLE_S = 60.0          # ... each at most this long: well inside the receiver's idle timeout
                               # (tcp_receiver.DataPlaneLimits.idle_timeout_s, 120 s), so a reused one
                               # is not being closed by its peer at that moment
+BUSY_RETRY_S = 10.0           # a receiver serving all the connections it may is asked again this long
+BEAT_TIMEOUT_S = 2.0          # one beat's write, at most (a lease outlasts several missed ones)
 MAX_GATHER_PARTS = 512        # a frame of more parts is joined first (IOV_MAX is 1024)
 
 _END, _CANCEL, _HEARTBEAT = object(), object(), object()
@@ -83,6 +91,8 @@ class ConnectionPool:
         self.tls, self.max_idle, self.connect_timeout_s = tls, max_idle, connect_timeout_s
         self._idle: dict[str, list[tuple[socket.socket, float]]] = {}
         self._lock = threading.Lock()
+        self._beats: dict[str, socket.socket] = {}   # one connection per target carries every stream's beats
+        self._beat_lock = threading.Lock()
         self.connects = 0   # connections made (the rest of the transfers reused one)
 
     def acquire(self, target: str) -> socket.socket:
@@ -117,12 +127,36 @@ class ConnectionPool:
         self.connects += 1
         return sock
 
+    def beat(self, target: str, open_frame: bytes) -> None:
+        """A BEAT record (a stream's open frame: its reservation's lease is extended) over the
+        target's one beat connection, made or remade here. A beat that fails is dropped: the lease
+        may then lapse, and the stream learns of it when it sends."""
+        with self._beat_lock:
+            sock = self._beats.pop(target, None)
+            try:
+                if sock is None or not _alive(sock):
+                    if sock is not None:
+                        sock.close()
+                    sock = self._connect(target)
+                sock.settimeout(BEAT_TIMEOUT_S)
+                sock.sendall(tcp_wire.record(tcp_wire.BEAT, open_frame))
+            except (OSError, tcp_wire.WireError, tcp_wire.Refused) as exc:
+                log.debug("KV beat to %s dropped: %s", target, exc)
+                if sock is not None:
+                    sock.close()
+                return
+            self._beats[target] = sock
+
     def close(self) -> None:
         with self._lock:
             pools, self._idle = list(self._idle.values()), {}
+        with self._beat_lock:
+            beats, self._beats = list(self._beats.values()), {}
         for idle in pools:
             for sock, _ in idle:
                 sock.close()
+        for sock in beats:
+            sock.close()
 
 
 def _alive(sock: socket.socket) -> bool:
@@ -212,10 +246,11 @@ class TcpKVStream(KVStream):
             self._result.set_exception(exc)
 
     def _transfer(self) -> kv_pb2.PushAck:
-        sock = self._sender.pool.acquire(self._target)
+        first = self._first_data()
+        sock = self._connection()
         self._sock = sock
         try:
-            ack = self._write(sock)
+            ack = self._write(sock, first)
         except tcp_wire.Refused:
             sock.close()
             raise
@@ -231,17 +266,44 @@ class TcpKVStream(KVStream):
         self._sender.pool.release(self._target, sock)
         return ack
 
-    def _write(self, sock: socket.socket) -> kv_pb2.PushAck:
+    def _next(self) -> object:
+        try:
+            item = self._queue.get(timeout=STREAM_IDLE_S)
+        except queue.Empty:
+            raise KVTransferError("DEADLINE_EXCEEDED", f"KV stream idle for {STREAM_IDLE_S:g}s") from None
+        if self._cancelled or item is _CANCEL:
+            raise KVTransferError("CANCELLED", "the KV stream was cancelled")
+        return item
+
+    def _first_data(self) -> object:
+        """The first blocks (or the end). Until they come the stream holds no connection: a
+        request queued on its prefill worker keeps its reservation alive with beats alone."""
+        while (item := self._next()) is _HEARTBEAT:
+            self._sender.pool.beat(self._target, self._open)
+        return item
+
+    def _connection(self) -> socket.socket:
+        """A pooled or new connection. A receiver at its connection bound (a refusal, not a
+        fault) is asked again, the lease kept by beats meanwhile, for up to BUSY_RETRY_S."""
+        deadline, delay = time.monotonic() + BUSY_RETRY_S, 0.02
+        while True:
+            try:
+                return self._sender.pool.acquire(self._target)
+            except tcp_wire.Refused as exc:
+                if exc.code != "RESOURCE_EXHAUSTED" or self._cancelled or time.monotonic() + delay > deadline:
+                    raise
+            self._sender.pool.beat(self._target, self._open)
+            time.sleep(delay)
+            delay = min(2 * delay, 0.5)
+
+    def _write(self, sock: socket.socket, first: object) -> kv_pb2.PushAck:
         sock.settimeout(SEND_TIMEOUT_S)
         self._frame(sock, [self._open])
         frame_bytes, target = self._sender.frame_bytes, min(self._sender.frame_target, self._sender.frame_bytes)
+        item: object | None = first
         while True:
-            try:
-                item = self._queue.get(timeout=STREAM_IDLE_S)
-            except queue.Empty:
-                raise KVTransferError("DEADLINE_EXCEEDED", f"KV stream idle for {STREAM_IDLE_S:g}s") from None
-            if self._cancelled or item is _CANCEL:
-                raise KVTransferError("CANCELLED", "the KV stream was cancelled")
+            if item is None:
+                item = self._next()
             t0 = time.perf_counter()
             if item is _HEARTBEAT:
                 self._frame(sock, [encode_heartbeat(self._mac)])
@@ -269,6 +331,7 @@ class TcpKVStream(KVStream):
                         break
                     self._frame(sock, parts)
             self._send_s += time.perf_counter() - t0
+            item = None
 
     def _check_cancelled(self) -> None:
         if self._cancelled:

@@ -16,6 +16,9 @@ checked against its kind's bound before anything is allocated. A connection carr
 transfer at a time: FRAME records (the KVFrame wire encoding of frames.py, each MACed per
 reservation as over gRPC), then END; the receiver answers ACK (a PushAck) or ERROR (code and
 message), and the connection may carry the next transfer. An ERROR ends the connection.
+Between transfers a BEAT record (one stream's open frame) extends that reservation's lease: a
+request queued on its prefill worker holds no connection, only its lease, kept by beats that
+share one connection per decode worker.
 """
 from __future__ import annotations
 
@@ -36,12 +39,12 @@ AUTH_CONTEXT = b"pdserve-kv-tcp-auth-v1"
 CLIENT_CONTEXT = b"pdserve-kv-tcp-client-proof-v1"
 SERVER_CONTEXT = b"pdserve-kv-tcp-server-proof-v1"
 
-FRAME, END, ACK, ERROR, OK = 1, 2, 3, 4, 5
+FRAME, END, ACK, ERROR, OK, BEAT = 1, 2, 3, 4, 5, 6
 HEADER = struct.Struct("<BI")
 MAX_RECORD_BYTES = MAX_FRAME_BYTES + (64 << 10)   # a frame's payload plus room for its headers
 MAX_STATUS_BYTES = 8 << 10                       # an ACK, ERROR or OK record's body, at most
 RECORD_LIMITS = {FRAME: MAX_RECORD_BYTES, END: 0, ACK: MAX_STATUS_BYTES, ERROR: MAX_STATUS_BYTES,
-                 OK: PROOF_BYTES}
+                 OK: PROOF_BYTES, BEAT: MAX_STATUS_BYTES}
 
 
 class WireError(Exception):

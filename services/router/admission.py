@@ -6,6 +6,10 @@ changes (the pool's status streams wake it); the others wait on an event. Waitin
 costs no CPU and sends no RPCs. A full queue refuses at once with a retry hint, unless the newcomer
 outranks the lowest waiter, which is then refused in its place.
 
+A request that moves (a migration after a worker fault or an eviction) was admitted once: it
+waits ahead of its class's newcomers, is never refused by a full queue (nor pushed out by a
+higher class), and does not count towards the queue's bound.
+
 Order (``Ticket``): priority first (lower values first, as vLLM's ``priority``), then a fair tag
 inside the priority class, then arrival. The tag is start-time fair queuing over the class's
 clients: a client's next request is tagged one past the later of its own last tag and the class's
@@ -36,6 +40,8 @@ class Ticket:
 
     priority: int = 0     # lower first
     client: str = ""      # the fair-share key inside a priority class (OpenAI `user`)
+    moved: bool = False   # a request placed before, moving after a fault or an eviction: it goes
+                          # ahead of its class's newcomers, and a full queue never refuses it
 
 
 @dataclass(order=True, slots=True)
@@ -94,6 +100,8 @@ class AdmissionQueue:
 
     # ---- order ------------------------------------------------------------------------------
     def _tag(self, ticket: Ticket, commit: bool = True) -> int:
+        if ticket.moved:
+            return 0   # before every newcomer's tag (each is past the class's virtual time, >= 0)
         tags = self._last_tag[ticket.priority]
         tag = max(self._vtime[ticket.priority], tags.get(ticket.client, 0)) + 1
         if commit:
@@ -116,7 +124,7 @@ class AdmissionQueue:
 
     def _evict_lowest(self, ticket: Ticket) -> bool:
         """Make room for ticket by refusing the lowest waiter of a lower class (True if one was)."""
-        live = [w for w in self._waiting if not w.gone]
+        live = [w for w in self._waiting if not w.gone and not w.ticket.moved]
         if not live:
             return False
         worst = max(live, key=lambda w: (w.priority, w.tag, w.seq))
@@ -131,8 +139,9 @@ class AdmissionQueue:
         """Wait (up to timeout) to be the head of the queue; the block runs as the head.
         RouterError RESOURCE_EXHAUSTED when the queue is full, when the wait times out, or when a
         request of a higher class took this one's place."""
-        live = sum(1 for w in self._waiting if not w.gone)
-        if live >= self.max_waiting and self._head is not None and not self._evict_lowest(ticket):
+        live = sum(1 for w in self._waiting if not w.gone and not w.ticket.moved)
+        if (not ticket.moved and live >= self.max_waiting and self._head is not None
+                and not self._evict_lowest(ticket)):
             raise self.full_error()
         me = _Waiter(ticket.priority, self._tag(ticket), next(self._seq), asyncio.Event(), ticket)
         heapq.heappush(self._waiting, me)

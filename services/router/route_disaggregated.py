@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import AsyncIterator
@@ -215,7 +216,10 @@ class DisaggregatedRoute:
         span = tracing.start("pdserve.admission", gen.trace, queued=len(ctx.admission))
         placed = error = None
         try:
-            async with ctx.admission.turn(deadline - now, gen.service.ticket):
+            ticket = gen.service.ticket
+            if gen.timing.migrations:
+                ticket = dataclasses.replace(ticket, moved=True)
+            async with ctx.admission.turn(deadline - now, ticket):
                 placed = await self._place(gen, request, keys, wait_for_prefix, deadline, t0)
                 return placed
         except RouterError as exc:   # it waited behind a request waiting for a restarting role: say so

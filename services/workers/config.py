@@ -50,6 +50,9 @@ class WorkerConfig:
                                  choices=KV_DATA_PLANES)
     kv_data_port: int = setting(0, "decode: the TCP port of the KV data plane on --host (0: an ephemeral port, "
                                    "advertised to the router in each reservation)")
+    kv_data_max_connections: int = setting(64, "decode: KV data-plane connections served at once; more are refused. "
+                                               "A transfer holds one while its blocks flow (a queued request's "
+                                               "lease is kept by beats over one shared connection per sender)")
     otlp_endpoint: str | None = otlp_endpoint_setting()
     router: str = setting("", "join the router at HOST:PORT (its membership API, with the cluster token) and stay "
                               "a member while running: it routes to this worker once healthy, and drains it "
@@ -70,6 +73,8 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be HOST:PORT (port 1-65535), got {value!r}")
         if not 0 <= self.kv_data_port < 65536:
             raise ValueError(f"kv_data_port must be 0-65535, got {self.kv_data_port}")
+        if self.kv_data_max_connections < 1:
+            raise ValueError(f"kv_data_max_connections must be >= 1, got {self.kv_data_max_connections}")
         if self.kv_shared_memory_max_bytes < 0:
             raise ValueError(f"kv_shared_memory_max_bytes must be >= 0, got {self.kv_shared_memory_max_bytes}")
 

@@ -29,7 +29,7 @@ def kv_data_listener(sink: "KVSink", options: "WorkerOptions") -> "KVDataListene
     """Decode: the listener on --host:--kv-data-port, or None: --kv-data-plane grpc, a Ray
     deployment, a KV address advertised in place of this worker's own (a relay or a translated
     address: only the gRPC stream goes there), or a wildcard --host with no address to name."""
-    from services.kv_transfer.tcp_receiver import KVDataListener
+    from services.kv_transfer.tcp_receiver import DataPlaneLimits, KVDataListener
     wc = options.config
     if wc.kv_data_plane != "tcp" or options.kv_address or wc.kv_advertise_address:
         return None
@@ -37,7 +37,8 @@ def kv_data_listener(sink: "KVSink", options: "WorkerOptions") -> "KVDataListene
         log.warning("no TCP KV data plane: --host %s names no address to advertise; KV goes over gRPC", options.host)
         return None
     listener = KVDataListener(sink, options.host, wc.kv_data_port, cluster_token=options.credentials.cluster_token,
-                              tls=_tls(options.credentials, server=True)).start()
+                              tls=_tls(options.credentials, server=True),
+                              limits=DataPlaneLimits(max_connections=wc.kv_data_max_connections)).start()
     log.info("KV data plane listening on %s", listener.address())
     return listener
 

@@ -83,3 +83,29 @@ def test_a_prefill_frozen_past_its_lease_fails_with_a_status_naming_the_lease(ti
         wait_for(fc.at_baseline, 10, "free blocks at baseline on both workers")
     finally:
         fc.close()
+
+
+def test_a_backlog_past_the_data_planes_connections_keeps_every_lease(tiny_qwen3: str) -> None:
+    """More requests queued on the prefill worker than the decode worker's TCP data plane serves
+    connections, most of them queued longer than their idle lease: their streams hold no
+    connection while queued, and beats keep every reservation. None fails (migration is off)."""
+    lease_s = 2.0   # four heartbeats (0.5 s apart): room for a loaded machine's lag
+    fc = FaultCluster(tiny_qwen3, prefill=1, decode=1, engine_args=[*SLOW_PREFILL[:-1], "1"], router_args=NO_MIGRATION,
+                      worker_args=["--kv-lease-idle-s", str(lease_s), "--kv-lease-max-s", "120",
+                                   "--kv-data-max-connections", "2"])
+    try:
+        prompts = random_prompts(16, 400, 400, seed=604)   # one token a step: 6,400 steps of backlog
+        runs = [observe(fc.router, p, 4) for p in prompts]
+        for obs in runs:
+            assert obs.done.wait(120)
+        failed = [(o.code, o.details) for o in runs if o.code is not None]
+        assert not failed, f"{failed}\n{fc.logs()}"
+        waited = max(o.arrivals[0] - o.started for o in runs)
+        assert waited > lease_s, waited   # the backlog outlived the lease
+        llm = LLM(tiny_qwen3, dtype="float32", block_size=8, num_kv_blocks=1024)
+        expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4,
+                                                                               ignore_eos=True))]
+        assert [o.tokens for o in runs] == expected
+        wait_for(fc.at_baseline, 10, "free blocks at baseline on both workers")
+    finally:
+        fc.close()

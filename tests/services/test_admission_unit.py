@@ -168,3 +168,38 @@ def test_a_full_queue_refuses_the_lowest_class_to_admit_a_higher_one() -> None:
         return outcome
     assert asyncio.run(run()) == {"head": "admitted", "low-1": "admitted", "low-2": "RESOURCE_EXHAUSTED",
                                   "high": "admitted", "same": "RESOURCE_EXHAUSTED"}
+
+
+def test_a_moving_request_goes_ahead_of_its_class_and_a_full_queue_never_refuses_it() -> None:
+    """A request moving after a fault or an eviction was admitted once: it waits ahead of its
+    class's newcomers (not of a higher class), a full queue takes it, and a higher class that
+    needs room pushes out a newcomer, never it."""
+    from services.router.admission import Ticket
+
+    async def run():
+        queue = AdmissionQueue(2)
+        head_in, release = asyncio.Event(), asyncio.Event()
+        order: list[str] = []
+        refused: list[str] = []
+
+        async def one(name: str, ticket: Ticket, hold: bool = False) -> None:
+            try:
+                async with queue.turn(5.0, ticket):
+                    if hold:
+                        head_in.set()
+                        await release.wait()
+                    order.append(name)
+            except RouterError:
+                refused.append(name)
+        tasks = [asyncio.create_task(one("head", Ticket(1), hold=True))]
+        await head_in.wait()
+        for name, ticket in (("new-1", Ticket(1)), ("new-2", Ticket(1)), ("moved", Ticket(1, moved=True)),
+                             ("high", Ticket(0))):   # the queue is full from new-2 on
+            tasks.append(asyncio.create_task(one(name, ticket)))
+            await asyncio.sleep(0.01)
+        release.set()
+        await asyncio.gather(*tasks)
+        return order, refused
+    order, refused = asyncio.run(run())
+    assert refused == ["new-2"]   # room for the higher class: the latest newcomer, not the moving one
+    assert order == ["head", "high", "moved", "new-1"]

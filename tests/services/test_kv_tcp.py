@@ -226,12 +226,13 @@ def test_a_stalled_transfer_waits_as_long_as_its_reservation_lives(engine: LLMEn
     async def stall_then_send(target: str, rid: str, token: bytes, before_send=None):
         sender = TcpKVSender(cluster_token=CLUSTER)
         stream = sender.open(target, rid, token)
-        await stream.heartbeat()   # opens the stream
+        blocks = _blocks(rid, engine)
+        await stream.send(blocks[:2])   # the transfer is under way, then the sender goes quiet
         await asyncio.sleep(0.4)
         if before_send is not None:
             before_send()
             await asyncio.sleep(0.4)
-        await stream.send(_blocks(rid, engine))
+        await stream.send(blocks[2:])
         try:
             return await stream.finish(timeout=10)
         finally:
@@ -245,6 +246,35 @@ def test_a_stalled_transfer_waits_as_long_as_its_reservation_lives(engine: LLMEn
             asyncio.run(stall_then_send(listener.address(), "tcp-stall-aborted", res.transfer_token,
                                         lambda: engine.abort("tcp-stall-aborted")))
         assert err.value.code == "DEADLINE_EXCEEDED" and "reservation ended" in str(err.value), err.value
+    assert_no_leak(engine)
+
+
+def test_a_backlog_of_queued_streams_keeps_its_reservations_without_holding_connections(engine: LLMEngine) -> None:
+    """More requests queued on a prefill worker than the decode worker serves connections: their
+    streams' heartbeats (beats over one shared connection) keep every reservation alive, and each
+    transfer, when its blocks come, takes a pooled connection."""
+    rids = [f"tcp-queued-{i}" for i in range(5)]
+    sender = TcpKVSender(cluster_token=CLUSTER)
+
+    async def queued_then_sent(target: str) -> None:
+        tokens = {rid: engine.reserve(rid, PROMPT, GREEDY, lease_s=0.3).transfer_token for rid in rids}
+        streams = {rid: sender.open(target, rid, tokens[rid]) for rid in rids}
+        for _ in range(4):   # queued for 0.8 s, past the 0.3 s lease, saying so every 0.2 s
+            for stream in streams.values():
+                await stream.heartbeat()
+            await asyncio.sleep(0.2)
+        assert engine.kv.expire() == []
+        assert all(engine.kv.state(rid) is HandoffState.RESERVED for rid in rids)
+        for rid, stream in streams.items():   # prefilled one after another
+            await stream.send(_blocks(rid, engine))
+            assert (await stream.finish(timeout=10)).blocks == 8
+            assert engine.kv.state(rid) is HandoffState.READY
+        await sender.close()
+    with listening(engine, limits=DataPlaneLimits(max_connections=2)) as listener:
+        asyncio.run(queued_then_sent(listener.address()))
+    assert sender.pool.connects == 2   # the beat connection and one reused for every transfer
+    for rid in rids:
+        engine.abort(rid)
     assert_no_leak(engine)
 
 
