@@ -97,7 +97,7 @@ def model_info(model: str) -> tuple[int, int | None]:
 
 def run_offline(args: argparse.Namespace, rec: Record, model: str) -> dict[str, Any]:
     vocab, _ = model_info(model)
-    wl = make_offline_workload(vocab, args.num_prompts, args.seed)
+    wl = make_offline_workload(vocab, args.num_prompts, args.seed, args.input_range, args.output_range)
     wl_path = write_workload(wl, rec.out_dir / "offline-workload.json")
     print(f"workload: {len(wl['prompts'])} prompts, {sum(map(len, wl['prompts']))} input / "
           f"{sum(wl['output_lens'])} output tokens, temperature {wl['temperature']}, ignore_eos, digest {wl['digest']}",
@@ -145,8 +145,8 @@ def run_offline(args: argparse.Namespace, rec: Record, model: str) -> dict[str, 
     print(f"\nmedian pdserve / vLLM over {len(runs)} pair(s): {med:.2f}x" if med is not None else "no ratio", flush=True)
     return {"workload": {k: wl[k] for k in ("seed", "temperature", "ignore_eos", "digest")} | {
                 "num_prompts": len(wl["prompts"]), "input_tokens": sum(map(len, wl["prompts"])),
-                "output_tokens": sum(wl["output_lens"]), "input_range": OFFLINE_INPUT_RANGE,
-                "output_range": OFFLINE_OUTPUT_RANGE},
+                "output_tokens": sum(wl["output_lens"]), "input_range": list(args.input_range),
+                "output_range": list(args.output_range)},
             "pairs": runs, "median_ratio": med, "table_markdown": table}
 
 
@@ -345,6 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
     o = sub.add_parser("offline", parents=[common], help="engine generate throughput, pdserve vs vLLM")
     o.add_argument("--num-prompts", type=int, default=64)
     o.add_argument("--repeat", type=int, default=1, help="alternate the two N times; the median ratio is reported")
+    o.add_argument("--input-range", type=parse_range, default=OFFLINE_INPUT_RANGE, metavar="MIN:MAX",
+                   help="prompt lengths, uniform in [MIN, MAX] (default %(default)s)")
+    o.add_argument("--output-range", type=parse_range, default=OFFLINE_OUTPUT_RANGE, metavar="MIN:MAX",
+                   help="output lengths, uniform in [MIN, MAX] (default %(default)s)")
 
     s = sub.add_parser("online", parents=[common], help="serving latency and throughput, pdserve vs vLLM")
     s.add_argument("--request-rates", type=parse_rates, default=[4.0, 8.0], help="comma-separated req/s (default 4,8)")
@@ -362,6 +366,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which to run, in order (default vllm,pdserve)")
     s.add_argument("--startup-timeout-s", type=float, default=600)
     return p
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition(":")
+    try:
+        lo, hi = int(low), int(high if sep else low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX (token counts), got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

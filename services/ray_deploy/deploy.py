@@ -507,15 +507,26 @@ def _check_head_fits(spec: RayDeployment, head: dict[str, float], worker_bundles
                               f"over nodes")
 
 
-def _get(refs, deadline: float, what: str):
+UNAVAILABLE_RETRY_S = 0.5   # an actor being restarted (its node lost) is asked again this often
+
+
+def _get(refs, deadline: float, what: str, call=None):
+    """ray.get(refs) by deadline. With call (which makes refs again), an actor that is only
+    temporarily unavailable (restarting after its node was lost) is asked again until then."""
     import ray
 
-    try:
-        return ray.get(refs, timeout=max(1.0, deadline - time.monotonic()))
-    except ray.exceptions.GetTimeoutError:
-        raise DeploymentError(f"{what} not ready in time") from None
-    except ray.exceptions.RayError as exc:
-        raise DeploymentError(f"{what} failed to start: {exc}") from exc
+    while True:
+        try:
+            return ray.get(refs, timeout=max(1.0, deadline - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:
+            raise DeploymentError(f"{what} not ready in time") from None
+        except ray.exceptions.ActorUnavailableError as exc:
+            if call is None or time.monotonic() + UNAVAILABLE_RETRY_S >= deadline:
+                raise DeploymentError(f"{what} unavailable: {exc}") from exc
+            time.sleep(UNAVAILABLE_RETRY_S)
+            refs = call()
+        except ray.exceptions.RayError as exc:
+            raise DeploymentError(f"{what} failed to start: {exc}") from exc
 
 
 def describe(name: str, namespace: str, timeout_s: float = 30.0) -> DeploymentInfo | None:
@@ -529,8 +540,13 @@ def describe(name: str, namespace: str, timeout_s: float = 30.0) -> DeploymentIn
     router = ray.get_actor(f"{name}-router", namespace=namespace)
     workers = [ray.get_actor(n, namespace=namespace) for n in present if not n.endswith("-router")]
     deadline = time.monotonic() + timeout_s
-    rinfo = _get(router.info.remote(), deadline, "router")
-    infos = _get([w.info.remote() for w in workers], deadline, "workers")
+    def ask_router():
+        return router.info.remote()
+
+    def ask_workers():
+        return [w.info.remote() for w in workers]
+    rinfo = _get(ask_router(), deadline, "router", ask_router)
+    infos = _get(ask_workers(), deadline, "workers", ask_workers)
     return DeploymentInfo(name=name, namespace=namespace, router_address=rinfo["address"],
                           router_node_ip=rinfo["node_ip"], workers=infos, placement_group=_pg_name(name),
                           seconds=time.monotonic() - t0)
