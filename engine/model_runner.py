@@ -136,7 +136,7 @@ class ModelRunner:
                 self.batch_invariant = all([m.pack_invariant() for m in linears])
                 if not self.batch_invariant:
                     for module in linears:
-                        module.packed_invariant = None
+                        module.packed_invariant, module.invariant_bf16dot = None, False
             for module in linears:
                 if not self.batch_invariant:
                     module.pack_for_cpu(bf16_weights=bf16_weights, amx=amx)

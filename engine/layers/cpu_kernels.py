@@ -15,6 +15,8 @@ Kernels (sources in engine/csrc):
   amx_linear.cpp              bf16 (or w8a16 int8) weights x bf16 rows on AMX tiles: decode-step GEMMs
   linear_bf16w.cpp            float32 rows x bf16 weights (float32 compute over a bf16 checkpoint), or
                               x float32 weights (batch-invariant mode): one in-order FMA chain per output
+  linear_bf16dot.cpp          bf16 rows x bf16 weights on AVX512-BF16 (batch-invariant mode, bf16 compute):
+                              one in-order chain of k pairs per output
   sampler.cpp                 greedy / temperature sampling by the inverse CDF
   decode_forward.cpp          a whole decode step (all layers) in one call, from the kernels above
 All accumulate in float32 and round where the torch reference path rounds.
@@ -38,8 +40,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = ["decode_attention.cpp", "decode_attention_bf16.cpp", "decode_attention_f32.cpp", "prefill_attention.cpp",
-           "prefill_attention_avx2.cpp", "elementwise.cpp", "linear_bf16w.cpp", "amx_linear.cpp", "sampler.cpp",
-           "decode_forward.cpp"]
+           "prefill_attention_avx2.cpp", "elementwise.cpp", "linear_bf16w.cpp", "linear_bf16dot.cpp", "amx_linear.cpp",
+           "sampler.cpp", "decode_forward.cpp"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-ffp-contract=off",
          "-shared", "-fPIC", "-std=c++17"]
 
@@ -67,6 +69,8 @@ _SIGNATURES: dict[str, list] = {
     "pd_linear_bf16w": [_P, _I64, _I64, _P, _I64, _P, _I64, _I64],
     "pd_linear_f32w": [_P, _I64, _I64, _P, _I64, _P, _I64, _I64],
     "pd_bf16w_max_rows": [],
+    "pd_linear_bf16dot": [_P, _I64, _I64, _P, _I64, _P, _I64, _I64, _I32],
+    "pd_bf16dot_available": [],
     "pd_amx_init": [],
     # M, layers, hidden, nq, nkv, D, inter, layer pointers, eps, qk_eps, cos, sin, positions, slots, tables,
     # lens, max_blocks, block_size, scale, residual, final_norm, out, scratch
@@ -359,6 +363,51 @@ def linear_bf16w(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         bounds = [tiles * i // threads for i in range(threads + 1)]
         for fut in [_executor().submit(fn, *args, a, b) for a, b in zip(bounds, bounds[1:])]:
             fut.result()
+    return y
+
+
+def bf16dot_available() -> bool:
+    """Whether linear_bf16dot runs here (a build with AVX-512 and AVX512-BF16)."""
+    lib = load()
+    return lib is not None and bool(lib.pd_bf16dot_available())
+
+
+def pack_bf16dot_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] (values representable in bf16; int8 w8a16 values are) -> linear_bf16dot's
+    [ceil(N / 32), K / 2, 32, 2] bf16 layout, the columns padded with zeros to a multiple of 32;
+    None where K is odd or a value is not a bf16."""
+    n, k = weight.shape
+    if k % 2:
+        return None
+    w = weight.detach()
+    w16 = w.to(torch.bfloat16)
+    if w.dtype not in (torch.bfloat16, torch.int8) and not torch.equal(w16.to(w.dtype), w):
+        return None
+    pad = -n % 32
+    if pad:
+        w16 = torch.cat([w16, torch.zeros(pad, k, dtype=torch.bfloat16)])
+    return w16.reshape(-1, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def linear_bf16dot(x: torch.Tensor, packed: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, K] bf16 @ W^T for W packed by pack_bf16dot_weight: float32 accumulation; the result
+    float32, or rounded to bf16 as it is stored (out_dtype), as .to(torch.bfloat16) rounds."""
+    lib = load()
+    x = x.contiguous()
+    m, k = x.shape
+    tiles = packed.shape[0]
+    y = torch.empty(m, tiles * 32, dtype=out_dtype)
+    threads = min(torch.get_num_threads(), tiles)
+    args = (x.data_ptr(), m, k, packed.data_ptr(), tiles * 32, y.data_ptr())
+    code = DTYPE_CODES[out_dtype]
+    if threads <= 1 or m == 0:
+        rc = lib.pd_linear_bf16dot(*args, 0, tiles, code)
+    else:
+        bounds = [tiles * i // threads for i in range(threads + 1)]
+        rc = max(f.result() for f in [_executor().submit(lib.pd_linear_bf16dot, *args, a, b, code)
+                                      for a, b in zip(bounds, bounds[1:])])
+    if rc:
+        raise RuntimeError(f"pd_linear_bf16dot failed ({rc})")
     return y
 
 

@@ -38,6 +38,7 @@ class Linear(nn.Module):
         self.amx_scale: torch.Tensor | None = None     # w8a16: the scale packed_amx (int8) is multiplied by
         self.packed_invariant: torch.Tensor | None = None   # cpu_kernels layout for every row count, after
                                                             # pack_invariant() (batch-invariant mode)
+        self.invariant_bf16dot = False   # packed_invariant is linear_bf16dot's layout (bf16 rows), not linear_bf16w's
 
     def _shard_slice(self, shard_id: int | None) -> slice:
         if shard_id is None:
@@ -110,14 +111,20 @@ class Linear(nn.Module):
         return ok
 
     def pack_invariant(self) -> bool:
-        """Batch-invariant mode: every forward, whatever its row count, runs cpu_kernels.linear_bf16w
-        over a packed copy of the weight (bf16 where its values are bf16, int8 w8a16 included, else
-        float32), whose per-output reduction is one FMA chain over K in order: a row's result does
-        not depend on the other rows of the step. The oneDNN / AMX paths pick kernels by row count.
-        Checked against F.linear before use; returns whether it is in use."""
+        """Batch-invariant mode: every forward, whatever its row count, runs one kernel over a packed
+        copy of the weight, whose per-output reduction is one chain over K in order: a row's result
+        does not depend on the other rows of the step. The oneDNN / AMX paths pick kernels by row
+        count. With bf16 compute on AVX512-BF16 the kernel is cpu_kernels.linear_bf16dot (bf16 rows
+        and weights, k pairs by vdpbf16ps: at the bf16 GEMM peak where linear_bf16w reaches half of
+        it); otherwise cpu_kernels.linear_bf16w (float32 math; bf16 weights where their values are
+        bf16, int8 w8a16 included, else float32). Checked against F.linear before use; returns
+        whether it is in use."""
         w = self.qweight if self.qweight is not None else self.weight
         if w is None or w.device.type != "cpu" or not cpu_kernels.bf16_linear_available():
             return False
+        compute = self.scale.dtype if self.qweight is not None else w.dtype
+        if compute == torch.bfloat16 and cpu_kernels.bf16dot_available() and self._pack_invariant_bf16dot(w):
+            return True
         packed = cpu_kernels.pack_invariant_weight(w)
         if packed is None:
             return False
@@ -129,12 +136,28 @@ class Linear(nn.Module):
         self.packed = self.packed_bf16 = self.packed_amx = None
         return True
 
+    def _pack_invariant_bf16dot(self, w: torch.Tensor) -> bool:
+        packed = cpu_kernels.pack_bf16dot_weight(w)
+        if packed is None:
+            return False
+        x = torch.randn(5, self.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        want = F.linear(x.float(), w.float())
+        if not torch.allclose(cpu_kernels.linear_bf16dot(x, packed)[:, :self.out_features], want,
+                              rtol=1e-3, atol=1e-3):
+            return False
+        self.packed_invariant, self.invariant_bf16dot = packed, True
+        self.packed = self.packed_bf16 = self.packed_amx = None
+        return True
+
     def _forward_invariant(self, x: torch.Tensor) -> torch.Tensor:
         """The packed_invariant GEMM in float32, rounded to x's dtype where the other paths round
         (the int8 product before its scale, as _forward_w8a16); the bias added in x's dtype."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        y = cpu_kernels.linear_bf16w(x2 if x2.dtype == torch.float32 else x2.float(), self.packed_invariant)
+        if self.invariant_bf16dot:   # bf16 compute: x is bf16, and y is rounded to it as it is stored
+            y = cpu_kernels.linear_bf16dot(x2.to(torch.bfloat16), self.packed_invariant, torch.bfloat16)
+        else:
+            y = cpu_kernels.linear_bf16w(x2 if x2.dtype == torch.float32 else x2.float(), self.packed_invariant)
         if y.shape[1] != self.out_features:
             y = y[:, :self.out_features]
         y = y.to(x.dtype)

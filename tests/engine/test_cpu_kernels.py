@@ -16,6 +16,8 @@ needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ co
 needs_amx = pytest.mark.skipif(cpu_kernels.load() is None or not cpu_kernels.amx_available(), reason="no AMX on this CPU")
 needs_bf16_linear = pytest.mark.skipif(cpu_kernels.load() is None or not cpu_kernels.bf16_linear_available(),
                                        reason="bf16 linear kernel not built for this CPU")
+needs_bf16dot = pytest.mark.skipif(cpu_kernels.load() is None or not cpu_kernels.bf16dot_available(),
+                                   reason="no AVX512-BF16 on this CPU (or no C++ compiler)")
 needs_avx2 = pytest.mark.skipif(cpu_kernels.load() is None or not detect().avx2_fma,
                                 reason="no C++ compiler or no AVX2 + FMA on this CPU")
 
@@ -86,6 +88,26 @@ def test_decode_paths_match_hf(tiny_model: str, native: bool) -> None:
         runner.set_backend(TorchBackend())
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in outs] == hf_greedy(tiny_model, prompts, 16)
+
+
+@needs_bf16dot
+def test_bf16_dot_linear_matches_f_linear_and_each_row_is_its_own() -> None:
+    """bf16 rows x bf16 weights: F.linear's float32 result within rounding (a bf16 result rounded
+    as torch rounds), columns padded to 32 and sliced back, and a row's output the same bits alone as among others (every row count,
+    row tiles of 12, a chunk boundary: 512 KiB of x at K = 4096 is 64 rows)."""
+    g = torch.Generator().manual_seed(2)
+    for n, k in ((96, 64), (40, 4096)):
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        packed = cpu_kernels.pack_bf16dot_weight(w)
+        x = torch.randn(200, k, generator=g).to(torch.bfloat16)
+        full = cpu_kernels.linear_bf16dot(x, packed)[:, :n]
+        torch.testing.assert_close(full, F.linear(x.float(), w.float()), rtol=1e-3, atol=1e-3)
+        rounded = cpu_kernels.linear_bf16dot(x, packed, torch.bfloat16)[:, :n]   # as .to(torch.bfloat16) rounds
+        assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, full.to(torch.bfloat16))
+        for rows in (1, 5, 12, 13, 64, 65):
+            assert torch.equal(cpu_kernels.linear_bf16dot(x[:rows], packed)[:, :n], full[:rows]), rows
+            assert torch.equal(cpu_kernels.linear_bf16dot(x[rows:rows + 1], packed)[:, :n], full[rows:rows + 1])
+    assert cpu_kernels.pack_bf16dot_weight(torch.randn(32, 63)) is None   # K odd: no pairs
 
 
 # ---- fused elementwise kernels against the torch backend ------------------------------------
