@@ -19,6 +19,7 @@ from engine.logprobs import attach_logprobs
 from engine.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
+TOP_P_CANDIDATES = 1024   # top-p without top-k looks at this many of the largest logits before sorting a row
 
 
 def _row_seed(seed: int, index: int) -> int:
@@ -95,14 +96,28 @@ class Sampler:
 
     @staticmethod
     def _filter(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Top-k, then top-p over the renormalized rest; returns probabilities in token-id order."""
+        """Top-k, then top-p over the renormalized rest; returns probabilities in token-id order
+        (zero outside; not renormalized after top-p: the CDF's total does that). Row by row, by
+        partial selection rather than a sort of the vocabulary:
+        * top-k: the k largest logits (topk), softmax over them;
+        * top-p alone: the TOP_P_CANDIDATES largest, their probabilities against the whole row's
+          log-sum-exp; when they hold more than top_p every other token is outside, else the
+          whole row is sorted.
+        A row's result depends on its own logits and parameters only."""
         vocab = scaled.shape[-1]
-        sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab).unsqueeze(0)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
-        probs = sorted_logits.softmax(dim=-1)
-        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).unsqueeze(1)
-        outside = (probs.cumsum(dim=-1) - probs) > top_p   # mass before this token already covers top_p
-        probs = probs.masked_fill(outside, 0.0)
-        return torch.zeros_like(probs).scatter_(1, sorted_ids, probs)
+        out = torch.zeros(scaled.shape, dtype=torch.float32)
+        for i, p in enumerate(params):
+            row = scaled[i].float()
+            if 0 < p.top_k < vocab:
+                values, ids = row.topk(p.top_k)
+                probs = values.softmax(dim=-1)
+            else:
+                values, ids = row.topk(min(TOP_P_CANDIDATES, vocab))
+                probs = (values - row.logsumexp(dim=-1)).exp()
+                if ids.numel() < vocab and probs.sum() <= p.top_p:   # the tail may still be inside
+                    values, ids = row.sort(descending=True)
+                    probs = values.softmax(dim=-1)
+            if p.top_p < 1.0:
+                probs = probs.masked_fill((probs.cumsum(dim=-1) - probs) > p.top_p, 0.0)   # mass before covers top_p
+            out[i].scatter_(0, ids, probs)
+        return out.to(scaled.dtype)

@@ -452,3 +452,29 @@ def test_w8a16_native_matches_torch_backend_in_bf16(tiny_qwen3: str) -> None:
                     m.packed_amx = None
         logits.append(_greedy_logits(llm, prompts, 4)[1])
     assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[1].abs().max()
+
+
+def test_top_k_and_top_p_by_partial_selection_equal_a_sort_of_the_vocabulary() -> None:
+    """The filter keeps the same tokens with the same probabilities as sorting the whole row
+    (top-k, top-p over the renormalized rest), at a Qwen3-sized vocabulary: top-k alone, top-p
+    alone (its mass inside the candidates, and a flat row where it is not), and both."""
+    from engine.layers.sampler import TOP_P_CANDIDATES, Sampler
+
+    def by_sort(scaled: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        values, ids = scaled.sort(descending=True)
+        k = p.top_k if p.top_k > 0 else scaled.numel()
+        probs = values.masked_fill(torch.arange(scaled.numel()) >= k, float("-inf")).softmax(dim=-1)
+        probs = probs.masked_fill((probs.cumsum(dim=-1) - probs) > p.top_p, 0.0)
+        return torch.zeros_like(probs).scatter_(0, ids, probs)
+    g = torch.Generator().manual_seed(5)
+    vocab = 151_936
+    rows = torch.randn(5, vocab, generator=g) * 4
+    rows[3] = torch.randn(vocab, generator=g) * 0.01   # flat: top-p needs more than the candidates
+    params = [SamplingParams(top_k=50), SamplingParams(top_p=0.9), SamplingParams(top_k=3000, top_p=0.5),
+              SamplingParams(top_p=0.95), SamplingParams(top_k=1)]
+    got = Sampler._filter(rows, params)
+    for i, p in enumerate(params):
+        want = by_sort(rows[i], p)
+        assert torch.equal(got[i] > 0, want > 0), i
+        torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-6)   # float32 sums in another order
+    assert (got[3] > 0).sum() > TOP_P_CANDIDATES   # the flat row's top-p took the sort
