@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine import cpu_features, hugepages
+from engine import cpu_features, heap, hugepages
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.layers.attention import AttentionMetadata, PrefillSegment
@@ -134,8 +134,10 @@ class ModelRunner:
             linears = [m for m in model.modules() if isinstance(m, Linear)]
             if self.config.batch_invariant:   # one GEMM for every row count, or the mode is off
                 self.batch_invariant = all([m.pack_invariant() for m in linears])
-                if not self.batch_invariant:
-                    for module in linears:
+                for module in linears:
+                    if self.batch_invariant:   # every forward reads the packed copy: the plain weight goes
+                        module.weight = None   # (a tied embedding keeps its own reference)
+                    else:
                         module.packed_invariant, module.invariant_bf16dot = None, False
             for module in linears:
                 if not self.batch_invariant:
@@ -144,6 +146,7 @@ class ModelRunner:
             packed = [m for m in linears if m.packed_amx is not None]
             for module, moved in zip(packed, hugepages.consolidate([m.packed_amx for m in packed])):
                 module.packed_amx = moved
+        heap.release_free_heap()   # what loading and packing freed, back to the system
         return model.eval()
 
     def _compute_dtype(self) -> torch.dtype:

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.bf16_linear_available(),
 PROMPTS = random_prompts(20, 5, 80, seed=19)
 FILLERS = random_prompts(12, 5, 80, seed=1919)    # batch members beside the 20 (a batch of 32)
 MAX_NEW = 24
-MIGRATION_PROMPT, MIGRATION_NEW = random_prompts(1, 40, 40, seed=1920)[0], 240
+MIGRATION_PROMPT, MIGRATION_NEW = random_prompts(1, 40, 40, seed=1920)[0], 1000   # long enough to outlast the freeze
 BATCHES = (2, 7, 20, 32)
 BUDGETS = (16, 512)                               # chunked prefill (prompts split) and whole prompts
 DTYPES = ("auto", "bfloat16")                     # auto: float32 on CPUs without fast bf16 GEMMs
