@@ -105,7 +105,7 @@ class Sampler:
           whole row is sorted.
         A row's result depends on its own logits and parameters only."""
         vocab = scaled.shape[-1]
-        out = torch.zeros(scaled.shape, dtype=torch.float32)
+        out = torch.zeros(scaled.shape, dtype=torch.float32, device=scaled.device)
         for i, p in enumerate(params):
             row = scaled[i].float()
             if 0 < p.top_k < vocab:
