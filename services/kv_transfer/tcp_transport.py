@@ -49,6 +49,7 @@ POOLED_IDLE_S = 60.0          # ... each at most this long: well inside the rece
                               # (tcp_receiver.DataPlaneLimits.idle_timeout_s, 120 s), so a reused one
                               # is not being closed by its peer at that moment
 BUSY_RETRY_S = 10.0           # a receiver serving all the connections it may is asked again this long
+HANDSHAKE_ATTEMPTS = 3        # connections lost during their handshake before a transfer gives up
 BEAT_TIMEOUT_S = 2.0          # one beat's write, at most (a lease outlasts several missed ones)
 MAX_GATHER_PARTS = 512        # a frame of more parts is joined first (IOV_MAX is 1024)
 
@@ -284,13 +285,22 @@ class TcpKVStream(KVStream):
 
     def _connection(self) -> socket.socket:
         """A pooled or new connection. A receiver at its connection bound (a refusal, not a
-        fault) is asked again, the lease kept by beats meanwhile, for up to BUSY_RETRY_S."""
-        deadline, delay = time.monotonic() + BUSY_RETRY_S, 0.02
+        fault) is asked again, the lease kept by beats meanwhile, for up to BUSY_RETRY_S. A
+        connection lost during its handshake (this process frozen past the receiver's handshake
+        timeout, say) is made again, up to HANDSHAKE_ATTEMPTS times: nothing was sent on it.
+        Nobody listening (connection refused) fails at once."""
+        deadline, delay, lost = time.monotonic() + BUSY_RETRY_S, 0.02, 0
         while True:
             try:
                 return self._sender.pool.acquire(self._target)
             except tcp_wire.Refused as exc:
                 if exc.code != "RESOURCE_EXHAUSTED" or self._cancelled or time.monotonic() + delay > deadline:
+                    raise
+            except ConnectionRefusedError:
+                raise
+            except (OSError, tcp_wire.WireError):
+                lost += 1
+                if lost >= HANDSHAKE_ATTEMPTS or self._cancelled:
                     raise
             self._sender.pool.beat(self._target, self._open)
             time.sleep(delay)

@@ -89,12 +89,12 @@ def test_a_backlog_past_the_data_planes_connections_keeps_every_lease(tiny_qwen3
     """More requests queued on the prefill worker than the decode worker's TCP data plane serves
     connections, most of them queued longer than their idle lease: their streams hold no
     connection while queued, and beats keep every reservation. None fails (migration is off)."""
-    lease_s = 2.0   # four heartbeats (0.5 s apart): room for a loaded machine's lag
+    lease_s = 4.0   # eight heartbeats (0.5 s apart): room for a loaded machine's lag
     fc = FaultCluster(tiny_qwen3, prefill=1, decode=1, engine_args=[*SLOW_PREFILL[:-1], "1"], router_args=NO_MIGRATION,
                       worker_args=["--kv-lease-idle-s", str(lease_s), "--kv-lease-max-s", "120",
                                    "--kv-data-max-connections", "2"])
     try:
-        prompts = random_prompts(16, 400, 400, seed=604)   # one token a step: 6,400 steps of backlog
+        prompts = random_prompts(24, 400, 400, seed=604)   # one token a step: 9,600 steps of backlog
         runs = [observe(fc.router, p, 4) for p in prompts]
         for obs in runs:
             assert obs.done.wait(120)
