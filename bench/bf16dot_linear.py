@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""Batch-invariant mode's bf16 GEMM (engine/csrc/linear_bf16dot.cpp, AVX512-BF16) against
+oneDNN's prepacked bf16 GEMM (what the tuned path and vLLM-CPU run), side by side in one run:
+bf16 rows times the same bf16 weights, bf16 out, one torch thread, Qwen3-0.6B's GEMM shapes
+(fused QKV 4096 x 1024, o_proj 1024 x 2048, gate/up 6144 x 1024, down 1024 x 3072) and the small
+model's (1024 x 512, 3072 x 512, 512 x 1536), at decode and prefill row counts. Prints the best
+of --iters in ms, GFLOP/s and the ratio oneDNN / kernel (above 1: the kernel is faster).
+
+    python bench/bf16dot_linear.py
+    python bench/bf16dot_linear.py --rows 1,16,64,256,2048 --iters 10
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from engine.layers import cpu_kernels  # noqa: E402
+
+SHAPES = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (1024, 512), (3072, 512), (512, 1536))
+
+
+def best_ms(fn, iters: int) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 256, 2048])
+    p.add_argument("--iters", type=int, default=5)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    if not cpu_kernels.bf16dot_available():
+        print("the bf16-dot kernel is not built for this CPU (it needs AVX512-BF16)")
+        return 1
+    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    if not onednn:
+        print("this torch has no oneDNN linear to compare with")
+        return 1
+    print("| N x K | rows | oneDNN ms | kernel ms | oneDNN GFLOP/s | kernel GFLOP/s | oneDNN / kernel |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    g = torch.Generator().manual_seed(0)
+    for n, k in SHAPES:
+        w = (torch.randn(n, k, generator=g) * k ** -0.5).to(torch.bfloat16)   # as a model initializes
+        packed = cpu_kernels.pack_bf16dot_weight(w)
+        reordered = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+        for m in args.rows:
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+            torch.testing.assert_close(cpu_kernels.linear_bf16dot(x, packed)[:, :n],
+                                       torch.nn.functional.linear(x.float(), w.float()), rtol=1e-3, atol=1e-3)
+            ref = best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, reordered, None, "none", [], ""), args.iters)
+            ker = best_ms(lambda: cpu_kernels.linear_bf16dot(x, packed, torch.bfloat16), args.iters)
+            gf = 2 * m * n * k / 1e6
+            print(f"| {n} x {k} | {m} | {ref:.2f} | {ker:.2f} | {gf / ref:.0f} | {gf / ker:.0f} | {ref / ker:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
