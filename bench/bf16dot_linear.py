@@ -13,26 +13,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from bench.drivers import best_ms  # noqa: E402
 from engine.layers import cpu_kernels  # noqa: E402
 
 SHAPES = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (1024, 512), (3072, 512), (512, 1536))
-
-
-def best_ms(fn, iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:

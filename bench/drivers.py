@@ -1,7 +1,7 @@
 """What the bench/ drivers share: their argument parsers (typed flags from defaults, the serving
 workload's flags), a comma list checked against known names, and one `pdserve up` child process
 started and stopped as a whole, after the machine quietened down; one timed push of KV blocks
-over an opened KV stream."""
+over an opened KV stream; the best time of a few calls."""
 from __future__ import annotations
 
 import argparse
@@ -113,3 +113,14 @@ async def timed_push(stream: Any, blocks: list, settle_s: float, timeout: float)
     except BaseException:
         await stream.cancel()
         raise
+
+
+def best_ms(fn, iters: int) -> float:
+    """The fastest of iters calls of fn (after one untimed call), in ms."""
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
