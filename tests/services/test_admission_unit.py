@@ -137,12 +137,16 @@ def test_two_clients_of_one_class_share_it_one_for_one_whatever_their_sending_ra
     assert order[8:] == ["a"] * 8
 
 
-def test_a_full_queue_refuses_the_lowest_class_to_admit_a_higher_one() -> None:
+def _behind_a_busy_head(capacity: int, arrivals: list) -> tuple[list[str], dict[str, str]]:
+    """A class-1 head holds its turn while arrivals (name, ticket, pause after it) queue behind it,
+    then lets go. Returns the admission order (the head first) and each one's outcome: "admitted"
+    or the refusal's code."""
     from services.router.admission import Ticket
 
     async def run():
-        queue = AdmissionQueue(2)
+        queue = AdmissionQueue(capacity)
         head_in, release = asyncio.Event(), asyncio.Event()
+        order: list[str] = []
         outcome: dict[str, str] = {}
 
         async def one(name: str, ticket: Ticket, hold: bool = False) -> None:
@@ -151,23 +155,30 @@ def test_a_full_queue_refuses_the_lowest_class_to_admit_a_higher_one() -> None:
                     if hold:
                         head_in.set()
                         await release.wait()
+                    order.append(name)
                     outcome[name] = "admitted"
             except RouterError as exc:
                 outcome[name] = exc.code
         tasks = [asyncio.create_task(one("head", Ticket(1), hold=True))]
         await head_in.wait()
-        for name, prio in (("low-1", 2), ("low-2", 2)):
-            tasks.append(asyncio.create_task(one(name, Ticket(prio))))
-            await asyncio.sleep(0)
-        tasks.append(asyncio.create_task(one("high", Ticket(0))))   # full: low-2 (the lowest, latest) makes room
-        await asyncio.sleep(0.01)
-        tasks.append(asyncio.create_task(one("same", Ticket(2))))   # full, and outranks nobody: refused
-        await asyncio.sleep(0.01)
+        for name, ticket, pause in arrivals:
+            tasks.append(asyncio.create_task(one(name, ticket)))
+            await asyncio.sleep(pause)
         release.set()
         await asyncio.gather(*tasks)
-        return outcome
-    assert asyncio.run(run()) == {"head": "admitted", "low-1": "admitted", "low-2": "RESOURCE_EXHAUSTED",
-                                  "high": "admitted", "same": "RESOURCE_EXHAUSTED"}
+        return order, outcome
+    return asyncio.run(run())
+
+
+def test_a_full_queue_refuses_the_lowest_class_to_admit_a_higher_one() -> None:
+    from services.router.admission import Ticket
+
+    _, outcome = _behind_a_busy_head(2, [
+        ("low-1", Ticket(2), 0), ("low-2", Ticket(2), 0),
+        ("high", Ticket(0), 0.01),    # full: low-2 (the lowest, latest) makes room
+        ("same", Ticket(2), 0.01)])   # full, and outranks nobody: refused
+    assert outcome == {"head": "admitted", "low-1": "admitted", "low-2": "RESOURCE_EXHAUSTED",
+                       "high": "admitted", "same": "RESOURCE_EXHAUSTED"}
 
 
 def test_a_moving_request_goes_ahead_of_its_class_and_a_full_queue_never_refuses_it() -> None:
@@ -176,30 +187,8 @@ def test_a_moving_request_goes_ahead_of_its_class_and_a_full_queue_never_refuses
     needs room pushes out a newcomer, never it."""
     from services.router.admission import Ticket
 
-    async def run():
-        queue = AdmissionQueue(2)
-        head_in, release = asyncio.Event(), asyncio.Event()
-        order: list[str] = []
-        refused: list[str] = []
-
-        async def one(name: str, ticket: Ticket, hold: bool = False) -> None:
-            try:
-                async with queue.turn(5.0, ticket):
-                    if hold:
-                        head_in.set()
-                        await release.wait()
-                    order.append(name)
-            except RouterError:
-                refused.append(name)
-        tasks = [asyncio.create_task(one("head", Ticket(1), hold=True))]
-        await head_in.wait()
-        for name, ticket in (("new-1", Ticket(1)), ("new-2", Ticket(1)), ("moved", Ticket(1, moved=True)),
-                             ("high", Ticket(0))):   # the queue is full from new-2 on
-            tasks.append(asyncio.create_task(one(name, ticket)))
-            await asyncio.sleep(0.01)
-        release.set()
-        await asyncio.gather(*tasks)
-        return order, refused
-    order, refused = asyncio.run(run())
-    assert refused == ["new-2"]   # room for the higher class: the latest newcomer, not the moving one
-    assert order == ["head", "high", "moved", "new-1"]
+    order, outcome = _behind_a_busy_head(2, [   # the queue is full from new-2 on
+        ("new-1", Ticket(1), 0.01), ("new-2", Ticket(1), 0.01), ("moved", Ticket(1, moved=True), 0.01),
+        ("high", Ticket(0), 0.01)])
+    assert [n for n, o in outcome.items() if o != "admitted"] == ["new-2"]   # room for the higher class:
+    assert order == ["head", "high", "moved", "new-1"]                       # the latest newcomer, not the moving one
