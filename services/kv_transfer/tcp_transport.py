@@ -93,7 +93,7 @@ class ConnectionPool:
         self._idle: dict[str, list[tuple[socket.socket, float]]] = {}
         self._lock = threading.Lock()
         self._beats: dict[str, socket.socket] = {}   # one connection per target carries every stream's beats
-        self._beat_lock = threading.Lock()
+        self._beat_locks: dict[str, threading.Lock] = {}
         self.connects = 0   # connections made (the rest of the transfers reused one)
 
     def acquire(self, target: str) -> socket.socket:
@@ -132,8 +132,11 @@ class ConnectionPool:
         """A BEAT record (a stream's open frame: its reservation's lease is extended) over the
         target's one beat connection, made or remade here. A beat that fails is dropped: the lease
         may then lapse, and the stream learns of it when it sends."""
-        with self._beat_lock:
-            sock = self._beats.pop(target, None)
+        with self._lock:   # one lock per target: a target that does not answer holds up only its own beats
+            lock = self._beat_locks.setdefault(target, threading.Lock())
+        with lock:
+            with self._lock:
+                sock = self._beats.pop(target, None)
             try:
                 if sock is None or not _alive(sock):
                     if sock is not None:
@@ -146,12 +149,12 @@ class ConnectionPool:
                 if sock is not None:
                     sock.close()
                 return
-            self._beats[target] = sock
+            with self._lock:
+                self._beats[target] = sock
 
     def close(self) -> None:
         with self._lock:
             pools, self._idle = list(self._idle.values()), {}
-        with self._beat_lock:
             beats, self._beats = list(self._beats.values()), {}
         for idle in pools:
             for sock, _ in idle:
