@@ -6,8 +6,13 @@ bf16 rows times the same bf16 weights, bf16 out, one torch thread, Qwen3-0.6B's 
 model's (1024 x 512, 3072 x 512, 512 x 1536), at decode and prefill row counts. Prints the best
 of --iters in ms, GFLOP/s and the ratio oneDNN / kernel (above 1: the kernel is faster).
 
+--step MODEL times a whole step's linears instead: every layer's own weights (the small model's
+8 layers and LM head, 58 MB; Qwen3-0.6B's 28 layers and LM head, 1.2 GB), so they stream from
+memory as in a decode step rather than staying in cache as one shape's do.
+
     python bench/bf16dot_linear.py
     python bench/bf16dot_linear.py --rows 1,16,64,256,2048 --iters 10
+    python bench/bf16dot_linear.py --step small,qwen3-0.6b --rows 1,8,12,16,20,32,64
 """
 from __future__ import annotations
 
@@ -23,13 +28,45 @@ from bench.drivers import best_ms  # noqa: E402
 from engine.layers import cpu_kernels  # noqa: E402
 
 SHAPES = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (1024, 512), (3072, 512), (512, 1536))
+# One step's linears, (N, K) in order: per layer fused QKV, o_proj, gate/up, down; then the LM head.
+STEPS = {"small": [(1024, 512), (512, 512), (3072, 512), (512, 1536)] * 8 + [(8192, 512)],
+         "qwen3-0.6b": [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)] * 28 + [(151936, 1024)]}
+
+
+def time_step(name: str, rows: list[int], iters: int, g: torch.Generator) -> None:
+    """Both GEMMs over a whole step's linears, each layer's weights its own."""
+    shapes = STEPS[name]
+    weights = [(torch.randn(n, k, generator=g) * k ** -0.5).to(torch.bfloat16) for n, k in shapes]
+    packed = [cpu_kernels.pack_bf16dot_weight(w) for w in weights]
+    reordered = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    del weights
+    flop_per_row = sum(2 * n * k for n, k in shapes)
+    gb = sum(n * k * 2 for n, k in shapes) / 1e9
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for k in {k for _, k in shapes}}
+
+        def kernel() -> None:
+            for (_, k), w in zip(shapes, packed):
+                cpu_kernels.linear_bf16dot(xs[k], w, torch.bfloat16)
+
+        def onednn() -> None:
+            for (_, k), w in zip(shapes, reordered):
+                torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
+        ref, ker = best_ms(onednn, iters), best_ms(kernel, iters)
+        gf = flop_per_row * m / 1e6
+        print(f"| {name} | {m} | {ref:.2f} | {ker:.2f} | {gf / ref:.0f} | {gf / ker:.0f} | {gb / ker * 1e3:.1f} | "
+              f"{ref / ker:.2f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 256, 2048])
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--step", type=lambda s: s.split(","), default=None,
+                   help=f"time whole steps' linears of these models ({', '.join(STEPS)}) instead of single shapes")
     args = p.parse_args(argv)
+    if args.step and not set(args.step) <= set(STEPS):
+        p.error(f"--step takes {', '.join(STEPS)}")
     torch.set_num_threads(1)
     if not cpu_kernels.bf16dot_available():
         print("the bf16-dot kernel is not built for this CPU (it needs AVX512-BF16)")
@@ -38,9 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     if not onednn:
         print("this torch has no oneDNN linear to compare with")
         return 1
+    g = torch.Generator().manual_seed(0)
+    if args.step:
+        print("| model | rows | oneDNN ms | kernel ms | oneDNN GFLOP/s | kernel GFLOP/s | kernel weights GB/s | "
+              "oneDNN / kernel |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for name in args.step:
+            time_step(name, args.rows, args.iters, g)
+        return 0
     print("| N x K | rows | oneDNN ms | kernel ms | oneDNN GFLOP/s | kernel GFLOP/s | oneDNN / kernel |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    g = torch.Generator().manual_seed(0)
     for n, k in SHAPES:
         w = (torch.randn(n, k, generator=g) * k ** -0.5).to(torch.bfloat16)   # as a model initializes
         packed = cpu_kernels.pack_bf16dot_weight(w)
