@@ -1,7 +1,7 @@
 """Giving freed heap memory back to the system.
 
-Loading a model frees as much as it keeps: the float32 parameters the loader fills become bf16,
-and the plain weights go once packed copies serve every forward. glibc keeps freed blocks under
+Loading a model frees as much as it keeps: the plain weights go once packed copies serve every
+forward. glibc keeps freed blocks under
 its mmap threshold (which grows to 32 MiB as large blocks are freed) in its heap, so the
 process's resident memory stays at the loading peak: Qwen3-0.6B held 2.85 GB anonymous memory
 for 1.5 GB of tensors. ``malloc_trim(0)`` returns the free pages to the system (1.8 GB there).

@@ -24,6 +24,7 @@ from engine.step_plan import OP_READ_KV, OP_WRITE_KV, StepPlan
 
 log = logging.getLogger(__name__)
 
+TRIM_EVERY_BYTES = 64 << 20   # while packing, freed weights go back to the system every this many bytes
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -117,10 +118,14 @@ class ModelRunner:
         cls = MODEL_CLASSES[self.model_config.architecture]
         with torch.device(self.device):
             model = cls(self.model_config, self.tp)
-        load_weights(model, Path(self.config.model))
-        if self.compute_dtype != self.dtype:   # a wider compute dtype sees the weights rounded to dtype
-            for param in model.parameters():
+        # The parameters take the checkpoint's dtype before any weight is read: loading into float32
+        # ones first would hold twice a bf16 model. Their fresh (untouched) float32 pages cost nothing
+        # to convert; every weight is then rounded to dtype as it is copied in, as a wider compute
+        # dtype must see it.
+        for param in model.parameters():
+            if param.dtype != self.dtype:
                 param.data = param.data.to(self.dtype)
+        load_weights(model, Path(self.config.model))
         model.to(dtype=self.compute_dtype)     # buffers (rotary tables) go straight to compute_dtype
         if self.config.quantization == "w8a16":
             for module in model.modules():
@@ -133,12 +138,22 @@ class ModelRunner:
             amx = self.compute_dtype == torch.bfloat16 and cpu_features.detect().amx_bf16
             linears = [m for m in model.modules() if isinstance(m, Linear)]
             if self.config.batch_invariant:   # one GEMM for every row count, or the mode is off
-                self.batch_invariant = all([m.pack_invariant() for m in linears])
+                packed: list[Linear] = []
+                released = 0
+                for module in linears:
+                    if not module.pack_invariant():
+                        break
+                    packed.append(module)
+                    released += module.release_plain_weight()   # at once where it can be unpacked again,
+                    if released >= TRIM_EVERY_BYTES:            # and its pages with it (engine/heap.py)
+                        heap.release_free_heap()
+                        released = 0
+                self.batch_invariant = len(packed) == len(linears)
                 for module in linears:
                     if self.batch_invariant:   # every forward reads the packed copy: the plain weight goes
                         module.weight = None   # (a tied embedding keeps its own reference)
                     else:
-                        module.packed_invariant, module.invariant_bf16dot = None, False
+                        module.unpack_invariant()
             for module in linears:
                 if not self.batch_invariant:
                     module.pack_for_cpu(bf16_weights=bf16_weights, amx=amx)

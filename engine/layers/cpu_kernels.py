@@ -389,6 +389,12 @@ def pack_bf16dot_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return w16.reshape(-1, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def unpack_bf16dot_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """pack_bf16dot_weight's inverse: the [n, K] bf16 weight (a permutation: exact)."""
+    tiles, k2 = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(tiles * 32, k2 * 2)[:n].contiguous()
+
+
 def linear_bf16dot(x: torch.Tensor, packed: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x [M, K] bf16 @ W^T for W packed by pack_bf16dot_weight: float32 accumulation; the result
     float32, or rounded to bf16 as it is stored (out_dtype), as .to(torch.bfloat16) rounds."""

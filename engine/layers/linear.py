@@ -15,6 +15,7 @@ BF16_KERNEL_MAX_ROWS = 128
 # (decode steps stream the weights; measured 1.2-1.4x oneDNN's prepacked GEMM at 1-64 rows);
 # more rows (prefill) use oneDNN's prepacked GEMM, which blocks better for large row counts.
 AMX_KERNEL_MAX_ROWS = 64
+CHECK_COLUMNS = 256   # output columns a freshly packed batch-invariant weight is checked on
 
 
 class Linear(nn.Module):
@@ -136,13 +137,34 @@ class Linear(nn.Module):
         self.packed = self.packed_bf16 = self.packed_amx = None
         return True
 
+    def release_plain_weight(self) -> int:
+        """Batch-invariant mode: drop the plain weight now that the packed copy serves every forward,
+        where unpack_invariant() can make it again (linear_bf16dot's layout of a bf16 weight), so a
+        model's two copies never coexist while it loads. Returns the bytes dropped (0: kept)."""
+        if not self.invariant_bf16dot or self.qweight is not None or self.weight is None:
+            return 0
+        nbytes = self.weight.numel() * self.weight.element_size()
+        self.weight = None
+        return nbytes
+
+    def unpack_invariant(self) -> None:
+        """Leave batch-invariant mode: the plain weight back (from the packed copy if it was
+        released) and the packed copy gone."""
+        if self.weight is None and self.invariant_bf16dot and self.qweight is None:
+            self.weight = nn.Parameter(cpu_kernels.unpack_bf16dot_weight(self.packed_invariant, self.out_features),
+                                       requires_grad=False)
+        self.packed_invariant, self.invariant_bf16dot = None, False
+
     def _pack_invariant_bf16dot(self, w: torch.Tensor) -> bool:
         packed = cpu_kernels.pack_bf16dot_weight(w)
         if packed is None:
             return False
+        # Checked on the first tiles only: the layout is the same for all, and a float32 copy of a
+        # whole LM head (622 MB at Qwen3's vocabulary) would be the load's peak.
+        cols = min(self.out_features, CHECK_COLUMNS)
         x = torch.randn(5, self.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-        want = F.linear(x.float(), w.float())
-        if not torch.allclose(cpu_kernels.linear_bf16dot(x, packed)[:, :self.out_features], want,
+        want = F.linear(x.float(), w[:cols].float())
+        if not torch.allclose(cpu_kernels.linear_bf16dot(x, packed[:-(-cols // 32)])[:, :cols], want,
                               rtol=1e-3, atol=1e-3):
             return False
         self.packed_invariant, self.invariant_bf16dot = packed, True

@@ -115,6 +115,39 @@ def test_linear_row_does_not_depend_on_the_rows_beside_it(weights: str) -> None:
     assert torch.allclose(lin(x3).float(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.skipif(not cpu_kernels.bf16dot_available(), reason="no AVX512-BF16 on this CPU (or no C++ compiler)")
+def test_a_linear_that_cannot_pack_turns_the_mode_off_with_every_weight_back(tiny_qwen3: str, monkeypatch) -> None:
+    """The plain weights go as each linear is packed (the load's peak is one copy of the model);
+    should a later linear not pack, the mode is off for all, every weight is back exactly when the
+    other paths pack it, and the model generates as one loaded without the mode."""
+    args = dict(compute_dtype="bfloat16", block_size=8, num_kv_blocks=256)
+    plain = LLM(tiny_qwen3, batch_invariant=False, **args)
+    vocab = plain.engine.runner.model.lm_head.out_features
+    loaded: dict[int, torch.Tensor] = {}     # each linear's weight as loaded, by id
+    seen: list[int] = []                     # the linears pack_for_cpu saw, its weight checked first
+    released: list[int] = []                 # bytes each plain weight released before the failure held
+    pack, pack_for_cpu, release = Linear.pack_invariant, Linear.pack_for_cpu, Linear.release_plain_weight
+
+    def pack_invariant(self: Linear) -> bool:
+        loaded[id(self)] = self.weight.detach().clone()
+        return False if self.out_features == vocab else pack(self)   # the LM head, packed last, fails
+
+    def check_then_pack(self: Linear, *a, **k):
+        assert self.packed_invariant is None and torch.equal(self.weight, loaded[id(self)])
+        seen.append(id(self))
+        return pack_for_cpu(self, *a, **k)
+    monkeypatch.setattr(Linear, "pack_invariant", pack_invariant)
+    monkeypatch.setattr(Linear, "pack_for_cpu", check_then_pack)
+    monkeypatch.setattr(Linear, "release_plain_weight", lambda self: released.append(release(self)) or released[-1])
+    fallen = LLM(tiny_qwen3, batch_invariant=True, **args)
+    assert not fallen.engine.runner.batch_invariant
+    assert len(released) == len(loaded) - 1 and all(released)   # every one before the LM head was dropped
+    assert len(seen) == len(loaded) > 1 and set(seen) == set(loaded)
+    prompts = random_prompts(3, 8, 30, seed=25)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert [o.token_ids for o in fallen.generate(prompts, greedy)] == [o.token_ids for o in plain.generate(prompts, greedy)]
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d, h, hkv", [(32, 4, 2), (64, 8, 4), (128, 4, 1)])
 def test_attention_row_does_not_depend_on_the_rows_beside_it(cache_dtype: torch.dtype, d: int, h: int,

@@ -108,6 +108,8 @@ def test_bf16_dot_linear_matches_f_linear_and_each_row_is_its_own() -> None:
             assert torch.equal(cpu_kernels.linear_bf16dot(x[:rows], packed)[:, :n], full[:rows]), rows
             assert torch.equal(cpu_kernels.linear_bf16dot(x[rows:rows + 1], packed)[:, :n], full[rows:rows + 1])
     assert cpu_kernels.pack_bf16dot_weight(torch.randn(32, 63)) is None   # K odd: no pairs
+    w = torch.randn(100, 64, generator=g).to(torch.bfloat16)                # 100 columns: padded to 128
+    assert torch.equal(cpu_kernels.unpack_bf16dot_weight(cpu_kernels.pack_bf16dot_weight(w), 100), w)
 
 
 # ---- fused elementwise kernels against the torch backend ------------------------------------
@@ -404,7 +406,6 @@ def test_native_prefill_attention_over_bf16_cache_matches_torch_backend(tiny_d64
 def test_fused_decode_step_equals_layer_by_layer(tiny_qwen3: str) -> None:
     """The one-call decode step runs the same kernels in the same order as the per-op native
     path: identical logits, bit for bit."""
-    from engine.layers import backend as backend_mod
     prompts = random_prompts(3, 5, 30, seed=13)
     logits, used = [], []
     for fused in (True, False):
