@@ -63,7 +63,7 @@ def _reach_phase(fc: FaultCluster, role: str, phase: str, prompt: list[int], bus
                     for n in fc.names("decode")}
     obs = observe(fc.router, prompt, MAX_TOKENS)
     if role == "prefill" and phase == "queued":
-        victim = _await_queued(fc, busy)
+        victim = _await_queued(fc, busy, obs)
     elif role == "prefill" and phase == "mid-prefill":
         victim = _await_holder(fc, "prefill", "num_running")
     elif role == "prefill" and phase == "mid-transfer":
@@ -114,7 +114,7 @@ def _queue_behind(fc: FaultCluster, busy: list[Busy]) -> None:
     wait_for(registered, 30, "the busy prompts registered at their workers")
 
 
-def _await_queued(fc: FaultCluster, busy: list[Busy]) -> str:
+def _await_queued(fc: FaultCluster, busy: list[Busy], obs) -> str:
     """The prefill worker at which the request waits: it holds one prompt more than its (held)
     busy threads have in flight, and, the request being the last in its FIFO, one waits."""
     def queued_at() -> str | None:
@@ -125,7 +125,11 @@ def _await_queued(fc: FaultCluster, busy: list[Busy]) -> str:
                 return name
         return None
     found: list[str | None] = []
-    wait_for(lambda: bool(found.append(queued_at()) or found[-1]), 30, "the request queued at a prefill worker")
+    try:
+        wait_for(lambda: bool(found.append(queued_at()) or found[-1]), 30, "the request queued at a prefill worker")
+    except AssertionError as exc:
+        seen = [(n, b.prompts_in_flight(), fc.status(n)) for n, b in zip(fc.names("prefill"), busy)]
+        raise AssertionError(f"{exc}: {obs}; {seen}\n{fc.logs()}") from None
     return found[-1]
 
 
