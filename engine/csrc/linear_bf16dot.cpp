@@ -21,29 +21,16 @@ using namespace pd;
 namespace {
 
 constexpr int64_t kMaxRows = 12;                 // 24 accumulators, two weight vectors, a broadcast
-constexpr int kPrefetchRows = 10;                // from this many rows a first pass outpaces the hardware prefetcher
-constexpr int64_t kPrefetchPairs = 16;            // ... so it prefetches its weights this many k pairs (2 KiB) ahead
 constexpr int64_t kChunkBytes = int64_t(512) << 10;   // rows of x kept in L2 while every column tile passes
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
 // y[0:MT, 0:32] = x[0:MT, :] @ tile; K2 = K / 2 pairs, ldx in pairs (int32 units), ldy in elements.
-// next: the following tile's weights, fetched into L2 during this pass (a later pass over a tile
-// runs from cache, so the memory would idle), else nullptr: this pass reads its weights from
-// memory, and with enough rows to outpace the hardware prefetcher it prefetches them itself.
 template <int MT, typename T>
-inline void dot_tile(const int32_t* x, int64_t ldx, const uint16_t* w, int64_t K2, T* y, int64_t ldy,
-                     const uint16_t* next) {
+inline void dot_tile(const int32_t* x, int64_t ldx, const uint16_t* w, int64_t K2, T* y, int64_t ldy) {
     __m512 acc[MT][2];
     for (int m = 0; m < MT; m++) { acc[m][0] = _mm512_setzero_ps(); acc[m][1] = _mm512_setzero_ps(); }
     for (int64_t j = 0; j < K2; j++) {
-        if (next != nullptr) {
-            _mm_prefetch(reinterpret_cast<const char*>(next + j * 64), _MM_HINT_T1);
-            _mm_prefetch(reinterpret_cast<const char*>(next + j * 64 + 32), _MM_HINT_T1);
-        } else if constexpr (MT >= kPrefetchRows) {
-            _mm_prefetch(reinterpret_cast<const char*>(w + (j + kPrefetchPairs) * 64), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(w + (j + kPrefetchPairs) * 64 + 32), _MM_HINT_T0);
-        }
         const __m512bh w0 = as_bh(_mm512_loadu_si512(w + j * 64));
         const __m512bh w1 = as_bh(_mm512_loadu_si512(w + j * 64 + 32));
         for (int m = 0; m < MT; m++) {
@@ -59,10 +46,9 @@ inline void dot_tile(const int32_t* x, int64_t ldx, const uint16_t* w, int64_t K
 }
 
 template <typename T>
-void dot_rows(int mt, const int32_t* x, int64_t ldx, const uint16_t* w, int64_t K2, T* y, int64_t ldy,
-              const uint16_t* next) {
+void dot_rows(int mt, const int32_t* x, int64_t ldx, const uint16_t* w, int64_t K2, T* y, int64_t ldy) {
     switch (mt) {
-#define PD_TILE(n) case n: dot_tile<n, T>(x, ldx, w, K2, y, ldy, next); break;
+#define PD_TILE(n) case n: dot_tile<n, T>(x, ldx, w, K2, y, ldy); break;
         PD_TILE(1) PD_TILE(2) PD_TILE(3) PD_TILE(4) PD_TILE(5) PD_TILE(6)
         PD_TILE(7) PD_TILE(8) PD_TILE(9) PD_TILE(10) PD_TILE(11) PD_TILE(12)
 #undef PD_TILE
@@ -83,8 +69,7 @@ void dot_tiles(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p, int64
             const uint16_t* pt = p + nt * K * 32;
             for (int64_t m = m0, t = 0; t < ntiles; t++) {
                 const int64_t rows = (m0 + mc - m) / (ntiles - t);   // balanced row tiles of <= kMaxRows
-                const uint16_t* next = t > 0 && nt + 1 < nt1 ? pt + K * 32 : nullptr;
-                dot_rows<T>(int(rows), xp + m * K2, K2, pt, K2, y + m * N + nt * 32, N, next);
+                dot_rows<T>(int(rows), xp + m * K2, K2, pt, K2, y + m * N + nt * 32, N);
                 m += rows;
             }
         }
