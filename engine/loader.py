@@ -1,13 +1,16 @@
-"""Load Hugging Face safetensors weights into a pdserve model."""
+"""Load Hugging Face safetensors weights into a pdserve model.
+
+Each tensor is handed to its owner as a lazy slice of the file (safetensors' get_slice): a
+tensor-parallel layer reads only its own rows or columns, so a rank never holds the whole of a
+tensor it shards; other owners read it whole (engine.layers.linear.materialize)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, TensorSource, materialize
 
 
 def load_weights(model: nn.Module, model_dir: str | Path) -> None:
@@ -23,14 +26,14 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
             for name in f.keys():
                 if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
                     continue
-                tensor = f.get_tensor(name)
-                loaded.add(_load_one(model, params, packed, name, tensor))
+                loaded.add(_load_one(model, params, packed, name, f.get_slice(name)))
     missing = {n for n in params if n not in loaded and not (tied and n == "lm_head.weight")}
     if missing:
         raise ValueError(f"checkpoint in {model_dir!s} lacks weights: {', '.join(sorted(missing)[:8])}")
 
 
-def _load_one(model: nn.Module, params: dict[str, nn.Parameter], packed: dict, name: str, tensor: torch.Tensor) -> str:
+def _load_one(model: nn.Module, params: dict[str, nn.Parameter], packed: dict, name: str, tensor: TensorSource
+              ) -> str:
     for fragment, (packed_fragment, shard_id) in packed.items():
         if f".{fragment}." in name:
             target = name.replace(fragment, packed_fragment)
@@ -42,7 +45,7 @@ def _load_one(model: nn.Module, params: dict[str, nn.Parameter], packed: dict, n
     if callable(getattr(owner, "load", None)):   # Linear and the tensor-parallel layers take their slice
         owner.load(name.rsplit(".", 1)[1], tensor, None)
     else:
-        param = params[name]
+        param, tensor = params[name], materialize(tensor)
         if param.shape != tensor.shape:
             raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
         param.data.copy_(tensor)

@@ -1,6 +1,8 @@
 """Linear layers: packed projections loaded shard by shard, and W8A16 weight-only int8."""
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,18 @@ BF16_KERNEL_MAX_ROWS = 128
 # more rows (prefill) use oneDNN's prepacked GEMM, which blocks better for large row counts.
 AMX_KERNEL_MAX_ROWS = 64
 CHECK_COLUMNS = 256   # output columns a freshly packed batch-invariant weight is checked on
+
+
+class TensorSource(Protocol):
+    """A checkpoint tensor as the loader hands it over: a tensor, or a lazy slice of the file
+    (safetensors' get_slice), where indexing reads only the elements asked for."""
+
+    def __getitem__(self, index) -> torch.Tensor: ...
+
+
+def materialize(source: TensorSource) -> torch.Tensor:
+    """The whole tensor behind source."""
+    return source if isinstance(source, torch.Tensor) else source[:]
 
 
 class Linear(nn.Module):
@@ -47,7 +61,8 @@ class Linear(nn.Module):
         start = sum(self.shard_sizes[:shard_id])
         return slice(start, start + self.shard_sizes[shard_id])
 
-    def load(self, name: str, tensor: torch.Tensor, shard_id: int | None) -> None:
+    def load(self, name: str, tensor: TensorSource, shard_id: int | None) -> None:
+        tensor = materialize(tensor)
         target = self.weight if name == "weight" else self.bias
         if target is None:
             raise ValueError(f"checkpoint has a bias the model does not expect: {name}")
@@ -274,7 +289,7 @@ class ColumnParallelLinear(Linear):
         super().__init__(in_features, [end - start for start, end in rows], bias)
         self.rows = rows
 
-    def load(self, name: str, tensor: torch.Tensor, shard_id: int | None) -> None:
+    def load(self, name: str, tensor: TensorSource, shard_id: int | None) -> None:
         start, end = self.rows[shard_id or 0]
         super().load(name, tensor[start:end], shard_id)
 
@@ -288,7 +303,7 @@ class RowParallelLinear(Linear):
         super().__init__(cols[1] - cols[0], out_features, bias)
         self.cols, self.group = cols, group
 
-    def load(self, name: str, tensor: torch.Tensor, shard_id: int | None) -> None:
+    def load(self, name: str, tensor: TensorSource, shard_id: int | None) -> None:
         if name == "bias":
             if self.group.rank == 0:
                 super().load(name, tensor, shard_id)
@@ -318,7 +333,7 @@ class ParallelLMHead(Linear):
         self.vocab_size, self.vocab_range, self.group = vocab_size, (start, end), group
         self.weight.data.zero_()
 
-    def load(self, name: str, tensor: torch.Tensor, shard_id: int | None) -> None:
+    def load(self, name: str, tensor: TensorSource, shard_id: int | None) -> None:
         start, end = self.vocab_range
         self.weight.data[:end - start].copy_(tensor[start:end])
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.linear import TensorSource
 from engine.parallel import TPGroup, padded_split
 
 
@@ -17,7 +18,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_range, self.group = (start, end), group
         self.weight = nn.Parameter(torch.zeros(per, hidden_size), requires_grad=False)
 
-    def load(self, name: str, tensor: torch.Tensor, shard_id: int | None) -> None:
+    def load(self, name: str, tensor: TensorSource, shard_id: int | None) -> None:
         start, end = self.vocab_range
         self.weight.data[:end - start].copy_(tensor[start:end])
 
