@@ -29,7 +29,7 @@ class TensorSource(Protocol):
 
 def materialize(source: TensorSource) -> torch.Tensor:
     """The whole tensor behind source."""
-    return source if isinstance(source, torch.Tensor) else source[:]
+    return source if isinstance(source, torch.Tensor) else source[...]
 
 
 class Linear(nn.Module):
