@@ -1,10 +1,10 @@
 """Giving freed heap memory back to the system.
 
 Loading a model frees as much as it keeps: the plain weights go once packed copies serve every
-forward. glibc keeps freed blocks under
-its mmap threshold (which grows to 32 MiB as large blocks are freed) in its heap, so the
-process's resident memory stays at the loading peak: Qwen3-0.6B held 2.85 GB anonymous memory
-for 1.5 GB of tensors. ``malloc_trim(0)`` returns the free pages to the system (1.8 GB there).
+forward. glibc keeps freed blocks under its mmap threshold (which grows to 32 MiB as large blocks
+are freed) in its heap, so the process's resident memory stays at the loading peak: Qwen3-0.6B
+held 2.85 GB anonymous memory for 1.5 GB of tensors. ``malloc_trim(0)`` returns the free pages
+to the system (1.8 GB there).
 Elsewhere (no glibc) it is a no-op.
 """
 from __future__ import annotations

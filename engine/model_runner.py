@@ -138,17 +138,15 @@ class ModelRunner:
             amx = self.compute_dtype == torch.bfloat16 and cpu_features.detect().amx_bf16
             linears = [m for m in model.modules() if isinstance(m, Linear)]
             if self.config.batch_invariant:   # one GEMM for every row count, or the mode is off
-                packed: list[Linear] = []
-                released = 0
+                self.batch_invariant, released = True, 0
                 for module in linears:
                     if not module.pack_invariant():
+                        self.batch_invariant = False
                         break
-                    packed.append(module)
                     released += module.release_plain_weight()   # at once where it can be unpacked again,
                     if released >= TRIM_EVERY_BYTES:            # and its pages with it (engine/heap.py)
                         heap.release_free_heap()
                         released = 0
-                self.batch_invariant = len(packed) == len(linears)
                 for module in linears:
                     if self.batch_invariant:   # every forward reads the packed copy: the plain weight goes
                         module.weight = None   # (a tied embedding keeps its own reference)
