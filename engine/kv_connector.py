@@ -180,7 +180,7 @@ class KVConnector:
         self.set_role(role)
         self.failures: OrderedDict[str, Failure] = OrderedDict()
         # Called (under the engine lock) when a handle becomes READY, FAILED or EXPIRED, and for
-        # every block stored (its bytes): the worker's metrics and waiters hang here.
+        # every run of blocks stored (their bytes): the worker's metrics and waiters hang here.
         self.on_change: Callable[[str, HandoffState], None] | None = None
         self.on_block: Callable[[int], None] | None = None
         self._shape: tuple[int, ...] | None = None                 # the pool's block shape, asked once
@@ -378,36 +378,63 @@ class KVConnector:
     def check(self, meta: BlockMeta, token: bytes) -> ReceiveHandle:
         """Everything about a block that can be checked before its bytes are allocated.
         A refusal fails the whole request (fail closed)."""
-        handle = self._handle(meta.request_id, token)
+        return self.check_many([meta], token)
+
+    @_locked
+    def check_many(self, metas: list[BlockMeta], token: bytes) -> ReceiveHandle:
+        """check for blocks of one request (a frame's headers), under one lock: the first refusal
+        fails the request. Returns its handle."""
+        return self._checked(metas, token)[0]
+
+    def _checked(self, metas: list[BlockMeta], token: bytes) -> tuple[ReceiveHandle, list[tuple[int, int]]]:
+        """check_many's work; also returns each block's head range."""
+        if not metas:
+            raise HandoffError("INVALID_ARGUMENT", "no blocks")
+        request_id = metas[0].request_id
+        if any(m.request_id != request_id for m in metas):
+            raise HandoffError("INVALID_ARGUMENT", "blocks of several requests in one run")
+        handle = self._handle(request_id, token)
         if handle.state not in (HandoffState.RESERVED, HandoffState.RECEIVING):
-            raise HandoffError("FAILED_PRECONDITION", f"request {meta.request_id!r} is {handle.state.value}")
-        pool = self.pool
+            raise HandoffError("FAILED_PRECONDITION", f"request {request_id!r} is {handle.state.value}")
         try:
-            if meta.block_index not in handle.needed:
-                raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r} was not requested "
+            return handle, self._check_blocks(handle, metas)
+        except HandoffError as exc:
+            self._end(handle, HandoffState.FAILED, exc.code, str(exc))
+            raise
+
+    def _check_blocks(self, handle: ReceiveHandle, metas: list[BlockMeta]) -> list[tuple[int, int]]:
+        """Each block requested and not yet received, its chain hash and layout right, its heads
+        not received before nor twice among metas. Returns each block's head range."""
+        n_layers, _, _, n_heads, _ = block_shape = self._block_shape()
+        needed, hashes, heads = handle.needed, handle.hashes, handle.heads
+        ranges, seen = [], {}
+        for meta in metas:
+            index = meta.block_index
+            if index not in needed:
+                raise HandoffError("DATA_LOSS", f"block {index} of {meta.request_id!r} was not requested "
                                                 f"or already received")
-            if handle.hashes[meta.block_index] != meta.block_hash:
-                raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r}: chain hash mismatch")
-            n_layers, _, _, n_heads, _ = block_shape = self._block_shape()
+            if hashes[index] != meta.block_hash:
+                raise HandoffError("DATA_LOSS", f"block {index} of {meta.request_id!r}: chain hash mismatch")
             start, end = self._head_range(meta, n_heads)
             layout = self._layouts.get(end - start)
             if layout is None:
                 shape = list(block_shape)
                 shape[3] = end - start
-                layout = self._layouts[end - start] = (pool.dtype_name, tuple(shape),
-                                                       pool.bytes_per_block // n_heads * (end - start))
-            got = (meta.dtype, tuple(meta.shape), meta.nbytes)
-            if got != layout or (meta.layer_start, meta.layer_end) not in ((0, 0), (0, n_layers)):
+                layout = self._layouts[end - start] = (self.pool.dtype_name, tuple(shape),
+                                                       self.pool.bytes_per_block // n_heads * (end - start))
+            if (meta.dtype, tuple(meta.shape), meta.nbytes) != layout or (meta.layer_start, meta.layer_end) not in (
+                    (0, 0), (0, n_layers)):
                 raise HandoffError("DATA_LOSS", f"block layout {meta.dtype}{list(meta.shape)} ({meta.nbytes} bytes, "
                                                 f"layers [{meta.layer_start}, {meta.layer_end}), KV heads "
                                                 f"[{start}, {end})) != {layout[0]}{list(layout[1])} ({layout[2]} bytes)")
-            if handle.heads.get(meta.block_index, 0) & _head_mask(start, end):
-                raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r}: KV heads "
+            mask = _head_mask(start, end)
+            got = seen.get(index, 0) | heads.get(index, 0)
+            if got & mask:
+                raise HandoffError("DATA_LOSS", f"block {index} of {meta.request_id!r}: KV heads "
                                                 f"[{start}, {end}) overlap heads already received")
-        except HandoffError as exc:
-            self._end(handle, HandoffState.FAILED, exc.code, str(exc))
-            raise
-        return handle
+            seen[index] = seen.get(index, 0) | mask
+            ranges.append((start, end))
+        return ranges
 
     @_locked
     def accept(self, meta: BlockMeta, token: bytes, payload: memoryview | bytes | bytearray) -> HandoffState:
@@ -418,35 +445,23 @@ class KVConnector:
     def accept_many(self, metas: list[BlockMeta], token: bytes, payload: memoryview | bytes | bytearray
                     ) -> HandoffState:
         """accept for blocks of one request whose bytes run back to back in payload (say, a frame's
-        whole blocks): every block checked as accept checks it before any is written, then written
-        into the pool together (one copy per run of blocks with the same heads). Returns the state after."""
+        whole blocks): every block checked as check_many checks it (again: another stream may have
+        delivered one since its announcement) before any is written, then written into the pool
+        together (one copy per run of blocks with the same heads). Returns the state after."""
         view = memoryview(payload).cast("B")
-        if not metas:
-            raise HandoffError("INVALID_ARGUMENT", "no blocks")
-        if any(m.request_id != metas[0].request_id for m in metas):
-            raise HandoffError("INVALID_ARGUMENT", "blocks of several requests in one run")
-        handle = self.check(metas[0], token)
-        for meta in metas[1:]:
-            self.check(meta, token)   # a refusal ends the handle there
+        handle, ranges = self._checked(metas, token)
         n_heads = self._block_shape()[3]
-        ranges, seen = [], {}
         try:
             total = sum(m.nbytes for m in metas)
             if view.nbytes != total:
                 raise HandoffError("DATA_LOSS", f"block {metas[0].block_index}: {view.nbytes} bytes, header says {total}")
             at = 0
             for meta in metas:
-                start, end = self._head_range(meta, n_heads)
-                mask = seen.get(meta.block_index, 0)
-                if mask & _head_mask(start, end):   # twice in this run (check sees only earlier runs)
-                    raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r}: KV heads "
-                                                    f"[{start}, {end}) overlap heads already received")
-                seen[meta.block_index] = mask | _head_mask(start, end)
-                crc = zlib.crc32(view[at:at + meta.nbytes]) & 0xFFFFFFFF if meta.checksum else 0
-                if crc != meta.checksum:
-                    raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r}: checksum "
-                                                    f"mismatch (header {meta.checksum:#010x}, payload {crc:#010x})")
-                ranges.append((start, end))
+                if meta.checksum:
+                    crc = zlib.crc32(view[at:at + meta.nbytes]) & 0xFFFFFFFF
+                    if crc != meta.checksum:
+                        raise HandoffError("DATA_LOSS", f"block {meta.block_index} of {meta.request_id!r}: checksum "
+                                                        f"mismatch (header {meta.checksum:#010x}, payload {crc:#010x})")
                 at += meta.nbytes
         except HandoffError as exc:
             self._end(handle, HandoffState.FAILED, exc.code, str(exc))
@@ -464,15 +479,16 @@ class KVConnector:
             self.pool.write_many([handle.seq.block_table[m.block_index] for m in metas[i:j]],
                                  data[at:at + n].view(j - i, *metas[i].shape), head_start=ranges[i][0])
             at, i = at + n, j
+        whole = _head_mask(0, n_heads)
         for meta, (start, end) in zip(metas, ranges):
             got = handle.heads.get(meta.block_index, 0) | _head_mask(start, end)
-            if got == _head_mask(0, n_heads):
+            if got == whole:
                 handle.heads.pop(meta.block_index, None)
                 handle.needed.discard(meta.block_index)
             else:
                 handle.heads[meta.block_index] = got
-            if self.on_block is not None:
-                self.on_block(meta.nbytes)
+        if self.on_block is not None:
+            self.on_block(total)
         handle.state = HandoffState.RECEIVING
         now = time.monotonic()
         handle.expires_at = max(handle.expires_at, min(now + self.lease.idle_s, handle.deadline))

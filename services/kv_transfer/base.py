@@ -125,6 +125,7 @@ class SendResult:
     wire_bytes: int = 0       # their payload bytes on the wire (encoded; 0: not counted by the transport)
     codec: str = "off"        # the stream's wire codec
     streams: int = 1          # connections the transfer's frames went over
+    acked_at: float = 0.0     # time.perf_counter() when the receiver's acknowledgement arrived (0: unknown)
 
 
 class KVStream(abc.ABC):

@@ -38,10 +38,9 @@ def open_or_refuse(session: ReceiveSession, frame: Frame) -> None:
 
 
 def announce(session: ReceiveSession, pending: deque[Pending], headers: list[kv_pb2.KVBlockHeader]) -> None:
-    for header in headers:
-        if len(pending) >= MAX_PENDING_HEADERS:
-            raise HandoffError("INVALID_ARGUMENT", f"more than {MAX_PENDING_HEADERS} blocks announced ahead")
-        pending.append(Pending(session.announce(header)))
+    if len(pending) + len(headers) > MAX_PENDING_HEADERS:
+        raise HandoffError("INVALID_ARGUMENT", f"more than {MAX_PENDING_HEADERS} blocks announced ahead")
+    pending.extend(Pending(wire) for wire in session.announce_many(headers))
 
 
 def take_inline(session: ReceiveSession, pending: deque[Pending], frame: Frame) -> None:

@@ -15,11 +15,15 @@ for a shared-memory frame, the segment's bytes (what the receiver reads). Over R
 ``push_blocks`` call covers its headers and payloads (a replayed block is refused by the
 connector as already received).
 
-Algorithms. HMAC-SHA256 always works (and keys everything). gRPC streams use Poly1305 where the
-``cryptography`` package is installed: each frame's one-time key is HMAC-SHA256(key, "poly1305"
-+ its index), so no key is ever used twice. Measured over 4 MiB on a 2-core AMD EPYC: Poly1305
-11.6 GB/s, HMAC-SHA256 1.8 GB/s, keyed BLAKE2b 1.25 GB/s (CRC-32 6.2 GB/s). The open frame names
-the algorithm (and is MACed with it); a receiver without it refuses with FAILED_PRECONDITION.
+Algorithms. HMAC-SHA256 always works (and keys everything). Where the ``cryptography`` package
+is installed, streams use AES-256-GMAC (AES-GCM over no plaintext, the frame as associated
+data) keyed with HMAC-SHA256(key, "aes-gmac"), the frame's index its 96-bit nonce; and they still
+take Poly1305, whose one-time key per frame is HMAC-SHA256(key, "poly1305" + its index). Either
+way no (key, nonce) pair is ever used for two messages: one key per reservation, one stream per
+reservation, one index per frame. Measured over 1 MiB frames (8 parts) on a 2-core AMD EPYC
+Zen 4 (AVX-512, VAES, VPCLMULQDQ): GMAC 62 us, Poly1305 120 us (HMAC-SHA256 about 1.8 GB/s,
+keyed BLAKE2b 1 GB/s, CRC-32 3.4-6 GB/s). The open frame names the algorithm (and is MACed with
+it); a receiver without it refuses with FAILED_PRECONDITION.
 """
 from __future__ import annotations
 
@@ -30,13 +34,14 @@ from typing import Iterable
 from engine.kv_connector import HandoffError
 
 try:
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
     from cryptography.hazmat.primitives.poly1305 import Poly1305
 except ImportError:      # an optional speed-up: HMAC-SHA256 instead
-    Poly1305 = None
+    Cipher = Poly1305 = None
 
 MAC_CONTEXT = b"pdserve-kv-mac-v1"
-HMAC_SHA256, POLY1305 = "hmac-sha256", "poly1305"
-ALGORITHMS = (HMAC_SHA256, POLY1305) if Poly1305 is not None else (HMAC_SHA256,)
+HMAC_SHA256, POLY1305, AES_GMAC = "hmac-sha256", "poly1305", "aes-gmac"
+ALGORITHMS = (HMAC_SHA256, POLY1305, AES_GMAC) if Poly1305 is not None else (HMAC_SHA256,)
 PREFERRED = ALGORITHMS[-1]
 
 
@@ -65,6 +70,15 @@ def _poly1305(key: bytes, parts: Iterable[bytes | bytearray | memoryview], count
     return mac.finalize()
 
 
+def _gmac(key: bytes, parts: Iterable[bytes | bytearray | memoryview], counter: int) -> bytes:
+    """key: the stream's AES key (derived once: StreamMac)."""
+    tag = Cipher(algorithms.AES(key), modes.GCM(counter.to_bytes(12, "little"))).encryptor()
+    for part in parts:
+        tag.authenticate_additional_data(part)
+    tag.finalize()
+    return tag.tag
+
+
 def algorithm(name: str) -> str:
     """The algorithm an open frame names ("" is HMAC-SHA256); FAILED_PRECONDITION if unavailable."""
     name = name or HMAC_SHA256
@@ -82,8 +96,11 @@ class StreamMac:
         self.key = key
         self.name = algorithm(name)
         self.counter = 0
+        self._aes_key = hmac.new(key, b"aes-gmac", hashlib.sha256).digest() if self.name == AES_GMAC else b""
 
     def _tag(self, parts: Iterable[bytes | bytearray | memoryview]) -> bytes:
+        if self.name == AES_GMAC:
+            return _gmac(self._aes_key, parts, self.counter)
         if self.name == POLY1305:
             return _poly1305(self.key, parts, self.counter)
         return compute(self.key, parts, self.counter)

@@ -211,13 +211,13 @@ class RayKVReceiver:
         session = ReceiveSession(self.sink)
         try:
             session, mac = self._open(open_bytes)
-            metas = []
+            parsed = []
             for raw in headers:
                 try:
-                    header = kv_pb2.KVBlockHeader.FromString(bytes(raw))
+                    parsed.append(kv_pb2.KVBlockHeader.FromString(bytes(raw)))
                 except Exception as exc:  # noqa: BLE001
                     raise HandoffError("INVALID_ARGUMENT", f"malformed KVBlockHeader: {exc}") from None
-                metas.append(session.announce(header))   # before anything is fetched
+            metas = session.announce_many(parsed)   # before anything is fetched
             payloads = await self._fetch(refs)
             if len(payloads) != len(metas):
                 raise HandoffError("INVALID_ARGUMENT", f"{len(metas)} headers for {len(payloads)} payloads")

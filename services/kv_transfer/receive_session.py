@@ -13,7 +13,7 @@ from a stream that never proved it may speak for the request.
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from engine.kv_connector import BlockMeta, HandoffError, HandoffState
 from pdserve.v1 import kv_pb2
@@ -64,12 +64,23 @@ class ReceiveSession:
     def announce(self, header: kv_pb2.KVBlockHeader) -> WireMeta:
         """A block's header, checked against the reservation (and its wire size against its codec's
         bound); its bytes come later (accept)."""
-        if header.request_id != self.request_id:
-            raise HandoffError("INVALID_ARGUMENT", f"block for {header.request_id!r} on the stream of "
-                                                   f"{self.request_id!r}")
-        wire = wire_meta(header)
-        self.sink.check(wire.meta, self.token)
-        return wire
+        return self.announce_many([header])[0]
+
+    def announce_many(self, headers: Sequence[kv_pb2.KVBlockHeader]) -> list[WireMeta]:
+        """announce for a frame's headers, checked by the sink together (one lock) where it can."""
+        for header in headers:
+            if header.request_id != self.request_id:
+                raise HandoffError("INVALID_ARGUMENT", f"block for {header.request_id!r} on the stream of "
+                                                       f"{self.request_id!r}")
+        wires = [wire_meta(header) for header in headers]
+        if wires:
+            check_many = getattr(self.sink, "check_many", None)
+            if check_many is not None:
+                check_many([w.meta for w in wires], self.token)
+            else:
+                for wire in wires:
+                    self.sink.check(wire.meta, self.token)
+        return wires
 
     def accept(self, wire: WireMeta | BlockMeta, payload: memoryview | bytes | bytearray) -> None:
         """A block's bytes as they came on the wire: decoded (into exactly its raw size) first."""

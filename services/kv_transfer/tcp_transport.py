@@ -189,6 +189,7 @@ class TcpKVStream(KVStream):
         self._blocks = self._bytes = self._wire_bytes = 0
         self._start = time.perf_counter()
         self._send_s = 0.0
+        self._acked_at = 0.0
         threading.Thread(target=self._run, name=f"kv-send-{request_id[:24]}", daemon=True).start()
 
     # ---- the loop's side -----------------------------------------------------------------
@@ -218,8 +219,8 @@ class TcpKVStream(KVStream):
             raise KVTransferError("DATA_LOSS", f"receiver acknowledged {ack.blocks_received} of {self._blocks} blocks")
         if self._codecs is not None and self._wire_bytes:
             self._codecs.observe(self._target, self._wire_bytes, self._send_s)
-        return SendResult(ack.blocks_received, ack.bytes_received, time.perf_counter() - self._start,
-                          self._wire_bytes, self._codec or "off", streams=1)
+        return SendResult(ack.blocks_received, ack.bytes_received, self._acked_at - self._start,
+                          self._wire_bytes, self._codec or "off", streams=1, acked_at=self._acked_at)
 
     async def cancel(self) -> None:
         """The connection is closed (the receiver fails the request as cancelled), not pooled.
@@ -324,7 +325,9 @@ class TcpKVStream(KVStream):
                 sock.sendall(tcp_wire.record(tcp_wire.END))
                 self._send_s += time.perf_counter() - t0
                 sock.settimeout(item[1])
-                return kv_pb2.PushAck.FromString(tcp_wire.expect_ack(sock))
+                ack = kv_pb2.PushAck.FromString(tcp_wire.expect_ack(sock))
+                self._acked_at = time.perf_counter()   # not when the loop wakes to it
+                return ack
             else:
                 if self._codec is None:
                     self._codec = self._codecs.mode if self._codecs.mode != "auto" else self._codecs.pick(

@@ -123,3 +123,27 @@ def test_a_bad_run_fails_the_whole_request_and_frees_it(engine: LLMEngine, fault
     assert err.value.code == "DATA_LOSS"
     assert engine.kv.state(rid) is HandoffState.FAILED
     assert_no_leak(engine)   # nothing written reaches the prefix cache: the request never became READY
+
+
+def test_a_frames_headers_are_checked_together_before_any_byte(engine: LLMEngine) -> None:
+    """check_many (a frame's headers, one lock): a block announced twice in one frame is refused
+    before any payload is read, and that fails the request; headers of two requests in one call
+    are refused without touching either."""
+    rid = "announced-twice"
+    token, blocks = _reserved(engine, rid)
+    metas = [block_meta(b.encode()[0]) for b in (blocks[0], blocks[1], blocks[1])]
+    assert engine.kv.check_many(metas[:2], token).request_id == rid   # each once: fine, nothing changes
+    assert engine.kv.state(rid) is HandoffState.RESERVED
+    with pytest.raises(HandoffError) as err:
+        engine.kv.check_many(metas, token)
+    assert err.value.code == "DATA_LOSS" and "overlap" in str(err.value)
+    assert engine.kv.state(rid) is HandoffState.FAILED
+
+    other_token, other = _reserved(engine, "announced-beside")
+    mixed = [block_meta(other[0].encode()[0]), metas[0]]
+    with pytest.raises(HandoffError) as err:
+        engine.kv.check_many(mixed, other_token)
+    assert err.value.code == "INVALID_ARGUMENT"
+    assert engine.kv.state("announced-beside") is HandoffState.RESERVED
+    engine.abort("announced-beside")
+    assert_no_leak(engine)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 import tracemalloc
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -207,8 +208,11 @@ def test_a_connection_carries_transfer_after_transfer(engine: LLMEngine) -> None
         for rid in ("tcp-reuse-1", "tcp-reuse-2"):
             res = engine.reserve(rid, PROMPT, GREEDY)
             stream = sender.open(target, rid, res.transfer_token)
+            sent_at = time.perf_counter()
             await stream.send(_blocks(rid, engine))
-            assert (await stream.finish(timeout=10)).blocks == 8
+            result = await stream.finish(timeout=10)
+            # when the acknowledgement arrived (the exposed hand-off ends there), not when the loop woke
+            assert sent_at < result.acked_at <= time.perf_counter() and result.blocks == 8
             assert engine.kv.state(rid) is HandoffState.READY
             engine.abort(rid)
         await sender.close()
