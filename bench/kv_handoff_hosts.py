@@ -15,6 +15,11 @@ longest prompt (one chunk), so every block of a prompt is exposed. For the same 
 * socket: a raw TCP connection from the prefill host to the decode host, opened beforehand,
   timed from the first byte sent to a one-byte answer after the last (one send per prompt size).
 
+With ``--pin-hosts`` the prefill host's processes (its worker, the raw socket's sender) run on
+CPU 0 and the decode host's (its worker, the raw socket's receiver) on CPU 1, as if each host
+had a core of its own; the router's host (router, client) takes either. Without it every
+process takes any core.
+
 Ratios printed: exposed hand-off / link, exposed hand-off / socket. Where ``pdserve prefill
 --help`` lists ``--kv-compression``, the prefill workers run with ``off`` (the bytes on the wire
 are the KV's own), and the longest prompt runs once more at the first rate with ``lossless``:
@@ -60,6 +65,7 @@ class Config:
     kv_cache_memory_bytes: int = 3 << 29     # 1.5 GiB: two 4096-token prompts of Qwen3-0.6B's KV shape
     compression: str = "auto"                # the lossless comparison: auto (where the CLI has --kv-compression), on, off
     kv_data_plane: str = ""                  # --kv-data-plane for both workers (tcp, grpc); "": the CLI's default
+    pin_hosts: bool = False                  # prefill host on CPU 0, decode host on CPU 1 (see the module docstring)
     start_timeout_s: float = 300.0           # workers loading a model on a busy machine
     request_timeout_s: float = 900.0         # a 4096-token prompt of Qwen3-0.6B's KV shape: 250 s on a busy core
     seed: int = 0
@@ -78,6 +84,8 @@ class Config:
                              f"{self.max_tokens}")
         if self.compression not in ("auto", "on", "off"):
             raise ValueError(f"compression must be auto, on or off, got {self.compression!r}")
+        if self.pin_hosts and len(os.sched_getaffinity(0)) < 2:
+            raise ValueError("pin_hosts needs two CPUs this process may run on")
 
 
 def _csv(kind: type) -> Any:
@@ -102,6 +110,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                     help="the --kv-compression off/lossless comparison; auto: where the CLI has the flag")
     ap.add_argument("--kv-data-plane", choices=("", "tcp", "grpc"), default=d.kv_data_plane,
                     help="the workers' --kv-data-plane (default: the CLI's own)")
+    ap.add_argument("--pin-hosts", action="store_true", help="prefill host on CPU 0, decode host on CPU 1")
     ap.add_argument("--start-timeout-s", type=float, default=d.start_timeout_s)
     ap.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -239,6 +248,15 @@ def model_info(model: str) -> ModelInfo:
                      itemsize, cfg["vocab_size"], cfg["max_position_embeddings"])
 
 
+def pinned(argv: list[str], host_index: int, pin: bool) -> list[str]:
+    """argv run on its host's own CPU (host 1, the prefill host: the first CPU this process may
+    use; host 2, the decode host: the second) when pin; else, and for the router's host, as is."""
+    if not pin or host_index not in (1, 2):
+        return argv
+    cpu = sorted(os.sched_getaffinity(0))[host_index - 1]
+    return ["taskset", "-c", str(cpu), *argv]
+
+
 def cli_has_flag(role: str, flag: str) -> bool:
     done = subprocess.run([sys.executable, "-m", "services.cli", role, "--help"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
@@ -256,21 +274,21 @@ class Deployment:
         engine = ["--block-size", str(cfg.block_size), "--num-threads", "1", "--no-batch-invariant",
                   "--max-num-batched-tokens", str(max(chunk, 2048)), "--kv-cache-memory-bytes",
                   str(cfg.kv_cache_memory_bytes), "--kv-lease-max-s", str(cfg.request_timeout_s)]   # a long prefill's lease
-        self.prefill = self._worker(prefill, "prefill", 0, [*engine, *prefill_extra])
-        self.decode = self._worker(decode, "decode", 1, [*engine, *decode_extra])
-        self._start(router, "router", ["router", "--port", str(ROUTER_PORT), "--prefill", self.prefill[0],
+        self.prefill = self._worker(prefill, 1, "prefill", 0, [*engine, *prefill_extra])
+        self.decode = self._worker(decode, 2, "decode", 1, [*engine, *decode_extra])
+        self._start(router, 0, "router", ["router", "--port", str(ROUTER_PORT), "--prefill", self.prefill[0],
                                        "--decode", self.decode[0], "--ready-timeout-s", str(cfg.start_timeout_s)])
         self.router = f"{router.address}:{ROUTER_PORT}"
 
-    def _start(self, host: Any, name: str, argv: list[str]) -> None:
+    def _start(self, host: Any, host_index: int, name: str, argv: list[str]) -> None:
         with open(self.log_dir / f"{name}.log", "ab") as log:
-            host.popen([sys.executable, "-m", "services.cli", *argv, "--model", self.model.path,
-                        "--host", host.address, INSECURE], env=self.env, cwd=REPO_ROOT, stdout=log,
-                       stderr=subprocess.STDOUT)
+            host.popen(pinned([sys.executable, "-m", "services.cli", *argv, "--model", self.model.path,
+                               "--host", host.address, INSECURE], host_index, self.cfg.pin_hosts),
+                       env=self.env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
 
-    def _worker(self, host: Any, role: str, i: int, extra: list[str]) -> tuple[str, str]:
-        self._start(host, role, [role, "--port", str(WORKER_PORT + i), "--metrics-port", str(METRICS_PORT + i),
-                                 "--worker-id", f"{role}-{i}", *extra])
+    def _worker(self, host: Any, host_index: int, role: str, i: int, extra: list[str]) -> tuple[str, str]:
+        self._start(host, host_index, role, [role, "--port", str(WORKER_PORT + i), "--metrics-port",
+                                             str(METRICS_PORT + i), "--worker-id", f"{role}-{i}", *extra])
         return f"{host.address}:{WORKER_PORT + i}", f"{host.address}:{METRICS_PORT + i}"
 
     def drive(self, tokens: Sequence[int], seed: int) -> list[dict]:
@@ -290,18 +308,20 @@ class Deployment:
         return "\n".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-1500:] for p in self.log_dir.glob("*.log"))
 
 
-def raw_socket_ms(net: Any, sizes: Sequence[int], repeats: int, timeout: float = 120.0) -> dict[int, float]:
+def raw_socket_ms(net: Any, sizes: Sequence[int], repeats: int, timeout: float = 120.0,
+                  pin: bool = False) -> dict[int, float]:
     """Median ms of a raw TCP send of each size (and a one-byte answer), prefill host -> decode host."""
     import select
     sender, receiver = net[1], net[2]
-    rx = receiver.popen([sys.executable, RAW_SOCKET, "serve", receiver.address, str(RAW_PORT), str(timeout)],
-                        stdout=subprocess.PIPE, text=True)
+    rx = receiver.popen(pinned([sys.executable, RAW_SOCKET, "serve", receiver.address, str(RAW_PORT), str(timeout)],
+                               2, pin), stdout=subprocess.PIPE, text=True)
     try:
         ready, _, _ = select.select([rx.stdout], [], [], timeout)
         if not ready or not rx.stdout.readline().startswith("ready"):
             raise RuntimeError(f"the raw-socket receiver did not start within {timeout:g}s")
-        done = sender.run([sys.executable, RAW_SOCKET, "send", receiver.address, str(RAW_PORT), json.dumps(list(sizes)),
-                           str(repeats), str(timeout)], timeout=timeout, capture_output=True, text=True)
+        done = sender.run(pinned([sys.executable, RAW_SOCKET, "send", receiver.address, str(RAW_PORT),
+                                  json.dumps(list(sizes)), str(repeats), str(timeout)], 1, pin),
+                          timeout=timeout, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"the raw-socket sender failed: {done.stderr[-2000:]}")
     finally:
@@ -350,7 +370,7 @@ def measure(cfg: Config, model: ModelInfo, rate_gbit: float, tokens: Sequence[in
         samples = d.drive(tokens, cfg.seed + int(rate_gbit * 1000) + (7 if compression else 0))
         measured = sorted({int(median([s["kv_bytes"][0] for s in samples if s["tokens"] == n and not s["warmup"]]))
                            for n in tokens})
-        socket = raw_socket_ms(net, measured, cfg.repeats) if all(measured) else {}
+        socket = raw_socket_ms(net, measured, cfg.repeats, pin=cfg.pin_hosts) if all(measured) else {}
     return rows_from(samples, model, rate_gbit, cfg.block_size, socket, compression or "-")
 
 

@@ -31,6 +31,18 @@ def test_bad_flags_are_usage_errors(argv: list[str], capsys) -> None:
     assert "error" in capsys.readouterr().err
 
 
+def test_pinning_gives_the_prefill_and_decode_hosts_a_cpu_each(monkeypatch) -> None:
+    monkeypatch.setattr(kh.os, "sched_getaffinity", lambda pid: {3, 5, 7})
+    argv = ["python", "-m", "services.cli", "prefill"]
+    assert kh.pinned(argv, 1, pin=False) == argv and kh.pinned(argv, 0, pin=True) == argv   # the router's host floats
+    assert kh.pinned(argv, 1, pin=True) == ["taskset", "-c", "3", *argv]
+    assert kh.pinned(argv, 2, pin=True) == ["taskset", "-c", "5", *argv]
+    assert kh.parse_args(["--pin-hosts"]).pin_hosts and not kh.parse_args([]).pin_hosts
+    monkeypatch.setattr(kh.os, "sched_getaffinity", lambda pid: {0})
+    with pytest.raises(ValueError, match="pin_hosts"):
+        kh.Config(pin_hosts=True)
+
+
 def test_config_names_the_bad_field() -> None:
     with pytest.raises(ValueError, match="tokens"):
         kh.Config(tokens=(-1,))
