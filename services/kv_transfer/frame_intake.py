@@ -2,7 +2,9 @@
 for one inline frame, in stream order: the first frame opens the session, the frame's MAC is
 checked before any of its bytes are used, an empty frame is a heartbeat, its headers are
 announced to the sink (checked before anything is allocated), and its payload is written into
-the announced blocks. Shared-memory frames are the gRPC receiver's own (grpc_receiver.py)."""
+the announced blocks. A frame that holds exactly its announced blocks, whole and uncompressed,
+needs no allocation: its blocks are checked and written by the sink in one call. Shared-memory
+frames are the gRPC receiver's own (grpc_receiver.py)."""
 from __future__ import annotations
 
 from collections import deque
@@ -50,8 +52,21 @@ def take_inline(session: ReceiveSession, pending: deque[Pending], frame: Frame) 
     if not frame.headers and not frame.payload.nbytes:
         session.heartbeat()
         return
+    if not pending and frame.headers and _whole_blocks(session, frame):
+        return
     announce(session, pending, frame.headers)
     deliver(frame.payload, pending, session)
+
+
+def _whole_blocks(session: ReceiveSession, frame: Frame) -> bool:
+    """A frame that carries exactly its announced blocks, whole and uncompressed (what the senders
+    frame when they can): checked against the reservation and written by the sink in one call,
+    nothing allocated (the payload is the received message's). False: take the general path."""
+    wires = session.wire_metas(frame.headers)
+    if any(w.codec != "off" for w in wires) or sum(w.nbytes for w in wires) != frame.payload.nbytes:
+        return False
+    session.accept_run(wires, frame.payload)
+    return True
 
 
 def end(session: ReceiveSession, pending: deque[Pending]) -> kv_pb2.PushAck:

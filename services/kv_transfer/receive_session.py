@@ -68,11 +68,7 @@ class ReceiveSession:
 
     def announce_many(self, headers: Sequence[kv_pb2.KVBlockHeader]) -> list[WireMeta]:
         """announce for a frame's headers, checked by the sink together (one lock) where it can."""
-        for header in headers:
-            if header.request_id != self.request_id:
-                raise HandoffError("INVALID_ARGUMENT", f"block for {header.request_id!r} on the stream of "
-                                                       f"{self.request_id!r}")
-        wires = [wire_meta(header) for header in headers]
+        wires = self.wire_metas(headers)
         if wires:
             check_many = getattr(self.sink, "check_many", None)
             if check_many is not None:
@@ -81,6 +77,15 @@ class ReceiveSession:
                 for wire in wires:
                     self.sink.check(wire.meta, self.token)
         return wires
+
+    def wire_metas(self, headers: Sequence[kv_pb2.KVBlockHeader]) -> list[WireMeta]:
+        """The headers as the connector sees them, each checked on its own (this stream's request,
+        a known codec, sizes that agree); not yet against the reservation."""
+        for header in headers:
+            if header.request_id != self.request_id:
+                raise HandoffError("INVALID_ARGUMENT", f"block for {header.request_id!r} on the stream of "
+                                                       f"{self.request_id!r}")
+        return [wire_meta(header) for header in headers]
 
     def accept(self, wire: WireMeta | BlockMeta, payload: memoryview | bytes | bytearray) -> None:
         """A block's bytes as they came on the wire: decoded (into exactly its raw size) first."""

@@ -4,6 +4,7 @@ stranger cannot fail someone else's request, and a stream that ends early is dat
 from __future__ import annotations
 
 import zlib
+from collections import deque
 
 import pytest
 import torch
@@ -12,7 +13,10 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import transfer_block_hashes
 from engine.kv_connector import HandoffError, HandoffState
 from pdserve.v1 import kv_pb2
+from services.kv_transfer import integrity
 from services.kv_transfer.base import KVBlock
+from services.kv_transfer.frame_intake import end, take_inline
+from services.kv_transfer.frames import encode_wire_frames, parse_frame
 from services.kv_transfer.receive_session import ReceiveSession
 from tests.conftest import assert_no_leak, random_prompts
 
@@ -130,4 +134,42 @@ def test_a_stream_opens_once_and_must_name_its_request(engine: LLMEngine) -> Non
     err = _refused(session, lambda: session.open("twice", res.transfer_token))
     assert err.code == "INVALID_ARGUMENT"
     assert engine.kv.state("twice") is HandoffState.FAILED
+    assert_no_leak(engine)
+
+
+class _CallCounts:
+    """engine.kv as a sink, counting the connector calls a frame costs."""
+
+    def __init__(self, kv) -> None:
+        self.kv, self.calls = kv, []
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.kv, name)
+        if name in ("check", "check_many", "accept", "accept_many"):
+            def counted(*args, **kwargs):
+                self.calls.append(name)
+                return attr(*args, **kwargs)
+            return counted
+        return attr
+
+
+def test_a_frame_of_whole_blocks_costs_one_connector_call_and_a_split_block_takes_the_general_path(
+        engine: LLMEngine) -> None:
+    for rid, frame_bytes in (("whole-frame", 1 << 30), ("split-frame", 1000)):
+        res = engine.reserve(rid, PROMPT, GREEDY)
+        sink = _CallCounts(engine.kv)
+        session = ReceiveSession(sink)
+        session.open(rid, res.transfer_token, integrity.PREFERRED)
+        sender_mac = integrity.StreamMac(session.mac.key, session.mac.name)   # the other end of the stream
+        parts = [_encoded(engine, rid, i) for i in res.needed_block_indices]
+        pending: deque = deque()
+        for raw in encode_wire_frames(parts, frame_bytes, sender_mac):
+            take_inline(session, pending, parse_frame(raw))
+        assert end(session, pending).blocks_received == len(parts) == 5
+        assert engine.kv.state(rid) is HandoffState.READY
+        if frame_bytes > 1000:
+            assert sink.calls == ["accept_many"]          # checked and written together
+        else:
+            assert sink.calls[0] == "check_many" and "accept" in sink.calls   # announced, then stored
+        engine.abort(rid)
     assert_no_leak(engine)
