@@ -387,7 +387,7 @@ class KVConnector:
         return self._checked(metas, token)[0]
 
     def _checked(self, metas: list[BlockMeta], token: bytes) -> tuple[ReceiveHandle, list[tuple[int, int]]]:
-        """check_many's work; also returns each block's head range."""
+        """check_many's work (the caller holds the lock); also returns each block's head range."""
         if not metas:
             raise HandoffError("INVALID_ARGUMENT", "no blocks")
         request_id = metas[0].request_id
@@ -479,10 +479,10 @@ class KVConnector:
             self.pool.write_many([handle.seq.block_table[m.block_index] for m in metas[i:j]],
                                  data[at:at + n].view(j - i, *metas[i].shape), head_start=ranges[i][0])
             at, i = at + n, j
-        whole = _head_mask(0, n_heads)
+        all_heads = _head_mask(0, n_heads)
         for meta, (start, end) in zip(metas, ranges):
             got = handle.heads.get(meta.block_index, 0) | _head_mask(start, end)
-            if got == whole:
+            if got == all_heads:
                 handle.heads.pop(meta.block_index, None)
                 handle.needed.discard(meta.block_index)
             else:

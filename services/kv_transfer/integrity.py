@@ -34,7 +34,7 @@ from typing import Iterable
 from engine.kv_connector import HandoffError
 
 try:
-    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms as ciphers, modes as cipher_modes
     from cryptography.hazmat.primitives.poly1305 import Poly1305
 except ImportError:      # an optional speed-up: HMAC-SHA256 instead
     Cipher = Poly1305 = None
@@ -72,7 +72,7 @@ def _poly1305(key: bytes, parts: Iterable[bytes | bytearray | memoryview], count
 
 def _gmac(key: bytes, parts: Iterable[bytes | bytearray | memoryview], counter: int) -> bytes:
     """key: the stream's AES key (derived once: StreamMac)."""
-    tag = Cipher(algorithms.AES(key), modes.GCM(counter.to_bytes(12, "little"))).encryptor()
+    tag = Cipher(ciphers.AES(key), cipher_modes.GCM(counter.to_bytes(12, "little"))).encryptor()
     for part in parts:
         tag.authenticate_additional_data(part)
     tag.finalize()
