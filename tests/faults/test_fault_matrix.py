@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import time
 
+import grpc
 import pytest
 
 from engine import LLM, SamplingParams
@@ -76,8 +77,7 @@ def _reach_phase(fc: FaultCluster, role: str, phase: str, prompt: list[int], bus
             fc.signal(decode, signal.SIGCONT)
     elif phase == "mid-decode":
         wait_for(lambda: len(obs.tokens) >= 30, 60, "30 tokens")
-        victim = fc.catch_holding("decode", "num_running") if role == "decode" else fc.names("prefill")[0]
-        assert victim is not None, f"no decode worker holds the request after 30 tokens: {obs}"
+        victim = _catch_decoding(fc, obs) if role == "decode" else fc.names("prefill")[0]
     elif role == "decode" and phase == "queued":
         victim = _await_holder(fc, "decode", "num_reserved")
     else:   # decode mid-transfer: reserved there, blocks arriving chunk by chunk, no token yet
@@ -131,6 +131,24 @@ def _await_queued(fc: FaultCluster, busy: list[Busy], obs) -> str:
         seen = [(n, b.prompts_in_flight(), fc.status(n)) for n, b in zip(fc.names("prefill"), busy)]
         raise AssertionError(f"{exc}: {obs}; {seen}\n{fc.logs()}") from None
     return found[-1]
+
+
+def _catch_decoding(fc: FaultCluster, obs) -> str:
+    """The decode worker running the request. One catch freezes every decode worker while each is
+    asked in turn; on a loaded machine it has missed once (in a full suite run), so it is tried
+    again while the request runs, and a miss says what each worker reported."""
+    deadline = time.monotonic() + 10
+    while not obs.done.is_set() and time.monotonic() < deadline:
+        victim = fc.catch_holding("decode", "num_running")
+        if victim is not None:
+            return victim
+    seen = []
+    for name in fc.names("decode"):
+        try:
+            seen.append((name, fc.status(name)))
+        except grpc.RpcError as exc:
+            seen.append((name, f"{exc.code()}: {exc.details()}"))
+    raise AssertionError(f"no decode worker holds the request after 30 tokens: {obs}; {seen}\n{fc.logs()}")
 
 
 def _await_holder(fc: FaultCluster, role: str, field_name: str) -> str:
