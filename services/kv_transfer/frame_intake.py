@@ -40,33 +40,34 @@ def open_or_refuse(session: ReceiveSession, frame: Frame) -> None:
 
 
 def announce(session: ReceiveSession, pending: deque[Pending], headers: list[kv_pb2.KVBlockHeader]) -> None:
-    if len(pending) + len(headers) > MAX_PENDING_HEADERS:
+    _queue(session, pending, session.wire_metas(headers))
+
+
+def _queue(session: ReceiveSession, pending: deque[Pending], wires: list[WireMeta]) -> None:
+    """Blocks checked against the reservation, then waiting for their bytes."""
+    if len(pending) + len(wires) > MAX_PENDING_HEADERS:
         raise HandoffError("INVALID_ARGUMENT", f"more than {MAX_PENDING_HEADERS} blocks announced ahead")
-    pending.extend(Pending(wire) for wire in session.announce_many(headers))
+    session.check(wires)
+    pending.extend(Pending(wire) for wire in wires)
 
 
 def take_inline(session: ReceiveSession, pending: deque[Pending], frame: Frame) -> None:
-    """One inline frame, all steps (see the module docstring)."""
+    """One inline frame, all steps (see the module docstring). A frame that carries exactly its
+    announced blocks, whole and uncompressed (what the senders frame when they can), is checked
+    against the reservation and written by the sink in one call, nothing allocated (the payload
+    is the received message's)."""
     open_or_refuse(session, frame)
     session.verify([frame.signed], frame.mac)   # before any of its bytes are used
     if not frame.headers and not frame.payload.nbytes:
         session.heartbeat()
         return
-    if not pending and frame.headers and _whole_blocks(session, frame):
-        return
-    announce(session, pending, frame.headers)
-    deliver(frame.payload, pending, session)
-
-
-def _whole_blocks(session: ReceiveSession, frame: Frame) -> bool:
-    """A frame that carries exactly its announced blocks, whole and uncompressed (what the senders
-    frame when they can): checked against the reservation and written by the sink in one call,
-    nothing allocated (the payload is the received message's). False: take the general path."""
     wires = session.wire_metas(frame.headers)
-    if any(w.codec != "off" for w in wires) or sum(w.nbytes for w in wires) != frame.payload.nbytes:
-        return False
-    session.accept_run(wires, frame.payload)
-    return True
+    if (not pending and wires and all(w.codec == "off" for w in wires)
+            and sum(w.nbytes for w in wires) == frame.payload.nbytes):
+        session.accept_run(wires, frame.payload)
+        return
+    _queue(session, pending, wires)
+    deliver(frame.payload, pending, session)
 
 
 def end(session: ReceiveSession, pending: deque[Pending]) -> kv_pb2.PushAck:

@@ -69,14 +69,19 @@ class ReceiveSession:
     def announce_many(self, headers: Sequence[kv_pb2.KVBlockHeader]) -> list[WireMeta]:
         """announce for a frame's headers, checked by the sink together (one lock) where it can."""
         wires = self.wire_metas(headers)
-        if wires:
-            check_many = getattr(self.sink, "check_many", None)
-            if check_many is not None:
-                check_many([w.meta for w in wires], self.token)
-            else:
-                for wire in wires:
-                    self.sink.check(wire.meta, self.token)
+        self.check(wires)
         return wires
+
+    def check(self, wires: Sequence[WireMeta]) -> None:
+        """wire_metas' blocks checked against the reservation, together where the sink can."""
+        if not wires:
+            return
+        check_many = getattr(self.sink, "check_many", None)
+        if check_many is not None:
+            check_many([w.meta for w in wires], self.token)
+        else:
+            for wire in wires:
+                self.sink.check(wire.meta, self.token)
 
     def wire_metas(self, headers: Sequence[kv_pb2.KVBlockHeader]) -> list[WireMeta]:
         """The headers as the connector sees them, each checked on its own (this stream's request,
