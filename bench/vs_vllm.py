@@ -75,7 +75,7 @@ from bench.vs_vllm_commands import (PDSERVE_SETUPS, REPO_ROOT, default_omp_bind,
                                     vllm_load_command, vllm_server_command, wait_for_quiet, warn_if_dirty)
 from bench.vs_vllm_compare import (OFFLINE_INPUT_RANGE, OFFLINE_OUTPUT_RANGE, Goal,  # noqa: E402
                                    choose_load_generator, comparison_table, kept_up, make_offline_workload, make_online_workload, median_ratio, offered_output_rate,
-                                   online_goals, parse_rates, rate_tag, ratio, schedule_deviation,
+                                   online_goals, parse_rates, prefill_routes, rate_tag, ratio, schedule_deviation,
                                    supports_http_port, token_count_check, workload_offered_rate,
                                    write_jsonl_dataset, write_workload)
 from bench.vs_vllm_procs import Record, _on_sigterm, _tail, _Terminated, free_port, wait_http  # noqa: E402
@@ -223,7 +223,9 @@ def run_pdserve_load(args: argparse.Namespace, rec: Record, model: str, wl: dict
         if generator == "vllm":
             rc = rec.run(f"load-pdserve-{tag}", vllm_load_command(args.vllm_python, wl_path, base, "openai", model,
                                                                  rec.out_dir, name, "pdserve"), timeout=args.timeout_s)
+            routes = _prefill_routes(f"{base}/metrics")
         else:
+            routes = None
             router = f"127.0.0.1:{port}"
             if wl["warmup_prompts"]:
                 warm = write_jsonl_dataset(wl["warmup_prompts"], wl["warmup_output_lens"], rec.out_dir / "warmup.jsonl")
@@ -239,11 +241,21 @@ def run_pdserve_load(args: argparse.Namespace, rec: Record, model: str, wl: dict
         _check_load(rec, rc, name, "pdserve", f"load-pdserve-{tag}")
     finally:
         rec.stop(server, port)
-    return {**_load_result(rec.out_dir / name), "loadavg_1m_before": load}
+    return {**_load_result(rec.out_dir / name), "loadavg_1m_before": load, "prefill_routes": routes}
+
+
+def _prefill_routes(url: str) -> dict[str, int] | None:
+    """Where the router prefilled its requests, warm-ups included (None: its metrics did not answer)."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return prefill_routes(resp.read().decode())
+    except OSError:
+        return None
 
 
 def _brief(res: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in res.items() if not isinstance(v, (list, dict)) or k in ("server_timings_mean_ms",)}
+    return {k: v for k, v in res.items() if not isinstance(v, (list, dict)) or k in ("server_timings_mean_ms", "prefill_routes")}
 
 
 def run_online(args: argparse.Namespace, rec: Record, model: str) -> dict[str, Any]:
@@ -286,10 +298,13 @@ def run_online(args: argparse.Namespace, rec: Record, model: str) -> dict[str, A
                   f"{100 * (k['fraction_of_workload'] or 0):.0f}% of this draw's offered load; late/early E2E median "
                   f"{growth} -> {'kept up' if k['kept_up'] else 'DID NOT keep up'} "
                   f"(sends off schedule by <= {dev}; loadavg before {results[side]['loadavg_1m_before']})")
+        if pd and pd.get("prefill_routes"):
+            print("  pdserve prefill routes (warm-ups included): " +
+                  ", ".join(f"{route} {n}" for route, n in sorted(pd["prefill_routes"].items())))
         for side, probs in problems.items():
             for pr in probs:
                 print(f"  WARNING {side}: {pr}")
-        rate_goals = online_goals(rate, pd, vl) if pd and vl else []
+        rate_goals = online_goals(rate, pd, vl, keep) if pd and vl else []
         for g in rate_goals:
             print(g.line())
         if pd and vl and not rate_goals:

@@ -54,8 +54,13 @@ def test_comparison_rows_and_table():
     assert "| TTFT p99 (ms) | 100.0 | - | - |" in vs_cmp.comparison_table(pd, None)
 
 
-def _goals(rate, pd, vl):
-    return {g.name: g for g in vs_cmp.online_goals(rate, pd, vl)}
+def _goals(rate, pd, vl, keep=None):
+    return {g.name: g for g in vs_cmp.online_goals(rate, pd, vl, keep)}
+
+
+def _keep(vllm_kept_up, pd_share=0.96, pd_kept_up=True):
+    return {"vllm": {"kept_up": vllm_kept_up, "fraction_of_workload": 0.7},
+            "pdserve": {"kept_up": pd_kept_up, "fraction_of_workload": pd_share}}
 
 
 def test_goals_at_4_req_s():
@@ -72,11 +77,26 @@ def test_goals_at_4_req_s():
 
 def test_goals_at_8_req_s():
     vl = _result(output_throughput=800.0, p99_ttft_ms=900.0)
-    g = _goals(8, _result(output_throughput=960.0, p99_ttft_ms=899.0), vl)
-    assert set(g) == {"output throughput pdserve/vLLM", "TTFT p99 pdserve/vLLM"}
+    g = _goals(8, _result(output_throughput=960.0, p99_ttft_ms=450.0), vl, _keep(vllm_kept_up=True))
+    assert set(g) == {"output throughput pdserve/vLLM", "TTFT p99 pdserve/vLLM", "TTFT p99 pdserve/vLLM (issue 25)",
+                      "pdserve output / this draw's offered (issue 25)"}
     assert all(x.passed for x in g.values())
-    g = _goals(8, _result(output_throughput=959.0, p99_ttft_ms=900.0), vl)   # TTFT must be strictly lower
-    assert not any(x.passed for x in g.values())
+    g = _goals(8, _result(output_throughput=959.0, p99_ttft_ms=900.0), vl, _keep(vllm_kept_up=True, pd_share=0.949))
+    assert not any(x.passed for x in g.values())   # TTFT must be strictly lower; 95% of the offered tokens
+    g = _goals(8, _result(output_throughput=960.0, p99_ttft_ms=451.0), vl)   # without keep: the ratio goals only
+    assert not g["TTFT p99 pdserve/vLLM (issue 25)"].passed and g["TTFT p99 pdserve/vLLM"].passed
+    assert "pdserve output / this draw's offered (issue 25)" not in g
+
+
+def test_goals_where_vllm_fell_behind():
+    vl = _result(p99_ttft_ms=5000.0, p99_itl_ms=2000.0)
+    names = {"TTFT p99 pdserve/vLLM (vLLM behind)", "ITL p99 pdserve/vLLM (vLLM behind)",
+             "pdserve kept up (vLLM behind): share of the draw's offered"}
+    g = _goals(0.6, _result(p99_ttft_ms=4999.0, p99_itl_ms=1000.0), vl, _keep(vllm_kept_up=False))
+    assert set(g) == names and all(x.passed for x in g.values())
+    g = _goals(0.6, _result(p99_ttft_ms=5000.0, p99_itl_ms=1001.0), vl, _keep(vllm_kept_up=False, pd_kept_up=False))
+    assert set(g) == names and not any(x.passed for x in g.values())
+    assert _goals(0.6, _result(), vl, _keep(vllm_kept_up=True)) == {}   # vLLM kept up: no goal at this rate
 
 
 def test_goals_fail_when_pdserve_lost_requests_and_none_at_other_rates():
@@ -305,3 +325,15 @@ def test_process_group_stop_ends_children_in_their_own_sessions(tmp_path):
     assert len(proc.alive()) == 2
     assert proc.stop(grace=2.0, settle=0.2) == []
     assert proc.alive() == []
+
+
+def test_prefill_routes_from_the_routers_metrics():
+    text = "\n".join([
+        "# HELP pdserve:prefill_route_total Requests by where their prompt was prefilled",
+        "# TYPE pdserve:prefill_route_total counter",
+        'pdserve:prefill_route_total{model_name="/tmp/q06",route="remote"} 25.0',
+        'pdserve:prefill_route_total{model_name="/tmp/q06",route="local"} 7.0',
+        'pdserve:prefill_route_created{model_name="/tmp/q06",route="local"} 1.7e+09',
+        'pdserve:requests_total{route="local"} 99.0'])
+    assert vs_cmp.prefill_routes(text) == {"remote": 25, "local": 7}
+    assert vs_cmp.prefill_routes("") == {}
