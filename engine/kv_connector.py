@@ -18,10 +18,14 @@ received block, or a heartbeat from the prefill side) and can never outlive ``ma
 refused block fails the request at once. Every path that ends a handle frees its blocks here,
 through the pool, and remembers why (bounded), so a later ``admit`` gets a clear error.
 
-A block is checked exactly once, by ``accept``: the caller's transfer token, the block's
+A block is checked by ``accept`` (or ``accept_many``): the caller's transfer token, the block's
 index, its chain hash (recomputed from the reserved tokens), its layout against this pool,
 its CRC-32 when the header carries one (non-zero; the transports instead MAC each frame before
-any of its blocks reaches here, which supersedes it). Received blocks get prefix-cache keys only when the whole request is verified.
+any of its blocks reaches here, which supersedes it). A transport that reads a frame's payload
+straight into the pool claims its blocks first (``claim_run``: the same checks, the blocks then
+marked as arriving and kept allocated, whatever ends the request, until ``finish_run``), and
+they count as received only when it says their frame's MAC held. Received blocks get
+prefix-cache keys only when the whole request is verified.
 
 Tensor-parallel layouts. A block may arrive as pieces, each carrying KV heads
 [head_start, head_end) (a prefill worker with TP=p ships each rank's heads as they are held);
@@ -143,6 +147,7 @@ class ReceiveHandle:
     expires_at: float               # idle lapse (monotonic)
     state: HandoffState = HandoffState.RESERVED
     heads: dict[int, int] = field(default_factory=dict)   # block index -> bit mask of KV heads received
+    writers: int = 0                # claimed runs being written outside the lock: the blocks stay allocated
 
     @property
     def request_id(self) -> str:
@@ -156,6 +161,17 @@ class SendHandle:
     seq: Sequence
     exported: int = 0               # leading blocks already reported ready
     pinned_until: float | None = None
+
+
+@dataclass(eq=False)
+class ClaimedRun:
+    """Whole blocks of one request claimed for a transport to write straight into the pool
+    (claim_run), then settled by finish_run."""
+
+    handle: ReceiveHandle
+    metas: list[BlockMeta]
+    slabs: list[memoryview]         # where their bytes go, in the wire's order
+    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +287,8 @@ class KVConnector:
         handle.state = state
         self.receiving.pop(handle.request_id, None)
         handle.seq.status, handle.seq.finish_reason = SequenceStatus.FINISHED, "abort"
-        self.pool.free(handle.seq)
+        if not handle.writers:   # else the last writer frees them (finish_run): no block is reused mid-write
+            self.pool.free(handle.seq)
         self._remember(handle.request_id, Failure(code, message))
         self._notify(handle.request_id, state)
 
@@ -489,6 +506,52 @@ class KVConnector:
                 handle.heads[meta.block_index] = got
         if self.on_block is not None:
             self.on_block(total)
+        handle.state = HandoffState.RECEIVING
+        now = time.monotonic()
+        handle.expires_at = max(handle.expires_at, min(now + self.lease.idle_s, handle.deadline))
+        if not handle.needed:
+            self._ready(handle)
+        return handle.state
+
+    @_locked
+    def claim_run(self, metas: list[BlockMeta], token: bytes) -> ClaimedRun | None:
+        """Whole blocks of one request (every KV head, uncompressed) claimed for writing outside the
+        lock, straight from a socket: checked as check_many checks them (a refusal fails the
+        request), then marked as arriving, so that no other stream may deliver them, and their
+        blocks kept allocated until finish_run, whatever ends the request meanwhile. None (nothing
+        claimed, nothing checked): the pool cannot hand out its blocks' bytes; use accept_many."""
+        if self.pool.slabs([]) is None:
+            return None
+        handle, ranges = self._checked(metas, token)
+        n_heads = self._block_shape()[3]
+        if any(r != (0, n_heads) for r in ranges):
+            return None   # pieces of blocks (a tensor-parallel sender's heads): accept_many re-shards them
+        all_heads = _head_mask(0, n_heads)
+        for meta in metas:
+            handle.heads[meta.block_index] = all_heads
+        handle.writers += 1
+        slabs = self.pool.slabs([handle.seq.block_table[m.block_index] for m in metas])
+        return ClaimedRun(handle, metas, slabs, sum(m.nbytes for m in metas))
+
+    @_locked
+    def finish_run(self, run: ClaimedRun, written: bool) -> HandoffState:
+        """A claimed run's end. written: its bytes are in place and verified (their frame's MAC held):
+        the blocks count as received. Else the caller fails the request. Raises the request's
+        failure when it ended while the run was being written (its blocks are freed now)."""
+        handle = run.handle
+        handle.writers -= 1
+        if self.receiving.get(handle.request_id) is not handle:   # ended meanwhile
+            if not handle.writers:
+                self.pool.free(handle.seq)
+            failure = self.failures.get(handle.request_id) or Failure("ABORTED", "the reservation ended")
+            raise HandoffError(failure.code, failure.message)
+        if not written:
+            return handle.state
+        for meta in run.metas:
+            handle.heads.pop(meta.block_index, None)
+            handle.needed.discard(meta.block_index)
+        if self.on_block is not None:
+            self.on_block(run.nbytes)
         handle.state = HandoffState.RECEIVING
         now = time.monotonic()
         handle.expires_at = max(handle.expires_at, min(now + self.lease.idle_s, handle.deadline))

@@ -51,6 +51,11 @@ class KVBlockPool:
     def views(self, block_ids: list[int]) -> list[torch.Tensor] | None:
         return self._runner.block_views(block_ids)
 
+    def slabs(self, block_ids: list[int]) -> list[memoryview] | None:
+        """The blocks' bytes as writable views, in the wire's order (ModelRunner.block_slabs); None
+        where the pool cannot hand them out."""
+        return self._runner.block_slabs(block_ids)
+
     def write(self, block_id: int, data: torch.Tensor, head_start: int = 0) -> None:
         self._runner.write_block(block_id, data, head_start=head_start)
 

@@ -63,6 +63,7 @@ class ModelRunner:
         self.layout = TPLayout(group.rank if group else 0, tp_size, model_config.num_heads, model_config.num_kv_heads)
         self._pending_kv: list[tuple[list[int], torch.Tensor]] = []   # writes for the other ranks
         self._pending_lock = threading.Lock()
+        self._kv_bytes: memoryview | None = None   # the CPU pool's bytes, for block_slabs
         try:
             self._setup()
         except BaseException:
@@ -237,6 +238,21 @@ class ModelRunner:
         if self.ranks is not None or self.device.type != "cpu" or self.kv_cache.shape[2] < 2:
             return None   # (a one-block pool's view would be contiguous: a sender would not copy it)
         return [self.kv_cache[:, :, b] for b in block_ids]
+
+    def block_slabs(self, block_ids: list[int]) -> list[memoryview] | None:
+        """Each block's bytes as writable views of the pool, in the wire's order: for each block, its
+        [bs, heads, D] slab of each layer's K then V (each contiguous in the pool). What a receiver
+        reads a socket straight into. None where the pool is not this process's whole KV in host
+        memory (another device, tensor parallelism)."""
+        if self.ranks is not None or self.device.type != "cpu":
+            return None
+        if self._kv_bytes is None:
+            self._kv_bytes = memoryview(self.kv_cache.view(torch.uint8).reshape(-1).numpy())
+        layers, _, n_blocks = self.kv_cache.shape[:3]
+        slab = self.kv_cache[0, 0, 0].numel() * self.kv_cache.element_size()
+        flat, per_half = self._kv_bytes, n_blocks * slab
+        return [flat[at:at + slab] for b in block_ids for half in range(2 * layers)
+                for at in (half * per_half + b * slab,)]
 
     def _local_blocks(self, ids: torch.Tensor) -> torch.Tensor:
         """This rank's heads of the blocks, [n, L, 2, bs, heads, D], contiguous."""

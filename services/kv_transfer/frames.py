@@ -203,6 +203,59 @@ def parse_frame(data: bytes) -> Frame:
     return frame
 
 
+@dataclass(slots=True)
+class FrameHead:
+    """A KVFrame's fields before its payload (frame: open, headers), and where its payload lies."""
+
+    frame: Frame
+    payload_at: int      # the payload's first byte in the frame
+    payload_len: int
+
+
+def parse_head(data: memoryview, total: int) -> FrameHead | None:
+    """The fields of a frame of total bytes, of which data holds the first ones, up to its payload
+    field: None while data ends before the payload begins (read more); a FrameHead with payload_at
+    -1 when the frame has no payload before its MAC (or is malformed: parse_frame then says how)."""
+    frame = Frame()
+    pos, end = 0, data.nbytes
+    try:
+        while pos < total:
+            if pos >= end:
+                return None
+            key, pos = _read_varint(data, pos)
+            number, wire = key >> 3, key & 7
+            if wire != 2 or number in (_MAC, _SHM):
+                return FrameHead(frame, -1, 0)
+            size, pos = _read_varint(data, pos)
+            if number == _PAYLOAD:
+                return FrameHead(frame, pos, size) if pos + size <= total else FrameHead(frame, -1, 0)
+            if pos + size > end:
+                return None if pos + size <= total else FrameHead(frame, -1, 0)
+            chunk = data[pos:pos + size]
+            pos += size
+            if number == _OPEN:
+                frame.open = kv_pb2.KVStreamOpen.FromString(chunk)
+            elif number == _HEADER:
+                frame.headers.append(kv_pb2.KVBlockHeader.FromString(chunk))
+    except ValueError:   # a varint cut at the end of data: read more (one past total: malformed)
+        return None if end < total else FrameHead(frame, -1, 0)
+    except Exception:  # noqa: BLE001 - a malformed message: parse_frame reports it on the whole frame
+        return FrameHead(frame, -1, 0)
+    return FrameHead(frame, -1, 0)
+
+
+def parse_trailer(data: memoryview) -> bytes:
+    """The MAC of a frame whose payload was its last field but one: data, what follows the
+    payload, must be exactly the mac field (ValueError otherwise)."""
+    key, pos = _read_varint(data, 0)
+    if key != (_MAC << 3) | 2:
+        raise ValueError("a KV frame's payload must be followed by its mac field alone")
+    size, pos = _read_varint(data, pos)
+    if pos + size != data.nbytes:
+        raise ValueError("the mac field must be the frame's last")
+    return bytes(data[pos:])
+
+
 def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
     value, shift = 0, 0
     while True:

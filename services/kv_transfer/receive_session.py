@@ -6,7 +6,10 @@ the reservation's token, UNAUTHENTICATED before anything else; its frames' MAC k
 that token and the deployment's cluster token), ``verify`` each frame's MAC before using any of
 its bytes (DATA_LOSS: integrity.py), ``announce`` each header (checked
 by the connector before any byte is allocated or fetched), ``accept`` each block's bytes, then
-``complete`` when the stream ends. Every connector call goes through here, and so does the
+``complete`` when the stream ends. A transport that reads a frame's payload straight into the
+pool (the raw TCP plane) ``claim``s its blocks from the frame's headers before the frame's MAC
+is in, and ``finish``es them once it is checked: until then the bytes sit in blocks reserved for
+this request, which count as received only if it holds (and are freed, never cached, if not). Every connector call goes through here, and so does the
 failure rule: a refusal fails the request's transfer (its reserved blocks are freed), except one
 from a stream that never proved it may speak for the request.
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Iterable, Sequence
 
-from engine.kv_connector import BlockMeta, HandoffError, HandoffState
+from engine.kv_connector import BlockMeta, ClaimedRun, HandoffError, HandoffState
 from pdserve.v1 import kv_pb2
 from services.kv_transfer import integrity
 from services.kv_transfer.base import KVSink
@@ -116,6 +119,26 @@ class ReceiveSession:
                 at += meta.nbytes
         self.blocks += len(metas)
         self.bytes += sum(m.nbytes for m in metas)
+
+    def claim(self, headers: Sequence[kv_pb2.KVBlockHeader], payload_len: int) -> ClaimedRun | None:
+        """A frame's blocks claimed for its payload to be read straight into the pool, before its
+        MAC is checked (KVConnector.claim_run: checked against the reservation, kept allocated until
+        finish). None: its payload is not exactly its whole uncompressed blocks, or the sink cannot
+        hand out its pool's bytes; the frame is then read and taken as any other."""
+        claim_run = getattr(self.sink, "claim_run", None)
+        if claim_run is None or not headers:
+            return None
+        wires = self.wire_metas(headers)
+        if any(w.codec != "off" for w in wires) or sum(w.nbytes for w in wires) != payload_len:
+            return None
+        return claim_run([w.meta for w in wires], self.token)
+
+    def finish(self, run: ClaimedRun, written: bool) -> None:
+        """A claimed run's end (KVConnector.finish_run); written: its frame's MAC held."""
+        self.sink.finish_run(run, written)
+        if written:
+            self.blocks += len(run.metas)
+            self.bytes += run.nbytes
 
     def complete(self) -> kv_pb2.PushAck:
         """The stream ended cleanly. READY, or already admitted: complete. Still waiting for

@@ -3,12 +3,17 @@ tcp_transport.py), next to the gRPC stream (grpc_receiver.py), which stays the f
 
 A listener thread accepts up to ``max_connections`` connections, each served by its own thread:
 the peer proves the cluster token (and, with the deployment's TLS files, its certificate)
-before anything else is read, then sends transfers one at a time. Every frame is read with
-``recv_into`` into the connection's one reused buffer (its length checked first; the next
-record's header comes along where it has arrived: tcp_wire.RecordReader), its MAC
-checked and its blocks written into the pool by the connector in that thread: socket reads,
-the MAC (OpenSSL) and the pool copy (torch) release the GIL, so the worker's event loop keeps
-serving while the bytes come in. The connector is lock-protected and hands its state changes to
+before anything else is read, then sends transfers one at a time. A frame of whole
+uncompressed blocks (what the sender frames) is read in two steps: its fields before the
+payload, whose blocks the connector checks and claims, then its payload with ``recvmsg_into``
+straight into those blocks' slabs in the paged pool (the kernel's copy is the only one), then
+its MAC, checked over what was read before the blocks count as received (_take_frame). Any other
+frame (the open frame, a heartbeat, a block split across frames, a compressed one, or any frame
+over TLS) is read with ``recv_into`` into the connection's one reused buffer, its MAC checked
+and its blocks written into the pool by the connector. Lengths are checked first; the next
+record's header comes along where it has arrived (tcp_wire.RecordReader). Socket reads, the MAC
+(OpenSSL) and any pool copy (torch) release the GIL, so the worker's event loop keeps serving
+while the bytes come in. The connector is lock-protected and hands its state changes to
 the loop itself (AsyncEngine._on_kv_change). The per-frame steps are the gRPC stream's
 (frame_intake.py, receive_session.py): the same checks, the same failure rule.
 """
@@ -21,12 +26,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from engine.kv_connector import HandoffError, HandoffState
 from services.kv_transfer import tcp_wire
 from services.kv_transfer.base import KVSink
 from services.kv_transfer.frame_intake import Pending, end, take_inline
-from services.kv_transfer.frames import parse_frame
+from services.kv_transfer.frames import parse_frame, parse_head, parse_trailer
 from services.kv_transfer.receive_session import ReceiveSession
 from services.security import is_loopback
 
@@ -35,6 +41,7 @@ log = logging.getLogger(__name__)
 _WAITING = (HandoffState.RESERVED, HandoffState.RECEIVING, HandoffState.READY)
 REFUSAL_DRAIN_S = 0.5      # after an ERROR, the rest the sender had in flight is read and dropped this long
 ACCEPT_POLL_S = 0.5        # how often the accept loop looks at the close flag
+HEAD_READ_BYTES = 4096     # a frame's fields before its payload are read this much at a time
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +191,7 @@ class KVDataListener:
                     return True
                 if kind != tcp_wire.FRAME:
                     raise HandoffError("INVALID_ARGUMENT", f"KV record kind {kind} inside a transfer")
-                take_inline(session, pending, parse_frame(reader.body(length, patience)))
+                _take_frame(reader, session, pending, length, patience)
                 header = reader.header(patience=patience)
         except tcp_wire.Closed:
             session.cancelled()   # the sender went away mid-transfer: as a cancelled gRPC stream
@@ -225,6 +232,37 @@ class KVDataListener:
             _drain(conn, REFUSAL_DRAIN_S)
         except OSError:
             pass
+
+
+def _take_frame(reader: tcp_wire.RecordReader, session: ReceiveSession, pending: deque[Pending], length: int,
+                patience: Callable[[], bool]) -> None:
+    """One FRAME record. A frame of whole uncompressed blocks, on a plain socket, after the stream
+    opened and with no block left part-way: its fields before the payload are read first, its
+    blocks checked and claimed (ReceiveSession.claim), its payload read straight into them, then
+    its MAC checked over what was read, and only then do the blocks count as received (a frame
+    that fails fails the request, which frees them). Any other frame is read whole, then taken
+    as any inline frame (frame_intake.take_inline)."""
+    if not (reader.scatters and session.request_id and not pending):
+        take_inline(session, pending, parse_frame(reader.body(length, patience)))
+        return
+    data = reader.body_head(length, HEAD_READ_BYTES, patience)
+    while (head := parse_head(data, length)) is None:
+        data = reader.body_head(length, HEAD_READ_BYTES, patience)
+    run = session.claim(head.frame.headers, head.payload_len) if head.payload_at >= 0 and not head.frame.open else None
+    if run is None:
+        take_inline(session, pending, parse_frame(reader.body_rest(patience)))
+        return
+    try:
+        trailer = reader.body_rest_into(head.payload_at, run.slabs, patience)
+        try:
+            mac = parse_trailer(trailer)
+        except ValueError as exc:
+            raise HandoffError("INVALID_ARGUMENT", f"malformed KVFrame: {exc}") from None
+        session.verify([data[:head.payload_at], *run.slabs], mac)
+    except BaseException:
+        session.finish(run, written=False)
+        raise
+    session.finish(run, written=True)
 
 
 def _drain(conn: socket.socket, limit_s: float) -> None:

@@ -115,12 +115,19 @@ class RecordReader:
     one receive and the END after a transfer's last frame is in hand with it (its ACK goes out
     without another wait on the socket, and without giving up the GIL to a busy thread first).
     One body buffer, grown to the largest record seen (each length checked against its kind's
-    bound first), never shrunk; a body's view is valid until the next body is read."""
+    bound first), never shrunk; a body's view is valid until the next body is read.
+
+    A body may also be read in steps: ``body_head`` (its first bytes, as many as wanted), then
+    ``body_rest`` (the rest into the buffer) or ``body_rest_into`` (a stretch of it straight into
+    the caller's buffers, say the paged KV pool's blocks: one copy, the kernel's, from socket
+    to pool; plain sockets only, ``scatters``)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.scatters = hasattr(sock, "recvmsg_into") and not isinstance(sock, ssl.SSLSocket)
         self._buffer = bytearray()
         self._ahead = b""   # the start of the next record's header, read along with a body
+        self._length = self._got = 0   # the body being read, and how much of it is in the buffer
 
     def header(self, at_start: bool = False, patience: Callable[[], bool] | None = None
                ) -> tuple[int, int] | None:
@@ -139,23 +146,111 @@ class RecordReader:
 
     def body(self, length: int, patience: Callable[[], bool] | None = None) -> memoryview:
         """The record's length bytes (length was checked by header)."""
+        self._begin(length)
+        return self.body_rest(patience)
+
+    def body_head(self, length: int, want: int, patience: Callable[[], bool] | None = None) -> memoryview:
+        """The first bytes of a body of length bytes, at least want more of them than before (or all
+        that remain): call again for more, then body_rest or body_rest_into."""
+        if not self._length:
+            self._begin(length)
+        upto = min(self._length, self._got + want)
+        view = memoryview(self._buffer)
+        while self._got < upto:
+            self._got += self._recv(view[self._got:upto], patience)
+        return view[:self._got]
+
+    def body_rest(self, patience: Callable[[], bool] | None = None) -> memoryview:
+        """The whole body, its rest read into the buffer (with the next header's start, as body)."""
+        length, got = self._length, self._got
+        view = memoryview(self._buffer)[:length + HEADER.size]
+        while got < length:
+            got += self._recv(view[got:], patience)
+        self._ahead = bytes(view[length:got])
+        self._length = self._got = 0
+        return view[:length]
+
+    def body_rest_into(self, start: int, views: list[memoryview],
+                       patience: Callable[[], bool] | None = None) -> memoryview:
+        """The body from byte start on: the first sum(views) bytes into views, in order (those
+        body_head already read are copied there), the rest (the trailer) into a small buffer,
+        which is returned. scatters must hold."""
+        length, got = self._length, self._got
+        into = sum(v.nbytes for v in views)
+        trailer = bytearray(length - start - into + HEADER.size)
+        buffered = memoryview(self._buffer)[start:got]
+        views = list(views)
+        copied = _fill(views, buffered)
+        tail = buffered[copied:]
+        trailer[:tail.nbytes] = tail
+        tgot, need = tail.nbytes, len(trailer) - HEADER.size
+        room = memoryview(trailer)
+        while views or tgot < need:
+            targets = views[:MAX_SCATTER] if len(views) >= MAX_SCATTER else [*views, room[tgot:]]
+            n = self._recv_many(targets, patience)
+            n -= _advance(views, n)
+            tgot += n
+        self._ahead = bytes(room[need:tgot])
+        self._length = self._got = 0
+        return room[:need]
+
+    def _begin(self, length: int) -> None:
         room = length + HEADER.size
         if len(self._buffer) < room:
             self._buffer = bytearray(room)
-        view = memoryview(self._buffer)[:room]
-        got = 0
-        while got < length:
+        self._length, self._got = length, 0
+
+    def _recv(self, view: memoryview, patience: Callable[[], bool] | None) -> int:
+        while True:
             try:
-                n = self.sock.recv_into(view[got:])
+                n = self.sock.recv_into(view)
             except socket.timeout:
                 if patience is None or not patience():
                     raise
                 continue
             if not n:
                 raise Closed("the peer closed the connection")
-            got += n
-        self._ahead = bytes(view[length:got])
-        return view[:length]
+            return n
+
+    def _recv_many(self, views: list[memoryview], patience: Callable[[], bool] | None) -> int:
+        while True:
+            try:
+                n = self.sock.recvmsg_into(views)[0]
+            except socket.timeout:
+                if patience is None or not patience():
+                    raise
+                continue
+            if not n:
+                raise Closed("the peer closed the connection")
+            return n
+
+
+MAX_SCATTER = 1000   # buffers per receive (IOV_MAX is 1024)
+
+
+def _fill(views: list[memoryview], data: memoryview) -> int:
+    """Copy data into the front of views, dropping each as it fills; returns the bytes copied."""
+    done = 0
+    while views and done < data.nbytes:
+        take = min(views[0].nbytes, data.nbytes - done)
+        views[0][:take] = data[done:done + take]
+        done += take
+        _advance(views, take)
+    return done
+
+
+def _advance(views: list[memoryview], n: int) -> int:
+    """Drop n received bytes from the front of views (fewer if they run out); returns how many."""
+    used = 0
+    while views and used < n:
+        head = views[0]
+        if head.nbytes <= n - used:
+            used += head.nbytes
+            views.pop(0)
+        else:
+            views[0] = head[n - used:]
+            used = n
+    return used
 
 
 def _checked(head: bytes | bytearray) -> tuple[int, int]:

@@ -147,3 +147,61 @@ def test_a_frames_headers_are_checked_together_before_any_byte(engine: LLMEngine
     assert engine.kv.state("announced-beside") is HandoffState.RESERVED
     engine.abort("announced-beside")
     assert_no_leak(engine)
+
+
+def _write(run, blocks: list[KVBlock]) -> None:
+    """What the TCP receiver does with a claimed run: the blocks' bytes straight into its slabs."""
+    payload = b"".join(bytes(b.encode()[1]) for b in blocks)
+    at = 0
+    for slab in run.slabs:
+        slab[:] = payload[at:at + slab.nbytes]
+        at += slab.nbytes
+    assert at == len(payload) == run.nbytes
+
+
+def test_a_claimed_run_is_written_in_place_and_counts_only_once_finished(engine: LLMEngine) -> None:
+    """claim_run hands out the blocks' own bytes in the pool (in the wire's order: a block's layers'
+    K and V slabs); they count as received only at finish_run, and no other stream may deliver
+    them in between (refused as overlapping: the request fails)."""
+    rid = "claimed"
+    token, blocks = _reserved(engine, rid)
+    run = engine.kv.claim_run(_run_of(blocks[:5])[0], token)
+    assert len(run.slabs) == 5 * 2 * engine.runner.block_shape[0]
+    _write(run, blocks[:5])
+    assert engine.kv.state(rid) is HandoffState.RESERVED             # written, not yet verified
+    assert engine.kv.finish_run(run, written=True) is HandoffState.RECEIVING
+    run = engine.kv.claim_run(_run_of(blocks[5:])[0], token)
+    _write(run, blocks[5:])
+    assert engine.kv.finish_run(run, written=True) is HandoffState.READY
+    stored = engine.runner.read_blocks(engine.kv.receiving[rid].seq.block_table)
+    for j, block in enumerate(blocks):
+        assert torch.equal(stored[j], block.data)
+    engine.abort(rid)
+
+    rid = "claimed-twice"
+    token, blocks = _reserved(engine, rid)
+    run = engine.kv.claim_run(_run_of(blocks[:2])[0], token)
+    with pytest.raises(HandoffError) as err:
+        engine.kv.check_many([block_meta(blocks[1].encode()[0])], token)
+    assert err.value.code == "DATA_LOSS" and "overlap" in str(err.value)
+    with pytest.raises(HandoffError):   # the request failed while the run was being written
+        engine.kv.finish_run(run, written=False)
+    assert engine.kv.state(rid) is HandoffState.FAILED
+    assert_no_leak(engine)
+
+
+def test_a_request_ended_mid_write_keeps_its_blocks_until_the_writer_is_done(engine: LLMEngine) -> None:
+    """Aborted (or lapsed) while a claimed run is written outside the lock: its blocks are not freed
+    (another request could be given them mid-write) until finish_run, which then raises why."""
+    rid = "ended-mid-write"
+    token, blocks = _reserved(engine, rid)
+    free_before = engine.stats()["num_free_blocks"]
+    run = engine.kv.claim_run(_run_of(blocks)[0], token)
+    engine.abort(rid)
+    assert engine.kv.state(rid) is HandoffState.FAILED
+    assert engine.stats()["num_free_blocks"] == free_before           # still held for the writer
+    _write(run, blocks)
+    with pytest.raises(HandoffError) as err:
+        engine.kv.finish_run(run, written=True)
+    assert err.value.code == "ABORTED"
+    assert_no_leak(engine)

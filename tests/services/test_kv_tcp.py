@@ -172,7 +172,48 @@ def test_a_byte_flipped_on_the_path_fails_closed_and_nothing_is_cached(engine: L
     assert_no_leak(engine)
 
 
-def test_mutual_tls_carries_a_transfer_and_refuses_a_stranger_certificate(engine: LLMEngine, tmp_path) -> None:
+class _ConnectorCalls:
+    """Counts the connector's claimed runs (read straight from the socket into the pool) and its
+    stored runs (accept_many: from a received buffer)."""
+
+    def __init__(self, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.claimed = self.stored = 0
+        claim, store = engine.kv.claim_run, engine.kv.accept_many
+
+        def claim_run(*args):
+            run = claim(*args)
+            self.claimed += run is not None
+            return run
+
+        def accept_many(*args):
+            self.stored += 1
+            return store(*args)
+        monkeypatch.setattr(engine.kv, "claim_run", claim_run)
+        monkeypatch.setattr(engine.kv, "accept_many", accept_many)
+
+
+def test_a_frame_of_whole_blocks_goes_from_the_socket_straight_into_the_pool(engine: LLMEngine,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a plain socket every data frame's payload is received into its blocks' place in the pool
+    (no buffer, no pool copy), and lands bit-exact."""
+    rid = "tcp-direct"
+    res = engine.reserve(rid, PROMPT, GREEDY)
+    calls = _ConnectorCalls(engine, monkeypatch)
+    blocks = _blocks(rid, engine)
+    with listening(engine) as listener:
+        result = _push(TcpKVSender(cluster_token=CLUSTER, frame_target=3 * blocks[0].encode()[1].nbytes),
+                       listener.address(), rid, res.transfer_token, blocks)
+    assert result.blocks == 8 and engine.kv.state(rid) is HandoffState.READY
+    assert (calls.claimed, calls.stored) == (3, 0)   # frames of 3, 3 and 2 blocks
+    stored = engine.runner.read_blocks(engine.kv.receiving[rid].seq.block_table)
+    for j, block in enumerate(blocks):
+        assert torch.equal(stored[j], block.data.to(stored.dtype))
+    engine.abort(rid)
+    assert_no_leak(engine)
+
+
+def test_mutual_tls_carries_a_transfer_and_refuses_a_stranger_certificate(engine: LLMEngine, tmp_path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     files = make_ca_and_cert(tmp_path)
     ours = tuple(str(files[n]) for n in ("cert.pem", "key.pem", "ca.pem"))
     stranger = (str(files["other-cert.pem"]), str(files["other-key.pem"]), str(files["ca.pem"]))
@@ -185,8 +226,10 @@ def test_mutual_tls_carries_a_transfer_and_refuses_a_stranger_certificate(engine
         assert err.value.code == "UNAVAILABLE"   # the TLS handshake fails: no byte of KV left
         assert engine.kv.state(rid) is HandoffState.RESERVED
         sender = TcpKVSender(cluster_token=CLUSTER, tls=tcp_wire.client_context(*ours))
+        calls = _ConnectorCalls(engine, monkeypatch)
         result = _push(sender, listener.address(), rid, res.transfer_token, _blocks(rid, engine))
     assert (result.blocks, result.streams) == (8, 1)
+    assert calls.claimed == 0 and calls.stored >= 1   # TLS decrypts into a buffer: stored from there
     assert engine.kv.state(rid) is HandoffState.READY
     engine.abort(rid)
     assert_no_leak(engine)
@@ -351,3 +394,23 @@ def test_the_end_record_comes_with_the_last_frame_and_lengths_are_bounded_first(
             reader.header()
         a.close()
         assert reader.header(at_start=True) is None          # a clean close between transfers
+
+
+def test_a_body_read_in_steps_puts_its_payload_into_the_callers_buffers() -> None:
+    """body_head, then body_rest_into: the payload bytes already read are copied into the buffers,
+    the rest received straight into them (across buffer bounds), the trailer returned, and the next
+    record's header read along with it."""
+    a, b = socket.socketpair()
+    with a, b:
+        reader = tcp_wire.RecordReader(b)
+        assert reader.scatters
+        prefix, payload, trailer = b"P" * 10, bytes(range(100)), b"MAC!!"
+        a.sendall(tcp_wire.record(tcp_wire.FRAME, prefix + payload + trailer) + tcp_wire.record(tcp_wire.END))
+        kind, length = reader.header(at_start=True)
+        assert bytes(reader.body_head(length, 20)) == prefix + payload[:10]
+        first, second = bytearray(30), bytearray(70)
+        assert bytes(reader.body_rest_into(10, [memoryview(first), memoryview(second)])) == trailer
+        assert bytes(first + second) == payload
+        assert reader.header() == (tcp_wire.END, 0)
+        a.sendall(tcp_wire.record(tcp_wire.FRAME, b"xyz"))   # and a plain body after it
+        assert bytes(reader.body(reader.header()[1])) == b"xyz"
