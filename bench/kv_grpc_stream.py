@@ -10,7 +10,9 @@ process opens its stream (as a prefill worker does when a request arrives), and 
 from ``send`` of every block to ``finish``'s acknowledgement: frames built and MACed, carried,
 verified, checked by the connector and written into the paged pool. Then the child checks the
 request is READY and aborts it (its blocks back to the pool; the free count is checked at its
-baseline at the end). Printed: median ms and MiB/s per length, and a raw TCP socket's time for
+baseline at the end). Printed: median ms and MiB/s per length, the decode process's CPU time
+from the reservation to the release (the receiving side's whole cost: socket reads, MAC checks,
+the connector, the pool writes, its event loop), and a raw TCP socket's time for
 the same bytes between the same two processes (one connection, opened beforehand, timed from
 the first byte to a one-byte answer after the last).
 
@@ -81,11 +83,12 @@ async def _serve(args: argparse.Namespace) -> None:
         msg = json.loads(line)
         if msg["op"] == "reserve":
             res = engine.reserve(msg["rid"], msg["prompt"], SamplingParams(max_tokens=1))
-            _say({"needed": list(res.needed_block_indices), "token": res.transfer_token.hex()})
+            _say({"needed": list(res.needed_block_indices), "token": res.transfer_token.hex(),
+                  "cpu_s": time.process_time()})
         elif msg["op"] == "release":
             state = kv.state(msg["rid"])
             engine.abort(msg["rid"])
-            _say({"state": "none" if state is None else state.value})
+            _say({"state": "none" if state is None else state.value, "cpu_s": time.process_time()})
         elif msg["op"] == "stats":
             _say({"free_blocks": engine.stats()["num_free_blocks"]})
         else:
@@ -188,6 +191,7 @@ async def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             n = -(-tokens // bs)
             data = torch.randint(-8, 8, (n, *info["block_shape"]), dtype=torch.int8).to(dtype)   # as read_blocks: contiguous
             times: dict[str, list[float]] = {plane: [] for plane in args.plane}
+            cpu: dict[str, list[float]] = {plane: [] for plane in args.plane}   # the decode process's CPU seconds
             nbytes = 0
             for i in range(args.warmup + args.iters):
                 for plane in args.plane:   # the planes alternate: the same load on each
@@ -201,20 +205,23 @@ async def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                     try:
                         result, seconds = await drivers.timed_push(stream, blocks, settle_s=0.05, timeout=120)
                     finally:
-                        state = decode.ask(op="release", rid=rid)["state"]
+                        released = decode.ask(op="release", rid=rid)
+                        state = released["state"]
                     if result.blocks != len(blocks) or state != "ready":
                         raise RuntimeError(f"{rid}: {result.blocks}/{len(blocks)} acknowledged, decode side {state}")
                     nbytes = result.bytes
                     if i >= args.warmup:
                         times[plane].append(seconds)
+                        cpu[plane].append(released["cpu_s"] - res["cpu_s"])
             raw = _raw_seconds(info["raw"], nbytes, max(2, args.iters))
             for plane in args.plane:
                 ms = statistics.median(times[plane]) * 1e3
+                cpu_ms = statistics.median(cpu[plane]) * 1e3
                 rows.append({"plane": plane, "tokens": tokens, "MiB": nbytes / MiB, "ms": ms, "raw_ms": raw * 1e3,
-                             "ratio": ms / (raw * 1e3), "MiB_s": nbytes / MiB / (ms / 1e3),
+                             "ratio": ms / (raw * 1e3), "MiB_s": nbytes / MiB / (ms / 1e3), "decode_cpu_ms": cpu_ms,
                              "all_ms": [round(t * 1e3, 2) for t in times[plane]]})
                 print(f"| {plane} | {tokens} | {nbytes / MiB:.2f} | {ms:.1f} | {raw * 1e3:.1f} | "
-                      f"{ms / (raw * 1e3):.2f} | {nbytes / MiB / (ms / 1e3):.0f} | "
+                      f"{ms / (raw * 1e3):.2f} | {nbytes / MiB / (ms / 1e3):.0f} | {cpu_ms:.1f} | "
                       f"{' '.join(f'{t * 1e3:.1f}' for t in times[plane])} |", flush=True)
         await senders["tcp"][0].close()
         await sender.close()
@@ -247,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         asyncio.run(_serve(args))
         return 0
-    print("| plane | tokens | KV MiB | ms | raw socket ms | / socket | MiB/s | samples ms |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---|", flush=True)
+    print("| plane | tokens | KV MiB | ms | raw socket ms | / socket | MiB/s | decode CPU ms | samples ms |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---|", flush=True)
     rows = asyncio.run(_measure(args))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
