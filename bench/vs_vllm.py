@@ -255,7 +255,8 @@ def _prefill_routes(url: str) -> dict[str, int] | None:
 
 
 def _brief(res: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in res.items() if not isinstance(v, (list, dict)) or k in ("server_timings_mean_ms", "prefill_routes")}
+    kept = ("server_timings_mean_ms", "prefill_routes")
+    return {k: v for k, v in res.items() if not isinstance(v, (list, dict)) or k in kept}
 
 
 def run_online(args: argparse.Namespace, rec: Record, model: str) -> dict[str, Any]:

@@ -193,8 +193,8 @@ def online_goals(rate: float, pd: dict[str, Any], vl: dict[str, Any],
         out.append(Goal(rate, "pdserve output / this draw's offered (issue 25)", share, ">= 0.95",
                         share is not None and share >= 0.95 and not pd_failed, note))
     if mine is not None and vllm_behind:
-        out.append(Goal(rate, "pdserve kept up (vLLM behind): share of the draw's offered", mine["fraction_of_workload"],
-                        "kept up", bool(mine["kept_up"]), note))
+        out.append(Goal(rate, "pdserve kept up (vLLM behind): share of the draw's offered",
+                        mine["fraction_of_workload"], "kept up", bool(mine["kept_up"]), note))
     return out
 
 

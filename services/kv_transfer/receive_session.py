@@ -9,9 +9,10 @@ by the connector before any byte is allocated or fetched), ``accept`` each block
 ``complete`` when the stream ends. A transport that reads a frame's payload straight into the
 pool (the raw TCP plane) ``claim``s its blocks from the frame's headers before the frame's MAC
 is in, and ``finish``es them once it is checked: until then the bytes sit in blocks reserved for
-this request, which count as received only if it holds (and are freed, never cached, if not). Every connector call goes through here, and so does the
-failure rule: a refusal fails the request's transfer (its reserved blocks are freed), except one
-from a stream that never proved it may speak for the request.
+this request, which count as received only if it holds (and are freed, never cached, if not).
+Every connector call goes through here, and so does the failure rule: a refusal fails the
+request's transfer (its reserved blocks are freed), except one from a stream that never proved
+it may speak for the request.
 """
 from __future__ import annotations
 

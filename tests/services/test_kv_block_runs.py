@@ -205,3 +205,24 @@ def test_a_request_ended_mid_write_keeps_its_blocks_until_the_writer_is_done(eng
         engine.kv.finish_run(run, written=True)
     assert err.value.code == "ABORTED"
     assert_no_leak(engine)
+
+
+def test_a_frames_head_is_parsed_from_its_first_bytes() -> None:
+    """parse_head: None until the bytes before the payload are in; then the headers and where the
+    payload lies; a frame without a payload (the open frame) says so; the trailer is the MAC."""
+    from services.kv_transfer.frames import encode_open, parse_head, parse_trailer
+    mac = integrity.StreamMac(b"k" * 32, integrity.PREFERRED)
+    blocks = _raw_blocks([64] * 100)    # 100 headers: more than one first read of the receiver's
+    frame = next(iter_wire_frames([b.encode() for b in blocks], 1 << 20, mac, target_bytes=1 << 20))
+    view = memoryview(frame)
+    parsed = parse_frame(frame)
+    at = parsed.signed.nbytes - parsed.payload.nbytes
+    assert parse_head(view[:at - 2], len(frame)) is None
+    head = parse_head(view[:at], len(frame))
+    assert [h.block_index for h in head.frame.headers] == list(range(100))
+    assert (head.payload_at, head.payload_len) == (at, 6400)
+    assert parse_trailer(view[at + 6400:]) == parsed.mac
+    opened = encode_open("r", b"t" * 16, integrity.StreamMac(b"k" * 32, integrity.PREFERRED))
+    assert parse_head(memoryview(opened), len(opened)).payload_at == -1
+    with pytest.raises(ValueError):
+        parse_trailer(view[at + 6399:])

@@ -212,6 +212,30 @@ def test_a_frame_of_whole_blocks_goes_from_the_socket_straight_into_the_pool(eng
     assert_no_leak(engine)
 
 
+def test_a_frame_whose_headers_outgrow_the_first_read_still_goes_straight_into_the_pool(
+        engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """60 blocks in one frame, announced by headers longer than the receiver's first read
+    (HEAD_READ_BYTES): it reads on until the payload begins, then the payload goes to the pool."""
+    from services.kv_transfer.tcp_receiver import HEAD_READ_BYTES
+    rid = "tcp-many-headers-" + "x" * 64
+    prompt = random_prompts(1, 480, 480, seed=79)[0]
+    res = engine.reserve(rid, prompt, GREEDY)
+    hashes = transfer_block_hashes(prompt, 8)
+    g = torch.Generator().manual_seed(4)
+    blocks = [KVBlock(rid, i, hashes[i], torch.randn(engine.runner.block_shape, generator=g)) for i in range(60)]
+    assert sum(len(b.encode()[0].SerializeToString()) for b in blocks) > HEAD_READ_BYTES
+    calls = _ConnectorCalls(engine, monkeypatch)
+    with listening(engine) as listener:
+        result = _push(TcpKVSender(cluster_token=CLUSTER, frame_target=1 << 22), listener.address(), rid,
+                       res.transfer_token, blocks)
+    assert result.blocks == 60 and engine.kv.state(rid) is HandoffState.READY
+    assert (calls.claimed, calls.stored) == (1, 0)
+    stored = engine.runner.read_blocks(engine.kv.receiving[rid].seq.block_table)
+    assert all(torch.equal(stored[j], block.data) for j, block in enumerate(blocks))
+    engine.abort(rid)
+    assert_no_leak(engine)
+
+
 def test_mutual_tls_carries_a_transfer_and_refuses_a_stranger_certificate(engine: LLMEngine, tmp_path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     files = make_ca_and_cert(tmp_path)
