@@ -21,11 +21,9 @@ through the pool, and remembers why (bounded), so a later ``admit`` gets a clear
 A block is checked by ``accept`` (or ``accept_many``): the caller's transfer token, the block's
 index, its chain hash (recomputed from the reserved tokens), its layout against this pool,
 its CRC-32 when the header carries one (non-zero; the transports instead MAC each frame before
-any of its blocks reaches here, which supersedes it). A transport that reads a frame's payload
-straight into the pool claims its blocks first (``claim_run``: the same checks, the blocks then
-marked as arriving and kept allocated, whatever ends the request, until ``finish_run``), and
-they count as received only when it says their frame's MAC held. Received blocks get
-prefix-cache keys only when the whole request is verified.
+any of its blocks reaches here, which supersedes it); or by ``claim_run``, for a transport that
+writes a frame's payload straight into the pool: the blocks count as received at ``finish_run``,
+once their frame's MAC held. Received blocks get prefix-cache keys only when the whole request is verified.
 
 Tensor-parallel layouts. A block may arrive as pieces, each carrying KV heads
 [head_start, head_end) (a prefill worker with TP=p ships each rank's heads as they are held);
@@ -165,8 +163,7 @@ class SendHandle:
 
 @dataclass(eq=False)
 class ClaimedRun:
-    """Whole blocks of one request claimed for a transport to write straight into the pool
-    (claim_run), then settled by finish_run."""
+    """Whole blocks of one request a transport writes straight into the pool (claim_run, finish_run)."""
 
     handle: ReceiveHandle
     metas: list[BlockMeta]
@@ -467,7 +464,6 @@ class KVConnector:
         together (one copy per run of blocks with the same heads). Returns the state after."""
         view = memoryview(payload).cast("B")
         handle, ranges = self._checked(metas, token)
-        n_heads = self._block_shape()[3]
         try:
             total = sum(m.nbytes for m in metas)
             if view.nbytes != total:
@@ -496,7 +492,13 @@ class KVConnector:
             self.pool.write_many([handle.seq.block_table[m.block_index] for m in metas[i:j]],
                                  data[at:at + n].view(j - i, *metas[i].shape), head_start=ranges[i][0])
             at, i = at + n, j
-        all_heads = _head_mask(0, n_heads)
+        return self._received(handle, metas, ranges, total)
+
+    def _received(self, handle: ReceiveHandle, metas: list[BlockMeta], ranges: list[tuple[int, int]],
+                  nbytes: int) -> HandoffState:
+        """Blocks (their heads in ranges) written and verified: a block with every head is no longer
+        needed; the lease is extended, and the request is READY once nothing is needed."""
+        all_heads = _head_mask(0, self._block_shape()[3])
         for meta, (start, end) in zip(metas, ranges):
             got = handle.heads.get(meta.block_index, 0) | _head_mask(start, end)
             if got == all_heads:
@@ -505,39 +507,34 @@ class KVConnector:
             else:
                 handle.heads[meta.block_index] = got
         if self.on_block is not None:
-            self.on_block(total)
+            self.on_block(nbytes)
         handle.state = HandoffState.RECEIVING
-        now = time.monotonic()
-        handle.expires_at = max(handle.expires_at, min(now + self.lease.idle_s, handle.deadline))
+        handle.expires_at = max(handle.expires_at, min(time.monotonic() + self.lease.idle_s, handle.deadline))
         if not handle.needed:
             self._ready(handle)
         return handle.state
 
     @_locked
     def claim_run(self, metas: list[BlockMeta], token: bytes) -> ClaimedRun | None:
-        """Whole blocks of one request (every KV head, uncompressed) claimed for writing outside the
-        lock, straight from a socket: checked as check_many checks them (a refusal fails the
-        request), then marked as arriving, so that no other stream may deliver them, and their
-        blocks kept allocated until finish_run, whatever ends the request meanwhile. None (nothing
-        claimed, nothing checked): the pool cannot hand out its blocks' bytes; use accept_many."""
+        """Whole blocks of one request (every KV head) claimed to be written outside the lock, say
+        from a socket: checked as check_many checks them, marked as arriving (no other stream may
+        deliver them), kept allocated until finish_run whatever ends the request meanwhile. None
+        (nothing claimed): the pool cannot hand out its bytes, or these are pieces; use accept_many."""
         if self.pool.slabs([]) is None:
             return None
         handle, ranges = self._checked(metas, token)
         n_heads = self._block_shape()[3]
         if any(r != (0, n_heads) for r in ranges):
             return None   # pieces of blocks (a tensor-parallel sender's heads): accept_many re-shards them
-        all_heads = _head_mask(0, n_heads)
-        for meta in metas:
-            handle.heads[meta.block_index] = all_heads
+        handle.heads.update((meta.block_index, _head_mask(0, n_heads)) for meta in metas)
         handle.writers += 1
         slabs = self.pool.slabs([handle.seq.block_table[m.block_index] for m in metas])
         return ClaimedRun(handle, metas, slabs, sum(m.nbytes for m in metas))
 
     @_locked
     def finish_run(self, run: ClaimedRun, written: bool) -> HandoffState:
-        """A claimed run's end. written: its bytes are in place and verified (their frame's MAC held):
-        the blocks count as received. Else the caller fails the request. Raises the request's
-        failure when it ended while the run was being written (its blocks are freed now)."""
+        """A claimed run's end; written: its bytes are in place and verified (they count as received),
+        else the caller fails the request. Raises why when the request ended meanwhile (blocks freed)."""
         handle = run.handle
         handle.writers -= 1
         if self.receiving.get(handle.request_id) is not handle:   # ended meanwhile
@@ -547,17 +544,7 @@ class KVConnector:
             raise HandoffError(failure.code, failure.message)
         if not written:
             return handle.state
-        for meta in run.metas:
-            handle.heads.pop(meta.block_index, None)
-            handle.needed.discard(meta.block_index)
-        if self.on_block is not None:
-            self.on_block(run.nbytes)
-        handle.state = HandoffState.RECEIVING
-        now = time.monotonic()
-        handle.expires_at = max(handle.expires_at, min(now + self.lease.idle_s, handle.deadline))
-        if not handle.needed:
-            self._ready(handle)
-        return handle.state
+        return self._received(handle, run.metas, [(0, self._block_shape()[3])] * len(run.metas), run.nbytes)
 
     def _block_shape(self) -> tuple[int, ...]:
         """The pool's block shape (fixed for its life: asked once)."""
