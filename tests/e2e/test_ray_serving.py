@@ -28,7 +28,7 @@ import pytest
 from engine import LLM, SamplingParams
 from services.client import AsyncClient
 from services.deployment.launcher import free_port
-from services.process_table import group_pids
+from services.process_table import group_pids, is_alive
 from services.security import API_KEY_ENV, CLUSTER_TOKEN_ENV, Credentials
 from tests.conftest import random_prompts
 from tests.serving import SteadyLoad
@@ -510,10 +510,8 @@ def test_2p2d_matches_offline_and_survives_a_decode_kill(ray_cluster, tiny_qwen3
 
 # ---- tensor parallelism: any prefill layout feeds any decode layout through the object store ------
 def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    """No such process, or only its zombie (a process reaped while /proc/PID/stat was read counts as gone)."""
+    return not is_alive(pid)
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])

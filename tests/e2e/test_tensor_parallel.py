@@ -21,6 +21,7 @@ from engine import LLM, SamplingParams
 from engine.model_maker import make_model
 from engine.parallel import RankFailure, TPLayout, check_divisible
 from engine.step_plan import SeqView, StepPlan
+from services.process_table import is_alive
 from tests.conftest import assert_no_leak, hf_greedy, random_prompts
 
 MAX_NEW = 8
@@ -66,11 +67,7 @@ def tp2_llm(tiny_qwen3: str):
 
 def gone(pid: int) -> bool:
     """No such process, or only its zombie (exited; its parent has not reaped it yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    return not is_alive(pid)
 
 
 def rank_processes(driver_pids: set[int]) -> list[int]:

@@ -37,7 +37,7 @@ def _children(pid: int) -> dict[int, str]:
     for child in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split():
         try:
             cmdline = open(f"/proc/{child}/cmdline").read().split("\0")
-        except FileNotFoundError:
+        except OSError:   # gone meanwhile (also while being read)
             continue
         role = cmdline[cmdline.index("--role") + 1] if "--role" in cmdline else "router"
         out[int(child)] = role
