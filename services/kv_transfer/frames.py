@@ -180,18 +180,12 @@ def parse_frame(data: bytes) -> Frame:
                     raise ValueError("truncated field")
                 chunk = view[pos:pos + size]
                 pos += size
-                if number == _OPEN:
-                    frame.open = kv_pb2.KVStreamOpen.FromString(chunk)
-                elif number == _HEADER:
-                    frame.headers.append(kv_pb2.KVBlockHeader.FromString(chunk))
-                elif number == _PAYLOAD:
-                    frame.payload = chunk
-                elif number == _SHM:
-                    frame.shm = kv_pb2.KVSharedMemory.FromString(chunk)
-                elif number == _MAC:
+                if number == _MAC:
                     if pos != end:
                         raise ValueError("the mac field must be the frame's last")
                     frame.mac, frame.signed = bytes(chunk), view[:start]
+                else:
+                    _set_field(frame, number, chunk)
             elif wire == 0:
                 _, pos = _read_varint(data, pos)
             elif wire in (1, 5):
@@ -231,17 +225,25 @@ def parse_head(data: memoryview, total: int) -> FrameHead | None:
                 return FrameHead(frame, pos, size) if pos + size <= total else FrameHead(frame, -1, 0)
             if pos + size > end:
                 return None if pos + size <= total else FrameHead(frame, -1, 0)
-            chunk = data[pos:pos + size]
+            _set_field(frame, number, data[pos:pos + size])
             pos += size
-            if number == _OPEN:
-                frame.open = kv_pb2.KVStreamOpen.FromString(chunk)
-            elif number == _HEADER:
-                frame.headers.append(kv_pb2.KVBlockHeader.FromString(chunk))
     except ValueError:   # a varint cut at the end of data: read more (one past total: malformed)
         return None if end < total else FrameHead(frame, -1, 0)
     except Exception:  # noqa: BLE001 - a malformed message: parse_frame reports it on the whole frame
         return FrameHead(frame, -1, 0)
     return FrameHead(frame, -1, 0)
+
+
+def _set_field(frame: Frame, number: int, chunk: memoryview) -> None:
+    """A length-delimited field into frame (an unknown one is skipped)."""
+    if number == _OPEN:
+        frame.open = kv_pb2.KVStreamOpen.FromString(chunk)
+    elif number == _HEADER:
+        frame.headers.append(kv_pb2.KVBlockHeader.FromString(chunk))
+    elif number == _PAYLOAD:
+        frame.payload = chunk
+    elif number == _SHM:
+        frame.shm = kv_pb2.KVSharedMemory.FromString(chunk)
 
 
 def parse_trailer(data: memoryview) -> bytes:

@@ -157,7 +157,7 @@ class RecordReader:
         upto = min(self._length, self._got + want)
         view = memoryview(self._buffer)
         while self._got < upto:
-            self._got += self._recv(view[self._got:upto], patience)
+            self._got += self._receive(lambda: self.sock.recv_into(view[self._got:upto]), patience)
         return view[:self._got]
 
     def body_rest(self, patience: Callable[[], bool] | None = None) -> memoryview:
@@ -165,7 +165,7 @@ class RecordReader:
         length, got = self._length, self._got
         view = memoryview(self._buffer)[:length + HEADER.size]
         while got < length:
-            got += self._recv(view[got:], patience)
+            got += self._receive(lambda: self.sock.recv_into(view[got:]), patience)
         self._ahead = bytes(view[length:got])
         self._length = self._got = 0
         return view[:length]
@@ -187,7 +187,7 @@ class RecordReader:
         room = memoryview(trailer)
         while views or tgot < need:
             targets = views[:MAX_SCATTER] if len(views) >= MAX_SCATTER else [*views, room[tgot:]]
-            n = self._recv_many(targets, patience)
+            n = self._receive(lambda: self.sock.recvmsg_into(targets)[0], patience)
             n -= _advance(views, n)
             tgot += n
         self._ahead = bytes(room[need:tgot])
@@ -200,22 +200,12 @@ class RecordReader:
             self._buffer = bytearray(room)
         self._length, self._got = length, 0
 
-    def _recv(self, view: memoryview, patience: Callable[[], bool] | None) -> int:
+    @staticmethod
+    def _receive(receive: Callable[[], int], patience: Callable[[], bool] | None) -> int:
+        """receive() once it returns bytes (Closed at EOF); a timeout asks patience, as recv_exact."""
         while True:
             try:
-                n = self.sock.recv_into(view)
-            except socket.timeout:
-                if patience is None or not patience():
-                    raise
-                continue
-            if not n:
-                raise Closed("the peer closed the connection")
-            return n
-
-    def _recv_many(self, views: list[memoryview], patience: Callable[[], bool] | None) -> int:
-        while True:
-            try:
-                n = self.sock.recvmsg_into(views)[0]
+                n = receive()
             except socket.timeout:
                 if patience is None or not patience():
                     raise
