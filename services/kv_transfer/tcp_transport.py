@@ -97,6 +97,10 @@ class ConnectionPool:
         self.connects = 0   # connections made (the rest of the transfers reused one)
 
     def acquire(self, target: str) -> socket.socket:
+        return self._pooled(target) or self._connect(target)
+
+    def _pooled(self, target: str) -> socket.socket | None:
+        """An idle connection to target still good for use, if the pool has one."""
         with self._lock:
             idle = self._idle.get(target, [])
             while idle:
@@ -104,7 +108,7 @@ class ConnectionPool:
                 if time.monotonic() - since < POOLED_IDLE_S and _alive(sock):
                     return sock
                 sock.close()
-        return self._connect(target)
+        return None
 
     def release(self, target: str, sock: socket.socket) -> None:
         with self._lock:
@@ -130,8 +134,11 @@ class ConnectionPool:
 
     def beat(self, target: str, open_frame: bytes) -> None:
         """A BEAT record (a stream's open frame: its reservation's lease is extended) over the
-        target's one beat connection, made or remade here. A beat that fails is dropped: the lease
-        may then lapse, and the stream learns of it when it sends."""
+        target's one beat connection, remade here when lost: from an idle pooled connection where
+        there is one (the receiver takes beats between transfers on any connection, and an idle one
+        must not hold the slot a receiver at its connection bound has left for beats), else a new
+        one. A beat that fails is dropped: the lease may then lapse, and the stream learns of it
+        when it sends."""
         with self._lock:   # one lock per target: a target that does not answer holds up only its own beats
             lock = self._beat_locks.setdefault(target, threading.Lock())
         with lock:
@@ -141,7 +148,7 @@ class ConnectionPool:
                 if sock is None or not _alive(sock):
                     if sock is not None:
                         sock.close()
-                    sock = self._connect(target)
+                    sock = self._pooled(target) or self._connect(target)
                 sock.settimeout(BEAT_TIMEOUT_S)
                 sock.sendall(tcp_wire.record(tcp_wire.BEAT, open_frame))
             except (OSError, tcp_wire.WireError, tcp_wire.Refused) as exc:

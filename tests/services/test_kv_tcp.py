@@ -268,6 +268,35 @@ def test_connections_are_bounded(engine: LLMEngine) -> None:
     assert err.value.code == "RESOURCE_EXHAUSTED"
 
 
+def test_a_beat_goes_over_an_idle_pooled_connection_when_the_receiver_is_at_its_bound(engine: LLMEngine) -> None:
+    """The receiver serves 2 connections and both are the sender's idle pooled ones (left by two
+    transfers that overlapped): the lost beat connection is remade from one of them, not refused,
+    so a queued request's lease is still kept."""
+    from services.kv_transfer import integrity
+    from services.kv_transfer.frames import encode_open
+    rid = "tcp-beat-pooled"
+    res = engine.reserve(rid, PROMPT, GREEDY)
+    mac = integrity.StreamMac(integrity.mac_key(res.transfer_token, CLUSTER), integrity.PREFERRED)
+    opened = encode_open(rid, res.transfer_token, mac)
+    sender = TcpKVSender(cluster_token=CLUSTER)
+    with listening(engine, limits=DataPlaneLimits(max_connections=2)) as listener:
+        target = listener.address()
+        held = [sender.pool.acquire(target), sender.pool.acquire(target)]
+        for sock in held:
+            sender.pool.release(target, sock)          # two idle connections: the receiver's bound
+        before = engine.kv.receiving[rid].expires_at
+        time.sleep(0.05)
+        sender.pool.beat(target, opened)
+        deadline = time.monotonic() + 5
+        while engine.kv.receiving[rid].expires_at == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.kv.receiving[rid].expires_at > before, "the beat was dropped"
+        assert sender.pool.connects == 2                  # made from a pooled connection: none refused
+        asyncio.run(sender.close())
+    engine.abort(rid)
+    assert_no_leak(engine)
+
+
 def test_a_connection_carries_transfer_after_transfer(engine: LLMEngine) -> None:
     sender = TcpKVSender(cluster_token=CLUSTER)
 
