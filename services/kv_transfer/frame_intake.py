@@ -14,7 +14,7 @@ from engine.kv_connector import HandoffError
 from pdserve.v1 import kv_pb2
 from services.kv_transfer.base import MAX_PENDING_HEADERS
 from services.kv_transfer.frames import Frame
-from services.kv_transfer.receive_session import ReceiveSession
+from services.kv_transfer.receive_session import ReceiveSession, whole_run
 from services.kv_transfer.wire_codec import WireMeta
 
 
@@ -62,8 +62,7 @@ def take_inline(session: ReceiveSession, pending: deque[Pending], frame: Frame) 
         session.heartbeat()
         return
     wires = session.wire_metas(frame.headers)
-    if (not pending and wires and all(w.codec == "off" for w in wires)
-            and sum(w.nbytes for w in wires) == frame.payload.nbytes):
+    if not pending and whole_run(wires, frame.payload.nbytes):
         session.accept_run(wires, frame.payload)
         return
     _queue(session, pending, wires)

@@ -28,6 +28,12 @@ from services.kv_transfer.wire_codec import WireMeta, decode_payload, wire_meta
 log = logging.getLogger(__name__)
 
 
+def whole_run(wires: Sequence[WireMeta], payload_len: int) -> bool:
+    """A frame's payload is exactly its announced blocks, whole and uncompressed (what the senders
+    frame when they can): the receiver may store them at once."""
+    return bool(wires) and all(w.codec == "off" for w in wires) and sum(w.nbytes for w in wires) == payload_len
+
+
 class ReceiveSession:
     def __init__(self, sink: KVSink, cluster_token: str | bytes | None = None) -> None:
         """cluster_token: the deployment's, which keys the frames' MACs (None: the transfer
@@ -130,9 +136,7 @@ class ReceiveSession:
         if claim_run is None or not headers:
             return None
         wires = self.wire_metas(headers)
-        if any(w.codec != "off" for w in wires) or sum(w.nbytes for w in wires) != payload_len:
-            return None
-        return claim_run([w.meta for w in wires], self.token)
+        return claim_run([w.meta for w in wires], self.token) if whole_run(wires, payload_len) else None
 
     def finish(self, run: ClaimedRun, written: bool) -> None:
         """A claimed run's end (KVConnector.finish_run); written: its frame's MAC held."""
