@@ -112,11 +112,13 @@ def wait_up_line(proc: subprocess.Popen, timeout: float = 120) -> UpOutput:
 
 
 def catch_holder(procs: Sequence[P], holds: Callable[[P], bool], pid: Callable[[P], int],
-                 already_frozen: bool = False) -> P | None:
+                 already_frozen: bool = False, keep_frozen: bool = False) -> P | None:
     """The one of procs that holds something at this moment (say, a running request), found
     without racing it to the end: every candidate is frozen (SIGSTOP) first (or was, by the
     caller), then each resumed in turn and asked at once, so the holder cannot finish before it
-    is asked. All run again on return; none stays frozen for more than the others' questions."""
+    is asked. All run again on return (none stays frozen for more than the others' questions),
+    except, with keep_frozen, the holder: it is frozen again as soon as it has answered, so what
+    it held is still there when the caller acts on it (the caller resumes it)."""
     def send(p: P, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):   # one that died meanwhile holds nothing
             os.kill(pid(p), sig)
@@ -129,9 +131,12 @@ def catch_holder(procs: Sequence[P], holds: Callable[[P], bool], pid: Callable[[
             send(p, signal.SIGCONT)
             if found is None and holds(p):
                 found = p
+                if keep_frozen:
+                    send(p, signal.SIGSTOP)
     finally:
         for p in procs:
-            send(p, signal.SIGCONT)
+            if not (keep_frozen and p is found):
+                send(p, signal.SIGCONT)
     return found
 
 

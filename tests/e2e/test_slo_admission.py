@@ -18,6 +18,8 @@ import urllib.request
 import grpc
 import pytest
 
+from pdserve.v1 import membership_pb2 as m
+from pdserve.v1 import membership_pb2_grpc, worker_pb2
 from services.client import Client
 from services.deployment.launcher import free_port
 from tests.serving import metric, scrape, start_cluster
@@ -27,6 +29,7 @@ SHORT = dict(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(1, 31))
 HOLDER = [(i * 7) % 1000 + 1 for i in range(699)]   # a long request's prompt (after its own first token)
 BIG = [(i * 11) % 1000 + 1 for i in range(999)]     # a prompt that does not fit beside two long requests
+BIG_BLOCKS = 125                                    # its 1000 tokens in blocks of 8
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +47,12 @@ def _router_metrics(cluster) -> dict[str, float]:
     return scrape(next(p.metrics_address for p in cluster.processes if p.name == "router"))
 
 
+def _decode_free_blocks_seen_by_router(cluster) -> int:
+    with cluster.spec.credentials.sync_channel(cluster.router_address) as ch:
+        workers = membership_pb2_grpc.MembershipStub(ch).ListWorkers(m.ListWorkersRequest(), timeout=10).workers
+    return min(w.num_free_blocks for w in workers if w.role == worker_pb2.WORKER_ROLE_DECODE)
+
+
 class Occupied:
     """Two long requests holding the decode worker's whole pool, each on its own thread."""
 
@@ -55,9 +64,13 @@ class Occupied:
             t = threading.Thread(target=self._one, args=(i,))
             t.start()
             self.threads.append(t)
+        # Both running at the router, and the router's last status from the decode worker shows
+        # their blocks (its prediction reads that status: a request arriving before it came
+        # would be predicted to fit at once, and wait instead).
         deadline = time.monotonic() + 30
-        while metric(_router_metrics(self.cluster), "pdserve:num_requests_running") < 2:
-            assert time.monotonic() < deadline, "the long requests did not start"
+        while not (metric(_router_metrics(self.cluster), "pdserve:num_requests_running") >= 2
+                   and _decode_free_blocks_seen_by_router(self.cluster) < BIG_BLOCKS):
+            assert time.monotonic() < deadline, "the long requests did not take the decode worker's pool"
             time.sleep(0.01)
         return self
 

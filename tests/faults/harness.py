@@ -25,7 +25,8 @@ from tests.serving import catch_holder, channel, start_cluster
 
 REPORT_ENV = "PDSERVE_FAULT_REPORT"
 STALL_S = 3.0
-FAULT_ENGINE = ["--block-size", "8", "--num-kv-blocks", "1024", "--dtype", "float32", "--max-num-batched-tokens", "8"]
+BLOCK_SIZE = 8
+FAULT_ENGINE = ["--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "1024", "--dtype", "float32", "--max-num-batched-tokens", "8"]
 FAULT_ROUTER = ["--stall-timeout-s", str(STALL_S), "--worker-wait-s", "20", "--migration-limit", "3"]
 FAULT_WORKER = ["--kv-lease-idle-s", "3"]
 
@@ -184,14 +185,17 @@ class FaultCluster:
                 continue
         return None
 
-    def catch_holding(self, role: str, field_name: str) -> str | None:
-        """holding(), without a race against a phase about to end (tests.serving.catch_holder)."""
-        def holds(name: str) -> bool:
+    def catch_holding(self, role: str, holds: Callable[[worker_pb2.WorkerStatus], bool],
+                      keep_frozen: bool = False) -> str | None:
+        """The worker of role whose status satisfies holds, without a race against a phase about
+        to end (tests.serving.catch_holder; with keep_frozen it is returned frozen)."""
+        def asked(name: str) -> bool:
             try:
-                return getattr(self.status(name), field_name) > 0
+                return holds(self.status(name))
             except grpc.RpcError:
                 return False
-        return catch_holder(self.names(role), holds, lambda name: self.process(name).popen.pid)
+        return catch_holder(self.names(role), asked, lambda name: self.process(name).popen.pid,
+                            keep_frozen=keep_frozen)
 
     def signal(self, name: str, sig: int) -> None:
         os.kill(self.process(name).popen.pid, sig)
@@ -259,4 +263,4 @@ def record(case: str, **figures) -> None:
     report.write_text(json.dumps(rows, indent=1))
 
 
-__all__ = ["FaultCluster", "Observed", "STALL_S", "asdict", "observe", "record", "wait_for"]
+__all__ = ["BLOCK_SIZE", "FaultCluster", "Observed", "STALL_S", "asdict", "observe", "record", "wait_for"]
