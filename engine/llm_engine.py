@@ -26,7 +26,8 @@ from typing import Sequence as Seq
 from engine.block_manager import BlockManager, NoFreeBlocks
 from engine.parallel import RankFailure
 from engine.config import ROLES, EngineConfig
-from engine.kv_connector import KVConnector, LeasePolicy, Reservation
+from engine.kv_connector import KVConnector
+from engine.kv_handoff import LeasePolicy, Reservation
 from engine.kv_pool import KVBlockPool
 from engine.kv_events import KVEventBatch, KVEventLog
 from engine.kv_tiers import no_tier_stats, tiers_for

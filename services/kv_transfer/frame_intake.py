@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.kv_connector import HandoffError
+from engine.kv_handoff import HandoffError
 from pdserve.v1 import kv_pb2
 from services.kv_transfer.base import MAX_PENDING_HEADERS
 from services.kv_transfer.frames import Frame

@@ -15,7 +15,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from engine.kv_connector import HandoffError
+from engine.kv_handoff import HandoffError
 from pdserve.v1 import kv_pb2, kv_pb2_grpc
 from services.kv_transfer import shared_memory
 from services.kv_transfer.base import KVSink

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from engine.kv_connector import HandoffError
+from engine.kv_handoff import HandoffError
 from pdserve.v1 import kv_pb2
 from services.kv_transfer import integrity
 from services.kv_transfer.base import KVBlock, KVSender, KVSink, KVStream, KVTransferError, SendResult

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 from typing import Iterable, Sequence
 
-from engine.kv_connector import BlockMeta, ClaimedRun, HandoffError, HandoffState
+from engine.kv_connector import ClaimedRun
+from engine.kv_handoff import BlockMeta, HandoffError, HandoffState
 from pdserve.v1 import kv_pb2
 from services.kv_transfer import integrity
 from services.kv_transfer.base import KVSink

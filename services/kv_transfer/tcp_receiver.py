@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.kv_connector import HandoffError, HandoffState
+from engine.kv_handoff import HandoffError, HandoffState
 from services.kv_transfer import tcp_wire
 from services.kv_transfer.base import KVSink
 from services.kv_transfer.frame_intake import Pending, end, take_inline

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from engine.kv_connector import BlockMeta, HandoffError
+from engine.kv_handoff import BlockMeta, HandoffError
 from pdserve.v1 import kv_pb2
 from services.kv_transfer import compression
 from services.kv_transfer.base import KVBlock, block_meta

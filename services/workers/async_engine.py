@@ -19,7 +19,7 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from engine.kv_connector import HandoffState, LeasePolicy
+from engine.kv_handoff import HandoffState, LeasePolicy
 from engine.parallel import RankFailure
 from services.change_signal import ChangeSignal
 

@@ -3,14 +3,11 @@ flags without importing the worker (services/workers/worker_process.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from engine.kv_handoff import LeasePolicy
 from engine.settings import setting
 from services.kv_transfer import shared_memory
 from services.deployment.topology import drain_timeout_setting, otlp_endpoint_setting
-
-if TYPE_CHECKING:
-    from engine.kv_connector import LeasePolicy
 
 
 KV_COMPRESSION_MODES = ("auto", "off", "lossless", "int8")   # services/kv_transfer/wire_codec.MODES
@@ -79,8 +76,7 @@ class WorkerConfig:
             raise ValueError(f"kv_shared_memory_max_bytes must be >= 0, got {self.kv_shared_memory_max_bytes}")
 
     @property
-    def lease(self) -> "LeasePolicy":
-        from engine.kv_connector import LeasePolicy   # the engine floor (torch): only in the worker itself
+    def lease(self) -> LeasePolicy:
         return LeasePolicy(self.kv_lease_idle_s, self.kv_lease_max_s)
 
 

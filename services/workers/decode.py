@@ -9,7 +9,7 @@ from typing import AsyncIterator
 import grpc
 
 from engine import NoCapacity
-from engine.kv_connector import HandoffError, HandoffState
+from engine.kv_handoff import HandoffError, HandoffState
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.workers.async_engine import AsyncEngine
 from services.workers.colocated import generate_local

@@ -26,7 +26,7 @@ import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import transfer_block_hashes
-from engine.kv_connector import HandoffState
+from engine.kv_handoff import HandoffState
 from services.client import Client
 from services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError, KVTransferServicer, register_kv_servicer
 from services.kv_transfer import shared_memory

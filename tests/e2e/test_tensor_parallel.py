@@ -192,7 +192,7 @@ def test_worker_with_a_killed_rank_fails_and_frees_its_blocks(tiny_qwen3: str) -
     and another request's blocks are reserved for its KV fails both and frees every block; the
     worker drains and raises RankFailure (its supervisor restarts it) instead of hanging."""
     from engine import EngineConfig
-    from engine.kv_connector import HandoffState
+    from engine.kv_handoff import HandoffState
     from services.workers.worker_process import WorkerOptions, serve_worker
 
     config = EngineConfig(model=tiny_qwen3, role="decode", dtype="float32", block_size=8, num_kv_blocks=64,
@@ -339,7 +339,7 @@ def test_head_ranges_are_checked(tiny_qwen3: str) -> None:
 
     from engine import EngineConfig, LLMEngine
     from engine.block_manager import transfer_block_hashes
-    from engine.kv_connector import HandoffError, HandoffState
+    from engine.kv_handoff import HandoffError, HandoffState
     from services.kv_transfer import KVBlock, block_meta
 
     decode = LLMEngine(EngineConfig(model=tiny_qwen3, role="decode", dtype="float32", block_size=8, num_kv_blocks=16))

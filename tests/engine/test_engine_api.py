@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, EngineConfig, LLMEngine, NoCapacity, SamplingParams
 from engine.block_manager import transfer_block_hashes
-from engine.kv_connector import BlockMeta, HandoffError, HandoffState, LeasePolicy
+from engine.kv_handoff import BlockMeta, HandoffError, HandoffState, LeasePolicy
 from tests.conftest import assert_no_leak, hf_greedy, random_prompts
 
 PROMPTS = random_prompts(6, 5, 40, seed=21)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.kv_connector import BlockMeta, HandoffError, HandoffState, LeasePolicy
+from engine.kv_handoff import BlockMeta, HandoffError, HandoffState, LeasePolicy
 from tests.conftest import assert_no_leak
 
 KW = dict(dtype="float32", block_size=8, num_kv_blocks=32, max_num_batched_tokens=64, max_model_len=256)

@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import BlockManager
-from engine.kv_connector import BlockMeta, HandoffState
+from engine.kv_handoff import BlockMeta, HandoffState
 from engine.scheduler import Scheduler, StepTrace
 from engine.sequence import Sequence, SequenceStatus
 from tests.conftest import assert_no_leak, random_prompts

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLM, SamplingParams
-from engine.kv_connector import HandoffError, HandoffState
+from engine.kv_handoff import HandoffError, HandoffState
 from services.workers.async_engine import AsyncEngine
 from tests.conftest import assert_no_leak
 

@@ -9,7 +9,7 @@ import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.block_manager import transfer_block_hashes
-from engine.kv_connector import HandoffError, HandoffState
+from engine.kv_handoff import HandoffError, HandoffState
 from services.kv_transfer import KVBlock, integrity
 from services.kv_transfer.base import block_meta
 from services.kv_transfer.frames import iter_wire_frames, parse_frame

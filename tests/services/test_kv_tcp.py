@@ -19,7 +19,7 @@ import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.block_manager import transfer_block_hashes
-from engine.kv_connector import HandoffState
+from engine.kv_handoff import HandoffState
 from services.kv_transfer import KVBlock, KVTransferError, tcp_wire
 from services.kv_transfer.tcp_receiver import DataPlaneLimits, KVDataListener
 from services.kv_transfer.tcp_transport import TcpKVSender

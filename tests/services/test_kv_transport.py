@@ -18,7 +18,7 @@ import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.block_manager import transfer_block_hashes
-from engine.kv_connector import HandoffState
+from engine.kv_handoff import HandoffState
 from pdserve.v1 import kv_pb2
 from services.deployment.ports import free_port
 from services.kv_transfer import GrpcKVSender, KVBlock, KVSender, KVTransferError, KVTransferServicer

@@ -15,7 +15,7 @@ import torch
 from prometheus_client import generate_latest
 
 from engine import LLMEngine
-from engine.kv_connector import HandoffState
+from engine.kv_handoff import HandoffState
 from pdserve.v1 import kv_pb2
 from services.grpc_setup import options as channel_options
 from services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError, compression, integrity, wire_codec

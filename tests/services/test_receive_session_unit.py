@@ -11,7 +11,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import transfer_block_hashes
-from engine.kv_connector import HandoffError, HandoffState
+from engine.kv_handoff import HandoffError, HandoffState
 from pdserve.v1 import kv_pb2
 from services.kv_transfer import integrity
 from services.kv_transfer.base import KVBlock
