@@ -280,7 +280,7 @@ def planner_cmd(args: argparse.Namespace, profile: str, router: str, metrics: st
             "--confirmations", str(args.confirmations), "--min-dwell-s", str(args.min_dwell_s),
             "--min-window-requests", str(args.min_window_requests), "--hysteresis", str(args.hysteresis),
             "--num-prompts", str(args.plan_num_prompts), "--chunk-budgets", str(args.max_num_batched_tokens),
-            "--threads-per-worker", "1"]
+            "--threads-per-worker", "1", "--cores", str(os.cpu_count() or 1)]   # every worker on this machine
 
 
 def measure_profile(model: str, logs: Path) -> str:

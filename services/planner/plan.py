@@ -60,7 +60,9 @@ class PlanConfig:
     range_ratio: float = setting(0.0, "length spread (as `bench serve --random-range-ratio`)")
     burstiness: float = setting(1.0, "gamma shape of the arrival gaps; 1: Poisson")
     seed: int = setting(0, "workload seed (as `bench serve --seed`)")
-    cores: int | None = setting(None, "core budget; none: this machine's cores")
+    cores: int | None = setting(None, "core budget: the candidates fit in it; with --watch, the cores the running "
+                                      "workers share (more workers than cores take turns); none: this machine's "
+                                      "cores, and with --watch a core per worker")
     chunk_budgets: str = setting("256,512,2048", "max_num_batched_tokens candidates, comma-separated")
     policies: str = setting("mixed,prefill_first,interleave", "schedule policy candidates of colocated workers")
     threads_per_worker: int = setting(1, "torch threads per worker (the profile's cost model is for its own count)")

@@ -18,7 +18,10 @@ rules they follow:
   worker's pinned blocks are released when the transfer ends.
 
 A worker's engine steps back to back while it has work; a request that arrives during a step
-joins the next one, as on the engine thread. The CPU the services spend around the engine (the
+joins the next one, as on the engine thread. Workers that outnumber the cores they share
+(``Candidate.shared_cores``: three workers on two cores) share them as the OS would, evenly
+among those stepping at the moment: a step's priced time is its work at a whole core, and it
+ends later while more workers than cores step beside it (``Simulation._reschedule``). The CPU the services spend around the engine (the
 profile's ``serving`` costs: a worker's event loop per token, per request and per KV block, the
 router per token on the core `pdserve up` pins it to) runs on the same core as some worker's
 engine thread, so it lengthens that worker's next step (``SimWorker.core_debt_s``). One simplification: ``LLMEngine.step`` applies a
@@ -52,10 +55,15 @@ class Candidate:
     max_num_batched_tokens: int = 2048
     schedule_policy: str = "auto"
     threads_per_worker: int = 1
+    # The cores the workers share (several workers on one machine with fewer cores than their
+    # threads: the ones stepping at once split them evenly); None: every worker has its own.
+    shared_cores: int | None = None
 
     def __post_init__(self) -> None:
         if self.colocated_workers < 0 or self.prefill_workers < 0 or self.decode_workers < 0:
             raise ValueError("worker counts must be >= 0")
+        if self.shared_cores is not None and self.shared_cores < 1:
+            raise ValueError(f"shared_cores must be >= 1, got {self.shared_cores}")
         if not self.colocated_workers and (self.prefill_workers < 1 or self.decode_workers < 1):
             raise ValueError("a disaggregated candidate needs prefill_workers >= 1 and decode_workers >= 1")
 
@@ -162,6 +170,9 @@ class SimWorker:
         # what they owe is paid first out of the time the core then sits idle.
         self.core_debt_s = 0.0
         self.idle_since = 0.0
+        self.step_left_s = 0.0     # the running step's work left, in seconds at a whole core
+        self.step_version = 0      # its end events carry this: one from before a reschedule is stale
+        self.step_outputs: list[RequestOutput] = []
 
     @property
     def free_blocks(self) -> int:
@@ -182,10 +193,20 @@ class SimWorker:
         self.steps.append(SimStep(self.sim.now, seconds, self.engine.trace[-1]))
         self.busy_seconds += seconds
         self.busy = True
-        self.sim.at(self.sim.now + seconds, self._end_step, outputs)
+        self.step_left_s, self.step_outputs = seconds, outputs
+        self.schedule_end()
 
-    def _end_step(self, outputs: list[RequestOutput]) -> None:
+    def schedule_end(self) -> None:
+        """(Re)schedule the running step's end at the rate the worker's core share now allows."""
+        self.step_version += 1
+        self.sim.at(self.sim.now + self.step_left_s / self.sim.core_share(), self._end_step, self.step_version)
+
+    def _end_step(self, version: int) -> None:
+        if version != self.step_version:
+            return   # rescheduled since
+        outputs, self.step_outputs = self.step_outputs, []
         self.busy = False
+        self.step_left_s = 0.0
         self.idle_since = self.sim.now
         for out in outputs:
             self.sim.on_output(self, out)
@@ -209,6 +230,10 @@ class Simulation:
         self._seq = itertools.count()
         self.requests: dict[str, SimRequest] = {}
         self.queue: list[SimRequest] = []      # disaggregated admission queue (FIFO)
+        self.shared_threads = (candidate.shared_cores
+                               if candidate.shared_cores is not None and candidate.cores > candidate.shared_cores
+                               else None)     # None: no worker ever waits for a core
+        self._busy_at_schedule = 0             # workers stepping when their ends were last scheduled
         eng = cost.engine
         num_blocks = int(eng.get("num_kv_blocks") or eng.get("resolved_num_kv_blocks") or 0)
         if num_blocks < 1:
@@ -268,6 +293,33 @@ class Simulation:
     def at(self, t: float, fn: Callable, *args: Any) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn, args))
 
+    def _stepping(self) -> list[SimWorker]:
+        return [w for w in self.workers if w.busy]
+
+    def core_share(self) -> float:
+        """The fraction of a whole core each stepping worker's thread gets now."""
+        if self.shared_threads is None:
+            return 1.0
+        demand = len(self._stepping()) * self.candidate.threads_per_worker
+        return min(1.0, self.shared_threads / demand) if demand else 1.0
+
+    def _advance(self, t: float) -> None:
+        """Steps running until t did that much of their work at the current share."""
+        if self.shared_threads is None or t <= self.now:
+            return
+        done = (t - self.now) * self.core_share()
+        for w in self._stepping():
+            w.step_left_s = max(0.0, w.step_left_s - done)
+
+    def _reschedule(self) -> None:
+        """More or fewer workers step now: every running step's end moves to the new share."""
+        stepping = self._stepping()
+        if self.shared_threads is None or len(stepping) == self._busy_at_schedule:
+            return
+        self._busy_at_schedule = len(stepping)
+        for w in stepping:
+            w.schedule_end()
+
     def run(self, prompts: Sequence[list[int]], output_lens: Sequence[int], offsets: Sequence[float]) -> list[Any]:
         from services.loadtest.results import RequestResult
         for i, (prompt, n_out, t) in enumerate(zip(prompts, output_lens, offsets)):
@@ -276,8 +328,10 @@ class Simulation:
             self.at(t + self.overheads.router_s, self._arrive, req)
         while self._events:
             t, _, fn, args = heapq.heappop(self._events)
+            self._advance(t)
             self.now = t
             fn(*args)
+            self._reschedule()
         results = []
         for req in self.requests.values():
             res = RequestResult(prompt_len=len(req.prompt), start_time=req.send_time)

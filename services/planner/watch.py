@@ -184,7 +184,8 @@ class Decision:
 def decide(cost: CostModel, plan: PlanConfig, current: Split, traffic: Traffic, hysteresis: float,
            budget: int = 0) -> Decision:
     """Simulate every prefill:decode split of the current workers on the window's traffic, at the
-    workers' step token budget (0: the first of --chunk-budgets)."""
+    workers' step token budget (0: the first of --chunk-budgets), on --cores shared cores when
+    given (workers that outnumber them share them), else a core per worker."""
     slos = parse_slos(plan.slos)
     budget = budget or int(plan.chunk_budgets.split(",")[0])
     workload = traffic.workload(plan.num_prompts, plan.seed)
@@ -193,7 +194,8 @@ def decide(cost: CostModel, plan: PlanConfig, current: Split, traffic: Traffic, 
     for p in range(1, total):
         split = Split(p, total - p)
         m = simulate(cost, Candidate(prefill_workers=p, decode_workers=total - p, max_num_batched_tokens=budget,
-                                     threads_per_worker=plan.threads_per_worker), workload, plan.overheads, slos)
+                                     threads_per_worker=plan.threads_per_worker, shared_cores=plan.cores),
+                     workload, plan.overheads, slos)
         predicted[split.name] = {"goodput": m["request_goodput"] or 0.0, "attainment": m["slo_attainment"] or 0.0,
                                  "ttft_p99_ms": m["p99_ttft_ms"], "tpot_p99_ms": m["p99_tpot_ms"]}
     splits = [Split(p, total - p) for p in range(1, total)]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.planner.cost_model import CostModel, KindFit, StepSample, fit_nonnegative, step_features
+from services.planner.cost_model import CostModel, StepSample, fit_nonnegative, step_features
 from services.planner.plan import Workload, candidates, parse_slos, rank, simulate
 from services.planner.serving_costs import ServingCosts
 from services.planner.simulator import Candidate, Overheads, Simulation
@@ -152,6 +152,36 @@ def test_serving_cpu_is_charged_to_the_core_it_runs_on(cost: CostModel) -> None:
         return Simulation(cost, pd, overheads).run(later, [8, 8], [0.0, 0.05])   # arrives mid-decode
     alone, loaded = run(Overheads()), run(Overheads(client_s_per_token=0.05))
     assert loaded[1].ttft > alone[1].ttft + 0.05 and loaded[1].itl[2:] == pytest.approx(alone[1].itl[2:])
+
+
+def test_workers_that_outnumber_their_cores_share_them(cost: CostModel) -> None:
+    """Two colocated workers on one core: a step's work is priced at a whole core, and while both
+    step each gets half. Prompts of a and b tokens (b < a) arriving together, one per worker, each
+    one step: the short one ends at 2b, the long one then runs alone and ends at a + b (not at a)."""
+    long, short = list(range(2, 202)), list(range(300, 340))
+
+    def first_tokens(shared_cores: int | None) -> tuple[Simulation, list[float]]:
+        cand = Candidate(colocated_workers=2, max_num_batched_tokens=256, schedule_policy="mixed",
+                         shared_cores=shared_cores)
+        sim = Simulation(cost, cand, Overheads(serving_cpu=False))
+        return sim, [r.ttft for r in sim.run([long, short], [1, 1], [0.0, 0.0])]
+
+    sim, alone = first_tokens(None)
+    a, b = (next(s.seconds for s in w.steps if s.trace.request_ids == [rid])
+            for rid in ("sim-0", "sim-1") for w in sim.colocated if any(s.trace.request_ids == [rid] for s in w.steps))
+    assert b < a
+    _, shared = first_tokens(1)
+    assert shared[0] == pytest.approx(alone[0] + b)        # a + b after it started, instead of a
+    assert shared[1] == pytest.approx(alone[1] + b)        # 2b instead of b
+    assert first_tokens(2)[1] == pytest.approx(alone)      # enough cores: nobody waits
+    with pytest.raises(ValueError, match="shared_cores"):
+        Candidate(colocated_workers=1, shared_cores=0)
+    # A disaggregated split of three workers on two cores predicts slower first tokens than with a
+    # core each (the planner's --watch over a deployment on one machine).
+    w = Workload(rate=6.0, num_prompts=30, input_len=128, output_len=16)
+    own = simulate(cost, Candidate(prefill_workers=2, decode_workers=1, max_num_batched_tokens=256), w)
+    two = simulate(cost, Candidate(prefill_workers=2, decode_workers=1, max_num_batched_tokens=256, shared_cores=2), w)
+    assert two["mean_ttft_ms"] > own["mean_ttft_ms"] and two["completed"] == own["completed"] == 30
 
 
 def test_simulation_is_deterministic_for_a_seed(cost: CostModel) -> None:

@@ -3,6 +3,7 @@ traffic, the split the simulator recommends for it, and when a change is made (h
 confirmations, dwell). The loop against a running deployment is in tests/e2e/test_membership.py."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 from types import SimpleNamespace
@@ -59,6 +60,10 @@ def test_decode_heavy_traffic_moves_a_prefill_worker_to_decode(cost) -> None:
     assert same.best == Split(1, 2) and not same.change
     light = Traffic(10.0, 600.0, 0.0, 600 * 24.0, 600 * 10.0)             # short answers: a split barely matters
     assert not decide(cost, plan, Split(2, 1), light, hysteresis=0.1).change
+    # --cores: the three workers share two cores, so every split is predicted slower than with a core each
+    shared = decide(cost, dataclasses.replace(plan, cores=2), Split(2, 1), heavy, hysteresis=0.1)
+    for split in ("1P2D", "2P1D"):
+        assert shared.predicted[split]["ttft_p99_ms"] > decision.predicted[split]["ttft_p99_ms"]
 
 
 def _members(prefill: int, decode: int) -> Members:
