@@ -47,6 +47,7 @@ class RouterOptions:
     generation: GenerationOptions = field(default_factory=GenerationOptions)
     limits: RequestLimits = field(default_factory=RequestLimits)
     config: RouterConfig = field(default_factory=RouterConfig)
+    workers_file: str | None = None     # more members, from a watched file (services/router/workers_file.py)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -219,8 +220,13 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
     pool.start()
     membership = MembershipServicer(pool, MembershipSettings(
         options.config.drain_timeout_s, remote_workers=credentials.tls is not None or remote_workers))
+    watcher = None
     try:
         await pool.wait_ready(options.config.ready_timeout_s)
+        if options.workers_file:
+            from services.router.workers_file import WorkersFileWatcher
+            watcher = WorkersFileWatcher(options.workers_file, membership, options.config.drain_timeout_s)
+            watcher.start()
         metrics = RouterMetrics(model_name=options.model)
         servicer = RouterServicer(options, pool, metrics)
         metrics.attach_routing(servicer.generator.placement)
@@ -265,6 +271,8 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
                 await http.stop()
             await server.server.stop(grace=1)
     finally:
+        if watcher is not None:
+            await watcher.stop()
         await membership.close()
         await pool.close()
         tracing.shutdown()

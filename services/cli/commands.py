@@ -237,7 +237,8 @@ def cmd_router(args: argparse.Namespace) -> int:
     options = RouterOptions(model=model_dir(args), prefill=_split(args.prefill), decode=_split(args.decode),
                             colocated=_split(args.colocated), generation=config_from_args(GenerationOptions, args),
                             limits=config_from_args(RequestLimits, args),
-                            config=config_from_args(RouterConfig, args, served_model_name=_served_names(args)))
+                            config=config_from_args(RouterConfig, args, served_model_name=_served_names(args)),
+                            workers_file=args.workers_file)
     from services.metrics import read_metrics_token
     asyncio.run(serve_router(options, args.host, args.port, args.metrics_port, credentials=_credentials(args, "router"),
                              api_key=_api_key(args), metrics_token=read_metrics_token(args.metrics_token_file),
@@ -450,6 +451,10 @@ def _p_router(p: argparse.ArgumentParser) -> None:
                                                                   "(more may join: a worker's --router)")
     p.add_argument("--decode", default="", metavar="ADDRS", help="comma-separated decode worker addresses")
     p.add_argument("--colocated", default="", metavar="ADDRS", help="comma-separated colocated worker addresses")
+    p.add_argument("--workers-file", default=None, metavar="PATH",
+                   help="more workers, one 'ROLE HOST:PORT' per line (ROLE: prefill, decode, colocated), read again "
+                        "whenever the file changes: lines added join, lines removed drain and leave, a changed role "
+                        "is switched")
     p.add_argument("--host", default=DEFAULT_HOST, help="address to bind")
     p.add_argument("--port", type=int, default=ROUTER_PORT, help="the public gRPC port")
     _add_metrics_args(p)

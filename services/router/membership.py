@@ -46,6 +46,14 @@ MAX_WORKER_ID_CHARS = 128
 S = membership_pb2
 
 
+class Refused(Exception):
+    """A membership change refused, with the gRPC status the API answers it with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 @dataclass(slots=True)
 class MembershipSettings:
     drain_timeout_s: float            # in-flight requests of a worker being removed or switched finish within this
@@ -123,6 +131,17 @@ class MembershipServicer(membership_pb2_grpc.MembershipServicer):
             await self.pool.wait_changed(deadline - time.monotonic())
         return self.member(worker)
 
+    def add(self, address: str, role: str) -> WorkerHandle:
+        """A member at address from now on (Refused if the address may not be one, or is one in
+        another role); routed to once its status stream says it is healthy."""
+        problem = self.address_problem(address)
+        if problem is not None:
+            raise Refused(*problem)
+        try:
+            return self.pool.add(address, role)
+        except MembershipError as exc:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+
     async def DrainWorker(self, request: membership_pb2.DrainWorkerRequest, context) -> membership_pb2.Member:
         worker = await self._find(request.address, context)
         self._set_admitting(worker, False)
@@ -137,34 +156,47 @@ class MembershipServicer(membership_pb2_grpc.MembershipServicer):
 
     async def RemoveWorker(self, request: membership_pb2.DrainWorkerRequest, context) -> membership_pb2.Member:
         worker = await self._find(request.address, context)
-        timeout = await self._drain_timeout(request.drain_timeout_s, context)
+        await self.remove(worker, await self._drain_timeout(request.drain_timeout_s, context))
+        return self.member(worker)
+
+    async def remove(self, worker: WorkerHandle, drain_timeout_s: float) -> None:
+        """Drain worker (its requests get drain_timeout_s to finish, then move), then forget it."""
         self._set_admitting(worker, False)
-        await self._quiesce(worker, timeout)
+        await self._quiesce(worker, drain_timeout_s)
         await self.pool.remove(worker)
         self._spawn(self._close_when_released(worker))
-        return self.member(worker)
 
     async def SwitchRole(self, request: membership_pb2.SwitchRoleRequest, context) -> membership_pb2.Member:
         worker = await self._find(request.address, context)
         role = await self._role(request.role, context)
         timeout = await self._drain_timeout(request.drain_timeout_s, context)
+        try:
+            await self.switch_role(worker, role, timeout)
+        except Refused as exc:
+            await context.abort(exc.code, str(exc))
+        return self.member(worker)
+
+    async def switch_role(self, worker: WorkerHandle, role: str, drain_timeout_s: float) -> None:
+        """Drain worker, switch its role in its process (model and KV pool kept), route to it in
+        the new role. Refused (the worker keeps its role and serves again) if it is switching
+        already, did not become idle, or refused."""
         if role == worker.role:
-            return self.member(worker)
+            return
         if worker in self.switching:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{worker.address} is switching its role already")
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"{worker.address} is switching its role already")
         was_admitting = worker.admitting
         self.switching.add(worker)
         self._set_admitting(worker, False)
         old = worker.role
         try:
-            if not await self._quiesce(worker, timeout):
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"{worker.address} did not become idle: its role was not switched")
+            if not await self._quiesce(worker, drain_timeout_s):
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"{worker.address} did not become idle: its role was not switched")
             try:
                 status = await worker.info.SetRole(worker_pb2.SetRoleRequest(role=ROLE_ENUM[role]),
                                                    timeout=SET_ROLE_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
-                await context.abort(exc.code(), f"{worker.address} refused the switch: {exc.details()}")
+                raise Refused(exc.code(), f"{worker.address} refused the switch: {exc.details()}") from None
             self.pool.set_role(worker, ROLE_NAMES.get(status.role, role))
             worker.status = status
             log.info("worker %s switched role %s -> %s", worker.address, old, worker.role)
@@ -172,7 +204,6 @@ class MembershipServicer(membership_pb2_grpc.MembershipServicer):
         finally:
             self.switching.discard(worker)
             self._set_admitting(worker, was_admitting)
-        return self.member(worker)
 
     # ---- draining ----------------------------------------------------------------------------
     def _set_admitting(self, worker: WorkerHandle, admitting: bool) -> None:
@@ -233,17 +264,24 @@ class MembershipServicer(membership_pb2_grpc.MembershipServicer):
 
     # ---- checks ------------------------------------------------------------------------------
     async def _address(self, address: str, context) -> str:
+        problem = self.address_problem(address)
+        if problem is not None:
+            await context.abort(*problem)
+        return address
+
+    def address_problem(self, address: str) -> tuple[grpc.StatusCode, str] | None:
+        """Why address may not be a member (the status and the message), or None."""
         host, sep, port = address.rpartition(":")
         if len(address) > MAX_ADDRESS_CHARS or not (sep and host.strip("[]") and port.isdigit()
                                                      and 0 < int(port) < 65536):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"address must be HOST:PORT (port 1-65535, at most {MAX_ADDRESS_CHARS} characters), "
-                                f"got {address[:MAX_ADDRESS_CHARS]!r}")
+            return (grpc.StatusCode.INVALID_ARGUMENT,
+                    f"address must be HOST:PORT (port 1-65535, at most {MAX_ADDRESS_CHARS} characters), "
+                    f"got {address[:MAX_ADDRESS_CHARS]!r}")
         if not self.settings.remote_workers and not is_loopback(host_of(address)):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"{address} is not a loopback address: this router dials other hosts only with mutual "
-                                f"TLS (--tls-*) or --insecure-internal-plane")
-        return address
+            return (grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{address} is not a loopback address: this router dials other hosts only with mutual "
+                    f"TLS (--tls-*) or --insecure-internal-plane")
+        return None
 
     @staticmethod
     async def _role(role: int, context) -> str:
@@ -260,9 +298,9 @@ class MembershipServicer(membership_pb2_grpc.MembershipServicer):
 
     async def _add(self, address: str, role: str, context) -> WorkerHandle:
         try:
-            return self.pool.add(address, role)
-        except MembershipError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            return self.add(address, role)
+        except Refused as exc:
+            await context.abort(exc.code, str(exc))
 
     async def _find(self, address: str, context) -> WorkerHandle:
         worker = self.pool.find(address)
