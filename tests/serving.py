@@ -157,8 +157,11 @@ class SteadyLoad:
     """Clients sending fresh prompts (new to every prefix cache, so routing spreads them by load),
     greedy, until stopped; every answer is kept with its prompt, every failure too."""
 
-    def __init__(self, address: str, clients: int = 2, seed: int = 0, max_tokens: int = 10) -> None:
-        self.address, self.clients = address, clients
+    def __init__(self, address: str, clients: int = 2, seed: int = 0, max_tokens: int = 10,
+                 pause_s: float = 0.0) -> None:
+        """pause_s: each client waits this long between an answer and its next request (a rate
+        bounded by clients / pause_s, whatever the deployment's speed)."""
+        self.address, self.clients, self.pause_s = address, clients, pause_s
         self.rng = random.Random(seed)
         self.params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
         self.migrations = 0
@@ -178,6 +181,8 @@ class SteadyLoad:
                         self.migrations += out.timings["migrations"]
                     except grpc.RpcError as exc:
                         self.failures.append(f"{exc.code().name}: {exc.details()}")
+                    if self.pause_s:
+                        await asyncio.sleep(self.pause_s)
             await asyncio.gather(*(one() for _ in range(self.clients)))
 
     def __enter__(self) -> "SteadyLoad":

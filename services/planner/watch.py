@@ -12,7 +12,13 @@ A change is made (``--apply``) only when the best split beats the current one by
 ``min_dwell_s`` after the last change: a noisy window does not flip roles back and forth. The
 change is one role switch per worker moved, through ``Membership.SwitchRole`` (the worker is
 drained, switched in its process, and takes requests again in its new role: no request lost).
-Every window's decision is printed, with both splits' predicted figures.
+
+With ``--spares`` (idle worker processes that are not members) the planner also sizes the
+deployment: it simulates every total from the workers it was given to those plus the spares,
+picks the fewest workers whose best split keeps ``--target-attainment`` of the requests within
+the SLOs, and adds spares (``Membership.AddWorker``) or drains and removes them again
+(``Membership.RemoveWorker``) to get there. It never removes a worker it was not given as spare.
+Every window's decision is printed, with the predicted figures of every split it simulated.
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
+
+import grpc
 
 from engine.settings import setting
 from services.planner.cost_model import CostModel
@@ -53,6 +61,12 @@ class WatchConfig:
     apply: bool = setting(False, "watch: make the change (role switches through the router's membership API); "
                                  "without it the planner only says what it would do")
     max_windows: int = setting(0, "watch: stop after this many windows (0: until interrupted)")
+    spares: str = setting("", "watch: comma-separated HOST:PORT of idle workers (running, not members) the planner "
+                              "may add when the traffic needs more workers than the deployment has, and remove "
+                              "again (drained) when it needs fewer; none: it only moves roles", metavar="ADDRS")
+    target_attainment: float = setting(0.95, "watch, with --spares: the deployment is sized to the fewest workers "
+                                             "whose best split is predicted to keep this fraction of requests "
+                                             "within the SLOs")
 
     def __post_init__(self) -> None:
         if self.watch and not (self.router and self.router_metrics):
@@ -64,6 +78,20 @@ class WatchConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.hysteresis < 0 or self.min_dwell_s < 0:
             raise ValueError("hysteresis and min_dwell_s must be >= 0")
+        if not 0 < self.target_attainment <= 1:
+            raise ValueError(f"target_attainment must be in (0, 1], got {self.target_attainment}")
+        bad = [a for a in self.spare_addresses if not _is_host_port(a)]
+        if bad:
+            raise ValueError(f"spares must be HOST:PORT addresses, got {bad[0]!r}")
+
+    @property
+    def spare_addresses(self) -> list[str]:
+        return [a.strip() for a in self.spares.split(",") if a.strip()]
+
+
+def _is_host_port(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536)
 
 
 # ---- what the router's metrics say ------------------------------------------------------------
@@ -162,6 +190,10 @@ class Split:
     def name(self) -> str:
         return f"{self.prefill}P{self.decode}D"
 
+    @property
+    def total(self) -> int:
+        return self.prefill + self.decode
+
 
 @dataclass(slots=True)
 class Decision:
@@ -177,31 +209,52 @@ class Decision:
                     f"{p['ttft_p99_ms']:.0f} ms, TPOT p99 {p['tpot_p99_ms']:.1f} ms)")
         if self.best == self.current:
             return f"keep {self.current.name}: predicted {fig(self.current.name)}; no split does better"
-        verdict = "move to" if self.change else "keep (below the hysteresis):"
+        if self.best.total > self.current.total:
+            verdict = "scale up to" if self.change else "keep (below the hysteresis):"
+        elif self.best.total < self.current.total:
+            verdict = "scale down to"
+        else:
+            verdict = "move to" if self.change else "keep (below the hysteresis):"
         return f"{verdict} {self.best.name}: predicted {fig(self.best.name)} against {fig(self.current.name)}"
 
 
 def decide(cost: CostModel, plan: PlanConfig, current: Split, traffic: Traffic, hysteresis: float,
-           budget: int = 0) -> Decision:
+           budget: int = 0, spare: int = 0, removable: int = 0, target: float = 0.95) -> Decision:
     """Simulate every prefill:decode split of the current workers on the window's traffic, at the
     workers' step token budget (0: the first of --chunk-budgets), on --cores shared cores when
-    given (workers that outnumber them share them), else a core per worker."""
+    given (workers that outnumber them share them), else a core per worker.
+
+    With spare workers to add or removable ones to take away, every total in between is simulated
+    too, and the deployment is sized to the fewest workers whose best split keeps target of the
+    requests within the SLOs (the most there are, if none does). A larger one must also beat the
+    current split's goodput by the hysteresis; a smaller one is enough as it is (it keeps the
+    target)."""
     slos = parse_slos(plan.slos)
     budget = budget or int(plan.chunk_budgets.split(",")[0])
     workload = traffic.workload(plan.num_prompts, plan.seed)
-    total = current.prefill + current.decode
     predicted: dict[str, dict[str, float]] = {}
-    for p in range(1, total):
-        split = Split(p, total - p)
-        m = simulate(cost, Candidate(prefill_workers=p, decode_workers=total - p, max_num_batched_tokens=budget,
-                                     threads_per_worker=plan.threads_per_worker, shared_cores=plan.cores),
-                     workload, plan.overheads, slos)
-        predicted[split.name] = {"goodput": m["request_goodput"] or 0.0, "attainment": m["slo_attainment"] or 0.0,
-                                 "ttft_p99_ms": m["p99_ttft_ms"], "tpot_p99_ms": m["p99_tpot_ms"]}
-    splits = [Split(p, total - p) for p in range(1, total)]
-    best = max(splits, key=lambda s: (round(predicted[s.name]["goodput"], 6), -predicted[s.name]["ttft_p99_ms"]))
+    best_of: dict[int, Split] = {}
+    for total in range(max(2, current.total - removable), current.total + spare + 1):
+        splits = [Split(p, total - p) for p in range(1, total)]
+        for split in splits:
+            m = simulate(cost, Candidate(prefill_workers=split.prefill, decode_workers=split.decode,
+                                         max_num_batched_tokens=budget, threads_per_worker=plan.threads_per_worker,
+                                         shared_cores=plan.cores), workload, plan.overheads, slos)
+            predicted[split.name] = {"goodput": m["request_goodput"] or 0.0,
+                                     "attainment": m["slo_attainment"] or 0.0,
+                                     "ttft_p99_ms": m["p99_ttft_ms"], "tpot_p99_ms": m["p99_tpot_ms"]}
+        best_of[total] = max(splits, key=lambda s: (round(predicted[s.name]["goodput"], 6),
+                                                    -predicted[s.name]["ttft_p99_ms"]))
+    size = current.total
+    if spare or removable:
+        size = min((t for t, b in best_of.items() if predicted[b.name]["attainment"] >= target),
+                   default=max(best_of))
+    best = best_of[size]
     now = predicted[current.name]["goodput"]
-    change = best != current and predicted[best.name]["goodput"] > now * (1 + hysteresis) + 1e-9
+    if best.total < current.total:
+        change = True
+    else:
+        change = best != current and predicted[best.name]["goodput"] > now * (1 + hysteresis) + 1e-9
     return Decision(current, best, predicted, change)
 
 
@@ -213,6 +266,7 @@ class Members:
     prefill: list[Any]
     decode: list[Any]
     colocated: int
+    listed: set[str] = field(default_factory=set)   # every member's address, whatever its state
 
     @property
     def split(self) -> Split:
@@ -248,7 +302,14 @@ class Planner:
         live = [w for w in listed if w.state == m.MEMBER_STATE_SERVING]
         return Members([w for w in live if w.role == worker_pb2.WORKER_ROLE_PREFILL],
                        [w for w in live if w.role == worker_pb2.WORKER_ROLE_DECODE],
-                       sum(1 for w in live if w.role == worker_pb2.WORKER_ROLE_BOTH))
+                       sum(1 for w in live if w.role == worker_pb2.WORKER_ROLE_BOTH), {w.address for w in listed})
+
+    def spares(self, members: Members) -> tuple[list[str], list[Any]]:
+        """The spare workers that are not members (to add), and the serving members that are spares
+        (to take away again: the planner never removes a worker it was not given as spare)."""
+        spares = self.watch.spare_addresses
+        return ([a for a in spares if a not in members.listed],
+                [w for w in [*members.prefill, *members.decode] if w.address in spares])
 
     def window(self, traffic: Traffic, members: Members) -> Decision | None:
         """Plan on one window; apply the change when it is confirmed. None: nothing to plan on."""
@@ -261,7 +322,9 @@ class Planner:
                      f"not planned on")
             self.streak = ("", 0)
             return None
-        decision = decide(self.cost, self.plan, members.split, traffic, self.watch.hysteresis, members.budget)
+        free, added = self.spares(members)
+        decision = decide(self.cost, self.plan, members.split, traffic, self.watch.hysteresis, members.budget,
+                          spare=len(free), removable=len(added), target=self.watch.target_attainment)
         wanted = decision.best.name if decision.change else ""
         count = self.streak[1] + 1 if wanted and wanted == self.streak[0] else (1 if wanted else 0)
         self.streak = (wanted, count)
@@ -287,18 +350,45 @@ class Planner:
         return decision
 
     def apply(self, decision: Decision, members: Members) -> None:
-        """Switch the workers the best split moves, the least loaded first, one at a time."""
+        """Reach the best split: add spare workers (in the roles it lacks) or remove the spares
+        (from the roles it has too many of), then switch the roles still off, the least loaded
+        first, one worker at a time. A refused call is printed, and the next window plans again."""
         from pdserve.v1 import membership_pb2 as m
         from pdserve.v1 import membership_pb2_grpc, worker_pb2
-        moves = decision.current.prefill - decision.best.prefill
-        source, role = (members.prefill, "decode") if moves > 0 else (members.decode, "prefill")
-        enum = worker_pb2.WORKER_ROLE_DECODE if role == "decode" else worker_pb2.WORKER_ROLE_PREFILL
+        best = decision.best
+        enums = {"prefill": worker_pb2.WORKER_ROLE_PREFILL, "decode": worker_pb2.WORKER_ROLE_DECODE}
         with self.credentials.sync_channel(self.watch.router) as channel:
             stub = membership_pb2_grpc.MembershipStub(channel)
-            for worker in sorted(source, key=lambda w: w.inflight)[:abs(moves)]:
+
+            def call(what: str, fn, request, timeout: float) -> None:
                 t0 = time.monotonic()
-                stub.SwitchRole(m.SwitchRoleRequest(address=worker.address, role=enum), timeout=300)
-                self.say(f"switched {worker.address} to {role} in {time.monotonic() - t0:.1f}s")
+                try:
+                    fn(request, timeout=timeout)
+                except grpc.RpcError as exc:
+                    self.say(f"{what}: refused, {exc.code().name}: {exc.details()}")
+                    return
+                self.say(f"{what} in {time.monotonic() - t0:.1f}s")
+
+            free, added = self.spares(members)
+            prefill, decode = len(members.prefill), len(members.decode)
+            for address in free[:max(0, best.total - decision.current.total)]:
+                role = "prefill" if prefill < best.prefill else "decode"
+                prefill, decode = prefill + (role == "prefill"), decode + (role == "decode")
+                call(f"added {address} as {role}", stub.AddWorker, m.AddWorkerRequest(address=address, role=enums[role]),
+                     60)
+            extra = enums["prefill"] if prefill > best.prefill else enums["decode"]   # the role with too many
+            for worker in sorted(added, key=lambda w: w.role != extra)[:max(0, decision.current.total - best.total)]:
+                role = "prefill" if worker.role == worker_pb2.WORKER_ROLE_PREFILL else "decode"
+                prefill, decode = prefill - (role == "prefill"), decode - (role == "decode")
+                call(f"removed {worker.address} ({role})", stub.RemoveWorker,
+                     m.DrainWorkerRequest(address=worker.address), 300)
+            if best.total != decision.current.total:
+                members = self.members()   # the roles as they are now
+            moves = len(members.prefill) - best.prefill
+            source, role = (members.prefill, "decode") if moves > 0 else (members.decode, "prefill")
+            for worker in sorted(source, key=lambda w: w.inflight)[:abs(moves)]:
+                call(f"switched {worker.address} to {role}", stub.SwitchRole,
+                     m.SwitchRoleRequest(address=worker.address, role=enums[role]), 300)
 
     def run(self) -> int:
         last = self.scrape()

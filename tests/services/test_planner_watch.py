@@ -66,6 +66,27 @@ def test_decode_heavy_traffic_moves_a_prefill_worker_to_decode(cost) -> None:
         assert shared.predicted[split]["ttft_p99_ms"] > decision.predicted[split]["ttft_p99_ms"]
 
 
+def test_spares_size_the_deployment_to_the_fewest_workers_that_keep_the_target(cost) -> None:
+    from tests.e2e.test_membership import decode_heavy
+    plan = PlanConfig(profile="unused", num_prompts=60, slos=SLOS)
+    busy = Traffic(20.0, 9.0, 0.0, 9 * 16.0, 9 * 100.0)                   # 0.45 req/s, 16 in / 100 out
+    up = decide(decode_heavy(cost), plan, Split(1, 1), busy, hysteresis=0.1, spare=1)
+    assert up.best == Split(1, 2) and up.change and up.describe().startswith("scale up to")
+    assert set(up.predicted) == {"1P1D", "1P2D", "2P1D"}
+    assert up.predicted["1P1D"]["attainment"] < 0.95 <= up.predicted["1P2D"]["attainment"]
+    light = Traffic(10.0, 10.0, 0.0, 10 * 16.0, 10 * 8.0)                  # 1 req/s, 16 in / 8 out
+    down = decide(cost, plan, Split(1, 2), light, hysteresis=0.1, removable=1)
+    assert down.predicted["1P1D"]["attainment"] >= 0.95
+    assert down.best == Split(1, 1) and down.change and down.describe().startswith("scale down to")
+    # without spares nothing is sized: the same traffic only ever compares splits of the same workers
+    assert decide(cost, plan, Split(1, 2), light, hysteresis=0.1).best.total == 3
+    with pytest.raises(ValueError, match="spares"):
+        WatchConfig(spares="127.0.0.1:1,nowhere")
+    with pytest.raises(ValueError, match="target_attainment"):
+        WatchConfig(target_attainment=1.5)
+    assert WatchConfig(spares=" 127.0.0.1:1, [::1]:2 ").spare_addresses == ["127.0.0.1:1", "[::1]:2"]
+
+
 def _members(prefill: int, decode: int) -> Members:
     def make(role: str, i: int) -> SimpleNamespace:
         return SimpleNamespace(address=f"127.0.0.1:{i + 1}", role=role, inflight=i, max_num_batched_tokens=2048)
