@@ -447,14 +447,10 @@ def _p_worker(p: argparse.ArgumentParser, role: str | None) -> None:
 
 def _p_router(p: argparse.ArgumentParser) -> None:
     add_model_arg(p)
-    p.add_argument("--prefill", default="", metavar="ADDRS", help="comma-separated prefill worker addresses "
-                                                                  "(more may join: a worker's --router)")
-    p.add_argument("--decode", default="", metavar="ADDRS", help="comma-separated decode worker addresses")
-    p.add_argument("--colocated", default="", metavar="ADDRS", help="comma-separated colocated worker addresses")
-    p.add_argument("--workers-file", default=None, metavar="PATH",
-                   help="more workers, one 'ROLE HOST:PORT' per line (ROLE: prefill, decode, colocated), read again "
-                        "whenever the file changes: lines added join, lines removed drain and leave, a changed role "
-                        "is switched")
+    for role in ("prefill", "decode", "colocated"):   # more may join: a worker's --router, or --workers-file
+        p.add_argument(f"--{role}", default="", metavar="ADDRS", help=f"comma-separated {role} worker addresses")
+    p.add_argument("--workers-file", metavar="PATH", help="more workers, a 'ROLE HOST:PORT' per line, followed as "
+                   "the file changes (docs/architecture.md, Membership)")
     p.add_argument("--host", default=DEFAULT_HOST, help="address to bind")
     p.add_argument("--port", type=int, default=ROUTER_PORT, help="the public gRPC port")
     _add_metrics_args(p)
