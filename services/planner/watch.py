@@ -370,16 +370,15 @@ class Planner:
                 self.say(f"{what} in {time.monotonic() - t0:.1f}s")
 
             free, added = self.spares(members)
-            prefill, decode = len(members.prefill), len(members.decode)
+            prefill = len(members.prefill)
             for address in free[:max(0, best.total - decision.current.total)]:
                 role = "prefill" if prefill < best.prefill else "decode"
-                prefill, decode = prefill + (role == "prefill"), decode + (role == "decode")
+                prefill += role == "prefill"
                 call(f"added {address} as {role}", stub.AddWorker, m.AddWorkerRequest(address=address, role=enums[role]),
                      60)
             extra = enums["prefill"] if prefill > best.prefill else enums["decode"]   # the role with too many
             for worker in sorted(added, key=lambda w: w.role != extra)[:max(0, decision.current.total - best.total)]:
-                role = "prefill" if worker.role == worker_pb2.WORKER_ROLE_PREFILL else "decode"
-                prefill, decode = prefill - (role == "prefill"), decode - (role == "decode")
+                role = "prefill" if worker.role == enums["prefill"] else "decode"
                 call(f"removed {worker.address} ({role})", stub.RemoveWorker,
                      m.DrainWorkerRequest(address=worker.address), 300)
             if best.total != decision.current.total:

@@ -142,7 +142,8 @@ class WorkersFileWatcher:
                              f"switched to {role}")
         for address in [a for a in self.added if a not in workers and a not in self.changing]:
             worker = self.added.pop(address)
-            self._change(address, self.membership.remove(worker, self.drain_timeout_s), "removed")
+            if worker in self.membership.pool.workers:   # (an operator may have removed it already)
+                self._change(address, self.membership.remove(worker, self.drain_timeout_s), "removed")
 
     def _change(self, address: str, change, done: str) -> None:
         async def run() -> None:
