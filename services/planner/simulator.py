@@ -21,8 +21,9 @@ A worker's engine steps back to back while it has work; a request that arrives d
 joins the next one, as on the engine thread. Workers that outnumber the cores they share
 (``Candidate.shared_cores``: three workers on two cores) share them as the OS would, evenly
 among those stepping at the moment: a step's priced time is its work at a whole core, and it
-ends later while more workers than cores step beside it (``Simulation._reschedule``). The CPU the services spend around the engine (the
-profile's ``serving`` costs: a worker's event loop per token, per request and per KV block, the
+ends later while more workers than cores step beside it (``Simulation._reschedule``).
+
+The CPU the services spend around the engine (the profile's ``serving`` costs: a worker's event loop per token, per request and per KV block, the
 router per token on the core `pdserve up` pins it to) runs on the same core as some worker's
 engine thread, so it lengthens that worker's next step (``SimWorker.core_debt_s``). One simplification: ``LLMEngine.step`` applies a
 step's results when it is scheduled (its duration is known only then), so blocks a step frees
@@ -171,6 +172,7 @@ class SimWorker:
         self.core_debt_s = 0.0
         self.idle_since = 0.0
         self.step_left_s = 0.0     # the running step's work left, in seconds at a whole core
+        self.step_share = 1.0      # the core share its end was scheduled at
         self.step_version = 0      # its end events carry this: one from before a reschedule is stale
         self.step_outputs: list[RequestOutput] = []
 
@@ -199,7 +201,8 @@ class SimWorker:
     def schedule_end(self) -> None:
         """(Re)schedule the running step's end at the rate the worker's core share now allows."""
         self.step_version += 1
-        self.sim.at(self.sim.now + self.step_left_s / self.sim.core_share(), self._end_step, self.step_version)
+        self.step_share = self.sim.core_share()
+        self.sim.at(self.sim.now + self.step_left_s / self.step_share, self._end_step, self.step_version)
 
     def _end_step(self, version: int) -> None:
         if version != self.step_version:
@@ -233,7 +236,6 @@ class Simulation:
         self.shared_threads = (candidate.shared_cores
                                if candidate.shared_cores is not None and candidate.cores > candidate.shared_cores
                                else None)     # None: no worker ever waits for a core
-        self._busy_at_schedule = 0             # workers stepping when their ends were last scheduled
         eng = cost.engine
         num_blocks = int(eng.get("num_kv_blocks") or eng.get("resolved_num_kv_blocks") or 0)
         if num_blocks < 1:
@@ -312,13 +314,14 @@ class Simulation:
             w.step_left_s = max(0.0, w.step_left_s - done)
 
     def _reschedule(self) -> None:
-        """More or fewer workers step now: every running step's end moves to the new share."""
-        stepping = self._stepping()
-        if self.shared_threads is None or len(stepping) == self._busy_at_schedule:
+        """After an event: a running step whose end was scheduled at another share than the one
+        now (more or fewer workers step) has its end moved."""
+        if self.shared_threads is None:
             return
-        self._busy_at_schedule = len(stepping)
-        for w in stepping:
-            w.schedule_end()
+        share = self.core_share()
+        for w in self._stepping():
+            if w.step_share != share:
+                w.schedule_end()
 
     def run(self, prompts: Sequence[list[int]], output_lens: Sequence[int], offsets: Sequence[float]) -> list[Any]:
         from services.loadtest.results import RequestResult

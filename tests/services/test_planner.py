@@ -182,6 +182,13 @@ def test_workers_that_outnumber_their_cores_share_them(cost: CostModel) -> None:
     own = simulate(cost, Candidate(prefill_workers=2, decode_workers=1, max_num_batched_tokens=256), w)
     two = simulate(cost, Candidate(prefill_workers=2, decode_workers=1, max_num_batched_tokens=256, shared_cores=2), w)
     assert two["mean_ttft_ms"] > own["mean_ttft_ms"] and two["completed"] == own["completed"] == 30
+    # never more than the shared cores' worth of work per simulated second, however steps interleave
+    busy = Workload(rate=20.0, num_prompts=30, input_len=128, output_len=16)
+    for cand in (Candidate(colocated_workers=3, max_num_batched_tokens=64, schedule_policy="mixed", shared_cores=1),
+                 Candidate(prefill_workers=2, decode_workers=1, max_num_batched_tokens=64, shared_cores=2)):
+        sim = simulate(cost, cand, busy)["simulation"]
+        work = sum(s.seconds for wk in sim.workers for s in wk.steps)
+        assert 0.5 * cand.shared_cores * sim.now < work <= cand.shared_cores * sim.now + 1e-9, (cand.name, work, sim.now)
 
 
 def test_simulation_is_deterministic_for_a_seed(cost: CostModel) -> None:
