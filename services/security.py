@@ -124,6 +124,12 @@ def host_of(address: str) -> str:
     return address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
 
 
+def is_host_port(address: str) -> bool:
+    """HOST:PORT or [V6]:PORT with a host and a port in 1-65535."""
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536)
+
+
 def require_secure_internal_plane(credentials: "Credentials", role: str, *, binds: Sequence[str] = (),
                                   dials: Sequence[str] = (), insecure_plane: bool = False) -> None:
     """An internal plane that reaches past loopback (a worker binding a non-loopback --host, a

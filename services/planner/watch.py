@@ -36,6 +36,7 @@ from engine.settings import setting
 from services.planner.cost_model import CostModel
 from services.planner.plan import PlanConfig, Workload, parse_slos, simulate
 from services.planner.simulator import Candidate
+from services.security import is_host_port
 
 ROUTER_METRICS = ("request_success_total", "request_failure_total", "prompt_tokens_total", "generation_tokens_total",
                   "num_requests_running")   # the last a gauge: requests in flight through the router
@@ -80,18 +81,13 @@ class WatchConfig:
             raise ValueError("hysteresis and min_dwell_s must be >= 0")
         if not 0 < self.target_attainment <= 1:
             raise ValueError(f"target_attainment must be in (0, 1], got {self.target_attainment}")
-        bad = [a for a in self.spare_addresses if not _is_host_port(a)]
+        bad = [a for a in self.spare_addresses if not is_host_port(a)]
         if bad:
             raise ValueError(f"spares must be HOST:PORT addresses, got {bad[0]!r}")
 
     @property
     def spare_addresses(self) -> list[str]:
         return [a.strip() for a in self.spares.split(",") if a.strip()]
-
-
-def _is_host_port(address: str) -> bool:
-    host, sep, port = address.rpartition(":")
-    return bool(sep and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536)
 
 
 # ---- what the router's metrics say ------------------------------------------------------------

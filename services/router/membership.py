@@ -29,7 +29,7 @@ import grpc
 from pdserve.v1 import membership_pb2, membership_pb2_grpc, worker_pb2
 from services.proto_convert import ROLE_ENUM, ROLE_NAMES
 from services.router.worker_pool import MembershipError, WorkerHandle, WorkerPool
-from services.security import host_of, is_loopback
+from services.security import host_of, is_host_port, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -271,9 +271,7 @@ class MembershipServicer(membership_pb2_grpc.MembershipServicer):
 
     def address_problem(self, address: str) -> tuple[grpc.StatusCode, str] | None:
         """Why address may not be a member (the status and the message), or None."""
-        host, sep, port = address.rpartition(":")
-        if len(address) > MAX_ADDRESS_CHARS or not (sep and host.strip("[]") and port.isdigit()
-                                                     and 0 < int(port) < 65536):
+        if len(address) > MAX_ADDRESS_CHARS or not is_host_port(address):
             return (grpc.StatusCode.INVALID_ARGUMENT,
                     f"address must be HOST:PORT (port 1-65535, at most {MAX_ADDRESS_CHARS} characters), "
                     f"got {address[:MAX_ADDRESS_CHARS]!r}")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from engine.kv_handoff import LeasePolicy
 from engine.settings import setting
 from services.kv_transfer import shared_memory
+from services.security import is_host_port
 from services.deployment.topology import drain_timeout_setting, otlp_endpoint_setting
 
 
@@ -66,7 +67,7 @@ class WorkerConfig:
                              f"({self.kv_lease_max_s})")
         for name in ("kv_advertise_address", "router", "advertise_address"):
             value = getattr(self, name)
-            if value and not _is_host_port(value):
+            if value and not is_host_port(value):
                 raise ValueError(f"{name} must be HOST:PORT (port 1-65535), got {value!r}")
         if not 0 <= self.kv_data_port < 65536:
             raise ValueError(f"kv_data_port must be 0-65535, got {self.kv_data_port}")
@@ -78,8 +79,3 @@ class WorkerConfig:
     @property
     def lease(self) -> LeasePolicy:
         return LeasePolicy(self.kv_lease_idle_s, self.kv_lease_max_s)
-
-
-def _is_host_port(address: str) -> bool:
-    host, sep, port = address.rpartition(":")
-    return bool(sep and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536)
