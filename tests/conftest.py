@@ -205,6 +205,14 @@ def tiny_qwen3(model_root: Path) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def served_reference(tiny_qwen3: str):
+    """The offline engine with the test deployments' engine settings (tests/serving.TEST_ENGINE_ARGS):
+    a request served greedily by one of them must get exactly its tokens (batch-invariant)."""
+    from engine import LLM
+    return LLM(tiny_qwen3, dtype="float32", block_size=8, num_kv_blocks=512)
+
+
 @pytest.fixture
 def user_home(tmp_path: Path) -> Path:
     """A fresh PDSERVE_HOME for a test that runs pdserve as a user would (and finds its processes by

@@ -17,7 +17,6 @@ import time
 import grpc
 import pytest
 
-from engine import LLM
 from pdserve.v1 import membership_pb2 as m
 from pdserve.v1 import membership_pb2_grpc, worker_pb2
 from services.security import Credentials, new_token
@@ -30,12 +29,6 @@ def cluster(tiny_qwen3: str):
     cluster = start_cluster(tiny_qwen3, prefill_workers=1, decode_workers=1, drain_timeout_s=5)
     yield cluster
     cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_qwen3: str) -> LLM:
-    """The offline engine with the deployment's settings: every served request's tokens must be its."""
-    return LLM(tiny_qwen3, dtype="float32", block_size=8, num_kv_blocks=512)
 
 
 def members(cluster, credentials: Credentials | None = None) -> dict[str, m.Member]:
@@ -108,7 +101,8 @@ def test_bad_membership_requests_are_refused_with_a_clear_status(cluster, reques
     assert len(members(cluster)) >= 2   # the router still serves its members
 
 
-def test_a_decode_worker_joins_under_load_takes_requests_then_is_removed_without_a_loss(cluster, reference) -> None:
+def test_a_decode_worker_joins_under_load_takes_requests_then_is_removed_without_a_loss(
+        cluster, served_reference) -> None:
     with SteadyLoad(cluster.router_address, seed=1) as load:
         load.served(4)
         proc = joined_worker(cluster, "decode", "decode-joined")
@@ -122,7 +116,7 @@ def test_a_decode_worker_joins_under_load_takes_requests_then_is_removed_without
         assert "removed" in cli.stdout, cli.stdout
         assert proc.address not in members(cluster)
         load.served(4)
-    load.check(reference)
+    load.check(served_reference)
     status = worker_status(cluster, proc.address)   # the process runs on, empty, and does not join again
     assert status.num_free_blocks == status.num_total_blocks
     time.sleep(1.5)
@@ -130,23 +124,24 @@ def test_a_decode_worker_joins_under_load_takes_requests_then_is_removed_without
     print(f"the joined decode worker took its first request {took:.2f}s after it was up")
 
 
-def test_a_drain_timeout_moves_the_requests_left_to_other_workers(cluster, reference) -> None:
+def test_a_drain_timeout_moves_the_requests_left_to_other_workers(cluster, served_reference) -> None:
     proc = joined_worker(cluster, "decode", "decode-evicted")
     wait_member(cluster, proc.address, serving)
     with SteadyLoad(cluster.router_address, clients=3, seed=2, max_tokens=400) as load:
         wait_member(cluster, proc.address, lambda e: e is not None and e.inflight > 0, timeout=30)
-        with cluster.spec.credentials.sync_channel(cluster.router_address) as ch:   # a drain time shorter than a request
+        # a drain time shorter than a request
+        with cluster.spec.credentials.sync_channel(cluster.router_address) as ch:
             gone = membership_pb2_grpc.MembershipStub(ch).RemoveWorker(
                 m.DrainWorkerRequest(address=proc.address, drain_timeout_s=0.001), timeout=60)
         assert gone.state == m.MEMBER_STATE_REMOVED
         load.served(6)
-    load.check(reference)
+    load.check(served_reference)
     assert load.migrations >= 1   # what was still on the worker moved, and finished with its exact tokens
     status = worker_status(cluster, proc.address)
     assert status.num_free_blocks == status.num_total_blocks
 
 
-def test_drain_and_resume(cluster, reference) -> None:
+def test_drain_and_resume(cluster, served_reference) -> None:
     decode = next(a for a, w in members(cluster).items() if w.role == worker_pb2.WORKER_ROLE_DECODE)
     cli = workers_cli(cluster, "drain", decode)
     assert cli.returncode == 0 and "drain" in cli.stdout, cli.stdout + cli.stderr
@@ -155,7 +150,7 @@ def test_drain_and_resume(cluster, reference) -> None:
     assert cli.returncode == 0 and '"state": "serving"' in cli.stdout, cli.stdout + cli.stderr
     with SteadyLoad(cluster.router_address, seed=3) as load:
         load.served(3)
-    load.check(reference)
+    load.check(served_reference)
 
 
 def serves_in_its_role(cluster, address: str, others: list[str]) -> None:
@@ -171,7 +166,7 @@ def serves_in_its_role(cluster, address: str, others: list[str]) -> None:
             assert workers_cli(cluster, "resume", other).returncode == 0
 
 
-def test_a_worker_switches_role_under_load_without_a_loss(cluster, reference) -> None:
+def test_a_worker_switches_role_under_load_without_a_loss(cluster, served_reference) -> None:
     proc = joined_worker(cluster, "prefill", "prefill-switched")
     wait_member(cluster, proc.address, serving)
 
@@ -189,12 +184,13 @@ def test_a_worker_switches_role_under_load_without_a_loss(cluster, reference) ->
         assert members(cluster)[proc.address].role == worker_pb2.WORKER_ROLE_PREFILL
         serves_in_its_role(cluster, proc.address, of_role(worker_pb2.WORKER_ROLE_PREFILL))  # and prefills again
         load.served(4)
-    load.check(reference)
+    load.check(served_reference)
     status = worker_status(cluster, proc.address)
     assert status.role == worker_pb2.WORKER_ROLE_PREFILL and status.num_free_blocks == status.num_total_blocks
 
 
-def test_a_worker_turns_colocated_among_prefill_and_decode_workers_and_back_under_load(cluster, reference) -> None:
+def test_a_worker_turns_colocated_among_prefill_and_decode_workers_and_back_under_load(
+        cluster, served_reference) -> None:
     """prefill -> colocated -> decode -> prefill under load: colocated, it prefills and decodes
     its own requests beside the others, and serves alone while every other worker is drained."""
     proc = joined_worker(cluster, "prefill", "colocated-switched")
@@ -217,13 +213,13 @@ def test_a_worker_turns_colocated_among_prefill_and_decode_workers_and_back_unde
         cli = workers_cli(cluster, "switch-role", proc.address, "--role", "prefill")
         assert cli.returncode == 0, cli.stderr
         load.served(3)
-    load.check(reference)
+    load.check(served_reference)
     status = worker_status(cluster, proc.address)
     assert status.role == worker_pb2.WORKER_ROLE_PREFILL and status.num_free_blocks == status.num_total_blocks
     assert workers_cli(cluster, "remove", proc.address).returncode == 0   # the module's deployment as it was
 
 
-def test_a_restarted_router_gets_its_joined_workers_back(cluster, reference) -> None:
+def test_a_restarted_router_gets_its_joined_workers_back(cluster, served_reference) -> None:
     proc = joined_worker(cluster, "prefill", "prefill-joined")
     wait_member(cluster, proc.address, serving)
     router = next(p for p in cluster.processes if p.name == "router")
@@ -241,7 +237,7 @@ def test_a_restarted_router_gets_its_joined_workers_back(cluster, reference) -> 
     with SteadyLoad(cluster.router_address, seed=4) as load:
         serves_in_its_role(cluster, proc.address, others)   # (placement by cost could keep preferring them)
         load.served(2)
-    load.check(reference)
+    load.check(served_reference)
 
 
 def decode_heavy(cost):
@@ -256,7 +252,7 @@ def decode_heavy(cost):
     return dataclasses.replace(cost, fits=fits)
 
 
-def test_the_planner_in_the_loop_moves_prefill_workers_to_decode_under_a_decode_heavy_load(cluster, reference,
+def test_the_planner_in_the_loop_moves_prefill_workers_to_decode_under_a_decode_heavy_load(cluster, served_reference,
                                                                                           cost, tmp_path) -> None:
     """`pdserve plan --watch --apply` reads the router's /metrics, simulates every split of its
     workers on that traffic (a decode-heavy cost model) and switches roles through the membership
@@ -282,4 +278,4 @@ def test_the_planner_in_the_loop_moves_prefill_workers_to_decode_under_a_decode_
     after = members(cluster)
     decode_before = sum(w.role == worker_pb2.WORKER_ROLE_DECODE for w in before.values())
     assert sum(w.role == worker_pb2.WORKER_ROLE_DECODE for w in after.values()) > decode_before, planner.stdout
-    load.check(reference)
+    load.check(served_reference)

@@ -12,7 +12,6 @@ import sys
 
 import pytest
 
-from engine import LLM
 from pdserve.v1 import worker_pb2
 from tests.e2e.test_membership import decode_heavy, members, wait_member
 from tests.serving import SteadyLoad, start_cluster, worker_status
@@ -23,11 +22,6 @@ def cluster(tiny_qwen3: str):
     cluster = start_cluster(tiny_qwen3, prefill_workers=1, decode_workers=1, drain_timeout_s=5)
     yield cluster
     cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_qwen3: str) -> LLM:
-    return LLM(tiny_qwen3, dtype="float32", block_size=8, num_kv_blocks=512)
 
 
 def _planner(cluster, profile, spare: str) -> subprocess.CompletedProcess:
@@ -42,8 +36,8 @@ def _planner(cluster, profile, spare: str) -> subprocess.CompletedProcess:
         env={**os.environ, **cluster.spec.credentials.child_env()}, capture_output=True, text=True, timeout=300)
 
 
-def test_the_planner_adds_a_spare_worker_under_load_and_removes_it_when_it_is_not_needed(cluster, reference, cost,
-                                                                                        tmp_path) -> None:
+def test_the_planner_adds_a_spare_worker_under_load_and_removes_it_when_it_is_not_needed(
+        cluster, served_reference, cost, tmp_path) -> None:
     spare = cluster.add_worker("decode", "decode-spare")   # running, not a member
     assert spare.address not in members(cluster)
     decode = lambda: [a for a, w in members(cluster).items() if w.role == worker_pb2.WORKER_ROLE_DECODE]  # noqa: E731
@@ -61,6 +55,6 @@ def test_the_planner_adds_a_spare_worker_under_load_and_removes_it_when_it_is_no
         assert f"removed {spare.address} (decode)" in down.stdout and "scale down to 1P1D" in down.stdout, down.stdout
         assert spare.address not in members(cluster) and len(decode()) == 1
         load.served(3)
-    load.check(reference)
+    load.check(served_reference)
     status = worker_status(cluster, spare.address)   # drained: every block back
     assert status.num_free_blocks == status.num_total_blocks

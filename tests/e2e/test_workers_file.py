@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM
 from pdserve.v1 import membership_pb2 as m
 from pdserve.v1 import worker_pb2
 from services.router.workers_file import parse_workers
@@ -36,11 +35,6 @@ def cluster(tiny_qwen3: str, workers_file: Path, tmp_path_factory):
                             router_args=["--workers-file", str(workers_file)])
     yield cluster
     cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_qwen3: str) -> LLM:
-    return LLM(tiny_qwen3, dtype="float32", block_size=8, num_kv_blocks=512)
 
 
 def _write(path: Path, text: str) -> None:
@@ -66,7 +60,7 @@ def test_the_file_format_and_its_errors() -> None:
 
 
 def test_a_line_adds_a_worker_a_changed_role_switches_it_a_removed_line_drains_it(cluster, workers_file,
-                                                                                 reference) -> None:
+                                                                                 served_reference) -> None:
     proc = cluster.add_worker("decode", "decode-listed")   # no --router: it joins only through the file
     assert proc.address not in members(cluster)
     with SteadyLoad(cluster.router_address, seed=3) as load:
@@ -83,7 +77,7 @@ def test_a_line_adds_a_worker_a_changed_role_switches_it_a_removed_line_drains_i
         _write(workers_file, "# discovery\n")
         wait_member(cluster, proc.address, lambda e: e is None, timeout=60)
         load.served(4)
-    load.check(reference)   # every request finished, with the offline engine's tokens
+    load.check(served_reference)   # every request finished, with the offline engine's tokens
     status = worker_status(cluster, proc.address)
     assert status.num_free_blocks == status.num_total_blocks
     assert {p for p in members(cluster)} == {p.address for p in cluster.processes
