@@ -9,7 +9,9 @@ while it serves.
 - An operator (`pdserve workers ...`, the planner) lists, adds, drains, resumes, removes and
   switches the role of workers. Removing and switching drain first: no new requests, and those in
   flight get ``drain_timeout_s`` to finish; what is left then migrates (WorkerPool.evict), so no
-  request is lost. A removed worker's prefix-index entries go with it.
+  request is lost. A removed worker's prefix-index entries go with it. The same operations are
+  methods (``add``, ``remove``, ``switch_role``, raising ``Refused``) for the router's own
+  sources of members: a watched file (services/router/workers_file.py).
 
 Every call is on the internal plane: with a cluster token the router refuses a call without a
 fresh proof of it (services/security.ClusterInterceptor, scoped to this service), whatever API
