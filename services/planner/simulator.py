@@ -23,11 +23,12 @@ joins the next one, as on the engine thread. Workers that outnumber the cores th
 among those stepping at the moment: a step's priced time is its work at a whole core, and it
 ends later while more workers than cores step beside it (``Simulation._reschedule``).
 
-The CPU the services spend around the engine (the profile's ``serving`` costs: a worker's event loop per token, per request and per KV block, the
-router per token on the core `pdserve up` pins it to) runs on the same core as some worker's
-engine thread, so it lengthens that worker's next step (``SimWorker.core_debt_s``). One simplification: ``LLMEngine.step`` applies a
-step's results when it is scheduled (its duration is known only then), so blocks a step frees
-are visible to reservations made during that step; outputs are delivered at the step's end.
+The CPU the services spend around the engine (the profile's ``serving`` costs: a worker's event
+loop per token, per request and per KV block, the router per token on the core `pdserve up` pins
+it to) runs on the same core as some worker's engine thread, so it lengthens that worker's next
+step (``SimWorker.core_debt_s``). One simplification: ``LLMEngine.step`` applies a step's
+results when it is scheduled (its duration is known only then), so blocks a step frees are
+visible to reservations made during that step; outputs are delivered at the step's end.
 """
 from __future__ import annotations
 

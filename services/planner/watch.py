@@ -370,8 +370,8 @@ class Planner:
             for address in free[:max(0, best.total - decision.current.total)]:
                 role = "prefill" if prefill < best.prefill else "decode"
                 prefill += role == "prefill"
-                call(f"added {address} as {role}", stub.AddWorker, m.AddWorkerRequest(address=address, role=enums[role]),
-                     60)
+                call(f"added {address} as {role}", stub.AddWorker,
+                     m.AddWorkerRequest(address=address, role=enums[role]), 60)
             extra = enums["prefill"] if prefill > best.prefill else enums["decode"]   # the role with too many
             for worker in sorted(added, key=lambda w: w.role != extra)[:max(0, decision.current.total - best.total)]:
                 role = "prefill" if worker.role == enums["prefill"] else "decode"

@@ -26,7 +26,8 @@ from tests.serving import catch_holder, channel, start_cluster
 REPORT_ENV = "PDSERVE_FAULT_REPORT"
 STALL_S = 3.0
 BLOCK_SIZE = 8
-FAULT_ENGINE = ["--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "1024", "--dtype", "float32", "--max-num-batched-tokens", "8"]
+FAULT_ENGINE = ["--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "1024", "--dtype", "float32",
+                "--max-num-batched-tokens", "8"]
 FAULT_ROUTER = ["--stall-timeout-s", str(STALL_S), "--worker-wait-s", "20", "--migration-limit", "3"]
 FAULT_WORKER = ["--kv-lease-idle-s", "3"]
 

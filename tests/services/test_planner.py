@@ -188,7 +188,8 @@ def test_workers_that_outnumber_their_cores_share_them(cost: CostModel) -> None:
                  Candidate(prefill_workers=2, decode_workers=1, max_num_batched_tokens=64, shared_cores=2)):
         sim = simulate(cost, cand, busy)["simulation"]
         work = sum(s.seconds for wk in sim.workers for s in wk.steps)
-        assert 0.5 * cand.shared_cores * sim.now < work <= cand.shared_cores * sim.now + 1e-9, (cand.name, work, sim.now)
+        cores = cand.shared_cores
+        assert 0.5 * cores * sim.now < work <= cores * sim.now + 1e-9, (cand.name, work, sim.now)
 
 
 def test_simulation_is_deterministic_for_a_seed(cost: CostModel) -> None:
