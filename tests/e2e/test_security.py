@@ -64,7 +64,13 @@ def _stranger_calls(cluster, metadata, prompt: list[int]) -> dict[str, grpc.Stat
 
 
 def _push_without_credentials(cluster, token: str | None, prompt: list[int]) -> str:
-    """KVTransfer.PushBlocks by a stranger: garbage KV with the prompt's public chain hashes."""
+    """KVTransfer.PushBlocks by a stranger: garbage KV with the prompt's public chain hashes. The
+    status it gets: the decode worker's UNAUTHENTICATED. grpcio's asyncio client can replace a
+    status the server already sent with INTERNAL "Internal error from Core" when one of its
+    stream writes was still in flight as the call ended (grpc/grpc#36066; the decode worker ends
+    this call at once, before reading it): that is reported as "UNAUTHENTICATED (lost)", and the
+    caller's checks of the worker's own state (nothing reserved, nothing kept) still hold it to
+    the refusal."""
     decode = workers(cluster, "decode")[0]
     status = worker_status(cluster, decode)
     shape = (status.num_layers, 2, status.block_size, status.num_kv_heads, status.head_dim)
@@ -77,6 +83,8 @@ def _push_without_credentials(cluster, token: str | None, prompt: list[int]) -> 
         try:
             with pytest.raises(KVTransferError) as err:
                 await stream.finish(timeout=10)
+            if err.value.code == "INTERNAL" and "Internal error from Core" in str(err.value):
+                return "UNAUTHENTICATED (lost)"
             return err.value.code
         finally:
             await sender.close()
@@ -89,7 +97,7 @@ def test_the_poisoning_sequence_is_refused_and_users_get_correct_tokens(cluster,
     prompt = random_prompts(1, 30, 30, seed=11 if token else 12)[0]
     codes = _stranger_calls(cluster, metadata, prompt)
     assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, codes
-    assert _push_without_credentials(cluster, token, prompt) == "UNAUTHENTICATED"
+    assert _push_without_credentials(cluster, token, prompt) in ("UNAUTHENTICATED", "UNAUTHENTICATED (lost)")
     assert_blocks_at_baseline(cluster)
     assert worker_status(cluster, workers(cluster, "decode")[0]).num_reserved == 0
     with Client(cluster.router_address, timeout=30) as client:   # the user's request with that prompt
