@@ -148,7 +148,7 @@ class ConnectionPool:
                 if sock is None or not _alive(sock):
                     if sock is not None:
                         sock.close()
-                    sock = self._pooled(target) or self._connect(target)
+                    sock = self.acquire(target)
                 sock.settimeout(BEAT_TIMEOUT_S)
                 sock.sendall(tcp_wire.record(tcp_wire.BEAT, open_frame))
             except (OSError, tcp_wire.WireError, tcp_wire.Refused) as exc:
