@@ -27,6 +27,7 @@ HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 MIN_BYTES = 4 * HUGE_PAGE   # smaller buffers are not worth a mapping of their own
+ARENA_BYTES = 64 << 20      # move_onto_huge_pages: what is held twice at most while tensors move
 
 
 @lru_cache(maxsize=1)
@@ -97,6 +98,31 @@ def consolidate(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         out.append(view)
         off += size
     return out
+
+
+def move_onto_huge_pages(owners: list[object], attr: str, arena_bytes: int = ARENA_BYTES) -> None:
+    """Replace each owner's CPU tensor ``attr`` (None: skipped) with a copy on huge pages, one
+    arena per arena_bytes or so of them, each owner's old tensor dropped as its group moves: no
+    more than a group is held twice at once (a model's packed weights, moved as one arena, would
+    be held twice while they load)."""
+    group: list[object] = []
+    size = 0
+    for owner in owners:
+        t = getattr(owner, attr)
+        if t is None:
+            continue
+        group.append(owner)
+        size += t.numel() * t.element_size()
+        if size >= arena_bytes:
+            _move(group, attr)
+            group, size = [], 0
+    if group:
+        _move(group, attr)
+
+
+def _move(owners: list[object], attr: str) -> None:
+    for owner, moved in zip(owners, consolidate([getattr(o, attr) for o in owners])):
+        setattr(owner, attr, moved)
 
 
 def collapse(t: torch.Tensor) -> bool:

@@ -17,4 +17,6 @@ int pd_decode_attention(const void* q, int64_t q_stride, const void* kc, const v
                         int64_t max_blocks, float scale, int64_t r0, int64_t r1, int q_dtype, int cache_dtype);
 int pd_amx_linear_q(const void* x, int64_t M, int64_t K, const void* packed, int64_t N, const void* scale,
                     const void* bias, void* y, int64_t g0, int64_t g1);
+int pd_linear_bf16dot(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p, int64_t N, void* y, int64_t nt0,
+                      int64_t nt1, int32_t y_dtype);
 }

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FUSED_DECODE_MAX_ROWS = 64   # the AMX linear's row limit (engine/layers/linear.py AMX_KERNEL_MAX_ROWS)
+FUSED_DECODE_MAX_ROWS = {"amx": 64,   # the AMX linear's row limit (engine/layers/linear.py AMX_KERNEL_MAX_ROWS)
+                         "bf16dot": None}
 
 
 class TorchBackend:
@@ -103,15 +104,20 @@ class TorchBackend:
 class FusedDecode:
     """A bf16 model's decode path as one native call (cpu_kernels.decode_forward): every weight,
     norm and cache pointer gathered once; scratch reused across steps. Only for models whose
-    linears all run the AMX kernel; build() returns None otherwise."""
+    linears all run one GEMM the call has: the AMX kernel (tuned mode), or batch-invariant mode's
+    linear_bf16dot (bf16 weights without bias or scales). The latter is the GEMM the per-op
+    invariant path runs, beside the same per-row kernels in the same order, so a row's result is
+    the same bit for bit whichever path a step takes. build() returns None otherwise."""
 
     PTRS = ("in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gu_w", "gu_b", "down_w", "down_b",
             "q_norm", "k_norm", "k_cache", "v_cache", "qkv_s", "o_s", "gu_s", "down_s")
 
-    def __init__(self, model, layers: torch.Tensor) -> None:
+    def __init__(self, model, layers: torch.Tensor, linear_kind: str) -> None:
         cfg = model.config
         self.model = model
         self.layers = layers
+        self.linear_kind = linear_kind
+        self.max_rows = FUSED_DECODE_MAX_ROWS[linear_kind]
         self.num_layers, self.hidden, self.inter = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
         self.nq, self.nkv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
@@ -119,15 +125,27 @@ class FusedDecode:
         self.norm = model.model.norm
         self.scratch = torch.empty(0, dtype=torch.bfloat16)
 
+    @staticmethod
+    def _weight(lin, linear_kind: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The packed weight and per-column scale the fused call reads for this linear, or None."""
+        if linear_kind == "amx":
+            return None if lin.packed_amx is None else (lin.packed_amx, lin.amx_scale)
+        if (not lin.invariant_bf16dot or lin.bias is not None or lin.qweight is not None
+                or lin.packed_invariant.shape[0] * 32 != lin.out_features):
+            return None
+        return lin.packed_invariant, None
+
     @classmethod
-    def build(cls, model) -> "FusedDecode | None":
+    def build(cls, model, batch_invariant: bool = False) -> "FusedDecode | None":
         if getattr(model, "tp_size", 1) > 1:   # the fused call has no all-reduce between layers
             return None
+        kind = "bf16dot" if batch_invariant else "amx"
         ptrs: list[int] = []
         for layer in model.model.layers:
             sa, mlp = layer.self_attn, layer.mlp
             linears = (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(lin.packed_amx is None for lin in linears) or sa.attn.k_cache.dtype != torch.bfloat16:
+            weights = [cls._weight(lin, kind) for lin in linears]
+            if any(w is None for w in weights) or sa.attn.k_cache.dtype != torch.bfloat16:
                 return None
             if (sa.rotary.cos.dtype != torch.bfloat16 or layer.input_layernorm.weight.dtype != torch.bfloat16
                     or model.model.embed_tokens.weight.dtype != torch.bfloat16):
@@ -135,14 +153,14 @@ class FusedDecode:
 
             def addr(t):
                 return t.data_ptr() if t is not None else 0
+            (qkv_w, qkv_s), (o_w, o_s), (gu_w, gu_s), (down_w, down_s) = weights
             ptrs += [addr(layer.input_layernorm.weight), addr(layer.post_attention_layernorm.weight),
-                     addr(sa.qkv_proj.packed_amx), addr(sa.qkv_proj.bias), addr(sa.o_proj.packed_amx),
-                     addr(sa.o_proj.bias), addr(mlp.gate_up_proj.packed_amx), addr(mlp.gate_up_proj.bias),
-                     addr(mlp.down_proj.packed_amx), addr(mlp.down_proj.bias),
+                     addr(qkv_w), addr(sa.qkv_proj.bias), addr(o_w), addr(sa.o_proj.bias), addr(gu_w),
+                     addr(mlp.gate_up_proj.bias), addr(down_w), addr(mlp.down_proj.bias),
                      addr(sa.q_norm.weight if sa.q_norm is not None else None),
                      addr(sa.k_norm.weight if sa.k_norm is not None else None),
-                     addr(sa.attn.k_cache), addr(sa.attn.v_cache)] + [addr(lin.amx_scale) for lin in linears]
-        return cls(model, torch.tensor(ptrs, dtype=torch.int64))
+                     addr(sa.attn.k_cache), addr(sa.attn.v_cache), addr(qkv_s), addr(o_s), addr(gu_s), addr(down_s)]
+        return cls(model, torch.tensor(ptrs, dtype=torch.int64), kind)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         m = x.shape[0]
@@ -156,7 +174,7 @@ class FusedDecode:
             m, self.num_layers, self.hidden, self.nq, self.nkv, self.head_dim, self.inter, self.layers, self.eps,
             qn.eps if qn is not None else 0.0, self.rotary.cos, self.rotary.sin, positions, meta.slot_mapping,
             meta.decode_block_tables, meta.decode_context_lens, attn.attn.k_cache.shape[1], attn.attn.scale, x,
-            self.norm.weight, out, self.scratch)
+            self.norm.weight, out, self.scratch, self.linear_kind)
         return out
 
 
@@ -166,8 +184,9 @@ class NativeCpuBackend(TorchBackend):
     batch_invariant: every query row of a step, decode or prefill, attends through the decode
     kernel, which walks the row's blocks in order and reduces over its context_len keys the same
     way whatever the other rows are (the prefill kernels and sdpa tile queries and keys by the
-    chunk's shape); no fused decode call. With the linears' invariant GEMM (engine/layers/linear.py)
-    and the per-row elementwise kernels, a row's logits depend only on its sequence."""
+    chunk's shape). With the linears' invariant GEMM (engine/layers/linear.py) and the per-row
+    elementwise kernels, a row's logits depend only on its sequence. Decode-only steps may run as
+    one fused call (FusedDecode) of those same kernels."""
 
     name = "native-cpu"
 
@@ -177,15 +196,14 @@ class NativeCpuBackend(TorchBackend):
 
     def decode_model(self, model, input_ids: torch.Tensor, positions: torch.Tensor,
                      meta: AttentionMetadata) -> torch.Tensor | None:
-        # Decode-only steps of a bf16 AMX model on one thread (the fused call has no thread split).
-        if (self.batch_invariant or meta.prefills or not meta.decode_native or torch.get_num_threads() != 1
-                or input_ids.shape[0] > FUSED_DECODE_MAX_ROWS):
+        # Decode-only steps of a bf16 model on one thread (the fused call has no thread split).
+        if meta.prefills or not meta.decode_native or torch.get_num_threads() != 1:
             return None
         key = id(model)
         if key not in self._fused:
-            self._fused[key] = FusedDecode.build(model)
+            self._fused[key] = FusedDecode.build(model, self.batch_invariant)
         fused = self._fused[key]
-        if fused is None:
+        if fused is None or (fused.max_rows is not None and input_ids.shape[0] > fused.max_rows):
             return None
         return fused(model.model.embed_tokens(input_ids), positions, meta)
 

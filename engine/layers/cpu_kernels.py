@@ -73,9 +73,9 @@ _SIGNATURES: dict[str, list] = {
     "pd_bf16dot_available": [],
     "pd_amx_init": [],
     # M, layers, hidden, nq, nkv, D, inter, layer pointers, eps, qk_eps, cos, sin, positions, slots, tables,
-    # lens, max_blocks, block_size, scale, residual, final_norm, out, scratch
+    # lens, max_blocks, block_size, scale, residual, final_norm, out, scratch, linear kind (FUSED_LINEAR_KINDS)
     "pd_decode_forward": [_I64, _I64, _I64, _I64, _I64, _I64, _I64, _P, _F32, _F32, _P, _P, _P, _P, _P, _P, _I64,
-                          _I64, _F32, _P, _P, _P, _P],
+                          _I64, _F32, _P, _P, _P, _P, _I64],
     # logits, row stride, rows, vocab, temps (float32), u (float64), out (int64), dtype
     "pd_sample": [_P, _I64, _I64, _I64, _P, _P, _P, _I32],
     # x, M, K, packed, N, scale (int8 weights) or null, bias, y, group0, group1
@@ -449,18 +449,22 @@ def sample(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.
 
 # ---- fused decode step -------------------------------------------------------------------------
 
+FUSED_LINEAR_KINDS = {"amx": 0, "bf16dot": 1}   # decode_forward.cpp's LinearKind
+
 def decode_forward(m: int, num_layers: int, hidden: int, nq: int, nkv: int, head_dim: int, inter: int,
                    layers: torch.Tensor, eps: float, qk_eps: float, cos: torch.Tensor, sin: torch.Tensor,
                    positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                    block_size: int, scale: float, residual: torch.Tensor, final_norm: torch.Tensor, out: torch.Tensor,
-                   scratch: torch.Tensor) -> None:
+                   scratch: torch.Tensor, linear_kind: str = "amx") -> None:
     """All layers of a decode step (see engine/csrc/decode_forward.cpp); residual [m, hidden] holds
-    the embeddings on entry and the residual stream on return; out gets the final norm."""
+    the embeddings on entry and the residual stream on return; out gets the final norm. linear_kind:
+    the GEMM of every linear (FUSED_LINEAR_KINDS: the AMX kernel, or linear_bf16dot)."""
     tables = tables.contiguous()
     rc = load().pd_decode_forward(
         m, num_layers, hidden, nq, nkv, head_dim, inter, layers.data_ptr(), eps, qk_eps, cos.data_ptr(),
         sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1],
-        block_size, scale, residual.data_ptr(), final_norm.data_ptr(), out.data_ptr(), scratch.data_ptr())
+        block_size, scale, residual.data_ptr(), final_norm.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+        FUSED_LINEAR_KINDS[linear_kind])
     if rc:
         raise RuntimeError("fused decode kernel failed")
 

@@ -403,17 +403,21 @@ def test_native_prefill_attention_over_bf16_cache_matches_torch_backend(tiny_d64
 
 
 @needs_kernels
-def test_fused_decode_step_equals_layer_by_layer(tiny_qwen3: str) -> None:
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["amx", "invariant-bf16dot"])
+def test_fused_decode_step_equals_layer_by_layer(tiny_qwen3: str, batch_invariant: bool) -> None:
     """The one-call decode step runs the same kernels in the same order as the per-op native
-    path: identical logits, bit for bit."""
+    path: identical logits, bit for bit. Its linears: the AMX kernel in tuned mode, linear_bf16dot
+    in batch-invariant mode (where a decode row must not depend on which path its step took)."""
     prompts = random_prompts(3, 5, 30, seed=13)
     logits, used = [], []
     for fused in (True, False):
         llm = LLM(tiny_qwen3, dtype="bfloat16", compute_dtype="bfloat16", block_size=8, num_kv_blocks=64,
-                  num_threads=1, batch_invariant=False)
+                  num_threads=1, batch_invariant=batch_invariant)
         runner = llm.engine.runner
-        if runner.backend.name != "native-cpu" or not cpu_kernels.amx_available():
-            pytest.skip("no native AMX kernels on this machine")
+        kernel = cpu_kernels.bf16dot_available() if batch_invariant else cpu_kernels.amx_available()
+        if runner.backend.name != "native-cpu" or not kernel:
+            pytest.skip("no native " + ("AVX512-BF16" if batch_invariant else "AMX") + " kernels on this machine")
+        assert runner.batch_invariant == batch_invariant
         if not fused:
             runner.backend.decode_model = lambda *args: None
         logits.append(_greedy_logits(llm, prompts, 5)[1])

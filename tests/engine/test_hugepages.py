@@ -34,3 +34,20 @@ def test_consolidate_copies_into_one_arena() -> None:
     for a, b in zip(parts, moved):
         assert torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape
         assert b.data_ptr() % 64 == 0
+
+
+def test_move_onto_huge_pages_moves_each_owner_in_arenas_of_a_bounded_size() -> None:
+    class Owner:
+        def __init__(self, t: torch.Tensor | None) -> None:
+            self.packed = t
+
+    mib = 1 << 20
+    owners = [Owner(torch.randn(3 * mib // 4).to(torch.bfloat16)) for _ in range(5)] + [Owner(None)]   # 1.5 MiB each
+    before = [o.packed.clone() if o.packed is not None else None for o in owners]
+    hugepages.move_onto_huge_pages(owners, "packed", arena_bytes=3 * mib)
+    assert owners[-1].packed is None
+    for owner, want in zip(owners[:-1], before[:-1]):
+        assert torch.equal(owner.packed, want) and owner.packed.data_ptr() % 64 == 0
+    if hugepages.enabled():   # arenas of 2 owners (3 MiB), then the last alone
+        bases = [o.packed.untyped_storage().data_ptr() for o in owners[:-1]]
+        assert bases[0] == bases[1] and bases[2] == bases[3] and len(set(bases)) == 3
