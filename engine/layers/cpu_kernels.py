@@ -451,6 +451,7 @@ def sample(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.
 
 FUSED_LINEAR_KINDS = {"amx": 0, "bf16dot": 1}   # decode_forward.cpp's LinearKind
 
+
 def decode_forward(m: int, num_layers: int, hidden: int, nq: int, nkv: int, head_dim: int, inter: int,
                    layers: torch.Tensor, eps: float, qk_eps: float, cos: torch.Tensor, sin: torch.Tensor,
                    positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
