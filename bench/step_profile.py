@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Per-phase timing of the engine on the ``small`` model: prefill tok/s and decode step time.
+"""Per-phase timing of the engine (the ``small`` model, or ``--model DIR``): prefill tok/s and decode
+step time.
 
 Prefill: ``--prefill-seqs`` prompts of ``--prefill-len`` tokens in one step each (the default
 4 x 512 = one 2048-token step), median over ``--reps`` steps. Decode: for each batch size in
@@ -31,20 +32,19 @@ from bench import drivers  # noqa: E402
 def _engine(args: argparse.Namespace, max_seqs: int):
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from engine.model_maker import ensure_model
 
-    kwargs = {"num_threads": args.threads, "device": "cpu", "max_num_seqs": max(max_seqs, 1),
+    kwargs = {"num_threads": args.threads, "device": "cpu", "max_num_seqs": max(max_seqs, args.prefill_seqs),
               "max_num_batched_tokens": max(2048, args.prefill_len * args.prefill_seqs)}
     if args.compute_dtype:
         kwargs["compute_dtype"] = args.compute_dtype
     if args.quantization:
         kwargs["quantization"] = args.quantization
-    return LLMEngine(EngineConfig.from_kwargs(str(ensure_model("small")), **kwargs))
+    return LLMEngine(EngineConfig.from_kwargs(drivers.model_dir(args.model), **kwargs))
 
 
-def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+def _prompts(n: int, length: int, seed: int, vocab: int = 8192) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(2, 8192) for _ in range(length)] for _ in range(n)]
+    return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def measure_prefill(engine, args: argparse.Namespace) -> tuple[float, float]:
@@ -52,7 +52,7 @@ def measure_prefill(engine, args: argparse.Namespace) -> tuple[float, float]:
 
     times, cpu = [], []
     for rep in range(args.reps + 1):
-        for i, p in enumerate(_prompts(args.prefill_seqs, args.prefill_len, 100 + rep)):
+        for i, p in enumerate(_prompts(args.prefill_seqs, args.prefill_len, 100 + rep, engine.model_config.vocab_size)):
             engine.add_request(f"p{rep}-{i}", p, SamplingParams(temperature=0.6, max_tokens=1, seed=i, ignore_eos=True))
         t0, c0 = time.perf_counter(), time.process_time()
         engine.step()
@@ -67,7 +67,7 @@ def measure_prefill(engine, args: argparse.Namespace) -> tuple[float, float]:
 def measure_decode(engine, batch: int, args: argparse.Namespace, profile: bool = False) -> tuple[float, float]:
     from engine import SamplingParams
 
-    for i, p in enumerate(_prompts(batch, args.ctx, 7 + batch)):
+    for i, p in enumerate(_prompts(batch, args.ctx, 7 + batch, engine.model_config.vocab_size)):
         engine.add_request(f"d{batch}-{i}", p, SamplingParams(temperature=0.6, max_tokens=args.steps + 4, seed=i,
                                                                ignore_eos=True))
     while any(s.is_prefilling or s.num_computed_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p = drivers.parser(__doc__)
     drivers.add_flags(p, threads=1, compute_dtype=None, quantization=None, batches="1,8,32,64", ctx=400, steps=20,
                       prefill_len=512, prefill_seqs=4, reps=3)
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the small model)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
