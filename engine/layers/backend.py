@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from engine.layers import cpu_kernels
 from engine.layers.attention import AttentionMetadata, DecodeGroup
+from engine.layers.linear import AMX_KERNEL_MAX_ROWS
 from engine.layers.norm import rms_norm
 
 if TYPE_CHECKING:
@@ -24,8 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FUSED_DECODE_MAX_ROWS = {"amx": 64,   # the AMX linear's row limit (engine/layers/linear.py AMX_KERNEL_MAX_ROWS)
-                         "bf16dot": None}
+FUSED_DECODE_MAX_ROWS = {"amx": AMX_KERNEL_MAX_ROWS, "bf16dot": None}   # per GEMM kind; None: any rows
 
 
 class TorchBackend:

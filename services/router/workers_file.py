@@ -84,13 +84,13 @@ class WorkersFileWatcher:
     def start(self) -> None:
         """Read the file now and apply it, then follow it. At start, a missing or bad file, or an
         address that may not be a member, is an error (ValueError naming it); later, only logged."""
+        self._seen = self._identity()   # before reading: a change made while it is read is read again
         workers = read_workers(self.path)
         for address in workers:
             problem = self.membership.address_problem(address)
             if problem is not None:
                 raise ValueError(f"workers file {self.path}: {problem[1]}")
         self._apply(workers)
-        self._seen = self._identity()
         self._task = asyncio.create_task(self._follow())
 
     async def stop(self) -> None:
