@@ -1,13 +1,16 @@
 #!/usr/bin/env python
 """Causal prefill attention on CPU: torch sdpa (``Attention.prefill_sdpa``) against the native
-kernel (``cpu_kernels.prefill_attention``, straight from the paged cache), in one run.
+kernel (``cpu_kernels.prefill_attention``, straight from the paged cache) and against every query
+row through the decode kernel (``cpu_kernels.decode_attention``: batch-invariant mode's prompt path,
+and tuned mode's where ``cpu_kernels.prompt_rows_beat_sdpa``), in one run.
 
 Kernel part: one layer's attention of one prefill step at the ``small`` model's shape (8 heads,
 4 KV heads, head_dim 64, block size 16), the cache in ``--cache-dtype``, q in the compute dtype
-(float32; bf16 with ``--q-dtype bfloat16`` on AMX): prompts of 512, 1024 and 2048 tokens, 4
-prompts of 512 in one step, and 512 new tokens after a cached prefix of 1024. Step part: a whole
-prefill step of the ``small`` model through the engine with the kernel and with sdpa (the
-kernel switched off), and the part of it spent in attention (all layers). Every figure is the
+(float32, or ``--q-dtype bfloat16``; the native kernel takes bf16 q on AMX only): prompts of 512,
+1024 and 2048 tokens, 4 prompts of 512 in one step, and 512 new tokens after a cached prefix of
+1024. Step part: a whole prefill step of the ``small`` model through the engine (tuned mode, the
+compute dtype ``auto`` picks) with sdpa, with the decode kernel's rows and, where it serves that
+dtype, with the native kernel, and the part of it spent in attention (all layers). Every figure is the
 best of ``--reps`` repetitions (the machine may be shared and noisy). Example::
 
     PYTHONPATH=. python bench/prefill_attention.py --threads 2
@@ -62,13 +65,20 @@ def _step_inputs(lens: list[int], start: int, args: argparse.Namespace):
         slots = (table[:, None] * bs + torch.arange(bs)).reshape(-1)[start:ctx]
         attn.k_cache.view(-1, hkv, d).index_copy_(0, slots, k[row:row + n].to(cache_dtype))
         attn.v_cache.view(-1, hkv, d).index_copy_(0, slots, v[row:row + n].to(cache_dtype))
-        mask = None
-        if start:   # as the model runner builds it for a cached prefix
-            future = torch.arange(ctx)[None, :] > torch.arange(start, ctx)[:, None]
-            mask = torch.zeros(future.shape, dtype=q_dtype).masked_fill_(future, float("-inf"))
-        segments.append(PrefillSegment(row, row + n, ctx, table, mask))
+        segments.append(PrefillSegment(row, row + n, ctx, table, q_dtype))   # (its mask, built on first use)
         row += n
     return attn, q, k, v, segments
+
+
+def _row_tables(segments) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row's block table and context length, as the backend builds them for its rows."""
+    width = max(seg.block_table.numel() for seg in segments)
+    tables, lens = [], []
+    for seg in segments:
+        n = seg.token_end - seg.token_start
+        tables.append(torch.nn.functional.pad(seg.block_table, (0, width - seg.block_table.numel())).expand(n, -1))
+        lens.append(torch.arange(seg.context_len - n + 1, seg.context_len + 1, dtype=torch.int32))
+    return torch.cat(tables).contiguous(), torch.cat(lens)
 
 
 def bench_kernel(args: argparse.Namespace) -> None:
@@ -78,10 +88,9 @@ def bench_kernel(args: argparse.Namespace) -> None:
           f"cache {args.cache_dtype}, {torch.get_num_threads()} threads, best of {args.reps}:")
     for name, lens, start in CASES:
         attn, q, k, v, segments = _step_inputs(lens, start, args)
-        if not cpu_kernels.prefill_attention_supported(q.dtype, attn.k_cache, attn.head_dim):
-            print("  no native prefill attention kernel on this machine")
-            return
+        native = cpu_kernels.prefill_attention_supported(q.dtype, attn.k_cache, attn.head_dim)
         out = torch.empty(q.shape, dtype=q.dtype)
+        tables, ctx = _row_tables(segments)
 
         def sdpa() -> None:
             for seg in segments:
@@ -94,9 +103,17 @@ def bench_kernel(args: argparse.Namespace) -> None:
                                               seg.block_table, seg.context_len - n, attn.scale,
                                               out[seg.token_start:seg.token_end])
 
-        t_sdpa, t_kernel = _best(sdpa, args.reps), _best(kernel, args.reps)
-        print(f"  {name:<22} sdpa {t_sdpa:8.2f} ms   kernel {t_kernel:8.2f} ms   sdpa / kernel {t_sdpa / t_kernel:5.2f}",
-              flush=True)
+        def rows() -> None:
+            cpu_kernels.decode_attention(q, attn.k_cache, attn.v_cache, tables, ctx, attn.scale)
+
+        t_sdpa, t_rows = _best(sdpa, args.reps), _best(rows, args.reps)
+        line = f"  {name:<22} sdpa {t_sdpa:8.2f} ms   rows {t_rows:8.2f} ms   sdpa / rows {t_sdpa / t_rows:5.2f}"
+        if native:
+            t_kernel = _best(kernel, args.reps)
+            line += f"   kernel {t_kernel:8.2f} ms   sdpa / kernel {t_sdpa / t_kernel:5.2f}"
+        else:
+            line += "   (no native prefill kernel for this q dtype here)"
+        print(line, flush=True)
 
 
 def bench_step(args: argparse.Namespace) -> None:
@@ -108,7 +125,7 @@ def bench_step(args: argparse.Namespace) -> None:
 
     engine = LLMEngine(EngineConfig.from_kwargs(str(ensure_model("small")), num_threads=args.threads, device="cpu",
                                                 max_num_batched_tokens=2048, enable_prefix_caching=False,
-                                                batch_invariant=False))   # (the mode attends through the decode kernel)
+                                                batch_invariant=False))   # tuned mode: its prompt path is chosen
     r = engine.runner
     print(f"whole prefill step, small model, backend {r.backend.name}, compute {r.compute_dtype}, best of "
           f"{args.reps}:")
@@ -139,15 +156,24 @@ def bench_step(args: argparse.Namespace) -> None:
             engine.step()
         return elapsed * 1e3, in_attention[0] * 1e3
 
+    rows_beat_sdpa = cpu_kernels.prompt_rows_beat_sdpa
+    model = r.model_config
+    arms = {"sdpa": (False, False), "rows": (False, True)}   # (native kernel, rows through the decode kernel)
+    if supported(r.compute_dtype, r.kv_cache[0, 0], model.head_dim):
+        arms["kernel"] = (True, False)
     for name, lens in (("1 x 512", [512]), ("1 x 1024", [1024]), ("1 x 2048", [2048]), ("4 x 512", [512] * 4)):
-        times = {}
-        for label, on in (("sdpa", False), ("kernel", True)):
-            cpu_kernels.prefill_attention_supported = supported if on else (lambda *a: False)
-            times[label] = min(step(lens) for _ in range(args.reps + 1))
-        cpu_kernels.prefill_attention_supported = supported
-        (s, s_attn), (k, k_attn) = times["sdpa"], times["kernel"]
-        print(f"  {name:<10} sdpa {s:7.1f} ms (attention {s_attn:6.1f})   kernel {k:7.1f} ms (attention {k_attn:6.1f})   "
-              f"sdpa / kernel {s / k:5.2f}", flush=True)
+        line = f"  {name:<10}"
+        for label, (native, rows) in arms.items():
+            cpu_kernels.prefill_attention_supported = supported if native else (lambda *a: False)
+            cpu_kernels.prompt_rows_beat_sdpa = lambda *a, on=rows: on
+            total, attn = min(step(lens) for _ in range(args.reps + 1))
+            if label == "sdpa":
+                sdpa_total = total
+            line += f"   {label} {total:7.1f} ms (attention {attn:6.1f})"
+            if label != "sdpa":
+                line += f" sdpa / {label} {sdpa_total / total:5.2f}"
+        cpu_kernels.prefill_attention_supported, cpu_kernels.prompt_rows_beat_sdpa = supported, rows_beat_sdpa
+        print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

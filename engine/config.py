@@ -55,8 +55,9 @@ class EngineConfig:
                                      "it, the chunk budget and prefill vs decode (one GEMM kernel for every row "
                                      "count, every query row through the paged decode attention kernel), so "
                                      "greedy output is the same alone, batched, disaggregated and after a "
-                                     "migration; off: the row-count-tuned kernels (oneDNN, AMX, prefill "
-                                     "attention), faster where prompts are long")
+                                     "migration; off: the row-count-tuned kernels where the CPU has faster ones "
+                                     "(AMX: its GEMM and prefill attention, faster where prompts are long); "
+                                     "bf16 on AVX512-BF16 without AMX keeps the invariant ones, the fastest there")
     enforce_eager: bool = setting(False, "CUDA: no graph capture for decode")
     quantization: str | None = setting(None, "w8a16: int8 weights with per-output-channel scales",
                                   choices=QUANTIZATIONS)

@@ -1,4 +1,5 @@
-"""What this CPU can do, and the compute dtype chosen from it.
+"""What this CPU can do, the compute dtype chosen from it, and whether tuned mode runs the
+batch-invariant kernels (``invariant_kernels_are_fastest``).
 
 ``detect()`` reads the CPU's model name and feature flags once. ``choose_compute_dtype`` is the
 one place that turns them into the engine's compute dtype for ``compute_dtype="auto"``:
@@ -22,7 +23,6 @@ import os
 import platform
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -114,6 +114,17 @@ def choose_compute_dtype(weights: torch.dtype, device_type: str, features: CpuFe
                                           "float32's")
     return DtypeChoice(torch.float32, "no native bf16 dot products (no AMX / AVX512-BF16): bf16 GEMMs would be "
                                       "emulated; float32 math over the bf16 weights")
+
+
+def invariant_kernels_are_fastest(features: CpuFeatures, compute: torch.dtype, quantized: bool) -> bool:
+    """Whether batch-invariant mode's bf16 kernels are also this CPU's fastest, so that tuned mode
+    (batch invariance off) runs them too, without the promise: bf16 compute of an unquantized
+    model on AVX512-BF16 without AMX. There the tuned alternatives are oneDNN's bf16 GEMM (no
+    faster from 64 rows, 1.2-1.8x slower at decode's 1-4 rows: bench/bf16dot_linear.py) and
+    torch's sdpa for prompts (1.15-1.9x slower in one layer at 512-2048 tokens, the small model's
+    shape: bench/prefill_attention.py), on a Zen 4. With AMX, tuned mode has the AMX GEMM and
+    prefill attention."""
+    return compute == torch.bfloat16 and not quantized and features.avx512_bf16 and not features.amx_bf16
 
 
 def bf16_gemm_supported() -> bool:

@@ -138,23 +138,18 @@ class ModelRunner:
             bf16_weights = self.compute_dtype == torch.float32 and self.model_config.torch_dtype == "bfloat16"
             amx = self.compute_dtype == torch.bfloat16 and cpu_features.detect().amx_bf16
             linears = [m for m in model.modules() if isinstance(m, Linear)]
-            if self.config.batch_invariant:   # one GEMM for every row count, or the mode is off
-                self.batch_invariant, released = True, 0
+            # Batch-invariant mode needs one GEMM for every row count (or the mode is off); tuned mode
+            # runs that GEMM too where it is this CPU's fastest.
+            quantized = self.config.quantization is not None
+            tuned_invariant = not self.config.batch_invariant and cpu_features.invariant_kernels_are_fastest(
+                cpu_features.detect(), self.compute_dtype, quantized)
+            packed = (self.config.batch_invariant or tuned_invariant) and self._pack_invariant(linears, tuned_invariant)
+            self.batch_invariant = packed and self.config.batch_invariant
+            if packed and tuned_invariant:
+                cpu_features.log_once("batch invariance off, but its kernels are this CPU's fastest for bf16 "
+                                      "(AVX512-BF16 without AMX): tuned mode runs them")
+            if not packed:
                 for module in linears:
-                    if not module.pack_invariant():
-                        self.batch_invariant = False
-                        break
-                    released += module.release_plain_weight()   # at once where it can be unpacked again,
-                    if released >= TRIM_EVERY_BYTES:            # and its pages with it (engine/heap.py)
-                        heap.release_free_heap()
-                        released = 0
-                for module in linears:
-                    if self.batch_invariant:   # every forward reads the packed copy: the plain weight goes
-                        module.weight = None   # (a tied embedding keeps its own reference)
-                    else:
-                        module.unpack_invariant()
-            for module in linears:
-                if not self.batch_invariant:
                     module.pack_for_cpu(bf16_weights=bf16_weights, amx=amx)
             # Decode GEMMs stream these packed weights every step: onto huge pages (TLB misses cost a
             # batch-1 decode step of the small model a third of its time on a Zen 4 VM).
@@ -162,6 +157,29 @@ class ModelRunner:
             hugepages.move_onto_huge_pages(linears, "packed_invariant")
         heap.release_free_heap()   # what loading and packing freed, back to the system
         return model.eval()
+
+    @staticmethod
+    def _pack_invariant(linears: list[Linear], bf16dot_only: bool) -> bool:
+        """Every linear onto the invariant GEMM (bf16dot_only: linear_bf16dot, not the float32-math
+        one), each plain weight dropped as soon as its packed copy serves (so a model's two copies
+        never coexist while it loads); should one not pack, all are unpacked, every plain weight
+        back, and this returns False."""
+        released = 0
+        packed = True
+        for module in linears:
+            if not module.pack_invariant() or (bf16dot_only and not module.invariant_bf16dot):
+                packed = False
+                break
+            released += module.release_plain_weight()   # at once where it can be unpacked again,
+            if released >= TRIM_EVERY_BYTES:            # and its pages with it (engine/heap.py)
+                heap.release_free_heap()
+                released = 0
+        for module in linears:
+            if packed:   # every forward reads the packed copy: the plain weight goes
+                module.weight = None   # (a tied embedding keeps its own reference)
+            else:
+                module.unpack_invariant()
+        return packed
 
     def _compute_dtype(self) -> torch.dtype:
         if self.config.compute_dtype != "auto":

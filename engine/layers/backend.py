@@ -104,10 +104,11 @@ class TorchBackend:
 class FusedDecode:
     """A bf16 model's decode path as one native call (cpu_kernels.decode_forward): every weight,
     norm and cache pointer gathered once; scratch reused across steps. Only for models whose
-    linears all run one GEMM the call has: the AMX kernel (tuned mode), or batch-invariant mode's
-    linear_bf16dot (bf16 weights without bias or scales). The latter is the GEMM the per-op
-    invariant path runs, beside the same per-row kernels in the same order, so a row's result is
-    the same bit for bit whichever path a step takes. build() returns None otherwise."""
+    linears all run one GEMM the call has: the AMX kernel (tuned mode on AMX), or linear_bf16dot
+    (bf16 weights without bias or scales: batch-invariant mode's GEMM, and tuned mode's where it is
+    the CPU's fastest). The latter is the GEMM the per-op path runs, beside the same per-row
+    kernels in the same order, so a row's result is the same bit for bit whichever path a step
+    takes. build() returns None otherwise."""
 
     PTRS = ("in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gu_w", "gu_b", "down_w", "down_b",
             "q_norm", "k_norm", "k_cache", "v_cache", "qkv_s", "o_s", "gu_s", "down_s")
@@ -136,10 +137,10 @@ class FusedDecode:
         return lin.packed_invariant, None
 
     @classmethod
-    def build(cls, model, batch_invariant: bool = False) -> "FusedDecode | None":
+    def build(cls, model) -> "FusedDecode | None":
         if getattr(model, "tp_size", 1) > 1:   # the fused call has no all-reduce between layers
             return None
-        kind = "bf16dot" if batch_invariant else "amx"
+        kind = "amx" if model.model.layers[0].self_attn.qkv_proj.packed_amx is not None else "bf16dot"
         ptrs: list[int] = []
         for layer in model.model.layers:
             sa, mlp = layer.self_attn, layer.mlp
@@ -186,7 +187,9 @@ class NativeCpuBackend(TorchBackend):
     way whatever the other rows are (the prefill kernels and sdpa tile queries and keys by the
     chunk's shape). With the linears' invariant GEMM (engine/layers/linear.py) and the per-row
     elementwise kernels, a row's logits depend only on its sequence. Decode-only steps may run as
-    one fused call (FusedDecode) of those same kernels."""
+    one fused call (FusedDecode) of those same kernels. Tuned mode attends prompts the same way
+    where no native prefill kernel serves their dtype and the decode kernel beats sdpa
+    (cpu_kernels.prompt_rows_beat_sdpa)."""
 
     name = "native-cpu"
 
@@ -201,7 +204,7 @@ class NativeCpuBackend(TorchBackend):
             return None
         key = id(model)
         if key not in self._fused:
-            self._fused[key] = FusedDecode.build(model, self.batch_invariant)
+            self._fused[key] = FusedDecode.build(model)
         fused = self._fused[key]
         if fused is None or (fused.max_rows is not None and input_ids.shape[0] > fused.max_rows):
             return None
@@ -243,7 +246,10 @@ class NativeCpuBackend(TorchBackend):
     def attention(self, attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
         nd = meta.num_decode
-        if self.batch_invariant and meta.prefills:
+        native = bool(meta.prefills) and cpu_kernels.prefill_attention_supported(q.dtype, attn.k_cache, attn.head_dim)
+        if meta.prefills and (self.batch_invariant or (
+                not native and cpu_kernels.prompt_rows_beat_sdpa(q.dtype, attn.k_cache, attn.head_dim))):
+            # every row, prompt or decode, through the decode kernel
             tables, lens = _row_tables(meta)
             return cpu_kernels.decode_attention(q, attn.k_cache, attn.v_cache, tables, lens, attn.scale)
         if nd and not meta.prefills:
@@ -253,7 +259,6 @@ class NativeCpuBackend(TorchBackend):
         if nd:
             out[:nd] = cpu_kernels.decode_attention(q[:nd], attn.k_cache, attn.v_cache, meta.decode_block_tables,
                                                     meta.decode_context_lens, attn.scale)
-        native = cpu_kernels.prefill_attention_supported(q.dtype, attn.k_cache, attn.head_dim)
         for seg in meta.prefills:
             if native:   # straight from the cache blocks, cached prefix or not
                 cpu_kernels.prefill_attention(q[seg.token_start:seg.token_end], attn.k_cache, attn.v_cache,

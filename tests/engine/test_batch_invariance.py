@@ -18,7 +18,7 @@ import threading
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, cpu_features
 from engine.layers import cpu_kernels
 from engine.layers.linear import Linear
 from services.client import AsyncClient
@@ -121,7 +121,10 @@ def test_a_linear_that_cannot_pack_turns_the_mode_off_with_every_weight_back(tin
     should a later linear not pack, the mode is off for all, every weight is back exactly when the
     other paths pack it, and the model generates as one loaded without the mode."""
     args = dict(compute_dtype="bfloat16", block_size=8, num_kv_blocks=256)
+    # the tuned kernels, even where tuned mode would run the invariant ones (AVX512-BF16 without AMX)
+    monkeypatch.setattr(cpu_features, "invariant_kernels_are_fastest", lambda *a: False)
     plain = LLM(tiny_qwen3, batch_invariant=False, **args)
+    assert not any(m.invariant_bf16dot for m in plain.engine.runner.model.modules() if isinstance(m, Linear))
     vocab = plain.engine.runner.model.lm_head.out_features
     loaded: dict[int, torch.Tensor] = {}     # each linear's weight as loaded, by id
     seen: list[int] = []                     # the linears pack_for_cpu saw, its weight checked first

@@ -1,10 +1,11 @@
-"""The compute dtype follows the CPU features it is given (never this machine's)."""
+"""The compute dtype, and tuned mode's kernels, follow the CPU features they are given (never this
+machine's)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.cpu_features import CpuFeatures, choose_compute_dtype, cpu_identity
+from engine.cpu_features import CpuFeatures, choose_compute_dtype, cpu_identity, invariant_kernels_are_fastest
 
 SPR = CpuFeatures("Xeon (AMX)", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
                                            "amx_tile", "amx_bf16", "amx_int8"}), "x86_64")
@@ -62,3 +63,16 @@ def test_cuda_keeps_the_checkpoint_dtype() -> None:
 def test_identity_names_model_and_flags() -> None:
     ident = cpu_identity(SPR)
     assert "Xeon (AMX)" in ident and "amx_bf16" in ident and ident != cpu_identity(CPX)
+
+
+@pytest.mark.parametrize("features,compute,quantized,expected", [
+    (CPX, torch.bfloat16, False, True),      # AVX512-BF16 without AMX: bf16dot is the fastest GEMM there
+    (SPR, torch.bfloat16, False, False),     # AMX: tuned mode has the AMX GEMM and prefill attention
+    (SKX, torch.bfloat16, False, False),     # no bf16 dot products: no bf16dot kernel
+    (AVX2, torch.bfloat16, False, False),
+    (CPX, torch.float32, False, False),      # float32 compute: the tuned kernels differ
+    (CPX, torch.bfloat16, True, False),      # w8a16: not measured against its tuned path
+])
+def test_tuned_mode_runs_the_invariant_kernels_only_where_they_are_the_fastest(
+        features: CpuFeatures, compute: torch.dtype, quantized: bool, expected: bool) -> None:
+    assert invariant_kernels_are_fastest(features, compute, quantized) is expected

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from engine.cpu_features import CpuFeatures, detect
+from engine.cpu_features import CpuFeatures, detect, invariant_kernels_are_fastest
 from engine.layers import cpu_kernels
 from engine.layers.backend import TorchBackend
 from engine.model_maker import make_model
@@ -402,27 +402,64 @@ def test_native_prefill_attention_over_bf16_cache_matches_torch_backend(tiny_d64
     assert (logits[0] - logits[1]).abs().max() <= 0.01 * logits[1].abs().max()
 
 
+def _tuned_mode_runs_bf16dot() -> bool:
+    return cpu_kernels.bf16dot_available() and invariant_kernels_are_fastest(detect(), torch.bfloat16, False)
+
+
 @needs_kernels
-@pytest.mark.parametrize("batch_invariant", [False, True], ids=["amx", "invariant-bf16dot"])
-def test_fused_decode_step_equals_layer_by_layer(tiny_qwen3: str, batch_invariant: bool) -> None:
+@pytest.mark.parametrize("batch_invariant,kind", [(False, "amx"), (True, "bf16dot"), (False, "bf16dot")],
+                         ids=["tuned-amx", "invariant-bf16dot", "tuned-bf16dot"])
+def test_fused_decode_step_equals_layer_by_layer(tiny_qwen3: str, batch_invariant: bool, kind: str) -> None:
     """The one-call decode step runs the same kernels in the same order as the per-op native
-    path: identical logits, bit for bit. Its linears: the AMX kernel in tuned mode, linear_bf16dot
-    in batch-invariant mode (where a decode row must not depend on which path its step took)."""
+    path: identical logits, bit for bit. Its linears: the AMX kernel in tuned mode on AMX,
+    linear_bf16dot in batch-invariant mode (where a decode row must not depend on which path its
+    step took) and in tuned mode where that is the CPU's fastest GEMM."""
+    available = {("amx", False): cpu_kernels.amx_available(), ("bf16dot", True): cpu_kernels.bf16dot_available(),
+                 ("bf16dot", False): _tuned_mode_runs_bf16dot()}[(kind, batch_invariant)]
+    if not available:
+        pytest.skip(f"this CPU's {'batch-invariant' if batch_invariant else 'tuned'} mode has no native {kind} GEMM")
     prompts = random_prompts(3, 5, 30, seed=13)
     logits, used = [], []
     for fused in (True, False):
         llm = LLM(tiny_qwen3, dtype="bfloat16", compute_dtype="bfloat16", block_size=8, num_kv_blocks=64,
                   num_threads=1, batch_invariant=batch_invariant)
         runner = llm.engine.runner
-        kernel = cpu_kernels.bf16dot_available() if batch_invariant else cpu_kernels.amx_available()
-        if runner.backend.name != "native-cpu" or not kernel:
-            pytest.skip("no native " + ("AVX512-BF16" if batch_invariant else "AMX") + " kernels on this machine")
-        assert runner.batch_invariant == batch_invariant
+        assert runner.backend.name == "native-cpu" and runner.batch_invariant == batch_invariant
         if not fused:
             runner.backend.decode_model = lambda *args: None
         logits.append(_greedy_logits(llm, prompts, 5)[1])
-        used.append(any(f is not None for f in getattr(runner.backend, "_fused", {}).values()))
-    assert used == [True, False]
+        used.append([f.linear_kind for f in getattr(runner.backend, "_fused", {}).values() if f is not None])
+    assert used == [[kind], []]
+    assert torch.equal(logits[0], logits[1])
+
+
+@needs_kernels
+def test_tuned_mode_runs_the_invariant_kernels_where_they_are_the_fastest(tiny_d64: str, monkeypatch) -> None:
+    """bf16 on AVX512-BF16 without AMX: tuned mode packs every linear for linear_bf16dot (no
+    oneDNN copy), attends prompts through the decode kernel (never sdpa) and decodes in the fused
+    call. Those are batch-invariant mode's kernels: its logits, bit for bit, without its promise."""
+    if not _tuned_mode_runs_bf16dot():
+        pytest.skip("this CPU has AMX or no AVX512-BF16: tuned mode keeps its own kernels")
+    from engine.layers.attention import Attention
+    from engine.layers.linear import Linear
+
+    def no_sdpa(*args):
+        raise AssertionError("a prompt attended through sdpa")
+    monkeypatch.setattr(Attention, "prefill_sdpa", no_sdpa)
+    prompts = random_prompts(3, 20, 60, seed=15)
+    logits, tokens = [], []
+    for invariant in (True, False):
+        llm = LLM(tiny_d64, dtype="bfloat16", compute_dtype="bfloat16", block_size=8, num_kv_blocks=128,
+                  max_num_batched_tokens=48, num_threads=1, batch_invariant=invariant)
+        runner = llm.engine.runner
+        assert runner.batch_invariant == invariant and runner.backend.name == "native-cpu"
+        linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+        assert linears and all(m.invariant_bf16dot and m.packed is None and m.weight is None for m in linears)
+        out_tokens, out_logits = _greedy_logits(llm, prompts, 6)
+        tokens.append(out_tokens)
+        logits.append(out_logits)
+        assert any(f is not None for f in runner.backend._fused.values())
+    assert tokens[0] == tokens[1]
     assert torch.equal(logits[0], logits[1])
 
 
