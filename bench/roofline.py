@@ -13,7 +13,9 @@ LM head's) plus each sequence's KV cache. The workload (``--num-prompts``, ``--i
 ``--output-len``: a number or LO:HI for a uniform range, as vs_vllm.py's offline run) gives:
 the compute floor (all FLOPs at the GEMM peak of ``--threads`` threads, in the model's dtype),
 the decode memory floor at decode batch ``--batch`` (steps of weights plus KV read at the copy
-bandwidth) and the roofline floor (prefill at the peak, decode at the slower of the two);
+bandwidth), the roofline floor (prefill at the peak, decode at the slower of the two) and the
+serial floor (the linears at the peak, then the decode KV reads at the bandwidth: one thread
+does one after the other);
 ``--measured-tok-s`` prints a measured figure as a fraction of each. ``--peak-gflops`` and
 ``--bandwidth-gbs`` skip the measurements. Example::
 
@@ -106,13 +108,18 @@ class Workload:
         return self.num_prompts * self.mean(lambda m: m, self.output_len)
 
 
+def decode_keys(w: Workload) -> float:
+    """Keys the decode tokens of one prompt attend, in expectation. The first output token comes
+    from the prefill; the j-th decode token attends n + j keys."""
+    steps = w.mean(lambda m: m - 1, w.output_len)
+    return w.mean(lambda n: n, w.input_len) * steps + w.mean(lambda m: (m - 1) * m / 2, w.output_len)
+
+
 def workload_flops(c: ModelCost, w: Workload) -> tuple[float, float]:
-    """(prefill, decode) FLOPs of the whole workload, in expectation. The first output token of
-    each prompt comes from its prefill; the j-th decode token attends n + j keys."""
+    """(prefill, decode) FLOPs of the whole workload, in expectation."""
     prefill = w.num_prompts * w.mean(c.prefill_flops, w.input_len)
     steps = w.mean(lambda m: m - 1, w.output_len)
-    keys = w.mean(lambda n: n, w.input_len) * steps + w.mean(lambda m: (m - 1) * m / 2, w.output_len)
-    decode = w.num_prompts * (steps * (c.linear_flops + c.lm_head_flops) + keys * c.attn_flops_per_key)
+    decode = w.num_prompts * (steps * (c.linear_flops + c.lm_head_flops) + decode_keys(w) * c.attn_flops_per_key)
     return prefill, decode
 
 
@@ -125,13 +132,19 @@ def decode_bytes(c: ModelCost, w: Workload, batch: int) -> float:
 
 
 def floors(c: ModelCost, w: Workload, peak_flops: float, bandwidth: float, batch: int) -> dict[str, float]:
-    """Output tok/s floors: compute, decode memory, roofline (prefill compute + decode's slower)."""
+    """Output tok/s floors: compute, decode memory, roofline (prefill compute + decode's slower),
+    and serial: one core in turn, every FLOP but decode attention's at the peak, then the decode
+    steps' KV reads at the bandwidth (decode attention's FLOPs hidden behind them; the weights'
+    reads hidden behind the linears' FLOPs). On one thread the serial floor is the one to reach:
+    the KV stream and the GEMMs do not overlap."""
     prefill, decode = workload_flops(c, w)
     t_mem = decode_bytes(c, w, batch) / bandwidth
     t_roof = prefill / peak_flops + max(decode / peak_flops, t_mem)
+    keys = w.num_prompts * decode_keys(w)
+    t_serial = (prefill + decode - keys * c.attn_flops_per_key) / peak_flops + keys * c.kv_bytes_per_token / bandwidth
     out = w.output_tokens
     return {"compute": out * peak_flops / (prefill + decode), "decode_memory": out / t_mem if t_mem else float("inf"),
-            "roofline": out / t_roof}
+            "roofline": out / t_roof, "serial": out / t_serial}
 
 
 # --------------------------------------------------------------------------- measurements
@@ -233,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, tok_s in result.items():
         rated = f" -> measured {args.measured_tok_s:g} is {args.measured_tok_s / tok_s:.1%} of it" \
             if args.measured_tok_s else ""
-        at = f" (decode batch {batch})" if name != "compute" else ""
+        at = f" (decode batch {batch})" if name in ("decode_memory", "roofline") else ""
         print(f"{name} floor{at}: {tok_s:.1f} output tok/s{rated}")
     if args.json:
         print(json.dumps({"cost": asdict(c), "measured": measured, "peak_gflops": peak, "bandwidth_gbs": bandwidth,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 
@@ -53,6 +52,9 @@ def test_workload_by_hand(tiny_qwen3: str) -> None:
     assert f["compute"] == pytest.approx(6 / ((prefill + decode) / 1e9))
     assert f["decode_memory"] == pytest.approx(6 / (rl.decode_bytes(c, w, 2) / 1e9))
     assert f["roofline"] == pytest.approx(6 / (prefill / 1e9 + max(decode / 1e9, rl.decode_bytes(c, w, 2) / 1e9)))
+    # serial: the decode tokens' 2 * (5 + 6) keys read at the bandwidth instead of attended at the peak
+    keys = 2 * (5 + 6)
+    assert f["serial"] == pytest.approx(6 / ((prefill + decode - keys * 1024) / 1e9 + keys * 1024 / 1e9))
     with pytest.raises(ValueError, match="LO:HI"):
         rl.length_range("9:3")
 
