@@ -113,7 +113,7 @@ def offline_worker_command(python: str, side: str, workload: Path, model: str, o
     cmd = [python, str(SCRIPT), f"_{side}-offline", "--workload", str(workload), "--model", model,
            "--out", str(out), "--threads", str(threads)]
     if side == "pdserve" and pdserve_args:
-        cmd += ["--pdserve-args", shlex.join(pdserve_args)]
+        cmd.append(f"--pdserve-args={shlex.join(pdserve_args)}")   # one token: the value may start with --
     if side == "vllm":
         cmd += ["--dtype", dtype]
     return cmd

@@ -13,6 +13,7 @@ from bench import vs_vllm as vs
 from bench import vs_vllm_commands as vs_cmd
 from bench import vs_vllm_compare as vs_cmp
 from bench import vs_vllm_procs as vs_proc
+from bench.vs_vllm_workers import _offline_worker_args
 from services.loadtest.arrivals import arrival_offsets
 from services.loadtest.datasets import DatasetOptions, _jsonl, sample_requests
 from services.loadtest.offline import make_workload
@@ -252,7 +253,11 @@ def test_offline_worker_command(tmp_path):
     cmd = vs_cmd.offline_worker_command("py", "pdserve", tmp_path / "w.json", "/m", tmp_path / "o.json", 1,
                                     ["--max-num-seqs", "16"])
     assert cmd[1] == str(vs_cmd.SCRIPT) and cmd[2] == "_pdserve-offline"
-    assert cmd[cmd.index("--pdserve-args") + 1] == "--max-num-seqs 16"
+    assert _offline_worker_args(cmd[3:]).pdserve_args == "--max-num-seqs 16"
+    # a flag alone, which argparse would take for an option if it were a token of its own
+    cmd = vs_cmd.offline_worker_command("py", "pdserve", tmp_path / "w.json", "/m", tmp_path / "o.json", 1,
+                                        ["--no-batch-invariant"])
+    assert _offline_worker_args(cmd[3:]).pdserve_args == "--no-batch-invariant"
     cmd = vs_cmd.offline_worker_command("vpy", "vllm", tmp_path / "w.json", "/m", tmp_path / "o.json", 1, ["--x"])
     assert cmd[0] == "vpy" and cmd[2] == "_vllm-offline" and "--pdserve-args" not in cmd
     assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
