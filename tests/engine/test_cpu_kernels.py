@@ -93,10 +93,12 @@ def test_decode_paths_match_hf(tiny_model: str, native: bool) -> None:
 @needs_bf16dot
 def test_bf16_dot_linear_matches_f_linear_and_each_row_is_its_own() -> None:
     """bf16 rows x bf16 weights: F.linear's float32 result within rounding (a bf16 result rounded
-    as torch rounds), columns padded to 32 and sliced back, and a row's output the same bits alone as among others (every row count,
-    row tiles of 12, a chunk boundary: 512 KiB of x at K = 4096 is 64 rows)."""
+    as torch rounds), columns padded to 32 and sliced back, and a row's output the same bits alone
+    as among others: every row count, row tiles of 12, and at K = 4200 the blocks of 1024 k pairs
+    (the last one partial) that more than one row tile runs, against one tile's unblocked chain,
+    across a chunk boundary (768 KiB of x at a block of 1024 pairs is 192 rows)."""
     g = torch.Generator().manual_seed(2)
-    for n, k in ((96, 64), (40, 4096)):
+    for n, k in ((96, 64), (40, 4200)):
         w = torch.randn(n, k, generator=g).to(torch.bfloat16)
         packed = cpu_kernels.pack_bf16dot_weight(w)
         x = torch.randn(200, k, generator=g).to(torch.bfloat16)
@@ -104,7 +106,7 @@ def test_bf16_dot_linear_matches_f_linear_and_each_row_is_its_own() -> None:
         torch.testing.assert_close(full, F.linear(x.float(), w.float()), rtol=1e-3, atol=1e-3)
         rounded = cpu_kernels.linear_bf16dot(x, packed, torch.bfloat16)[:, :n]   # as .to(torch.bfloat16) rounds
         assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, full.to(torch.bfloat16))
-        for rows in (1, 5, 12, 13, 64, 65):
+        for rows in (1, 5, 12, 13, 64, 65, 193):
             assert torch.equal(cpu_kernels.linear_bf16dot(x[:rows], packed)[:, :n], full[:rows]), rows
             assert torch.equal(cpu_kernels.linear_bf16dot(x[rows:rows + 1], packed)[:, :n], full[rows:rows + 1])
     assert cpu_kernels.pack_bf16dot_weight(torch.randn(32, 63)) is None   # K odd: no pairs
