@@ -21,7 +21,9 @@ using namespace pd;
 namespace {
 
 constexpr int64_t kMaxRows = 12;                 // 24 accumulators, two weight vectors, a broadcast
-constexpr int64_t kChunkBytes = int64_t(768) << 10;   // rows of x kept in L2 (1 MiB on a Zen 4) while every column tile passes
+// Bytes of x rows kept in L2 (1 MiB on a Zen 4) while every column tile passes: more at a block of
+// 1024 k pairs, whose weight panels (128 KiB a tile) then come from memory once per 192 rows, not 128.
+constexpr int64_t kChunkBytes = int64_t(512) << 10, kChunkBytesLongK = int64_t(768) << 10;
 #ifndef PD_BF16DOT_KBLOCK
 #define PD_BF16DOT_KBLOCK 1024
 #endif
@@ -29,19 +31,38 @@ constexpr int64_t kBlockPairs = PD_BF16DOT_KBLOCK;   // k pairs per pass over th
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
-// y[0:MT, 0:32] = x[0:MT, :] @ tile over K2 k pairs (x, w already at the first pair), ldx in pairs
-// (int32 units), ldy in elements. A long K runs in blocks: the accumulators start from a (float32,
-// lda apart) unless first, and go back there unless last, when they are stored to y: every
-// output stays one chain over the k pairs in order, whatever the blocking.
+// y[0:MT, 0:32] = x[0:MT, :] @ tile; K2 = K / 2 pairs, ldx in pairs (int32 units), ldy in elements.
 template <int MT, typename T>
-inline void dot_tile(const int32_t* x, int64_t ldx, const uint16_t* w, int64_t K2, T* y, int64_t ldy,
-                     float* a, int64_t lda, bool first, bool last) {
+inline void dot_tile(const int32_t* x, int64_t ldx, const uint16_t* w, int64_t K2, T* y, int64_t ldy) {
+    __m512 acc[MT][2];
+    for (int m = 0; m < MT; m++) { acc[m][0] = _mm512_setzero_ps(); acc[m][1] = _mm512_setzero_ps(); }
+    for (int64_t j = 0; j < K2; j++) {
+        const __m512bh w0 = as_bh(_mm512_loadu_si512(w + j * 64));
+        const __m512bh w1 = as_bh(_mm512_loadu_si512(w + j * 64 + 32));
+        for (int m = 0; m < MT; m++) {
+            const __m512bh xb = as_bh(_mm512_set1_epi32(x[m * ldx + j]));
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, w0);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
+        }
+    }
+    for (int m = 0; m < MT; m++) {
+        store16(y + m * ldy, acc[m][0]);
+        store16(y + m * ldy + 16, acc[m][1]);
+    }
+}
+
+// One block of a long K: as dot_tile over the block's KB pairs (x, w at its first pair), the
+// accumulators starting from a (float32, lda apart) unless first, and going back there unless
+// last, when they are stored to y: every output stays one chain over the k pairs in order.
+template <int MT, typename T>
+inline void dot_tile_block(const int32_t* x, int64_t ldx, const uint16_t* w, int64_t KB, T* y, int64_t ldy,
+                           float* a, int64_t lda, bool first, bool last) {
     __m512 acc[MT][2];
     for (int m = 0; m < MT; m++) {
         acc[m][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(a + m * lda);
         acc[m][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(a + m * lda + 16);
     }
-    for (int64_t j = 0; j < K2; j++) {
+    for (int64_t j = 0; j < KB; j++) {
         const __m512bh w0 = as_bh(_mm512_loadu_si512(w + j * 64));
         const __m512bh w1 = as_bh(_mm512_loadu_si512(w + j * 64 + 32));
         for (int m = 0; m < MT; m++) {
@@ -62,10 +83,21 @@ inline void dot_tile(const int32_t* x, int64_t ldx, const uint16_t* w, int64_t K
 }
 
 template <typename T>
-void dot_rows(int mt, const int32_t* x, int64_t ldx, const uint16_t* w, int64_t K2, T* y, int64_t ldy,
-              float* a, int64_t lda, bool first, bool last) {
+void dot_rows(int mt, const int32_t* x, int64_t ldx, const uint16_t* w, int64_t K2, T* y, int64_t ldy) {
     switch (mt) {
-#define PD_TILE(n) case n: dot_tile<n, T>(x, ldx, w, K2, y, ldy, a, lda, first, last); break;
+#define PD_TILE(n) case n: dot_tile<n, T>(x, ldx, w, K2, y, ldy); break;
+        PD_TILE(1) PD_TILE(2) PD_TILE(3) PD_TILE(4) PD_TILE(5) PD_TILE(6)
+        PD_TILE(7) PD_TILE(8) PD_TILE(9) PD_TILE(10) PD_TILE(11) PD_TILE(12)
+#undef PD_TILE
+        default: break;
+    }
+}
+
+template <typename T>
+void dot_rows_block(int mt, const int32_t* x, int64_t ldx, const uint16_t* w, int64_t KB, T* y, int64_t ldy,
+                    float* a, int64_t lda, bool first, bool last) {
+    switch (mt) {
+#define PD_TILE(n) case n: dot_tile_block<n, T>(x, ldx, w, KB, y, ldy, a, lda, first, last); break;
         PD_TILE(1) PD_TILE(2) PD_TILE(3) PD_TILE(4) PD_TILE(5) PD_TILE(6)
         PD_TILE(7) PD_TILE(8) PD_TILE(9) PD_TILE(10) PD_TILE(11) PD_TILE(12)
 #undef PD_TILE
@@ -82,7 +114,7 @@ void dot_tiles(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p, int64
     const int64_t K2 = K / 2;
     const int32_t* xp = reinterpret_cast<const int32_t*>(x);
     const int64_t kc = K2 > kBlockPairs && M > kMaxRows ? kBlockPairs : K2;
-    int64_t chunk = kChunkBytes / (kc * 4);
+    int64_t chunk = (kc >= kBlockPairs ? kChunkBytesLongK : kChunkBytes) / (kc * 4);
     chunk = chunk < kMaxRows ? kMaxRows : chunk - chunk % kMaxRows;
     const int64_t width = (nt1 - nt0) * 32;
     static thread_local std::vector<float> acc;   // [chunk rows][width] while a chunk's blocks pass
@@ -92,13 +124,16 @@ void dot_tiles(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p, int64
         const int64_t ntiles = (mc + kMaxRows - 1) / kMaxRows;
         for (int64_t k0 = 0; k0 < K2; k0 += kc) {
             const int64_t kn = K2 - k0 < kc ? K2 - k0 : kc;
-            const bool first = k0 == 0, last = k0 + kn == K2;
             for (int64_t nt = nt0; nt < nt1; nt++) {
                 const uint16_t* pt = p + nt * K * 32 + k0 * 64;
                 for (int64_t m = m0, t = 0; t < ntiles; t++) {
                     const int64_t rows = (m0 + mc - m) / (ntiles - t);   // balanced row tiles of <= kMaxRows
-                    float* a = kc < K2 ? acc.data() + (m - m0) * width + (nt - nt0) * 32 : nullptr;
-                    dot_rows<T>(int(rows), xp + m * K2 + k0, K2, pt, kn, y + m * N + nt * 32, N, a, width, first, last);
+                    if (kc == K2)
+                        dot_rows<T>(int(rows), xp + m * K2, K2, pt, K2, y + m * N + nt * 32, N);
+                    else
+                        dot_rows_block<T>(int(rows), xp + m * K2 + k0, K2, pt, kn, y + m * N + nt * 32, N,
+                                          acc.data() + (m - m0) * width + (nt - nt0) * 32, width, k0 == 0,
+                                          k0 + kn == K2);
                     m += rows;
                 }
             }
