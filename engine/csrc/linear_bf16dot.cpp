@@ -21,13 +21,13 @@ using namespace pd;
 namespace {
 
 constexpr int64_t kMaxRows = 12;                 // 24 accumulators, two weight vectors, a broadcast
-// Bytes of x rows kept in L2 (1 MiB on a Zen 4) while every column tile passes: more at a block of
-// 1024 k pairs, whose weight panels (128 KiB a tile) then come from memory once per 192 rows, not 128.
-constexpr int64_t kChunkBytes = int64_t(512) << 10, kChunkBytesLongK = int64_t(768) << 10;
-#ifndef PD_BF16DOT_KBLOCK
-#define PD_BF16DOT_KBLOCK 1024
-#endif
-constexpr int64_t kBlockPairs = PD_BF16DOT_KBLOCK;   // k pairs per pass over the column tiles, for long K
+// A K of more than kBlockFromPairs k pairs (Llama-3.2-1B's down projection: 4096) runs in blocks
+// of kBlockPairs: a whole K's x rows would leave room in L2 for few of them per chunk, and each
+// weight panel (32 columns by K, 512 KiB there) would come from memory once per 24 rows.
+constexpr int64_t kBlockPairs = 1024, kBlockFromPairs = 2048;
+// Bytes of x rows kept in L2 (1 MiB on a Zen 4) while every column tile passes; more for a block,
+// whose weight panels (128 KiB a tile) then come from memory once per 192 rows.
+constexpr int64_t kChunkBytes = int64_t(512) << 10, kChunkBytesBlocked = int64_t(768) << 10;
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
@@ -105,16 +105,15 @@ void dot_rows_block(int mt, const int32_t* x, int64_t ldx, const uint16_t* w, in
     }
 }
 
-// Rows in chunks whose x (at one K block) stays in L2 while every column tile of [nt0, nt1) passes;
-// a K longer than kBlockPairs pairs, with more than one row tile, in blocks of kBlockPairs, so a
-// chunk holds more rows and each weight panel is read from memory once per more of them. Blocks
-// keep their accumulators in a float32 buffer between passes.
+// Rows in chunks whose x (at one K block) stays in L2 while every column tile of [nt0, nt1)
+// passes. A long K, where there is more than one row tile, runs in blocks (dot_tile_block), their
+// float32 accumulators kept in a buffer between passes.
 template <typename T>
 void dot_tiles(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p, int64_t N, T* y, int64_t nt0, int64_t nt1) {
     const int64_t K2 = K / 2;
     const int32_t* xp = reinterpret_cast<const int32_t*>(x);
-    const int64_t kc = K2 > kBlockPairs && M > kMaxRows ? kBlockPairs : K2;
-    int64_t chunk = (kc >= kBlockPairs ? kChunkBytesLongK : kChunkBytes) / (kc * 4);
+    const int64_t kc = K2 > kBlockFromPairs && M > kMaxRows ? kBlockPairs : K2;
+    int64_t chunk = (kc < K2 ? kChunkBytesBlocked : kChunkBytes) / (kc * 4);
     chunk = chunk < kMaxRows ? kMaxRows : chunk - chunk % kMaxRows;
     const int64_t width = (nt1 - nt0) * 32;
     static thread_local std::vector<float> acc;   // [chunk rows][width] while a chunk's blocks pass
