@@ -116,7 +116,8 @@ void dot_tiles(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p, int64
     int64_t chunk = (kc < K2 ? kChunkBytesBlocked : kChunkBytes) / (kc * 4);
     chunk = chunk < kMaxRows ? kMaxRows : chunk - chunk % kMaxRows;
     const int64_t width = (nt1 - nt0) * 32;
-    static thread_local std::vector<float> acc;   // [chunk rows][width] while a chunk's blocks pass
+    static thread_local std::vector<float> acc;   // [chunk rows][width] while a chunk's blocks pass; kept for
+                                                  // the thread's next call (1.5 MiB at Llama-3.2-1B's down)
     if (kc < K2 && int64_t(acc.size()) < chunk * width) acc.resize(chunk * width);
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
         const int64_t mc = M - m0 < chunk ? M - m0 : chunk;

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from engine.cpu_features import detect
 from engine.settings import ENV
 
 log = logging.getLogger(__name__)
@@ -232,7 +233,6 @@ def prompt_rows_beat_sdpa(q_dtype: torch.dtype, cache: torch.Tensor, head_dim: i
     AVX-512 kernel (head_dim 64 or 128): 1.15-1.9x sdpa in one layer at 512-2048 tokens of the
     small model's shape on a Zen 4 (bench/prefill_attention.py). For tuned mode where no native
     prefill kernel serves q's dtype."""
-    from engine.cpu_features import detect
     return q_dtype == torch.bfloat16 and head_dim in (64, 128) and detect().avx512 and supports(cache, head_dim)
 
 
@@ -243,7 +243,6 @@ def avx2_prefill_available() -> bool:
     """This CPU has AVX2 and FMA and the library was built with the AVX2 prefill attention."""
     global _avx2_prefill
     if _avx2_prefill is None:
-        from engine.cpu_features import detect
         lib = load()
         _avx2_prefill = lib is not None and detect().avx2_fma and bool(lib.pd_prefill_attention_avx2())
     return _avx2_prefill

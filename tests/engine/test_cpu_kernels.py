@@ -329,12 +329,23 @@ def test_prefill_parts_cover_every_row_and_head() -> None:
 
 
 @needs_kernels
+def test_prompt_rows_beat_sdpa_for_bf16_q_on_the_avx512_kernel_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    bf16 = torch.empty(0, dtype=torch.bfloat16)
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    for flags, want in [(avx512, True), (avx512 - {"avx512bw"}, False), ({"avx2", "fma"}, False)]:
+        monkeypatch.setattr(cpu_kernels, "detect", lambda: CpuFeatures("test", frozenset(flags)))
+        assert cpu_kernels.prompt_rows_beat_sdpa(torch.bfloat16, bf16, 64) == want
+        assert cpu_kernels.prompt_rows_beat_sdpa(torch.bfloat16, bf16, 128) == want
+        assert not cpu_kernels.prompt_rows_beat_sdpa(torch.bfloat16, bf16, 80)     # the generic kernel
+        assert not cpu_kernels.prompt_rows_beat_sdpa(torch.float32, bf16, 64)      # the native prefill kernels'
+
+
+@needs_kernels
 def test_prefill_attention_supported_follows_cpu_features(monkeypatch: pytest.MonkeyPatch) -> None:
     """float32 q runs natively exactly where the CPU has AVX2 and FMA; bf16 q only on AMX."""
-    import engine.cpu_features as features
     bf16, f32 = torch.empty(0, dtype=torch.bfloat16), torch.empty(0)
     for flags, want in [({"avx2", "fma"}, True), ({"avx2"}, False), (set(), False)]:
-        monkeypatch.setattr(features, "detect", lambda: CpuFeatures("test", frozenset(flags)))
+        monkeypatch.setattr(cpu_kernels, "detect", lambda: CpuFeatures("test", frozenset(flags)))
         monkeypatch.setattr(cpu_kernels, "_avx2_prefill", None)
         assert cpu_kernels.prefill_attention_supported(torch.float32, bf16, 64) == want
         assert cpu_kernels.prefill_attention_supported(torch.float32, f32, 128) == want
