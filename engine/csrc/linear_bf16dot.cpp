@@ -31,11 +31,9 @@ constexpr int64_t kChunkBytes = int64_t(512) << 10, kChunkBytesBlocked = int64_t
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
-// y[0:MT, 0:32] = x[0:MT, :] @ tile; K2 = K / 2 pairs, ldx in pairs (int32 units), ldy in elements.
-template <int MT, typename T>
-inline void dot_tile(const int32_t* x, int64_t ldx, const uint16_t* w, int64_t K2, T* y, int64_t ldy) {
-    __m512 acc[MT][2];
-    for (int m = 0; m < MT; m++) { acc[m][0] = _mm512_setzero_ps(); acc[m][1] = _mm512_setzero_ps(); }
+// acc[m] += x[m, 0:K2 pairs] @ tile: each output one vdpbf16ps chain over the k pairs in order.
+template <int MT>
+inline void dot_pairs(__m512 (&acc)[MT][2], const int32_t* x, int64_t ldx, const uint16_t* w, int64_t K2) {
     for (int64_t j = 0; j < K2; j++) {
         const __m512bh w0 = as_bh(_mm512_loadu_si512(w + j * 64));
         const __m512bh w1 = as_bh(_mm512_loadu_si512(w + j * 64 + 32));
@@ -45,6 +43,14 @@ inline void dot_tile(const int32_t* x, int64_t ldx, const uint16_t* w, int64_t K
             acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
         }
     }
+}
+
+// y[0:MT, 0:32] = x[0:MT, :] @ tile; K2 = K / 2 pairs, ldx in pairs (int32 units), ldy in elements.
+template <int MT, typename T>
+inline void dot_tile(const int32_t* x, int64_t ldx, const uint16_t* w, int64_t K2, T* y, int64_t ldy) {
+    __m512 acc[MT][2];
+    for (int m = 0; m < MT; m++) { acc[m][0] = _mm512_setzero_ps(); acc[m][1] = _mm512_setzero_ps(); }
+    dot_pairs<MT>(acc, x, ldx, w, K2);
     for (int m = 0; m < MT; m++) {
         store16(y + m * ldy, acc[m][0]);
         store16(y + m * ldy + 16, acc[m][1]);
@@ -62,15 +68,7 @@ inline void dot_tile_block(const int32_t* x, int64_t ldx, const uint16_t* w, int
         acc[m][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(a + m * lda);
         acc[m][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(a + m * lda + 16);
     }
-    for (int64_t j = 0; j < KB; j++) {
-        const __m512bh w0 = as_bh(_mm512_loadu_si512(w + j * 64));
-        const __m512bh w1 = as_bh(_mm512_loadu_si512(w + j * 64 + 32));
-        for (int m = 0; m < MT; m++) {
-            const __m512bh xb = as_bh(_mm512_set1_epi32(x[m * ldx + j]));
-            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, w0);
-            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
-        }
-    }
+    dot_pairs<MT>(acc, x, ldx, w, KB);
     for (int m = 0; m < MT; m++) {
         if (last) {
             store16(y + m * ldy, acc[m][0]);
