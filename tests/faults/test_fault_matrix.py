@@ -6,15 +6,17 @@ timeout plus the re-prefill; free blocks return to the baseline on every worker 
 too, once resumed); the supervisor brings killed workers back."""
 from __future__ import annotations
 
+import os
 import signal
 import time
 
+import grpc
 import pytest
 
 from engine import LLM, SamplingParams
 from tests.conftest import random_prompts
 from tests.faults.harness import BLOCK_SIZE, STALL_S, Busy, FaultCluster, observe, record, wait_for
-from tests.serving import metric, scrape
+from tests.serving import catch_holder, metric, scrape
 
 pytestmark = pytest.mark.faults
 
@@ -24,8 +26,8 @@ CASES = [("prefill", "queued"), ("prefill", "mid-prefill"), ("prefill", "mid-tra
          ("decode", "queued"), ("decode", "mid-transfer"), ("decode", "mid-decode")]
 FAULTS = ("kill", "stop")
 # A fresh prompt for every run: a prefix-cache hit would skip the phase the fault is aimed at.
-# Catching a decode worker mid-decode may take more than one try (_catch_decoding): spare prompts.
-TRIES = {("decode", "mid-decode"): 3}
+# Catching a decode worker mid-decode or mid-transfer may take more than one try: spare prompts.
+TRIES = {("decode", "mid-decode"): 3, ("decode", "mid-transfer"): 3}
 PROMPTS = {(*case, fault): random_prompts(TRIES.get(case, 1), PROMPT_LEN, PROMPT_LEN, seed=500 + 2 * i + j)
            for i, case in enumerate(CASES) for j, fault in enumerate(FAULTS)}
 
@@ -52,18 +54,23 @@ def baseline_e2e(fc) -> float:
     return obs.ended - obs.started
 
 
-def _reach_phase(fc: FaultCluster, role: str, phase: str, prompts: list[list[int]], busy: list[Busy]):
+def _reach_phase(fc: FaultCluster, role: str, phase: str, prompts: list[list[int]], busy: list[Busy],
+                 held: list[str]):
     """Start the request and return (victim worker name, observation, which prompt) once it is in
-    the phase; busy gets the load it started (the caller stops it)."""
-    if (role, phase) == ("decode", "mid-decode"):
+    the phase; busy gets the load it started (the caller stops it), held the workers other than
+    the victim left frozen so that the phase cannot end before the fault (the caller resumes them
+    once the fault has landed)."""
+    catch = {("decode", "mid-decode"): _catch_decoding, ("decode", "mid-transfer"): _catch_receiving}.get((role, phase))
+    if catch is not None:
         for attempt, prompt in enumerate(prompts):
+            before = _kv_received(fc)
             obs = observe(fc.router, prompt, MAX_TOKENS)
-            victim = _catch_decoding(fc, obs)
+            victim = catch(fc, obs, before, held)
             if victim is not None:
                 return victim, obs, attempt
             assert obs.done.wait(60) and obs.code is None, obs   # it ran past the window: a fresh one
             wait_for(fc.at_baseline, 30, "free blocks at baseline")
-        raise AssertionError(f"no decode worker caught mid-decode in {len(prompts)} requests\n{fc.logs()}")
+        raise AssertionError(f"no decode worker caught {phase} in {len(prompts)} requests\n{fc.logs()}")
     prompt = prompts[0]
     if phase == "queued":   # both prefill workers kept busy with long prompts: the request waits in a queue
         busy += [fc.busy_prefill(name, 1800, streams=3) for name in fc.names("prefill")]
@@ -71,9 +78,6 @@ def _reach_phase(fc: FaultCluster, role: str, phase: str, prompts: list[list[int
             _queue_behind(fc, busy)
         else:
             wait_for(lambda: all(fc.status(n).num_running for n in fc.names("prefill")), 30, "busy prefill workers")
-    if (role, phase) == ("decode", "mid-transfer"):   # the KV each decode worker holds before this request
-        received = {n: metric(scrape(fc.process(n).metrics_address), "pdserve:kv_transfer_bytes_total")
-                    for n in fc.names("decode")}
     obs = observe(fc.router, prompt, MAX_TOKENS)
     if role == "prefill" and phase == "queued":
         victim = _await_queued(fc, busy, obs)
@@ -92,17 +96,8 @@ def _reach_phase(fc: FaultCluster, role: str, phase: str, prompts: list[list[int
         victim = fc.names("prefill")[0]
     elif role == "decode" and phase == "queued":
         victim = _await_holder(fc, "decode", "num_reserved")
-    else:   # decode mid-transfer: reserved there, blocks arriving chunk by chunk, no token yet
-        # one poll sees both at once (the transfer lasts well under a second on a fast machine:
-        # finding the reservation first and then waiting for more KV could miss all of it)
-        def receiving() -> str | None:
-            return next((n for n, before in received.items() if fc.status(n).num_reserved and
-                         metric(scrape(fc.process(n).metrics_address), "pdserve:kv_transfer_bytes_total") > before),
-                        None)
-        found: list[str | None] = []
-        wait_for(lambda: bool(found.append(receiving()) or found[-1]), 30, "KV arriving at a reserved decode worker",
-                 interval=0.01)
-        victim = found[-1]
+    else:
+        raise AssertionError(f"no such phase: {role} {phase}")
     assert not obs.done.is_set(), (role, phase, obs)
     return victim, obs, 0
 
@@ -145,7 +140,48 @@ def _await_queued(fc: FaultCluster, busy: list[Busy], obs) -> str:
     return found[-1]
 
 
-def _catch_decoding(fc: FaultCluster, obs) -> str | None:
+def _kv_bytes(fc: FaultCluster, name: str) -> float:
+    """The KV bytes a decode worker has received so far."""
+    return metric(scrape(fc.process(name).metrics_address), "pdserve:kv_transfer_bytes_total")
+
+
+def _kv_received(fc: FaultCluster) -> dict[str, float]:
+    return {n: _kv_bytes(fc, n) for n in fc.names("decode")}
+
+
+def _catch_receiving(fc: FaultCluster, obs, before: dict[str, float], held: list[str]) -> str | None:
+    """The decode worker receiving the request's KV (reserved, with more KV than it held before
+    the request and no token made yet), returned frozen, with every prefill worker frozen too
+    (named in held): the transfer cannot end between the question and the fault. The prefill
+    workers run only between questions, a few milliseconds at a time, so a test process held off
+    the CPU no longer lets the whole sub-second transfer pass unseen (CI, under -n 2: it did).
+    None if the request got past the transfer all the same."""
+    prefills = fc.names("prefill")
+    pids = [fc.process(n).popen.pid for n in prefills]
+
+    def receiving(name: str) -> bool:
+        try:
+            return bool(fc.status(name).num_reserved) and _kv_bytes(fc, name) > before[name]
+        except grpc.RpcError:
+            return False
+    while not obs.done.is_set():
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        victim = None
+        try:
+            victim = catch_holder(fc.names("decode"), receiving, lambda n: fc.process(n).popen.pid, keep_frozen=True)
+        finally:
+            if victim is None:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+        if victim is not None:
+            held.extend(prefills)
+            return victim
+        time.sleep(0.005)
+    return None
+
+
+def _catch_decoding(fc: FaultCluster, obs, before: dict[str, float], held: list[str]) -> str | None:
     """The decode worker running the request, returned frozen (the caller's fault lands on it)
     while the request has made 30 tokens there and has 80 or more still to make: its blocks in use
     say how far it is (it runs alone). What the client has seen says nothing: on a loaded machine
@@ -179,10 +215,15 @@ def test_a_request_survives_a_worker_fault(fc, reference, baseline_e2e, role: st
     wait_for(fc.all_healthy, 60, "every worker healthy")
     wait_for(fc.at_baseline, 30, "free blocks at baseline")
     busy: list[Busy] = []
+    held: list[str] = []
     try:
-        victim, obs, attempt = _reach_phase(fc, role, phase, PROMPTS[(role, phase, fault)], busy)
+        victim, obs, attempt = _reach_phase(fc, role, phase, PROMPTS[(role, phase, fault)], busy, held)
         t_fault = time.monotonic()
-        fc.signal(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        try:
+            fc.signal(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        finally:
+            for name in held:
+                fc.signal(name, signal.SIGCONT)
         try:
             assert obs.done.wait(90), f"request hung after {fault} of {victim} ({phase})\n{fc.logs()}"
         finally:
