@@ -143,7 +143,8 @@ class ModelRunner:
             quantized = self.config.quantization is not None
             tuned_invariant = not self.config.batch_invariant and cpu_features.invariant_kernels_are_fastest(
                 cpu_features.detect(), self.compute_dtype, quantized)
-            packed = (self.config.batch_invariant or tuned_invariant) and self._pack_invariant(linears, tuned_invariant)
+            packed = ((self.config.batch_invariant or tuned_invariant)
+                      and self._pack_invariant(linears, amx, bf16dot_only=tuned_invariant))
             self.batch_invariant = packed and self.config.batch_invariant
             if packed and tuned_invariant:
                 cpu_features.log_once("batch invariance off, but its kernels are this CPU's fastest for bf16 "
@@ -159,15 +160,15 @@ class ModelRunner:
         return model.eval()
 
     @staticmethod
-    def _pack_invariant(linears: list[Linear], bf16dot_only: bool) -> bool:
-        """Every linear onto the invariant GEMM (bf16dot_only: linear_bf16dot, not the float32-math
-        one), each plain weight dropped as soon as its packed copy serves (so a model's two copies
-        never coexist while it loads); should one not pack, all are unpacked, every plain weight
-        back, and this returns False."""
+    def _pack_invariant(linears: list[Linear], amx: bool, bf16dot_only: bool) -> bool:
+        """Every linear onto the invariant GEMM (amx: the AMX kernel where it packs; bf16dot_only:
+        linear_bf16dot, nothing else), each plain weight dropped as soon as its packed copy serves
+        (so a model's two copies never coexist while it loads); should one not pack, all are
+        unpacked, every plain weight back, and this returns False."""
         released = 0
         packed = True
         for module in linears:
-            if not module.pack_invariant() or (bf16dot_only and not module.invariant_bf16dot):
+            if not module.pack_invariant(amx) or (bf16dot_only and module.invariant_kernel != "bf16dot"):
                 packed = False
                 break
             released += module.release_plain_weight()   # at once where it can be unpacked again,

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FUSED_DECODE_MAX_ROWS = {"amx": AMX_KERNEL_MAX_ROWS, "bf16dot": None}   # per GEMM kind; None: any rows
 
 
 class TorchBackend:
@@ -104,21 +103,22 @@ class TorchBackend:
 class FusedDecode:
     """A bf16 model's decode path as one native call (cpu_kernels.decode_forward): every weight,
     norm and cache pointer gathered once; scratch reused across steps. Only for models whose
-    linears all run one GEMM the call has: the AMX kernel (tuned mode on AMX), or linear_bf16dot
-    (bf16 weights without bias or scales: batch-invariant mode's GEMM, and tuned mode's where it is
-    the CPU's fastest). The latter is the GEMM the per-op path runs, beside the same per-row
-    kernels in the same order, so a row's result is the same bit for bit whichever path a step
-    takes. build() returns None otherwise."""
+    linears all run one GEMM the call has: the AMX kernel (tuned mode's for up to
+    AMX_KERNEL_MAX_ROWS rows on AMX, batch-invariant mode's for every row count there), or
+    linear_bf16dot (bf16 weights without bias or scales: batch-invariant mode's GEMM without AMX,
+    and tuned mode's where it is the CPU's fastest). In batch-invariant mode it is the GEMM the
+    per-op path runs, beside the same per-row kernels in the same order, so a row's result is the
+    same bit for bit whichever path a step takes. build() returns None otherwise."""
 
     PTRS = ("in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gu_w", "gu_b", "down_w", "down_b",
             "q_norm", "k_norm", "k_cache", "v_cache", "qkv_s", "o_s", "gu_s", "down_s")
 
-    def __init__(self, model, layers: torch.Tensor, linear_kind: str) -> None:
+    def __init__(self, model, layers: torch.Tensor, linear_kind: str, max_rows: int | None) -> None:
         cfg = model.config
         self.model = model
         self.layers = layers
         self.linear_kind = linear_kind
-        self.max_rows = FUSED_DECODE_MAX_ROWS[linear_kind]
+        self.max_rows = max_rows   # None: any rows (the per-op path runs the same GEMM for them all)
         self.num_layers, self.hidden, self.inter = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
         self.nq, self.nkv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
@@ -129,9 +129,11 @@ class FusedDecode:
     @staticmethod
     def _weight(lin, linear_kind: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The packed weight and per-column scale the fused call reads for this linear, or None."""
+        if linear_kind == "amx" and lin.invariant_kernel == "amx":
+            return lin.packed_invariant, lin.scale if lin.qweight is not None else None
         if linear_kind == "amx":
             return None if lin.packed_amx is None else (lin.packed_amx, lin.amx_scale)
-        if (not lin.invariant_bf16dot or lin.bias is not None or lin.qweight is not None
+        if (lin.invariant_kernel != "bf16dot" or lin.bias is not None or lin.qweight is not None
                 or lin.packed_invariant.shape[0] * 32 != lin.out_features):
             return None
         return lin.packed_invariant, None
@@ -140,7 +142,10 @@ class FusedDecode:
     def build(cls, model) -> "FusedDecode | None":
         if getattr(model, "tp_size", 1) > 1:   # the fused call has no all-reduce between layers
             return None
-        kind = "amx" if model.model.layers[0].self_attn.qkv_proj.packed_amx is not None else "bf16dot"
+        first = model.model.layers[0].self_attn.qkv_proj
+        kind = "amx" if first.packed_amx is not None or first.invariant_kernel == "amx" else "bf16dot"
+        # tuned mode's AMX kernel serves up to AMX_KERNEL_MAX_ROWS rows, oneDNN the rest
+        max_rows = AMX_KERNEL_MAX_ROWS if first.packed_amx is not None else None
         ptrs: list[int] = []
         for layer in model.model.layers:
             sa, mlp = layer.self_attn, layer.mlp
@@ -161,7 +166,7 @@ class FusedDecode:
                      addr(sa.q_norm.weight if sa.q_norm is not None else None),
                      addr(sa.k_norm.weight if sa.k_norm is not None else None),
                      addr(sa.attn.k_cache), addr(sa.attn.v_cache), addr(qkv_s), addr(o_s), addr(gu_s), addr(down_s)]
-        return cls(model, torch.tensor(ptrs, dtype=torch.int64), kind)
+        return cls(model, torch.tensor(ptrs, dtype=torch.int64), kind, max_rows)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         m = x.shape[0]

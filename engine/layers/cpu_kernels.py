@@ -508,6 +508,12 @@ def pack_amx_weight(weight: torch.Tensor) -> torch.Tensor:
     return w.permute(0, 3, 1, 4, 2, 5).contiguous()                                   # q, kc, j, r, c, p
 
 
+def unpack_amx_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """pack_amx_weight's inverse: the [n, K] weight (a permutation: exact)."""
+    groups, ks = packed.shape[:2]
+    return packed.permute(0, 2, 4, 1, 3, 5).reshape(groups * 64, ks * 32)[:n].contiguous()
+
+
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 @ W^T (+ bias) for W packed by pack_amx_weight; bf16 out, float32 accumulation.

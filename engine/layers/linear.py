@@ -53,7 +53,8 @@ class Linear(nn.Module):
         self.amx_scale: torch.Tensor | None = None     # w8a16: the scale packed_amx (int8) is multiplied by
         self.packed_invariant: torch.Tensor | None = None   # cpu_kernels layout for every row count, after
                                                             # pack_invariant() (batch-invariant mode)
-        self.invariant_bf16dot = False   # packed_invariant is linear_bf16dot's layout (bf16 rows), not linear_bf16w's
+        self.invariant_kernel = ""   # the GEMM packed_invariant is laid out for: "amx" (amx_linear), "bf16dot"
+                                     # (linear_bf16dot; both bf16 rows) or "bf16w" (linear_bf16w, float32 rows)
 
     def _shard_slice(self, shard_id: int | None) -> slice:
         if shard_id is None:
@@ -126,21 +127,27 @@ class Linear(nn.Module):
             self.weight = None  # type: ignore[assignment]
         return ok
 
-    def pack_invariant(self) -> bool:
+    def pack_invariant(self, amx: bool = False) -> bool:
         """Batch-invariant mode: every forward, whatever its row count, runs one kernel over a packed
         copy of the weight, whose per-output reduction is one chain over K in order: a row's result
-        does not depend on the other rows of the step. The oneDNN / AMX paths pick kernels by row
-        count. With bf16 compute on AVX512-BF16 the kernel is cpu_kernels.linear_bf16dot (bf16 rows
-        and weights, k pairs by vdpbf16ps: at the bf16 GEMM peak where linear_bf16w reaches half of
-        it); otherwise cpu_kernels.linear_bf16w (float32 math; bf16 weights where their values are
-        bf16, int8 w8a16 included, else float32). Checked against F.linear before use; returns
-        whether it is in use."""
+        does not depend on the other rows of the step. Tuned mode's oneDNN path picks kernels by
+        row count. With bf16 compute the kernel is, where amx (the caller found AMX tiles) and the
+        shape allows, cpu_kernels.amx_linear: every 16-row block of any step, a decode row's
+        zero-padded block too, runs the same tile products over K in order (2-10x linear_bf16dot
+        on a Xeon with AMX: bench/bf16dot_linear.py); else, on AVX512-BF16,
+        cpu_kernels.linear_bf16dot (bf16 rows and weights, k pairs by vdpbf16ps); otherwise
+        cpu_kernels.linear_bf16w (float32 math; bf16 weights where their values are bf16, int8
+        w8a16 included, else float32). Checked against F.linear before use; returns whether it is
+        in use (invariant_kernel says which)."""
         w = self.qweight if self.qweight is not None else self.weight
         if w is None or w.device.type != "cpu" or not cpu_kernels.bf16_linear_available():
             return False
         compute = self.scale.dtype if self.qweight is not None else w.dtype
-        if compute == torch.bfloat16 and cpu_kernels.bf16dot_available() and self._pack_invariant_bf16dot(w):
-            return True
+        if compute == torch.bfloat16:
+            if amx and cpu_kernels.amx_available() and cpu_kernels.amx_packable(w) and self._pack_invariant_amx(w):
+                return True
+            if cpu_kernels.bf16dot_available() and self._pack_invariant_bf16dot(w):
+                return True
         packed = cpu_kernels.pack_invariant_weight(w)
         if packed is None:
             return False
@@ -148,15 +155,18 @@ class Linear(nn.Module):
         want = F.linear(x, w.float())
         if not torch.allclose(cpu_kernels.linear_bf16w(x, packed)[:, :self.out_features], want, rtol=1e-4, atol=1e-4):
             return False
-        self.packed_invariant = packed
-        self.packed = self.packed_bf16 = self.packed_amx = None
+        self._set_invariant(packed, "bf16w")
         return True
+
+    def _set_invariant(self, packed: torch.Tensor, kernel: str) -> None:
+        self.packed_invariant, self.invariant_kernel = packed, kernel
+        self.packed = self.packed_bf16 = self.packed_amx = None
 
     def release_plain_weight(self) -> int:
         """Batch-invariant mode: drop the plain weight now that the packed copy serves every forward,
         where unpack_invariant() can make it again (linear_bf16dot's layout of a bf16 weight), so a
         model's two copies never coexist while it loads. Returns the bytes dropped (0: kept)."""
-        if not self.invariant_bf16dot or self.qweight is not None or self.weight is None:
+        if self.invariant_kernel not in ("amx", "bf16dot") or self.qweight is not None or self.weight is None:
             return 0
         nbytes = self.weight.numel() * self.weight.element_size()
         self.weight = None
@@ -165,10 +175,10 @@ class Linear(nn.Module):
     def unpack_invariant(self) -> None:
         """Leave batch-invariant mode: the plain weight back (from the packed copy if it was
         released) and the packed copy gone."""
-        if self.weight is None and self.invariant_bf16dot and self.qweight is None:
-            self.weight = nn.Parameter(cpu_kernels.unpack_bf16dot_weight(self.packed_invariant, self.out_features),
-                                       requires_grad=False)
-        self.packed_invariant, self.invariant_bf16dot = None, False
+        if self.weight is None and self.qweight is None and self.invariant_kernel in ("amx", "bf16dot"):
+            unpack = cpu_kernels.unpack_amx_weight if self.invariant_kernel == "amx" else cpu_kernels.unpack_bf16dot_weight
+            self.weight = nn.Parameter(unpack(self.packed_invariant, self.out_features), requires_grad=False)
+        self.packed_invariant, self.invariant_kernel = None, ""
 
     def _pack_invariant_bf16dot(self, w: torch.Tensor) -> bool:
         packed = cpu_kernels.pack_bf16dot_weight(w)
@@ -182,8 +192,26 @@ class Linear(nn.Module):
         if not torch.allclose(cpu_kernels.linear_bf16dot(x, packed[:-(-cols // 32)])[:, :cols], want,
                               rtol=1e-3, atol=1e-3):
             return False
-        self.packed_invariant, self.invariant_bf16dot = packed, True
-        self.packed = self.packed_bf16 = self.packed_amx = None
+        self._set_invariant(packed, "bf16dot")
+        return True
+
+    def _pack_invariant_amx(self, w: torch.Tensor) -> bool:
+        """amx_linear for every row count, over bf16 or int8 (w8a16, its scale applied inside, as
+        tuned mode's AMX path does) tiles; checked on the first column groups, as above."""
+        packed = cpu_kernels.pack_amx_weight(w)
+        cols = min(self.out_features, CHECK_COLUMNS)
+        scale = self.scale if self.qweight is not None else None
+        x = torch.randn(5, self.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        got = cpu_kernels.amx_linear(x, packed[:cols // 64], None if self.bias is None else self.bias[:cols],
+                                     None if scale is None else scale[:cols]).float()
+        want = F.linear(x.float(), w[:cols].float())
+        if scale is not None:
+            want = want * scale[:cols].float()
+        if self.bias is not None:
+            want = want + self.bias[:cols].float()
+        if not torch.allclose(got, want, rtol=1e-2, atol=1e-2):
+            return False
+        self._set_invariant(packed, "amx")
         return True
 
     def _forward_invariant(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,7 +219,11 @@ class Linear(nn.Module):
         (the int8 product before its scale, as _forward_w8a16); the bias added in x's dtype."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.invariant_bf16dot:   # bf16 compute: x is bf16, and y is rounded to it as it is stored
+        if self.invariant_kernel == "amx":   # the scale and bias inside, as the fused decode call has them
+            y = cpu_kernels.amx_linear(x2.to(torch.bfloat16), self.packed_invariant, self.bias,
+                                       self.scale if self.qweight is not None else None)
+            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        if self.invariant_kernel == "bf16dot":   # bf16 compute: x is bf16, and y is rounded to it as it is stored
             y = cpu_kernels.linear_bf16dot(x2.to(torch.bfloat16), self.packed_invariant, torch.bfloat16)
         else:
             y = cpu_kernels.linear_bf16w(x2 if x2.dtype == torch.float32 else x2.float(), self.packed_invariant)

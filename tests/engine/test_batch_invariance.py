@@ -115,6 +115,40 @@ def test_linear_row_does_not_depend_on_the_rows_beside_it(weights: str) -> None:
     assert torch.allclose(lin(x3).float(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.skipif(cpu_kernels.load() is None or not cpu_kernels.amx_available(), reason="no AMX on this CPU")
+@pytest.mark.parametrize("weights", ["bfloat16", "w8a16"])
+def test_amx_linear_row_does_not_depend_on_the_rows_beside_it(weights: str) -> None:
+    """On AMX the mode's GEMM is the AMX tile kernel: a row alone (one zero-padded 16-row block)
+    gets the same bits as among up to 400 rows (25 blocks; the column groups split over two
+    threads), at any offset; within bf16 rounding of F.linear; and the packed copy unpacks to the
+    weight exactly."""
+    g = torch.Generator().manual_seed(0)
+    lin = Linear(96, [64, 128], bias=True)   # 192 outputs: three 64-column groups
+    lin.weight.data = torch.randn(192, 96, generator=g).to(torch.bfloat16)
+    lin.bias.data = torch.randn(192, generator=g).to(torch.bfloat16)
+    weight = lin.weight.detach().clone()
+    if weights == "w8a16":
+        lin.quantize_w8a16()
+    assert lin.pack_invariant(amx=True) and lin.invariant_kernel == "amx"
+    x = torch.randn(400, 96, generator=g).to(torch.bfloat16)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(40)])
+    threads = torch.get_num_threads()
+    try:
+        for m, t in ((2, 1), (15, 1), (16, 2), (17, 1), (33, 2), (200, 1), (400, 2)):
+            torch.set_num_threads(t)
+            assert torch.equal(lin(x[:m])[:40], alone[:min(m, 40)]), m
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(lin(x[5:37]), alone[5:37])   # another offset
+    w = lin.qweight.float() * lin.scale.float()[:, None] if lin.qweight is not None else weight.float()
+    ref = torch.nn.functional.linear(x[:3].float(), w, lin.bias.float())
+    assert torch.allclose(lin(x[:3]).float(), ref, rtol=2e-2, atol=2e-1)
+    if weights == "bfloat16":
+        assert lin.release_plain_weight() and lin.weight is None
+        lin.unpack_invariant()
+        assert lin.invariant_kernel == "" and torch.equal(lin.weight, weight)
+
+
 @pytest.mark.skipif(not cpu_kernels.bf16dot_available(), reason="no AVX512-BF16 on this CPU (or no C++ compiler)")
 def test_a_linear_that_cannot_pack_turns_the_mode_off_with_every_weight_back(tiny_qwen3: str, monkeypatch) -> None:
     """The plain weights go as each linear is packed (the load's peak is one copy of the model);
@@ -124,16 +158,16 @@ def test_a_linear_that_cannot_pack_turns_the_mode_off_with_every_weight_back(tin
     # the tuned kernels, even where tuned mode would run the invariant ones (AVX512-BF16 without AMX)
     monkeypatch.setattr(cpu_features, "invariant_kernels_are_fastest", lambda *a: False)
     plain = LLM(tiny_qwen3, batch_invariant=False, **args)
-    assert not any(m.invariant_bf16dot for m in plain.engine.runner.model.modules() if isinstance(m, Linear))
+    assert not any(m.invariant_kernel for m in plain.engine.runner.model.modules() if isinstance(m, Linear))
     vocab = plain.engine.runner.model.lm_head.out_features
     loaded: dict[int, torch.Tensor] = {}     # each linear's weight as loaded, by id
     seen: list[int] = []                     # the linears pack_for_cpu saw, its weight checked first
     released: list[int] = []                 # bytes each plain weight released before the failure held
     pack, pack_for_cpu, release = Linear.pack_invariant, Linear.pack_for_cpu, Linear.release_plain_weight
 
-    def pack_invariant(self: Linear) -> bool:
+    def pack_invariant(self: Linear, amx: bool = False) -> bool:
         loaded[id(self)] = self.weight.detach().clone()
-        return False if self.out_features == vocab else pack(self)   # the LM head, packed last, fails
+        return False if self.out_features == vocab else pack(self, amx)   # the LM head, packed last, fails
 
     def check_then_pack(self: Linear, *a, **k):
         assert self.packed_invariant is None and torch.equal(self.weight, loaded[id(self)])

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
+from engine import cpu_features
 from engine.cpu_features import CpuFeatures, detect, invariant_kernels_are_fastest
 from engine.layers import cpu_kernels
 from engine.layers.backend import TorchBackend
@@ -415,22 +416,41 @@ def test_native_prefill_attention_over_bf16_cache_matches_torch_backend(tiny_d64
     assert (logits[0] - logits[1]).abs().max() <= 0.01 * logits[1].abs().max()
 
 
+AMX_FLAGS = frozenset({"amx_bf16", "amx_tile", "amx_int8"})
+
+
+def _as_if_without_amx(monkeypatch) -> None:
+    """The engine decides its kernels as on this CPU without AMX (an AVX512-BF16 Xeon runs the
+    other CPU families' bf16 paths)."""
+    f = detect()
+    monkeypatch.setattr(cpu_features, "detect", lambda: CpuFeatures(f.model, f.flags - AMX_FLAGS, f.machine))
+    monkeypatch.setattr(cpu_kernels, "detect", cpu_features.detect)
+    monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)   # nor its AMX prefill attention
+
+
 def _tuned_mode_runs_bf16dot() -> bool:
-    return cpu_kernels.bf16dot_available() and invariant_kernels_are_fastest(detect(), torch.bfloat16, False)
+    """Without AMX (faked where it is there): whether tuned mode takes linear_bf16dot."""
+    f = detect()
+    return cpu_kernels.bf16dot_available() and invariant_kernels_are_fastest(
+        CpuFeatures(f.model, f.flags - AMX_FLAGS, f.machine), torch.bfloat16, False)
 
 
 @needs_kernels
-@pytest.mark.parametrize("batch_invariant,kind", [(False, "amx"), (True, "bf16dot"), (False, "bf16dot")],
-                         ids=["tuned-amx", "invariant-bf16dot", "tuned-bf16dot"])
-def test_fused_decode_step_equals_layer_by_layer(tiny_qwen3: str, batch_invariant: bool, kind: str) -> None:
+@pytest.mark.parametrize("batch_invariant,kind", [(False, "amx"), (True, "amx"), (True, "bf16dot"), (False, "bf16dot")],
+                         ids=["tuned-amx", "invariant-amx", "invariant-bf16dot", "tuned-bf16dot"])
+def test_fused_decode_step_equals_layer_by_layer(tiny_qwen3: str, batch_invariant: bool, kind: str,
+                                                 monkeypatch) -> None:
     """The one-call decode step runs the same kernels in the same order as the per-op native
-    path: identical logits, bit for bit. Its linears: the AMX kernel in tuned mode on AMX,
-    linear_bf16dot in batch-invariant mode (where a decode row must not depend on which path its
-    step took) and in tuned mode where that is the CPU's fastest GEMM."""
-    available = {("amx", False): cpu_kernels.amx_available(), ("bf16dot", True): cpu_kernels.bf16dot_available(),
-                 ("bf16dot", False): _tuned_mode_runs_bf16dot()}[(kind, batch_invariant)]
+    path: identical logits, bit for bit. Its linears: the AMX kernel in tuned mode on AMX and in
+    batch-invariant mode there (where a decode row must not depend on which path its step took),
+    linear_bf16dot in batch-invariant mode without AMX and in tuned mode where that is the CPU's
+    fastest GEMM. The bf16dot cases run on an AMX CPU too, as if it had none."""
+    available = {"amx": cpu_kernels.amx_available(),
+                 "bf16dot": _tuned_mode_runs_bf16dot() if not batch_invariant else cpu_kernels.bf16dot_available()}[kind]
     if not available:
         pytest.skip(f"this CPU's {'batch-invariant' if batch_invariant else 'tuned'} mode has no native {kind} GEMM")
+    if kind == "bf16dot":
+        _as_if_without_amx(monkeypatch)
     prompts = random_prompts(3, 5, 30, seed=13)
     logits, used = [], []
     for fused in (True, False):
@@ -448,11 +468,13 @@ def test_fused_decode_step_equals_layer_by_layer(tiny_qwen3: str, batch_invarian
 
 @needs_kernels
 def test_tuned_mode_runs_the_invariant_kernels_where_they_are_the_fastest(tiny_d64: str, monkeypatch) -> None:
-    """bf16 on AVX512-BF16 without AMX: tuned mode packs every linear for linear_bf16dot (no
-    oneDNN copy), attends prompts through the decode kernel (never sdpa) and decodes in the fused
-    call. Those are batch-invariant mode's kernels: its logits, bit for bit, without its promise."""
+    """bf16 on AVX512-BF16 without AMX (faked on an AMX CPU): tuned mode packs every linear for
+    linear_bf16dot (no oneDNN copy), attends prompts through the decode kernel (never sdpa) and
+    decodes in the fused call. Those are batch-invariant mode's kernels: its logits, bit for bit,
+    without its promise."""
     if not _tuned_mode_runs_bf16dot():
-        pytest.skip("this CPU has AMX or no AVX512-BF16: tuned mode keeps its own kernels")
+        pytest.skip("this CPU has no AVX512-BF16: tuned mode keeps its own kernels")
+    _as_if_without_amx(monkeypatch)
     from engine.layers.attention import Attention
     from engine.layers.linear import Linear
 
@@ -467,7 +489,7 @@ def test_tuned_mode_runs_the_invariant_kernels_where_they_are_the_fastest(tiny_d
         runner = llm.engine.runner
         assert runner.batch_invariant == invariant and runner.backend.name == "native-cpu"
         linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
-        assert linears and all(m.invariant_bf16dot and m.packed is None and m.weight is None for m in linears)
+        assert linears and all(m.invariant_kernel == "bf16dot" and m.packed is None and m.weight is None for m in linears)
         out_tokens, out_logits = _greedy_logits(llm, prompts, 6)
         tokens.append(out_tokens)
         logits.append(out_logits)
