@@ -1,12 +1,14 @@
-// y = x @ W^T (+ bias) with bf16 x, W, y and float32 accumulation on AMX tiles: the GEMMs of
-// decode steps (few rows), which are bound by streaming the weights from memory.
+// y = x @ W^T (+ bias) with bf16 x, W, y and float32 accumulation on AMX tiles: tuned mode's GEMMs
+// of decode steps (few rows), which are bound by streaming the weights from memory, and
+// batch-invariant mode's GEMM for every row count.
 //
 // W is packed as [N / 64][K / 32][4][16][32] bf16: for each group of 64 output columns and each
 // 32-wide slice of K, four 1 KiB B tiles (16 columns each) in VNNI order, tile[r][2c + p] =
 // W[64 q + 16 j + c][32 kc + 2 r + p]. A pass over the columns therefore reads the weights
 // strictly sequentially, prefetching ahead of itself.
 //
-// Each 16-row block of x (zero-padded) is one A tile against the four B tiles of a K slice.
+// Each 16-row block of x (zero-padded) is one A tile against the B tiles of a K slice; every output
+// is one tile product per K slice, in order, whatever the row count.
 #include <vector>
 #include "pd_common.h"
 
@@ -50,52 +52,99 @@ inline void widen_group(const int8_t* src, int64_t ks, bf16* dst) {
     }
 }
 
-// x padded to a multiple of 16 rows (stride K): column groups [g0, g1) of 64. Per group, each
-// 16-row block multiplies one A tile by the group's four B tiles per K slice; the group's
-// weights come from cache after the first block. Meanwhile the next group's weights are
-// prefetched into L2, spread evenly over all of this group's K slices and row blocks.
+// One 16-row block against a group's four B tiles per K slice (tiles 0-3 accumulate; 4 holds
+// the A tile, 5-7 the B tiles): the A tile is loaded once per slice and used four times.
+// Decode's few rows take this path alone; their weights stream from memory. slice(kc) runs
+// before each K slice's products (see gemm).
+template <typename Slice>
+inline void block_1x4(const bf16* xa, int64_t lda, const bf16* wg, int64_t ks, float* cbuf, Slice& slice) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t kc = 0; kc < ks; kc++) {
+        slice(kc);
+        const bf16* b = wg + kc * 2048;
+        _tile_loadd(4, xa + kc * 32, lda);
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b + 512, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, b + 1024, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, b + 1536, 64);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, cbuf, 256);
+    _tile_stored(1, cbuf + 16, 256);
+    _tile_stored(2, cbuf + 32, 256);
+    _tile_stored(3, cbuf + 48, 256);
+}
+
+// Two 16-row blocks against a group's four B tiles, two B tiles at a time: per K slice two A and
+// two B tile loads feed four tile products (block_1x4 loads five tiles for four), so a prefill
+// GEMM's tile unit waits less on its loads. Each output is the same products over K in the same
+// order as in block_1x4: the same bits, whichever block a row falls in.
+template <typename Slice>
+inline void block_2x4(const bf16* xa, int64_t lda, const bf16* wg, int64_t ks, float* cbuf, Slice& slice) {
+    const bf16* xb = xa + 16 * (lda / 2);
+    for (int64_t jp = 0; jp < 4; jp += 2) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t kc = 0; kc < ks; kc++) {
+            slice(kc);
+            const bf16* b = wg + kc * 2048 + jp * 512;
+            _tile_loadd(4, xa + kc * 32, lda);
+            _tile_loadd(6, b, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, b + 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, xb + kc * 32, lda);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, cbuf + jp * 16, 256);
+        _tile_stored(1, cbuf + jp * 16 + 16, 256);
+        _tile_stored(2, cbuf + 16 * 64 + jp * 16, 256);
+        _tile_stored(3, cbuf + 16 * 64 + jp * 16 + 16, 256);
+    }
+}
+
+// x padded to a multiple of 16 rows (stride K): column groups [g0, g1) of 64. Per group, pairs of
+// 16-row blocks run block_2x4, a last odd one block_1x4; the group's weights come from cache
+// after the first pass. Int8 weights are widened slice by slice as the first pass reaches them.
+// Meanwhile the next group's weights are prefetched into L2, spread evenly over every K slice
+// the group's passes run.
 template <typename W>
 void gemm(const bf16* x, int64_t m, int64_t K, const W* w_packed, int64_t N, const bf16* scale, const bf16* bias,
           bf16* y, int64_t g0, int64_t g1) {
-    alignas(64) float cbuf[16 * 64];
+    alignas(64) float cbuf[32 * 64];
     const int64_t ks = K / 32, lda = K * 2;
     constexpr bool kInt8 = sizeof(W) == 1;
     thread_local std::vector<bf16> wide;   // int8 weights: the current group's tiles as bf16
     if (kInt8 && int64_t(wide.size()) < ks * 2048 + 32) wide.resize(ks * 2048 + 32);
     bf16* wide_p = kInt8 ? wide.data() + (-reinterpret_cast<intptr_t>(wide.data()) / 2 & 31) : nullptr;
     const int64_t group_bytes = ks * 2048 * int64_t(sizeof(W)), mblocks = (m + 15) / 16;
-    const int64_t chunk = (2048 * int64_t(sizeof(W)) / mblocks + 63) / 64 * 64;   // next-group bytes per K slice
+    const int64_t chunk = (2048 * int64_t(sizeof(W)) / mblocks + 63) / 64 * 64;   // next-group bytes per K slice run
     for (int64_t g = g0; g < g1; g++) {
         const W* wsrc = w_packed + g * ks * 2048;
         const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(wsrc) + group_bytes : nullptr;
         const bf16* wg = kInt8 ? wide_p : reinterpret_cast<const bf16*>(wsrc);
-        for (int64_t r0 = 0; r0 < m; r0 += 16) {
-            const bf16* xa = x + r0 * K;
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            for (int64_t kc = 0; kc < ks; kc++) {
-                const bf16* b = wg + kc * 2048;
-                if constexpr (kInt8) {   // widen this K slice's tiles on the first row block, as they stream in
-                    if (r0 == 0) widen_group(reinterpret_cast<const int8_t*>(wsrc) + kc * 2048, 1, wide_p + kc * 2048);
+        int64_t runs = 0, widened = 0;
+        auto slice = [&](int64_t kc) {
+            if constexpr (kInt8) {
+                if (kc == widened) {
+                    widen_group(reinterpret_cast<const int8_t*>(wsrc) + kc * 2048, 1, wide_p + kc * 2048);
+                    widened++;
                 }
-                if (next) {
-                    const int64_t off = ((r0 / 16) * ks + kc) * chunk;
-                    if (off < group_bytes) prefetch_range(next + off, off + chunk <= group_bytes ? chunk : group_bytes - off);
-                }
-                _tile_loadd(4, xa + kc * 32, lda);
-                _tile_loadd(5, b, 64);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(6, b + 512, 64);
-                _tile_dpbf16ps(1, 4, 6);
-                _tile_loadd(7, b + 1024, 64);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_loadd(5, b + 1536, 64);
-                _tile_dpbf16ps(3, 4, 5);
             }
-            _tile_stored(0, cbuf, 256);
-            _tile_stored(1, cbuf + 16, 256);
-            _tile_stored(2, cbuf + 32, 256);
-            _tile_stored(3, cbuf + 48, 256);
-            write_rows(cbuf, 64, m - r0 < 16 ? m - r0 : 16, 64, scale, bias, g * 64, y + r0 * N, N);
+            if (next) {
+                const int64_t off = runs * chunk;
+                if (off < group_bytes) prefetch_range(next + off, off + chunk <= group_bytes ? chunk : group_bytes - off);
+            }
+            runs++;
+        };
+        for (int64_t r0 = 0; r0 < m; r0 += 32) {
+            const bf16* xa = x + r0 * K;
+            if (m - r0 > 16) block_2x4(xa, lda, wg, ks, cbuf, slice);
+            else block_1x4(xa, lda, wg, ks, cbuf, slice);
+            write_rows(cbuf, 64, m - r0 < 32 ? m - r0 : 32, 64, scale, bias, g * 64, y + r0 * N, N);
         }
     }
 }
