@@ -106,9 +106,9 @@ inline void block_2x4(const bf16* xa, int64_t lda, const bf16* wg, int64_t ks, f
     }
 }
 
-// x padded to a multiple of 16 rows (stride K): column groups [g0, g1) of 64. Per group, pairs of
-// 16-row blocks run block_2x4, a last odd one block_1x4; the group's weights come from cache
-// after the first pass. Int8 weights are widened slice by slice as the first pass reaches them.
+// x padded to a multiple of 16 rows (stride K): column groups [g0, g1) of 64. Per group, the first
+// 16-row block runs block_1x4, then pairs of blocks block_2x4 and a last odd one block_1x4; the
+// group's weights come from cache after the first pass. Int8 weights are widened slice by slice as the first pass reaches them.
 // Meanwhile the next group's weights are prefetched into L2, spread evenly over every K slice
 // the group's passes run.
 template <typename W>
@@ -140,11 +140,14 @@ void gemm(const bf16* x, int64_t m, int64_t K, const W* w_packed, int64_t N, con
             }
             runs++;
         };
-        for (int64_t r0 = 0; r0 < m; r0 += 32) {
+        // The first block streams the group's weights from memory in order (all four tiles of a
+        // K slice at once); the passes after it find them in cache.
+        for (int64_t r0 = 0; r0 < m; r0 += r0 == 0 ? 16 : 32) {
             const bf16* xa = x + r0 * K;
-            if (m - r0 > 16) block_2x4(xa, lda, wg, ks, cbuf, slice);
+            if (r0 > 0 && m - r0 > 16) block_2x4(xa, lda, wg, ks, cbuf, slice);
             else block_1x4(xa, lda, wg, ks, cbuf, slice);
-            write_rows(cbuf, 64, m - r0 < 32 ? m - r0 : 32, 64, scale, bias, g * 64, y + r0 * N, N);
+            const int64_t rows = r0 == 0 || m - r0 <= 16 ? (m - r0 < 16 ? m - r0 : 16) : (m - r0 < 32 ? m - r0 : 32);
+            write_rows(cbuf, 64, rows, 64, scale, bias, g * 64, y + r0 * N, N);
         }
     }
 }
