@@ -108,9 +108,9 @@ inline void block_2x4(const bf16* xa, int64_t lda, const bf16* wg, int64_t ks, f
 
 // x padded to a multiple of 16 rows (stride K): column groups [g0, g1) of 64. Per group, the first
 // 16-row block runs block_1x4, then pairs of blocks block_2x4 and a last odd one block_1x4; the
-// group's weights come from cache after the first pass. Int8 weights are widened slice by slice as the first pass reaches them.
-// Meanwhile the next group's weights are prefetched into L2, spread evenly over every K slice
-// the group's passes run.
+// group's weights come from cache after the first pass. Int8 weights are widened slice by slice
+// as the first pass reaches them. Meanwhile the next group's weights are prefetched into L2,
+// spread evenly over every K slice the group's passes run.
 template <typename W>
 void gemm(const bf16* x, int64_t m, int64_t K, const W* w_packed, int64_t N, const bf16* scale, const bf16* bias,
           bf16* y, int64_t g0, int64_t g1) {

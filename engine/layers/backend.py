@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-
 class TorchBackend:
     name = "torch"
 

@@ -133,8 +133,8 @@ class Linear(nn.Module):
         does not depend on the other rows of the step. Tuned mode's oneDNN path picks kernels by
         row count. With bf16 compute the kernel is, where amx (the caller found AMX tiles) and the
         shape allows, cpu_kernels.amx_linear: every 16-row block of any step, a decode row's
-        zero-padded block too, runs the same tile products over K in order (2-10x linear_bf16dot
-        on a Xeon with AMX: bench/bf16dot_linear.py); else, on AVX512-BF16,
+        zero-padded block too, runs the same tile products over K in order (5-13x linear_bf16dot's
+        GFLOP/s from 16 rows on a Xeon with AMX: docs/benchmarks.md); else, on AVX512-BF16,
         cpu_kernels.linear_bf16dot (bf16 rows and weights, k pairs by vdpbf16ps); otherwise
         cpu_kernels.linear_bf16w (float32 math; bf16 weights where their values are bf16, int8
         w8a16 included, else float32). Checked against F.linear before use; returns whether it is
@@ -164,8 +164,9 @@ class Linear(nn.Module):
 
     def release_plain_weight(self) -> int:
         """Batch-invariant mode: drop the plain weight now that the packed copy serves every forward,
-        where unpack_invariant() can make it again (linear_bf16dot's layout of a bf16 weight), so a
-        model's two copies never coexist while it loads. Returns the bytes dropped (0: kept)."""
+        where unpack_invariant() can make it again (amx_linear's or linear_bf16dot's layout of a
+        bf16 weight), so a model's two copies never coexist while it loads. Returns the bytes
+        dropped (0: kept)."""
         if self.invariant_kernel not in ("amx", "bf16dot") or self.qweight is not None or self.weight is None:
             return 0
         nbytes = self.weight.numel() * self.weight.element_size()
@@ -216,7 +217,8 @@ class Linear(nn.Module):
 
     def _forward_invariant(self, x: torch.Tensor) -> torch.Tensor:
         """The packed_invariant GEMM in float32, rounded to x's dtype where the other paths round
-        (the int8 product before its scale, as _forward_w8a16); the bias added in x's dtype."""
+        (the int8 product before its scale, as _forward_w8a16); the bias added in x's dtype (by
+        amx_linear before its rounding, as tuned mode's AMX path and the fused decode call do)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.invariant_kernel == "amx":   # the scale and bias inside, as the fused decode call has them

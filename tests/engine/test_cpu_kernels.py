@@ -5,8 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams
-from engine import cpu_features
+from engine import LLM, SamplingParams, cpu_features
 from engine.cpu_features import CpuFeatures, detect, invariant_kernels_are_fastest
 from engine.layers import cpu_kernels
 from engine.layers.backend import TorchBackend
