@@ -6,6 +6,7 @@ timeout plus the re-prefill; free blocks return to the baseline on every worker 
 too, once resumed); the supervisor brings killed workers back."""
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -60,12 +61,12 @@ def _reach_phase(fc: FaultCluster, role: str, phase: str, prompts: list[list[int
     the phase; busy gets the load it started (the caller stops it), held the workers other than
     the victim left frozen so that the phase cannot end before the fault (the caller resumes them
     once the fault has landed)."""
-    catch = {("decode", "mid-decode"): _catch_decoding, ("decode", "mid-transfer"): _catch_receiving}.get((role, phase))
-    if catch is not None:
+    if (role, phase) in (("decode", "mid-decode"), ("decode", "mid-transfer")):
         for attempt, prompt in enumerate(prompts):
-            before = _kv_received(fc)
+            catch = (functools.partial(_catch_receiving, before=_kv_received(fc), held=held)
+                     if phase == "mid-transfer" else _catch_decoding)
             obs = observe(fc.router, prompt, MAX_TOKENS)
-            victim = catch(fc, obs, before, held)
+            victim = catch(fc, obs)
             if victim is not None:
                 return victim, obs, attempt
             assert obs.done.wait(60) and obs.code is None, obs   # it ran past the window: a fresh one
@@ -181,7 +182,7 @@ def _catch_receiving(fc: FaultCluster, obs, before: dict[str, float], held: list
     return None
 
 
-def _catch_decoding(fc: FaultCluster, obs, before: dict[str, float], held: list[str]) -> str | None:
+def _catch_decoding(fc: FaultCluster, obs) -> str | None:
     """The decode worker running the request, returned frozen (the caller's fault lands on it)
     while the request has made 30 tokens there and has 80 or more still to make: its blocks in use
     say how far it is (it runs alone). What the client has seen says nothing: on a loaded machine
