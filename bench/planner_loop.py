@@ -237,7 +237,9 @@ def run_setup(name: str, split: tuple[int, int], planner: bool, args: argparse.N
     drivers.wait_for_quiet(args.max_load, args.max_wait_s)
     load_before = os.getloadavg()[0]
     token = new_token()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PDSERVE_CLUSTER_TOKEN": token}
+    # the planner changes membership: it proves the router's admin token, which `up` takes from here
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PDSERVE_CLUSTER_TOKEN": token,
+           "PDSERVE_ADMIN_TOKEN": new_token()}
     popen, router, metrics = start_deployment(name, split, args, ctx["model"], ctx["logs"], env)
     members, plan = Members(router, token), None
     try:

@@ -76,6 +76,9 @@ class ENV:
                        "DEBUG, INFO, WARNING, ERROR or CRITICAL, handed by `up` and `ray up` to their processes")
     CLUSTER_TOKEN = EnvVar("PDSERVE_CLUSTER_TOKEN", None, "the internal plane's secret (`up` makes one per "
                            "deployment, --cluster-token-file wins)")
+    ADMIN_TOKEN = EnvVar("PDSERVE_ADMIN_TOKEN", None, "the router's membership-admin secret, apart from the cluster "
+                         "token: `pdserve workers` and the planner prove it to add, drain, remove or re-role "
+                         "workers (`up` makes one per deployment for its router; --admin-token-file wins)")
     API_KEY = EnvVar("PDSERVE_API_KEY", None, "the router's API key (clients send it as a bearer token)")
     OPENAI_API_KEY = EnvVar("OPENAI_API_KEY", None, "the load generator's API key for an OpenAI-compatible server "
                             "(before $PDSERVE_API_KEY)", internal=True)
@@ -88,6 +91,10 @@ class ENV:
                             internal=True)
     CPU_KERNELS = EnvVar("PDSERVE_CPU_KERNELS", True, "0: never build or use the C++ CPU kernels", parse=_flag)
     CXX = EnvVar("CXX", "c++", "the C++ compiler the CPU kernels are built with", internal=True)
+    TEST_ENGINE_HANG_DIR = EnvVar("PDSERVE_TEST_ENGINE_HANG_DIR", None, "tests only: a worker's engine thread "
+                                  "hangs, holding the engine lock, before its next step while a file "
+                                  "DIR/engine-hang-PID (PID: the worker's, owned by its user) exists",
+                                  internal=True)
     # Ray's own variables, which `pdserve ray` reads and sets for the processes it starts.
     RAY_AUTH_TOKEN = EnvVar("RAY_AUTH_TOKEN", None, "Ray: the cluster's auth token", internal=True)
     RAY_AUTH_TOKEN_PATH = EnvVar("RAY_AUTH_TOKEN_PATH", None, "Ray: a file holding the cluster's auth token",

@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.deployment.ports import reuse_port
+from services.proof_interceptors import ClusterInterceptor
 
 # A message bigger than this is refused by gRPC before it is buffered (KV frames are 4 MiB by
 # default; the largest frame accepted is MAX_FRAME_BYTES, see kv_transfer.base).
@@ -157,9 +158,11 @@ def check_port_free(host: str, port: int) -> None:
 async def start_server(registrations: Iterable[tuple[Callable, object, str]], host: str, port: int, *,
                        interceptors: list[grpc.aio.ServerInterceptor] | None = None,
                        credentials: grpc.ServerCredentials | None = None,
-                       serving: bool = True) -> Server:
+                       serving: bool = True, advertised: Iterable[str] = ()) -> Server:
     """registrations: (add_XServicer_to_server, servicer, full service name). Returns the started
-    server (health SERVING unless serving=False) and its bound port."""
+    server (health SERVING unless serving=False) and its bound port. The proof checks among
+    interceptors learn the server's names: host and the bound port, and the advertised
+    HOST:PORTs it is dialed at besides (a proof naming another server is refused)."""
     # SO_REUSEPORT only on a port the supervisor reserved for us: elsewhere a busy port fails.
     server = grpc.aio.server(options=[*SERVER_OPTIONS, ("grpc.so_reuseport", int(reuse_port(port)))],
                              interceptors=interceptors or ())
@@ -174,6 +177,9 @@ async def start_server(registrations: Iterable[tuple[Callable, object, str]], ho
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"could not bind {address}")
+    for interceptor in interceptors or ():
+        if isinstance(interceptor, ClusterInterceptor):
+            interceptor.serve_at(host, bound, tuple(advertised))
     await server.start()
     result = Server(server, bound, health_servicer, names)
     await result.set_serving(serving)

@@ -13,6 +13,7 @@ import sys
 
 from engine.config import EngineConfig
 from engine.settings import ENV
+from services.cli.certs_cmd import add_certs_args
 from services.cli.parser import CLIParser, add_engine_args, add_model_arg, add_router_args, model_dir, router_argv
 from services.cli.config_flags import add_config_args, config_from_args, config_to_argv, field_default, given
 from services.deployment.topology import (DEFAULT_HOST, ENGINE_FIXED, PER_WORKER, ROLES_SHARED, ROUTER_PORT,
@@ -44,12 +45,14 @@ def _version() -> str:
 
 
 def _add_security_args(p: argparse.ArgumentParser, router: bool = False, member: bool = False,
-                       binds: bool = False) -> None:
+                       binds: bool = False, admin: bool = False) -> None:
     """member: a role of the internal plane (worker, router); binds: a command that binds it on
-    --host, itself or through its children (every member, `up`, `serve')."""
+    --host, itself or through its children (every member, `up`, `serve'); admin: the planner."""
     g = p.add_argument_group("security")
     g.add_argument("--cluster-token-file", default=None,
                    help="file holding the deployment's internal-plane secret (default: $PDSERVE_CLUSTER_TOKEN)")
+    if router or admin:   # never a worker's: members hold only the cluster token
+        g.add_argument("--admin-token-file", help="file of the router's admin secret (default: $PDSERVE_ADMIN_TOKEN)")
     if member:   # a role of the internal plane: refuses to start without the token unless this is given
         g.add_argument("--insecure-no-auth", action="store_true",
                        help="start without a cluster token: the internal plane is open to every local user "
@@ -94,7 +97,9 @@ def _credentials(args: argparse.Namespace, role: str | None = None):
     required unless --insecure-no-auth, and a plane reaching past loopback (``plane_reach``) needs
     mutual TLS unless --insecure-internal-plane (ValueError: exit code 2, one line naming the flags)."""
     from services.security import Credentials, require_cluster_token, require_secure_internal_plane
-    creds = Credentials.load(args.cluster_token_file, args.tls_cert, args.tls_key, args.tls_ca)
+    admin_file = getattr(args, "admin_token_file", None)   # the admin token: only where the flag is (never a worker)
+    creds = Credentials.load(args.cluster_token_file, args.tls_cert, args.tls_key, args.tls_ca,
+                             admin=hasattr(args, "admin_token_file"), admin_token_file=admin_file)
     if role is not None:
         if hasattr(args, "insecure_no_auth"):   # the members; `up` makes a token for its children
             require_cluster_token(creds, args.host, args.insecure_no_auth, role)
@@ -197,8 +202,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     from services.metrics import read_metrics_token
     options = WorkerOptions(host=args.host, port=args.port, worker_id=args.worker_id, metrics_port=args.metrics_port,
-                            metrics_token=read_metrics_token(args.metrics_token_file),
-                            credentials=credentials,
+                            metrics_token=read_metrics_token(args.metrics_token_file), credentials=credentials,
                             config=config_from_args(WorkerConfig, args))
     try:
         asyncio.run(serve_worker(config, options))
@@ -323,11 +327,6 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-def cmd_workers(args: argparse.Namespace) -> int:
-    from services.cli.workers_cmd import cmd_workers as run
-    return run(args, _credentials(args))
-
-
 def cmd_profile(args: argparse.Namespace) -> int:
     from engine.settings import pdserve_home
     from services.planner.profile import ProfileConfig, run_profile
@@ -351,9 +350,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from services.planner.watch import WatchConfig, run_watch
     plan = config_from_args(PlanConfig, args, slos=tuple(args.slo or ()))
     watch = config_from_args(WatchConfig, args)
-    if watch.watch:
-        return run_watch(plan, watch, _credentials(args))
-    return run_plan(plan)
+    return run_watch(plan, watch, _credentials(args)) if watch.watch else run_plan(plan)
 
 
 BENCH_HELP = """usage: pdserve bench {offline,serve} [FLAGS]
@@ -467,9 +464,9 @@ def _p_health(p: argparse.ArgumentParser) -> None:
 
 
 def _p_workers(p: argparse.ArgumentParser) -> None:
-    from services.cli.workers_cmd import add_workers_args
+    from services.cli.workers_cmd import add_workers_args, run_workers
     add_workers_args(p, _add_security_args)
-    p.set_defaults(func=cmd_workers)
+    p.set_defaults(func=run_workers)
 
 
 def _p_profile(p: argparse.ArgumentParser) -> None:
@@ -484,7 +481,7 @@ def _p_plan(p: argparse.ArgumentParser) -> None:
     from services.planner.watch import WatchConfig
     add_config_args(p.add_argument_group("plan"), PlanConfig)
     add_config_args(p.add_argument_group("watch: re-plan a running deployment"), WatchConfig)
-    _add_security_args(p)
+    _add_security_args(p, admin=True)
     p.add_argument("--slo", action="append", metavar="METRIC:MS",
                    help="a latency objective, repeatable: ttft, tpot or e2el in ms, e.g. --slo ttft:500 --slo tpot:50 "
                         "(as `bench serve --goodput`)")
@@ -513,6 +510,7 @@ COMMANDS: dict[str, tuple[str, object, dict]] = {
                 _p_workers, {}),
     "profile": ("measure engine step costs on this machine and save a cost model", _p_profile, {}),
     "plan": ("simulate deployments on a profile's cost model and recommend one under SLOs", _p_plan, {}),
+    "certs": ("make a deployment CA and a certificate per host (mutual TLS across hosts)", add_certs_args, {}),
     "bench": ("benchmarks: serving load test, offline throughput (`pdserve bench --help`)", _p_bench,
               {"add_help": False}),
 }

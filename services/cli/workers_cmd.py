@@ -1,10 +1,13 @@
 """`pdserve workers list|add|drain|resume|remove|switch-role`: a running router's membership,
-shown and changed through its Membership API (services/router/membership.py) with the cluster
-token. Importing this module imports no grpc: the handler does."""
+shown (with the cluster token or the admin token) and changed (with the router's admin token)
+through its Membership API (services/router/membership.py). The router's address is HOST:PORT,
+reached over mutual TLS unless it is on loopback or --insecure-internal-plane is given (as every
+member of the internal plane). Importing this module imports no grpc: the handler does."""
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from services.cli.usage_errors import RuntimeFailure
@@ -26,9 +29,20 @@ def add_workers_args(p: argparse.ArgumentParser, add_security_args) -> None:
     p.add_argument("--role", default=None, choices=ROLES, help="add: the worker's role; switch-role: the new role")
     p.add_argument("--drain-timeout-s", type=float, default=0.0,
                    help="remove, switch-role: in-flight requests get this long to finish, then move to other "
-                        "workers (0: the router's --drain-timeout-s)")
+                        "workers (0: the router's --drain-timeout-s; at most an hour)")
     p.add_argument("--json", action="store_true", help="print the members as JSON")
-    add_security_args(p)
+    add_security_args(p, admin=True)
+    p.add_argument("--insecure-internal-plane", action="store_true",
+                   help="reach a router on another host without mutual TLS (proofs of the tokens and the "
+                        "membership travel unencrypted; for trusted networks and tests)")
+
+
+def run_workers(args: argparse.Namespace) -> int:
+    """The command: its credentials (the cluster token, and the admin token: $PDSERVE_ADMIN_TOKEN
+    or --admin-token-file), then cmd_workers."""
+    from services.security import Credentials
+    return cmd_workers(args, Credentials.load(args.cluster_token_file, args.tls_cert, args.tls_key, args.tls_ca,
+                                              admin=True, admin_token_file=args.admin_token_file))
 
 
 def cmd_workers(args: argparse.Namespace, credentials) -> int:
@@ -38,12 +52,24 @@ def cmd_workers(args: argparse.Namespace, credentials) -> int:
     from pdserve.v1 import membership_pb2_grpc
     from pdserve.v1 import worker_pb2
 
+    from services.security import (ADMIN_TOKEN_ENV, MAX_DRAIN_TIMEOUT_S, is_dial_address,
+                                   require_secure_internal_plane)
+
     if args.action != "list" and not args.address:
         raise ValueError(f"`pdserve workers {args.action}` needs the worker's HOST:PORT")
+    for flag, value in (("--router", args.router), ("WORKER", args.address)):
+        if value is not None and not is_dial_address(value):
+            raise ValueError(f"{flag} must be HOST:PORT (a DNS name, an IPv4 address or a bracketed IPv6 one, no "
+                             f"scheme or path; port 1-65535), got {value[:64]!r}")
     if args.action in ("add", "switch-role") and args.role is None:
         raise ValueError(f"`pdserve workers {args.action}` needs --role ({', '.join(ROLES)})")
-    if not args.drain_timeout_s >= 0:
-        raise ValueError(f"--drain-timeout-s must be >= 0, got {args.drain_timeout_s}")
+    if not (math.isfinite(args.drain_timeout_s) and 0 <= args.drain_timeout_s <= MAX_DRAIN_TIMEOUT_S):
+        raise ValueError(f"--drain-timeout-s must be in [0, {MAX_DRAIN_TIMEOUT_S:g}], got {args.drain_timeout_s}")
+    if args.action != "list" and credentials.admin_token is None:
+        raise ValueError(f"`pdserve workers {args.action}` changes the router's membership: it needs the router's "
+                         f"admin token: pass --admin-token-file FILE or set ${ADMIN_TOKEN_ENV}")
+    require_secure_internal_plane(credentials, "workers command", dials=(args.router,),
+                                  insecure_plane=args.insecure_internal_plane)
     role = getattr(worker_pb2, f"WORKER_ROLE_{args.role.upper()}") if args.role else 0
     # remove and switch-role answer once drained: the drain timeout (the router's own is not known
     # here: the default is assumed), the move of what is left, and a margin.
@@ -99,8 +125,10 @@ def _membership_error(router: str, exc) -> str:
     if code == "UNAVAILABLE":
         return f"cannot reach the router at {router} (UNAVAILABLE): is it running? pass its address with --router"
     if code == "UNAUTHENTICATED":
-        return (f"the router at {router} refused the call (UNAUTHENTICATED): its membership API needs the "
-                f"deployment's cluster token: pass --cluster-token-file FILE or set $PDSERVE_CLUSTER_TOKEN")
+        return (f"the router at {router} refused the call (UNAUTHENTICATED: {(exc.details() or '')[:200]}): listing "
+                f"needs the deployment's cluster token (--cluster-token-file FILE or $PDSERVE_CLUSTER_TOKEN) or the "
+                f"router's admin token, and every change the admin token (--admin-token-file FILE or "
+                f"$PDSERVE_ADMIN_TOKEN)")
     if code == "DEADLINE_EXCEEDED":
         return (f"the router at {router} did not answer in time: the worker may still be draining (see `pdserve "
                 f"workers list`); pass a shorter --drain-timeout-s to move its requests sooner")

@@ -1,7 +1,8 @@
 """`pdserve up`: the router and its workers as separate processes on one machine, supervised.
 
 - One cluster token per deployment (unless one is given), handed to the children through the
-  environment; nothing secret goes into argv.
+  environment; nothing secret goes into argv. Likewise one admin token (membership changes),
+  handed to the router only: workers hold the cluster token alone.
 - The router's port is checked before anything starts.
 - Every gRPC/HTTP port a child serves is reserved by the supervisor for the deployment's
   lifetime (services/deployment/ports.py), so a child that dies is restarted on the same port, with
@@ -30,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.settings import ENV, setting
 from services.kv_transfer import shared_memory
 from services.deployment.ports import PortReservations, RESERVED_PORTS_ENV, free_port
-from services.security import Credentials, new_token
+from services.security import ADMIN_TOKEN_ENV, Credentials, new_token
 from services.grpc_setup import check_port_free
 from services.deployment.topology import (DEFAULT_HOST, ROUTER_PORT, WORKER_THREADS, Topology, drain_timeout_setting, flags_argv,
                                role_argv)
@@ -238,8 +239,9 @@ class Cluster:
     def __init__(self, spec: Deployment) -> None:
         self.spec = spec
         self.processes: list[Process] = []
-        if spec.credentials.cluster_token is None:   # a fresh secret for this deployment
-            spec.credentials = Credentials(new_token(), spec.credentials.tls)
+        if spec.credentials.cluster_token is None or spec.credentials.admin_token is None:   # fresh secrets
+            c = spec.credentials
+            spec.credentials = Credentials(c.cluster_token or new_token(), c.tls, c.admin_token or new_token())
         self._stop_requested = False
         self._pinned = self._cores()
         self.ports = PortReservations()   # held until stop(): no other user can take a child's port
@@ -280,7 +282,10 @@ class Cluster:
 
     def _process(self, name: str, args: list[str], port: int, reserved: list[int] = ()) -> Process:
         """reserved: the ports of this child that the supervisor holds (it binds them with SO_REUSEPORT)."""
-        env = {**os.environ, **self.spec.credentials.child_env(), PARENT_PID_ENV: str(os.getpid())}
+        env = {**os.environ, **self.spec.credentials.child_env(admin=name == "router"),
+               PARENT_PID_ENV: str(os.getpid())}
+        if name != "router":
+            env.pop(ADMIN_TOKEN_ENV, None)   # a worker never holds the admin token
         env.pop(RESERVED_PORTS_ENV, None)
         env.update(self.ports.env(list(reserved)))
         env.setdefault("OMP_NUM_THREADS", str(self.spec.threads_per_worker))

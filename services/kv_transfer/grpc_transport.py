@@ -102,18 +102,20 @@ class SharedMemoryRoute:
             self._peers[target] = ok
         return ok
 
-    async def _probe(self, target: str, method: Any, metadata: Callable[[], tuple[tuple[str, str], ...]]) -> bool:
+    async def _probe(self, target: str, method: Any, metadata: Callable[[bytes], tuple[tuple[str, str], ...]]) -> bool:
         """Write a small segment and have target take it: it shares our memory when the call
         succeeds and the segment is gone from our directory (the receiver unlinks what it maps).
-        metadata: the probe call's, made when the call is (a proof is fresh for a while only)."""
+        metadata: the probe call's, made when the call is (a proof is fresh for a while only) for
+        its one message."""
         try:
             name = shared_memory.write_segment([memoryview(os.urandom(SHM_PROBE_BYTES))], self.directory)
         except OSError as exc:
             log.warning("KV to %s goes inline: shared memory not writable (%s)", target, exc)
             return False
         try:
-            await method(iter([encode_probe(name, SHM_PROBE_BYTES)]), timeout=SHM_PROBE_TIMEOUT_S,
-                         metadata=metadata() or None, wait_for_ready=True)
+            probe = encode_probe(name, SHM_PROBE_BYTES)
+            await method(iter([probe]), timeout=SHM_PROBE_TIMEOUT_S, metadata=metadata(probe) or None,
+                         wait_for_ready=True)
             taken = not os.path.exists(os.path.join(self.directory, name))
             if not taken:
                 log.warning("KV to %s goes inline: it cannot see our shared memory", target)
@@ -145,14 +147,16 @@ class SharedMemoryRoute:
 
 
 class GrpcKVStream(KVStream):
-    def __init__(self, start_call: "Callable[[], Awaitable[tuple[grpc.aio.StreamUnaryCall, Any]]]", request_id: str,
-                 token: bytes, frame_bytes: int, shared: "tuple[SharedMemoryRoute, str, Any, Callable] | None" = None,
+    def __init__(self, start_call: "Callable[[bytes], Awaitable[tuple[grpc.aio.StreamUnaryCall, Any]]]",
+                 request_id: str, token: bytes, frame_bytes: int,
+                 shared: "tuple[SharedMemoryRoute, str, Any, Callable] | None" = None,
                  cluster_token: str | bytes | None = None, codecs: CodecPolicy | None = None,
                  target: str = "", frame_target: int = FRAME_TARGET_BYTES) -> None:
-        """start_call: makes the call once its channel is connected, with a fresh proof of
-        membership (a proof minted before a long wait, say this process frozen while connecting,
-        would be refused as stale): (call, its services.security.CallProof, whose reply the
-        receiver must send before any frame goes out; None: nothing to check).
+        """start_call(first frame): makes the call once its channel is connected, with a fresh proof
+        of membership bound to that frame (a proof minted before a long wait, say this process
+        frozen while connecting, would be refused as stale): (call, its
+        services.security.CallProof, whose reply the receiver must send before any frame goes
+        out; None: nothing to check).
         frame_target: frames hold whole blocks up to this many payload bytes (frames.iter_wire_frames).
         shared: (route, target, method, metadata maker) when sends to this loopback target may go
         through shared memory (None: never).
@@ -178,13 +182,14 @@ class GrpcKVStream(KVStream):
         self._segments: list[str] = []   # written, maybe not yet taken by the receiver
         self._segment_bytes = 0
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self._queue.put_nowait(encode_open(request_id, token, self._mac))
+        self._open = encode_open(request_id, token, self._mac)   # the first frame: its proof names it
+        self._queue.put_nowait(self._open)
         self._blocks = self._bytes = 0
         self._start = time.perf_counter()
         self._writer = asyncio.create_task(self._write_loop())
 
     async def _write_loop(self) -> None:
-        self._call, self._proof = await self._start_call()
+        self._call, self._proof = await self._start_call(self._open)
         self._call_made.set()
         if self._proof is not None and not self._proof.verify(await self._call.initial_metadata()):
             self._call.cancel()   # not a member of the deployment: it gets no KV
@@ -340,14 +345,15 @@ class GrpcKVSender(KVSender):
                  frame_bytes: int = DEFAULT_FRAME_BYTES, metadata: tuple[tuple[str, str], ...] = (),
                  shared_memory: bool = False, shared_memory_min_bytes: int = SHARED_MEMORY_MIN_BYTES,
                  shared_memory_route: SharedMemoryRoute | None = None,
-                 proof: Callable[[str], Any] | None = None, cluster_token: str | bytes | None = None,
+                 proof: Callable[[str, str, bytes], Any] | None = None, cluster_token: str | bytes | None = None,
                  kv_compression: str = "off", frame_target: int = FRAME_TARGET_BYTES) -> None:
         """frame_target: whole blocks per frame up to this many payload bytes (frames.iter_wire_frames).
         cluster_token: the deployment's (Credentials.cluster_token), which keys every frame's MAC
         with the reservation's transfer token; None (--insecure-no-auth) keys by the transfer token
-        alone, which guards against accidents only (integrity.py). metadata: sent on every stream. proof: method -> a fresh services.security.CallProof
-        for each stream (when the factory's channels do not prove membership themselves); the
-        receiver's reply is checked before any KV leaves. shared_memory: payloads to a loopback target that shares our
+        alone, which guards against accidents only (integrity.py). metadata: sent on every stream.
+        proof: (method, target, first frame) -> a fresh services.security.CallProof for each
+        stream (when the factory's channels do not prove membership themselves); the receiver's
+        reply is checked before any KV leaves. shared_memory: payloads to a loopback target that shares our
         memory, in sends of at least shared_memory_min_bytes, go through /dev/shm (or the route's
         directory and cap: shared_memory_route). kv_compression: the inline frames' wire codec,
         "auto" chosen per target (wire_codec.py); shared-memory frames are never encoded."""
@@ -379,15 +385,15 @@ class GrpcKVSender(KVSender):
     def open(self, target: str, request_id: str, transfer_token: bytes) -> KVStream:
         channel, method = self._channel(target)
 
-        def metadata() -> tuple[tuple[str, str], ...]:   # a fresh proof for each call: each is used once
-            return self.proof(METHOD).metadata if self.proof is not None else self.metadata
+        def metadata(first: bytes) -> tuple[tuple[str, str], ...]:   # a fresh proof for each call: each is used once
+            return self.proof(METHOD, target, first).metadata if self.proof is not None else self.metadata
 
-        async def start_call() -> tuple[grpc.aio.StreamUnaryCall, Any]:
+        async def start_call(first: bytes) -> tuple[grpc.aio.StreamUnaryCall, Any]:
             # The channel connected first, then the proof minted: it is fresh when the receiver
             # checks it. wait_for_ready: a connection lost meanwhile is waited for instead of
             # failing the stream; finish() bounds the whole transfer.
             await channel.channel_ready()
-            proof = self.proof(METHOD) if self.proof is not None else None
+            proof = self.proof(METHOD, target, first) if self.proof is not None else None
             return method(wait_for_ready=True, metadata=(proof.metadata if proof else self.metadata) or None), proof
 
         shared = (self.route, target, method, metadata) if self.route is not None and shared_memory.is_local(target) \

@@ -120,7 +120,8 @@ def load_credentials(spec: dict[str, Any]):
     if not path:
         raise ValueError("the actor spec names no cluster_token_file")
     try:
-        return Credentials.load(path, *spec.get("tls") or (None, None, None))
+        return Credentials.load(path, *spec.get("tls") or (None, None, None), admin="admin_token_file" in spec,
+                                admin_token_file=spec.get("admin_token_file"))   # the router's spec, `ray scale`
     except ValueError as exc:
         raise ValueError(f"{exc} on node {ray.util.get_node_ip_address()}: give --cluster-token-file a path that "
                          f"every node has (mode 0600)") from None
@@ -208,7 +209,11 @@ class WorkerActor(_ServerActor):
             token = credentials.cluster_token
             sender = RayKVSender(default_namespace=namespace, cluster_token=token,
                                  kv_compression=worker_config.kv_compression,
-                                 fallback=GrpcKVSender(lambda a: credentials.channel(a, channel_options()),
+                                 # its own proof per stream, bound to the stream's first frame (a
+                                 # channel's proof cannot see a stream written frame by frame)
+                                 fallback=GrpcKVSender(lambda a: credentials.channel(a, channel_options(),
+                                                                                     attach_token=False),
+                                                       proof=credentials.call_proof if token else None,
                                                        cluster_token=token,
                                                        kv_compression=worker_config.kv_compression))
         kv_address = ray_kv_address(self.name, namespace) if self.role == "decode" and ray_kv else ""

@@ -242,6 +242,13 @@ def _write_secret(path: Path, value: str) -> str:
     return str(path)
 
 
+def admin_token_file(name: str, namespace: str) -> str | None:
+    """The deployment's admin token file written here at `ray up` (None: not on this machine; then
+    $PDSERVE_ADMIN_TOKEN), for `ray scale`'s membership changes."""
+    path = secret_path(name, namespace, "admin-token")
+    return str(path) if path.is_file() else None
+
+
 def secret_files(spec: RayDeployment) -> dict[str, Any]:
     """The actors' spec entries naming their secrets' files (and the TLS files): given ones as
     they are, else files written here from the environment (a fresh token if none is set)."""
@@ -252,7 +259,9 @@ def secret_files(spec: RayDeployment) -> dict[str, Any]:
     if key_file is None and ENV.API_KEY.is_set():
         key_file = _write_secret(secret_path(spec.name, spec.namespace, "api-key"), ENV.API_KEY.get())
     tls = [given(spec.tls_cert), given(spec.tls_key), given(spec.tls_ca)] if spec.tls_cert else None
-    return {"cluster_token_file": token_file, "api_key_file": key_file, "tls": tls}
+    admin_file = _write_secret(secret_path(spec.name, spec.namespace, "admin-token"),   # the router's only
+                               ENV.ADMIN_TOKEN.raw() or new_token())
+    return {"cluster_token_file": token_file, "api_key_file": key_file, "tls": tls, "admin_token_file": admin_file}
 
 
 def _name_pattern(name: str) -> re.Pattern:
@@ -408,7 +417,8 @@ def _deploy(spec: RayDeployment) -> DeploymentInfo:
                                                "log_level_env": env}})))
         router_spec = {**base, "name": names["router"][0], "host": spec.host, "port": spec.port,
                        "prefill": names["prefill"], "decode": names["decode"], "router_args": router_args,
-                       "api_key_file": files["api_key_file"], "remote_workers": not spec.loopback_workers}
+                       "api_key_file": files["api_key_file"], "remote_workers": not spec.loopback_workers,
+                       "admin_token_file": files["admin_token_file"]}
         placement = ({"scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=0)} if router_in_group
             else {"resources": {HEAD_RESOURCE: PIN} if router_pin else None})

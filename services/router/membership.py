@@ -7,22 +7,32 @@ while it serves.
   workers join again. A joined worker whose Join stream ends and whose status stream stays down
   for ``MEMBER_LOST_S`` is forgotten (it died, or left).
 - An operator (`pdserve workers ...`, the planner) lists, adds, drains, resumes, removes and
-  switches the role of workers. Removing and switching drain first: no new requests, and those in
-  flight get ``drain_timeout_s`` to finish; what is left then migrates (WorkerPool.evict), so no
-  request is lost. A removed worker's prefix-index entries go with it. The same operations are
+  switches the role of workers, proving the router's admin token (``--admin-token-file``,
+  ``$PDSERVE_ADMIN_TOKEN``), which members lack: a worker's cluster token joins that worker, at
+  its own address (the host its call comes from), and lists the members, nothing more.
+  Removing and switching drain first: no new requests, and those in flight get
+  ``drain_timeout_s`` to finish; what is left then migrates (WorkerPool.evict), so no request is
+  lost. A removed worker's prefix-index entries go with it. The same operations are
   methods (``add``, ``remove``, ``switch_role``, raising ``Refused``) for the router's own
   sources of members: a watched file (services/router/workers_file.py).
 
 Every call is on the internal plane: with a cluster token the router refuses a call without a
-fresh proof of it (services/security.ClusterInterceptor, scoped to this service), whatever API
-key its public API wants. A router that dials only loopback workers (no mutual TLS and no
+fresh proof of it, and a membership change without one of the admin token
+(services/proof_interceptors.ClusterInterceptor, scoped to this service), whatever API key its
+public API wants. An address the router is told to dial is HOST:PORT (a DNS name or an IP, no scheme or
+path: ``security.is_dial_address``), and a drain timeout is finite, at most
+``MAX_DRAIN_TIMEOUT_S``. A router that dials only loopback workers (no mutual TLS and no
 ``--insecure-internal-plane``) refuses members at other addresses.
 """
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import math
+import socket
 import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -31,7 +41,7 @@ import grpc
 from pdserve.v1 import membership_pb2, membership_pb2_grpc, worker_pb2
 from services.proto_convert import ROLE_ENUM, ROLE_NAMES
 from services.router.worker_pool import MembershipError, WorkerHandle, WorkerPool
-from services.security import host_of, is_host_port, is_loopback
+from services.security import MAX_DRAIN_TIMEOUT_S, host_of, is_dial_address, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +52,7 @@ MEMBER_LOST_S = 10.0      # a joined worker with no Join stream and no status st
 MEMBER_HEARTBEAT_S = 5.0  # a Join stream hears its member entry at least this often
 ADD_WAIT_S = 10.0         # AddWorker answers once the worker is heard, or after this long
 SET_ROLE_TIMEOUT_S = 30.0
+JOIN_RESOLVE_S = 2.0      # a Join naming its host by name: the name resolves within this, or the Join is refused
 MAX_ADDRESS_CHARS = 256
 MAX_WORKER_ID_CHARS = 128
 
@@ -97,6 +108,7 @@ class MembershipServicer(membership_pb2_grpc.MembershipServicer):
     # ---- RPCs ------------------------------------------------------------------------------
     async def Join(self, request: membership_pb2.JoinRequest, context) -> AsyncIterator[membership_pb2.Member]:
         address = await self._address(request.address, context)
+        await self._own_address(address, context)
         role = await self._role(request.role, context)
         if len(request.worker_id) > MAX_WORKER_ID_CHARS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -273,15 +285,28 @@ class MembershipServicer(membership_pb2_grpc.MembershipServicer):
 
     def address_problem(self, address: str) -> tuple[grpc.StatusCode, str] | None:
         """Why address may not be a member (the status and the message), or None."""
-        if len(address) > MAX_ADDRESS_CHARS or not is_host_port(address):
+        if len(address) > MAX_ADDRESS_CHARS or not is_dial_address(address):
             return (grpc.StatusCode.INVALID_ARGUMENT,
-                    f"address must be HOST:PORT (port 1-65535, at most {MAX_ADDRESS_CHARS} characters), "
-                    f"got {address[:MAX_ADDRESS_CHARS]!r}")
+                    f"address must be HOST:PORT (a DNS name, an IPv4 address or a bracketed IPv6 one, no scheme or "
+                    f"path; port 1-65535; at most {MAX_ADDRESS_CHARS} characters), got {address[:64]!r}")
         if not self.settings.remote_workers and not is_loopback(host_of(address)):
             return (grpc.StatusCode.FAILED_PRECONDITION,
                     f"{address} is not a loopback address: this router dials other hosts only with mutual "
                     f"TLS (--tls-*) or --insecure-internal-plane")
         return None
+
+    async def _own_address(self, address: str, context) -> None:
+        """A worker joins itself only: the host its address names (an IP, or a name resolving to
+        one within JOIN_RESOLVE_S) is the one its call comes from (PERMISSION_DENIED otherwise;
+        any loopback name from a loopback peer). Other addresses are an operator's to add."""
+        peer = peer_ip(context.peer())
+        hosts = await resolve_host(host_of(address), JOIN_RESOLVE_S) if peer is not None else set()
+        if peer in hosts or (peer is not None and peer.is_loopback and any(h.is_loopback for h in hosts)):
+            return
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                            f"a worker joins at its own address: {address[:64]!r} is not on the host this call comes "
+                            f"from ({peer or 'unknown'}); an operator adds other addresses (`pdserve workers add`, "
+                            f"with the admin token)")
 
     @staticmethod
     async def _role(role: int, context) -> str:
@@ -292,8 +317,9 @@ class MembershipServicer(membership_pb2_grpc.MembershipServicer):
 
     async def _drain_timeout(self, value: float, context) -> float:
         """A request's drain_timeout_s; 0: the router's own."""
-        if not value >= 0:   # NaN too
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"drain_timeout_s must be >= 0, got {value}")
+        if not (math.isfinite(value) and 0 <= value <= MAX_DRAIN_TIMEOUT_S):   # NaN and inf too
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"drain_timeout_s must be in [0, {MAX_DRAIN_TIMEOUT_S:g}] seconds, got {value}")
         return value or self.settings.drain_timeout_s
 
     async def _add(self, address: str, role: str, context) -> WorkerHandle:
@@ -323,3 +349,42 @@ class MembershipServicer(membership_pb2_grpc.MembershipServicer):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _plain(ip: IPAddress) -> IPAddress:
+    return ip.ipv4_mapped or ip if isinstance(ip, ipaddress.IPv6Address) else ip
+
+
+def peer_ip(peer: str) -> IPAddress | None:
+    """The IP of a gRPC peer ("ipv4:10.0.0.5:43210", "ipv6:%5B::1%5D:43210"); None: not an IP peer."""
+    kind, _, rest = urllib.parse.unquote(peer or "").partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    try:
+        return _plain(ipaddress.ip_address(rest.rpartition(":")[0].strip("[]").split("%")[0]))
+    except ValueError:
+        return None
+
+
+async def resolve_host(host: str, timeout_s: float) -> set[IPAddress]:
+    """The IPs host names: itself when it is one, else what it resolves to within timeout_s (none
+    when it does not)."""
+    try:
+        return {_plain(ipaddress.ip_address(host))}
+    except ValueError:
+        pass
+    try:
+        infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM),
+                                       timeout_s)
+    except (OSError, asyncio.TimeoutError, UnicodeError):
+        return set()
+    ips = set()
+    for info in infos:
+        try:
+            ips.add(_plain(ipaddress.ip_address(str(info[4][0]).split("%")[0])))
+        except ValueError:
+            continue
+    return ips

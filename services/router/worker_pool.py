@@ -35,6 +35,7 @@ import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.change_signal import ChangeSignal
+from services.proto_convert import ROLE_ENUM
 from services.router.prefix_index import DEFAULT_MAX_KEYS, PrefixIndex
 from services.security import Credentials
 from services.grpc_setup import options as channel_options
@@ -83,7 +84,14 @@ class WorkerHandle:
 
     @property
     def healthy(self) -> bool:
-        return self.admitting and self.connected and self.status is not None and not self.status.draining
+        return self.admitting and self.connected and self.status is not None and not self.status.draining \
+            and not self.role_mismatch
+
+    @property
+    def role_mismatch(self) -> bool:
+        """Its status reports a role other than the router's own record, which the router trusts:
+        such a worker is not routed to until the two agree again."""
+        return self.status is not None and self.status.role not in (0, ROLE_ENUM[self.role])
 
     @property
     def idle(self) -> bool:

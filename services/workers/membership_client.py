@@ -3,8 +3,11 @@ router keeps for this worker, and join again whenever the stream breaks, so a re
 gets its membership back. The router removing the worker (state REMOVED) ends it: the worker
 does not join again until it is restarted or added back by an operator.
 
-The Join call proves the cluster token like every internal call, and the router must prove it
-back before anything it says is read (services/security.py)."""
+The Join call proves the cluster token like every internal call (the proof names the router's
+address and this Join), and the router must prove it back before anything it says is read
+(services/security.py). The cluster token lets a worker join itself only: the router refuses
+(PERMISSION_DENIED) an address on another host than the one the call comes from, and every other
+membership change wants its admin token, which workers never hold."""
 from __future__ import annotations
 
 import asyncio
@@ -54,7 +57,7 @@ async def keep_joined(router: str, request: Callable[[], membership_pb2.JoinRequ
                     or "no member entry"
                 level = logging.ERROR if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
                     grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
-                    grpc.StatusCode.INVALID_ARGUMENT) else logging.INFO
+                    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED) else logging.INFO
                 log.log(level, "membership of the router at %s: %s; joining again in %.1fs", router, why, delay)
                 state = None
             finally:

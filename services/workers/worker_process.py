@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import time
+import traceback
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable
@@ -24,8 +27,8 @@ from services import tracing
 from services.proto_convert import ROLE_ENUM, ROLE_NAMES
 from services.security import Credentials
 from services.grpc_setup import Server, service_registration, start_server, stop_on_signals
-from services.workers.config import WorkerConfig
-from services.workers.lifecycle import WorkerState
+from services.workers.config import ENGINE_STALL_EXIT_CODE, WorkerConfig
+from services.workers.lifecycle import StallWatchdog, WorkerState
 from services.workers.membership_client import keep_joined
 from services.workers.roles import GatedKVTransfer, RoleGate, RoleSides
 
@@ -223,16 +226,22 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
     aengine = AsyncEngine(config, lease=options.config.lease, on_step=metrics.on_step)
     metrics.attach(aengine.engine)   # gauges read at scrape time: exact after admission, cancel, finish
     aengine.start()
+    stall_timeout_s = options.config.engine_stall_timeout_s
+    watchdog = StallWatchdog(lambda: aengine.heartbeat, stall_timeout_s,   # a stuck engine thread ends the process
+                             lambda stalled_s: exit_stalled(aengine, worker_id, stalled_s, stall_timeout_s))
+    watchdog.start()
     state = WorkerState(config.role)
     sides = RoleSides(aengine, state, metrics, options)
     sides.handler(config.role)   # the starting role's side now (its KV data listener, senders)
     info = WorkerInfoServicer(aengine, worker_id, state, options.kv_address or options.config.kv_advertise_address,
                               sides=sides, metrics=metrics)
-    tracing.configure(f"pdserve-{config.role}", options.config.otlp_endpoint, worker_id)
+    tracing.configure(f"pdserve-{config.role}", options.config.otlp_endpoint, worker_id, options.credentials,
+                      options.config.otlp_insecure)
     server = await start_server(role_registrations(info, sides, options), options.host, options.port,
                                 interceptors=[*options.credentials.server_interceptors(),
                                               *tracing.server_interceptors()],
-                                credentials=options.credentials.server_credentials())
+                                credentials=options.credentials.server_credentials(),
+                                advertised=(options.config.advertise_address, options.config.kv_advertise_address))
     metrics_note = ""
     if options.metrics_port is not None:
         mport = start_metrics_server(metrics.registry, options.host, options.metrics_port, options.metrics_token)
@@ -262,10 +271,30 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
             membership.cancel()
         await server.server.stop(grace=1)
         await sides.close()
+        watchdog.stop()   # a hung engine thread still hangs stop() no longer than its join
         aengine.stop()
         tracing.shutdown()
     if aengine.failure is not None:
         raise aengine.failure
+
+
+def exit_stalled(aengine: AsyncEngine, worker_id: str, stalled_s: float, timeout_s: float) -> None:
+    """The engine loop made no progress for stalled_s while it had work: it will not serve again.
+    Say so in one line (then where the engine thread is stuck), and end the process at once
+    (os._exit: the stuck thread would hang a normal exit) with ENGINE_STALL_EXIT_CODE, so that the
+    supervisor (`pdserve up`, Ray) restarts it like any crashed worker and the router, whose streams
+    from here break, migrates its requests."""
+    try:
+        frame = sys._current_frames().get(aengine.thread_ident or -1)
+        where = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "(engine thread gone)\n"
+        log.critical("worker %s: engine loop made no progress for %.1fs (engine_stall_timeout_s %g); exiting with "
+                     "code %d to be restarted. The engine thread is stuck at:\n%s", worker_id, stalled_s, timeout_s,
+                     ENGINE_STALL_EXIT_CODE, where.rstrip())
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(ENGINE_STALL_EXIT_CODE)
 
 
 def role_registrations(info: WorkerInfoServicer, sides: RoleSides, options: WorkerOptions

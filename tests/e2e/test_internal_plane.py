@@ -289,16 +289,22 @@ def test_kv_goes_only_to_a_receiver_that_proves_membership(cluster) -> None:
 
 
 # ---- proofs --------------------------------------------------------------------------------------
-def test_a_proof_is_bound_to_its_method_time_key_and_used_once() -> None:
+def test_a_proof_is_bound_to_its_method_server_message_time_key_and_used_once() -> None:
     key, other = ClusterKey("k" * 32), ClusterKey("x" * 32)
     now = int(time.time() * 1000)
-    proof = dict(key.prove("/a/B", now_ms=now, nonce="n" * 16).metadata)[AUTH_HEADER]
+    proof = dict(key.prove("/a/B", "127.0.0.1:5", b"msg", now_ms=now, nonce="n" * 16).metadata)[AUTH_HEADER]
     assert "k" * 8 not in proof
-    assert key.check("/a/B", proof) == "n" * 16
+    claim = key.check("/a/B", proof)
+    assert (claim.nonce, claim.target, claim.ms) == ("n" * 16, "127.0.0.1:5", now)
+    assert claim.digest == dict(key.prove("/a/C", "x:1", b"msg").metadata)[AUTH_HEADER].split(".")[4]
     assert key.check("/a/C", proof) is None           # another method
     assert other.check("/a/B", proof) is None         # another token
+    assert ClusterKey("k" * 32, "admin").check("/a/B", proof) is None   # the admin token's keys are others
     assert key.check("/a/B", proof[:-1] + ("A" if proof[-1] != "A" else "B")) is None
-    for bad in ("", "v1", "v1.x.y.z", "v2." + proof[3:], proof + ".x"):
+    parts = proof.split(".")
+    for i, forged in ((3, "MTAuMC4wLjI6NQ"), (4, "A" * 43)):   # another server named, another message's digest
+        assert key.check("/a/B", ".".join(parts[:i] + [forged] + parts[i + 1:])) is None
+    for bad in ("", "v1", "v1.x.y.z", "v1." + proof[3:], proof + ".x"):
         assert key.check("/a/B", bad) is None
     nonces = _Nonces(window_ms=30_000, limit=4)
     assert nonces.admit(now, "n1", now) and not nonces.admit(now, "n1", now)     # replay

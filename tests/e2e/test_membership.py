@@ -53,10 +53,11 @@ def serving(entry: m.Member | None) -> bool:
     return entry is not None and entry.state == m.MEMBER_STATE_SERVING
 
 
-def workers_cli(cluster, *args: str, token: bool = True) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_CLUSTER_TOKEN"}
+def workers_cli(cluster, *args: str, token: bool = True, admin: bool = True) -> subprocess.CompletedProcess:
+    """`pdserve workers ARGS` with the deployment's cluster token (token) and admin token (admin)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PDSERVE_CLUSTER_TOKEN", "PDSERVE_ADMIN_TOKEN")}
     if token:
-        env.update(cluster.spec.credentials.child_env())
+        env.update(cluster.spec.credentials.child_env(admin=admin))
     return subprocess.run([sys.executable, "-m", "services.cli", "workers", *args, "--router", cluster.router_address],
                           env=env, capture_output=True, text=True, timeout=120)
 
@@ -263,7 +264,7 @@ def test_the_planner_in_the_loop_moves_prefill_workers_to_decode_under_a_decode_
         wait_member(cluster, joined_worker(cluster, "prefill", "prefill-planned").address, serving)
     profile = decode_heavy(cost).save(tmp_path / "profile.json")
     router_metrics = next(p.metrics_address for p in cluster.processes if p.name == "router")
-    env = {**os.environ, **cluster.spec.credentials.child_env()}
+    env = {**os.environ, **cluster.spec.credentials.child_env(admin=True)}   # the planner changes membership
     with SteadyLoad(cluster.router_address, clients=3, seed=6, max_tokens=120) as load:
         load.served(3)
         planner = subprocess.run(

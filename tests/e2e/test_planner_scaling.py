@@ -35,7 +35,8 @@ def _planner(cluster, profile, spare: str) -> subprocess.CompletedProcess:
          "--router", cluster.router_address, "--router-metrics", router_metrics, "--slo", "tpot:100",
          "--spares", spare, "--interval-s", "4", "--confirmations", "1", "--min-dwell-s", "0",
          "--min-window-requests", "3", "--num-prompts", "60", "--max-windows", "2"],
-        env={**os.environ, **cluster.spec.credentials.child_env()}, capture_output=True, text=True, timeout=300)
+        env={**os.environ, **cluster.spec.credentials.child_env(admin=True)}, capture_output=True, text=True,
+        timeout=300)   # the planner changes membership: it proves the admin token
 
 
 def test_the_planner_adds_a_spare_worker_under_load_and_removes_it_when_it_is_not_needed(

@@ -193,7 +193,7 @@ def test_corrupted_block_is_refused(cluster_1p1d) -> None:
                                                                params=common_pb2.SamplingParams(max_tokens=4)))
             assert list(res.needed_block_indices) == [0, 1, 2]
             hashes = transfer_block_hashes(prompt, status.block_size)
-            # a sender without the cluster token (it MACs with another key) is refused at its first frame
+            # a sender without the cluster token (its proof and MACs use another key) is refused at its first frame
             other = await stub.Reserve(worker_pb2.ReserveRequest(request_id="stranger", prompt_token_ids=prompt,
                                                                  params=common_pb2.SamplingParams(max_tokens=4)))
             stranger = GrpcKVSender(lambda a: aio_channel(cluster_1p1d, a), cluster_token="not-the-cluster-token")
@@ -201,15 +201,19 @@ def test_corrupted_block_is_refused(cluster_1p1d) -> None:
             await stream.send([KVBlock("stranger", 0, hashes[0], torch.zeros(shape))])
             with pytest.raises(KVTransferError) as refused:
                 await stream.finish(timeout=10)
-            assert refused.value.code == "DATA_LOSS" and "fails its MAC" in str(refused.value)
+            assert refused.value.code == "UNAUTHENTICATED", refused.value
             await stranger.close()
-            sender = GrpcKVSender(lambda a: aio_channel(cluster_1p1d, a),
-                                  cluster_token=cluster_1p1d.spec.credentials.cluster_token)
+            # refused before its first frame was read: the reservation (this test's own) waits for
+            # its lease, so the test frees it
+            assert (await worker_pb2_grpc.WorkerStub(ch).Abort(common_pb2.AbortRequest(request_id="stranger"))).found
+            creds = cluster_1p1d.spec.credentials   # as a prefill worker sends: its own proof per stream
+            sender = GrpcKVSender(lambda a: creds.channel(a, attach_token=False), proof=creds.call_proof,
+                                  cluster_token=creds.cluster_token)
             stream = sender.open(decode_addr, "corrupt", res.transfer_token)
             await stream.send([KVBlock("corrupt", 0, hashes[0] ^ 1, torch.zeros(shape))])
             with pytest.raises(KVTransferError) as refused:
                 await stream.finish(timeout=10)
-            assert refused.value.code == "DATA_LOSS" and "chain hash" in str(refused.value)
+            assert refused.value.code == "DATA_LOSS" and "chain hash" in str(refused.value), refused.value
             await sender.close()
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in stub.Decode(worker_pb2.DecodeRequest(request_id="corrupt", first_token_id=5)):

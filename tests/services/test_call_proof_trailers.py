@@ -24,9 +24,9 @@ class _Refusing(health_pb2_grpc.HealthServicer):
 
     async def Watch(self, request, context):
         proof = dict(context.invocation_metadata())[AUTH_HEADER]
-        nonce = self.key.check(METHOD, proof)
-        assert nonce is not None
-        trailers = ((AUTH_REPLY_HEADER, self.key.reply(METHOD, nonce)),) if self.prove else ()
+        claim = self.key.check(METHOD, proof)
+        assert claim is not None
+        trailers = ((AUTH_REPLY_HEADER, self.key.reply(METHOD, claim.nonce)),) if self.prove else ()
         await context.abort(grpc.StatusCode.DATA_LOSS, "the block failed its check", trailing_metadata=trailers)
         yield  # pragma: no cover
 
@@ -37,8 +37,8 @@ async def _status_seen(prove: bool) -> tuple[grpc.StatusCode, str]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
-                                             interceptors=proving_interceptors(Credentials(TOKEN))) as channel:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=proving_interceptors(
+                Credentials(TOKEN), f"127.0.0.1:{port}")) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10):
                     pass

@@ -438,9 +438,9 @@ def test_a_stream_proves_membership_with_a_proof_made_once_connected(engine: LLM
     creds = Credentials("a-cluster-token-for-this-test-only")
     minted: list[float] = []
 
-    def proof(method: str):
+    def proof(method: str, target: str, first: bytes):
         minted.append(time.monotonic())
-        return creds.call_proof(method)
+        return creds.call_proof(method, target, first)
 
     port = free_port()
     rid = "proof-when-connected"
@@ -452,7 +452,9 @@ def test_a_stream_proves_membership_with_a_proof_made_once_connected(engine: LLM
         stream = sender.open(f"127.0.0.1:{port}", rid, res.transfer_token)   # nothing listens there yet
         await stream.send(_blocks(rid, res.needed_block_indices, engine))
         await asyncio.sleep(0.5)
-        server = grpc.aio.server(interceptors=creds.server_interceptors())
+        interceptors = creds.server_interceptors()
+        interceptors[0].serve_at("127.0.0.1", port)   # the names its proofs must give (start_server does this)
+        server = grpc.aio.server(interceptors=interceptors)
         register_kv_servicer(KVTransferServicer(engine.kv, cluster_token=creds.cluster_token), server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         listening = time.monotonic()
