@@ -4,15 +4,19 @@ path: 404). Gauges of a worker are read when scraped, so they are exact whenever
 changed, not only after an engine step (an aborted request leaves at once). A worker that switches
 roles (Worker.SetRole) labels its later samples with its new role (``WorkerMetrics.set_role``).
 
-The endpoint cannot be used to starve its process: each connection gets READ_TIMEOUT_S per read,
-at most MAX_CONNECTIONS are served at once (one more is closed as soon as it is accepted, so the
-process's file descriptors stay bounded), and with a token (``--metrics-token-file``) a scrape
-must carry ``Authorization: Bearer TOKEN`` (Prometheus: ``authorization: credentials_file``)."""
+The endpoint cannot be used to starve its process: a connection's request (line and headers) must
+arrive within READ_TIMEOUT_S of its accept, however slowly its bytes come; at most MAX_CONNECTIONS
+are served at once, MAX_CONNECTIONS_PER_PEER from one address (one more is closed as soon as it is
+accepted, so the process's file descriptors stay bounded); and with a token
+(``--metrics-token-file``) a scrape must carry ``Authorization: Bearer TOKEN`` (Prometheus:
+``authorization: credentials_file``)."""
 from __future__ import annotations
 
 import hmac
+import io
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import math
 from typing import TYPE_CHECKING
@@ -33,8 +37,9 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 LABELS = ("model_name", "role", "worker")
 METRICS_PATH = "/metrics"
-READ_TIMEOUT_S = 5.0        # a connection that sends nothing this long is closed
+READ_TIMEOUT_S = 5.0        # a request not read whole this long after its accept is dropped (and each write's bound)
 MAX_CONNECTIONS = 32        # served at once; more are closed when accepted
+MAX_CONNECTIONS_PER_PEER = 8   # ... of them from one address
 METRICS_TOKEN_ENV = ENV.METRICS_TOKEN.name
 
 
@@ -311,7 +316,13 @@ def _handler(registry: CollectorRegistry, token: str | None) -> type[BaseHTTPReq
         """GET/HEAD /metrics (query strings ignored); 404 for every other path; 401 without the
         bearer token when one is set."""
 
-        timeout = READ_TIMEOUT_S    # socket timeout of every read: an idle client is dropped
+        timeout = READ_TIMEOUT_S    # the socket's timeout: each write's bound (reads: setup)
+
+        def setup(self) -> None:
+            """Reads end READ_TIMEOUT_S after the accept, the whole request together."""
+            super().setup()
+            self.rfile.close()
+            self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + READ_TIMEOUT_S))
 
         def do_GET(self) -> None:
             self._answer(body=True)
@@ -320,6 +331,7 @@ def _handler(registry: CollectorRegistry, token: str | None) -> type[BaseHTTPReq
             self._answer(body=False)
 
         def _answer(self, body: bool) -> None:
+            self.connection.settimeout(READ_TIMEOUT_S)   # the request is read: the answer's writes get their own
             given = (self.headers.get("Authorization") or "").encode("latin-1", "replace")
             if expected is not None and not hmac.compare_digest(given, expected):
                 data = b"unauthorized: send the metrics token as Authorization: Bearer TOKEN\n"
@@ -346,33 +358,70 @@ def _handler(registry: CollectorRegistry, token: str | None) -> type[BaseHTTPReq
     return MetricsHandler
 
 
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, each waiting only for what is left until deadline (time.monotonic()):
+    socket.timeout once it has passed, however slowly the bytes before it came."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self.sock, self.deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout(f"the request was not read within {READ_TIMEOUT_S:g}s")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(buffer)
+
+
 class MetricsServer(ThreadingHTTPServer):
-    """One thread per connection, at most max_connections of them: a connection beyond is closed
-    at once (a scraper retries at its next interval)."""
+    """One thread per connection, at most max_connections of them and per_peer from one address: a
+    connection beyond is closed at once (a scraper retries at its next interval)."""
 
     daemon_threads = True
     request_queue_size = 64
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS, per_peer: int = MAX_CONNECTIONS_PER_PEER) -> None:
         super().__init__(address, handler)
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections, self.per_peer = max_connections, per_peer
+        self._peers: dict[str, int] = {}   # address -> its connections being served
+        self._lock = threading.Lock()
 
-    def process_request(self, request: socket.socket, client_address: object) -> None:
-        if not self._slots.acquire(blocking=False):
+    def _admit(self, host: str) -> bool:
+        with self._lock:
+            mine = self._peers.get(host, 0)
+            if sum(self._peers.values()) >= self.max_connections or mine >= self.per_peer:
+                return False
+            self._peers[host] = mine + 1
+            return True
+
+    def _leave(self, host: str) -> None:
+        with self._lock:
+            left = self._peers.get(host, 0) - 1
+            if left > 0:
+                self._peers[host] = left
+            else:
+                self._peers.pop(host, None)
+
+    def process_request(self, request: socket.socket, client_address: tuple) -> None:
+        if not self._admit(client_address[0]):
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._leave(client_address[0])
             raise
 
-    def process_request_thread(self, request: socket.socket, client_address: object) -> None:
+    def process_request_thread(self, request: socket.socket, client_address: tuple) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._leave(client_address[0])
 
 
 def read_metrics_token(path: str | None) -> str | None:

@@ -1,11 +1,17 @@
 """The decode worker's raw TCP KV data plane (the wire: tcp_wire.py; the sender:
 tcp_transport.py), next to the gRPC stream (grpc_receiver.py), which stays the fallback.
 
-A listener thread accepts up to ``max_connections`` connections, each served by its own thread:
-the peer proves the cluster token (and, with the deployment's TLS files, its certificate)
-before anything else is read, then sends transfers one at a time. A frame of whole
-uncompressed blocks (what the sender frames) is read in two steps: its fields before the
-payload, whose blocks the connector checks and claims, then its payload with ``recvmsg_into``
+A listener thread accepts connections, each served by its own thread: the peer proves the
+cluster token (and, with the deployment's TLS files, its certificate) before anything else is
+read, all of it within ``handshake_timeout_s`` of the accept however slowly its bytes come, then
+sends transfers one at a time. Until its proof checks a connection is one of at most
+``max_unauthenticated`` (``max_unauthenticated_per_peer`` from one address); one past either is
+closed as soon as it is accepted (no thread). Only a proved connection takes one of the
+``max_connections`` slots (none free: refused, RESOURCE_EXHAUSTED), so strangers that connect
+and drip bytes hold no slot, and a sender that finds the plane closed to it goes over gRPC.
+
+A frame of whole uncompressed blocks (what the sender frames) is read in two steps: its fields
+before the payload, whose blocks the connector checks and claims, then its payload with ``recvmsg_into``
 straight into those blocks' slabs in the paged pool (the kernel's copy is the only one), then
 its MAC, checked over what was read before the blocks count as received (_take_frame). Any other
 frame (the open frame, a heartbeat, a block split across frames, a compressed one, or any frame
@@ -41,21 +47,25 @@ log = logging.getLogger(__name__)
 _WAITING = (HandoffState.RESERVED, HandoffState.RECEIVING, HandoffState.READY)
 REFUSAL_DRAIN_S = 0.5      # after an ERROR, the rest the sender had in flight is read and dropped this long
 ACCEPT_POLL_S = 0.5        # how often the accept loop looks at the close flag
+TURNED_AWAY_LOG_S = 60.0   # connections turned away before their proof are logged at most this often
 HEAD_READ_BYTES = 4096     # a frame's fields before its payload are read this much first (then twice as much)
 
 
 @dataclass(frozen=True, slots=True)
 class DataPlaneLimits:
-    max_connections: int = 64         # connections served at once; more are refused (RESOURCE_EXHAUSTED)
-    handshake_timeout_s: float = 5.0  # the TLS handshake and the token proof, each at most
+    max_connections: int = 64         # proved connections served at once; more are refused (RESOURCE_EXHAUSTED)
+    handshake_timeout_s: float = 5.0  # the TLS handshake and the token proof together, from the accept
+    max_unauthenticated: int = 16     # connections not yet proved, at once; more are closed when accepted
+    max_unauthenticated_per_peer: int = 4   # ... of them from one peer address
     idle_timeout_s: float = 120.0     # an idle connection (between transfers) is closed after this
     frame_timeout_s: float = 30.0     # inside a transfer not yet opened, the next bytes must come within
                                       # this; once opened, as long as the reservation lives (its lease)
     poll_s: float = 1.0               # how often a waiting transfer looks at its reservation
 
     def __post_init__(self) -> None:
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        for name in ("max_connections", "max_unauthenticated", "max_unauthenticated_per_peer"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("handshake_timeout_s", "idle_timeout_s", "frame_timeout_s", "poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -81,6 +91,9 @@ class KVDataListener:
         self._sock.settimeout(ACCEPT_POLL_S)
         self.host, self.port = host, self._sock.getsockname()[1]
         self._slots = threading.BoundedSemaphore(limits.max_connections)
+        self._unproved: dict[str, int] = {}   # peer address -> its connections not yet proved
+        self.turned_away = 0                  # connections closed at accept: too many unproved
+        self._warned_at = -TURNED_AWAY_LOG_S
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -119,26 +132,76 @@ class KVDataListener:
                 continue
             except OSError:
                 return   # closed
-            if not self._slots.acquire(blocking=False):
-                _refuse(conn, "RESOURCE_EXHAUSTED", f"the KV data plane serves at most "
-                                                    f"{self.limits.max_connections} connections")
+            deadline = time.monotonic() + self.limits.handshake_timeout_s   # from the accept, whatever comes
+            refusal = self._admit_unproved(peer[0])
+            if refusal:
+                _turn_away(conn, refusal)
                 continue
-            thread = threading.Thread(target=self._serve, args=(conn, peer), name=f"kv-data-{peer[1]}", daemon=True)
+            thread = threading.Thread(target=self._serve, args=(conn, peer, deadline), name=f"kv-data-{peer[1]}",
+                                      daemon=True)
             with self._lock:
                 self._open.add(conn)
                 self._threads.add(thread)
             thread.start()
 
-    def _serve(self, conn: socket.socket, peer: tuple) -> None:
+    def _admit_unproved(self, host: str) -> str:
+        """Count a new connection against the bounds on unproved ones; "": counted, else why not."""
+        limits = self.limits
+        with self._lock:
+            mine = self._unproved.get(host, 0)
+            if sum(self._unproved.values()) >= limits.max_unauthenticated:
+                why = f"at most {limits.max_unauthenticated} connections may be proving themselves at once"
+            elif mine >= limits.max_unauthenticated_per_peer:
+                why = f"at most {limits.max_unauthenticated_per_peer} connections from one address may be " \
+                      f"proving themselves at once"
+            else:
+                self._unproved[host] = mine + 1
+                return ""
+            self.turned_away += 1
+            warn = time.monotonic() - self._warned_at >= TURNED_AWAY_LOG_S
+            if warn:
+                self._warned_at = time.monotonic()
+        if warn:
+            log.warning("KV data-plane connection from %s closed at accept (%s; %d so far; a member turned "
+                        "away sends over gRPC)", host, why, self.turned_away)
+        return why
+
+    def _proved_or_gone(self, host: str) -> None:
+        """A connection's handshake ended (proved, refused or failed): it no longer counts as unproved."""
+        with self._lock:
+            left = self._unproved.get(host, 0) - 1
+            if left > 0:
+                self._unproved[host] = left
+            else:
+                self._unproved.pop(host, None)
+
+    def _take_slot(self) -> tcp_wire.Refused | None:
+        if self._slots.acquire(blocking=False):
+            return None
+        return tcp_wire.Refused("RESOURCE_EXHAUSTED", f"the KV data plane serves at most "
+                                                      f"{self.limits.max_connections} connections")
+
+    def _serve(self, conn: socket.socket, peer: tuple, deadline: float) -> None:
+        """deadline (time.monotonic()): the TLS handshake and the token proof end by then."""
         raw = conn
+        unproved, slot = True, False
+
+        def admit() -> tcp_wire.Refused | None:   # proved: out of the unproved, into a slot if one is free
+            nonlocal unproved, slot
+            unproved = False
+            self._proved_or_gone(peer[0])
+            refusal = self._take_slot()
+            slot = refusal is None
+            return refusal
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self.limits.handshake_timeout_s)
             if self.tls is not None:
-                conn = self.tls.wrap_socket(conn, server_side=True)
+                conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
                 with self._lock:
                     self._open.add(conn)
-            tcp_wire.server_handshake(conn, self._key)
+                tcp_wire.until(conn, deadline)
+                conn.do_handshake()   # bounded as a whole by the socket's timeout (CPython's ssl)
+            tcp_wire.server_handshake(conn, self._key, deadline=deadline, admit=admit, target=self.address())
             reader = tcp_wire.RecordReader(conn)
             while not self._closed.is_set() and self._transfer(conn, reader):
                 pass
@@ -154,7 +217,10 @@ class KVDataListener:
                 self._open.discard(conn)
                 self._open.discard(raw)
                 self._threads.discard(threading.current_thread())
-            self._slots.release()
+            if unproved:
+                self._proved_or_gone(peer[0])
+            if slot:
+                self._slots.release()
 
     def _transfer(self, conn: socket.socket, reader: tcp_wire.RecordReader) -> bool:
         """One transfer, FRAME records to END, answered ACK or ERROR. False: the connection ends."""
@@ -278,10 +344,12 @@ def _drain(conn: socket.socket, limit_s: float) -> None:
             return
 
 
-def _refuse(conn: socket.socket, code: str, message: str) -> None:
+def _turn_away(conn: socket.socket, why: str) -> None:
+    """Close a connection just accepted, saying why (RESOURCE_EXHAUSTED) where its send buffer
+    takes the record at once: the accept loop never waits on it."""
     try:
-        conn.settimeout(1.0)
-        conn.sendall(tcp_wire.error_record(code, message))
+        conn.setblocking(False)
+        conn.send(tcp_wire.error_record("RESOURCE_EXHAUSTED", why))
     except OSError:
         pass
     finally:

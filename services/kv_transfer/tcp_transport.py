@@ -17,6 +17,13 @@ the prefill worker) its heartbeats go as BEAT records over the pool's one beat c
 target: a backlog of queued requests keeps its reservations alive without holding any of the
 decode worker's connections (it serves at most ``max_connections``; one held per queued
 request, a backlog past that bound had its streams refused and its reservations lapse).
+
+Opened with a ``fallback`` (the prefill worker's gRPC stream to the same reservation), a stream
+that cannot have the data plane when it first needs it (a beat or a connection that the receiver
+refuses, that nobody answers, or whose handshake fails or times out) goes over that fallback
+instead, for the whole transfer: nothing was sent on the data plane, so every block sent so far
+is sent again there. The choice is made once, by the writer thread, and taken up by the loop's
+next call.
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from pdserve.v1 import kv_pb2
 from services.kv_transfer import integrity, tcp_wire
@@ -52,8 +59,13 @@ BUSY_RETRY_S = 10.0           # a receiver serving all the connections it may is
 HANDSHAKE_ATTEMPTS = 3        # connections lost during their handshake before a transfer gives up
 BEAT_TIMEOUT_S = 2.0          # one beat's write, at most (a lease outlasts several missed ones)
 MAX_GATHER_PARTS = 512        # a frame of more parts is joined first (IOV_MAX is 1024)
+FALLBACK_LOG_S = 60.0         # transfers gone over the fallback are logged at most this often per target
 
 _END, _CANCEL, _HEARTBEAT = object(), object(), object()
+
+
+class _FallBack(Exception):
+    """The stream could not have the data plane: its transfer goes over its fallback stream."""
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -125,20 +137,20 @@ class ConnectionPool:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
                 sock = self.tls.wrap_socket(sock, server_hostname=host)
-            tcp_wire.client_handshake(sock, self.key)
+            tcp_wire.client_handshake(sock, self.key, target)
         except BaseException:
             sock.close()
             raise
         self.connects += 1
         return sock
 
-    def beat(self, target: str, open_frame: bytes) -> None:
+    def beat(self, target: str, open_frame: bytes) -> bool:
         """A BEAT record (a stream's open frame: its reservation's lease is extended) over the
         target's one beat connection, remade here when lost: from an idle pooled connection where
         there is one (the receiver takes beats between transfers on any connection, and an idle one
         must not hold the slot a receiver at its connection bound has left for beats), else a new
         one. A beat that fails is dropped: the lease may then lapse, and the stream learns of it
-        when it sends."""
+        when it sends (False)."""
         with self._lock:   # one lock per target: a target that does not answer holds up only its own beats
             lock = self._beat_locks.setdefault(target, threading.Lock())
         with lock:
@@ -155,9 +167,10 @@ class ConnectionPool:
                 log.debug("KV beat to %s dropped: %s", target, exc)
                 if sock is not None:
                     sock.close()
-                return
+                return False
             with self._lock:
                 self._beats[target] = sock
+            return True
 
     def close(self) -> None:
         with self._lock:
@@ -182,8 +195,16 @@ def _alive(sock: socket.socket) -> bool:
 
 class TcpKVStream(KVStream):
     takes_views = True
-    def __init__(self, sender: "TcpKVSender", target: str, request_id: str, token: bytes) -> None:
+    def __init__(self, sender: "TcpKVSender", target: str, request_id: str, token: bytes,
+                 fallback: Callable[[], KVStream] | None = None) -> None:
+        """fallback: opens the same transfer's stream over another transport (on the loop), used
+        when this one cannot have the data plane (the module's docstring); None: such a stream fails."""
         self._sender, self._target = sender, target
+        self._fallback = fallback
+        self._via: KVStream | None = None                 # the fallback stream, once chosen
+        self._held: list[list[KVBlock]] | None = [] if fallback is not None else None   # sent before the choice
+        self._choice = threading.Lock()
+        self._forwarding: asyncio.Future | None = None    # a send to the fallback stream under way
         self._mac = integrity.StreamMac(integrity.mac_key(token, sender.cluster_token), integrity.PREFERRED)
         self._open = encode_open(request_id, token, self._mac)
         self._codecs = sender.codecs if sender.codecs.mode != "off" else None
@@ -201,21 +222,37 @@ class TcpKVStream(KVStream):
 
     # ---- the loop's side -----------------------------------------------------------------
     async def send(self, blocks: Sequence[KVBlock]) -> None:
-        if blocks:
-            self._blocks += len(blocks)
-            self._bytes += sum(b.data.numel() * b.data.element_size() for b in blocks)
-            self._queue.put(list(blocks))
+        if not blocks:
+            return
+        if await self._fallen_back():
+            await self._forward(list(blocks))
+            return
+        with self._choice:
+            if self._held is not None:
+                self._held.append(list(blocks))
+        self._blocks += len(blocks)
+        self._bytes += sum(b.data.numel() * b.data.element_size() for b in blocks)
+        self._queue.put(list(blocks))
 
     async def heartbeat(self) -> None:
-        if self._queue.empty():
+        if await self._fallen_back():
+            await self._via.heartbeat()
+        elif self._queue.empty():
             self._queue.put(_HEARTBEAT)
 
     async def finish(self, timeout: float | None = None) -> SendResult:
+        if await self._fallen_back():
+            return await self._via.finish(timeout)
         self._queue.put((_END, timeout))
         result = asyncio.wrap_future(self._result)
         result.add_done_callback(lambda f: f.cancelled() or f.exception())   # consumed, if we stop waiting
+        began = time.monotonic()
         try:
             ack: kv_pb2.PushAck = await asyncio.wait_for(asyncio.shield(result), timeout)
+        except _FallBack:
+            await self._fallen_back()
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - began))
+            return await self._via.finish(left)
         except asyncio.TimeoutError as exc:
             await self.cancel()
             raise KVTransferError("DEADLINE_EXCEEDED", f"KV not acknowledged within {timeout}s") from exc
@@ -237,7 +274,35 @@ class TcpKVStream(KVStream):
         sock = self._sock
         if sock is not None and not self._result.done():
             _shutdown(sock)
+        if self._via is not None:
+            if self._forwarding is not None:   # its blocks' bytes are read until it returns
+                await asyncio.wait({self._forwarding})
+            await self._via.cancel()
         await asyncio.to_thread(self._wait_not_reading)
+
+    async def _fallen_back(self) -> bool:
+        """Whether the transfer goes over the fallback stream: opened here, on the loop, the first
+        time the writer thread's choice is seen, and every send so far replayed there."""
+        if self._via is not None:
+            return True
+        if not (self._result.done() and isinstance(self._result.exception(), _FallBack)):
+            return False
+        with self._choice:
+            held, self._held = self._held or [], None
+        self._via = self._fallback()
+        self._sender.fell_back(self._target, self._result.exception())
+        for blocks in held:
+            await self._forward(blocks)
+        return True
+
+    async def _forward(self, blocks: list[KVBlock]) -> None:
+        """A send over the fallback stream, never left halfway (its blocks may be views of pinned
+        pool blocks: takes_views; cancel waits for it)."""
+        while self._forwarding is not None and not self._forwarding.done():
+            await asyncio.wait({self._forwarding})
+        task = self._forwarding = asyncio.ensure_future(self._via.send(blocks))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())   # consumed, if we stop waiting
+        await asyncio.shield(task)
 
     def _wait_not_reading(self) -> None:
         with self._reading:
@@ -247,6 +312,8 @@ class TcpKVStream(KVStream):
     def _run(self) -> None:
         try:
             self._result.set_result(self._transfer())
+        except _FallBack as exc:
+            self._result.set_exception(exc)
         except KVTransferError as exc:
             self._result.set_exception(exc)
         except tcp_wire.Refused as exc:
@@ -260,6 +327,8 @@ class TcpKVStream(KVStream):
     def _transfer(self) -> kv_pb2.PushAck:
         first = self._first_data()
         sock = self._connection()
+        with self._choice:
+            self._held = None   # the data plane it is: nothing is kept for a fallback
         self._sock = sock
         try:
             ack = self._write(sock, first)
@@ -291,7 +360,8 @@ class TcpKVStream(KVStream):
         """The first blocks (or the end). Until they come the stream holds no connection: a
         request queued on its prefill worker keeps its reservation alive with beats alone."""
         while (item := self._next()) is _HEARTBEAT:
-            self._sender.pool.beat(self._target, self._open)
+            if not self._sender.pool.beat(self._target, self._open) and self._fallback is not None:
+                raise _FallBack("its beat could not go over the data plane")
         return item
 
     def _connection(self) -> socket.socket:
@@ -299,20 +369,24 @@ class TcpKVStream(KVStream):
         fault) is asked again, the lease kept by beats meanwhile, for up to BUSY_RETRY_S. A
         connection lost during its handshake (this process frozen past the receiver's handshake
         timeout, say) is made again, up to HANDSHAKE_ATTEMPTS times: nothing was sent on it.
-        Nobody listening (connection refused) fails at once."""
+        Nobody listening (connection refused) fails at once. With a fallback, any of these
+        sends the transfer over it at once (_FallBack)."""
         deadline, delay, lost = time.monotonic() + BUSY_RETRY_S, 0.02, 0
         while True:
             try:
                 return self._sender.pool.acquire(self._target)
-            except tcp_wire.Refused as exc:
-                if exc.code != "RESOURCE_EXHAUSTED" or self._cancelled or time.monotonic() + delay > deadline:
+            except (OSError, tcp_wire.WireError, tcp_wire.Refused) as exc:
+                if self._fallback is not None and not self._cancelled:
+                    raise _FallBack(f"{type(exc).__name__}: {exc}") from exc
+                if isinstance(exc, tcp_wire.Refused):
+                    if exc.code != "RESOURCE_EXHAUSTED" or self._cancelled or time.monotonic() + delay > deadline:
+                        raise
+                elif isinstance(exc, ConnectionRefusedError):
                     raise
-            except ConnectionRefusedError:
-                raise
-            except (OSError, tcp_wire.WireError):
-                lost += 1
-                if lost >= HANDSHAKE_ATTEMPTS or self._cancelled:
-                    raise
+                else:
+                    lost += 1
+                    if lost >= HANDSHAKE_ATTEMPTS or self._cancelled:
+                        raise
             self._sender.pool.beat(self._target, self._open)
             time.sleep(delay)
             delay = min(2 * delay, 0.5)
@@ -404,9 +478,23 @@ class TcpKVSender(KVSender):
         self.frame_bytes, self.frame_target = frame_bytes, frame_target
         self.codecs = CodecPolicy(kv_compression)
         self.pool = ConnectionPool(cluster_token, tls)
+        self.fallbacks = 0   # transfers that went over their fallback stream
+        self._fallback_logged: dict[str, float] = {}
 
-    def open(self, target: str, request_id: str, transfer_token: bytes) -> KVStream:
-        return TcpKVStream(self, target, request_id, transfer_token)
+    def open(self, target: str, request_id: str, transfer_token: bytes,
+             fallback: Callable[[], KVStream] | None = None) -> KVStream:
+        """fallback: opens the transfer's stream over another transport (gRPC), taken when this
+        plane cannot be had (TcpKVStream)."""
+        return TcpKVStream(self, target, request_id, transfer_token, fallback)
+
+    def fell_back(self, target: str, why: BaseException) -> None:
+        """A transfer to target went over its fallback: counted, and logged at most every FALLBACK_LOG_S."""
+        self.fallbacks += 1
+        now = time.monotonic()
+        if now - self._fallback_logged.get(target, -FALLBACK_LOG_S) >= FALLBACK_LOG_S:
+            self._fallback_logged[target] = now
+            log.warning("KV to %s goes over gRPC: its TCP data plane could not be had (%s; %d transfers so far)",
+                        target, why, self.fallbacks)
 
     async def close(self) -> None:
         self.pool.close()

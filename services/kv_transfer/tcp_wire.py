@@ -6,7 +6,8 @@ cluster token before anything else is read: the receiver sends ``MAGIC + server_
 sender answers ``MAGIC + client_nonce + HMAC(key, CLIENT_CONTEXT + both nonces)``, and the
 receiver, once that proof checks, answers with an OK record holding ``HMAC(key, SERVER_CONTEXT
 + both nonces)`` (or an ERROR record, then closes). The key is HMAC-SHA256(cluster token,
-AUTH_CONTEXT): the token never travels, the nonces make every proof single-use, and the
+AUTH_CONTEXT): the token never travels, the nonces make every proof single-use, both proofs
+also cover the listener's HOST:PORT as the sender dialed it (a relay to another listener fails), and the
 distinct contexts keep one side's proof from serving as the other's. Without a cluster token
 (``--insecure-no-auth``, loopback only) the key is derived from AUTH_CONTEXT alone: the same
 exchange, which then only guards against a misdirected connection.
@@ -28,6 +29,7 @@ import os
 import socket
 import ssl
 import struct
+import time
 from typing import Callable
 
 from services.kv_transfer.base import MAX_FRAME_BYTES
@@ -36,8 +38,8 @@ MAGIC = b"PDKVTCP1"
 NONCE_BYTES = 32
 PROOF_BYTES = 32
 AUTH_CONTEXT = b"pdserve-kv-tcp-auth-v1"
-CLIENT_CONTEXT = b"pdserve-kv-tcp-client-proof-v1"
-SERVER_CONTEXT = b"pdserve-kv-tcp-server-proof-v1"
+CLIENT_CONTEXT = b"pdserve-kv-tcp-client-proof-v2"   # v2: both proofs name the listener dialed (HOST:PORT)
+SERVER_CONTEXT = b"pdserve-kv-tcp-server-proof-v2"
 
 FRAME, END, ACK, ERROR, OK, BEAT = 1, 2, 3, 4, 5, 6
 HEADER = struct.Struct("<BI")
@@ -70,17 +72,32 @@ def auth_key(cluster_token: str | bytes | None) -> bytes:
     return hmac.new(AUTH_CONTEXT, b"", hashlib.sha256).digest()
 
 
-def _proof(key: bytes, context: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    return hmac.new(key, context + server_nonce + client_nonce, hashlib.sha256).digest()
+def _proof(key: bytes, context: bytes, server_nonce: bytes, client_nonce: bytes, target: str = "") -> bytes:
+    """target: the listener's HOST:PORT as the sender dials it (a relay to another listener fails)."""
+    return hmac.new(key, context + server_nonce + client_nonce + target.lower().encode(), hashlib.sha256).digest()
 
 
 # ---- records ------------------------------------------------------------------------------
 
-def recv_exact(sock: socket.socket, view: memoryview, patience: Callable[[], bool] | None = None) -> None:
+def until(sock: socket.socket, deadline: float | None) -> None:
+    """Before a wait: sock's timeout set to what is left until deadline (time.monotonic()), or
+    socket.timeout once it has passed, however the bytes before it dripped. None: as it is."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("the KV data-plane handshake did not complete in time")
+    sock.settimeout(left)
+
+
+def recv_exact(sock: socket.socket, view: memoryview, patience: Callable[[], bool] | None = None,
+               deadline: float | None = None) -> None:
     """Fill view from sock (Closed at EOF). The socket's timeout bounds each wait; when one runs
-    out, patience() says whether to go on waiting (None: never; socket.timeout is raised)."""
+    out, patience() says whether to go on waiting (None: never; socket.timeout is raised).
+    deadline: every wait ends by then (until), the whole fill included."""
     got = 0
     while got < view.nbytes:
+        until(sock, deadline)
         try:
             n = sock.recv_into(view[got:])
         except socket.timeout:
@@ -290,24 +307,35 @@ def expect_ack(sock: socket.socket) -> bytes:
 
 # ---- the handshake ------------------------------------------------------------------------
 
-def server_handshake(sock: socket.socket, key: bytes) -> None:
-    """The receiver's side: Refused (after sending ERROR) unless the peer proves the key."""
+def server_handshake(sock: socket.socket, key: bytes, deadline: float | None = None,
+                     admit: Callable[[], Refused | None] | None = None, target: str = "") -> None:
+    """The receiver's side: Refused (after sending ERROR) unless the peer proves the key.
+    deadline (time.monotonic()): the whole exchange ends by then (socket.timeout), however slowly
+    the peer sends. admit: asked once the proof checks, before OK; a Refused it returns is sent
+    (ERROR) and raised: a bound that only members of the deployment count against."""
     server_nonce = os.urandom(NONCE_BYTES)
+    until(sock, deadline)
     sock.sendall(MAGIC + server_nonce)
     hello = bytearray(len(MAGIC) + NONCE_BYTES + PROOF_BYTES)
-    recv_exact(sock, memoryview(hello))
+    recv_exact(sock, memoryview(hello), deadline=deadline)
     if hello[:len(MAGIC)] != MAGIC:
         raise WireError("not a pdserve KV data-plane client")
     client_nonce = bytes(hello[len(MAGIC):len(MAGIC) + NONCE_BYTES])
     proof = bytes(hello[len(MAGIC) + NONCE_BYTES:])
-    if not hmac.compare_digest(proof, _proof(key, CLIENT_CONTEXT, server_nonce, client_nonce)):
+    if not hmac.compare_digest(proof, _proof(key, CLIENT_CONTEXT, server_nonce, client_nonce, target)):
         message = "the KV data-plane client did not prove this deployment's cluster token"
+        until(sock, deadline)
         sock.sendall(error_record("UNAUTHENTICATED", message))
         raise Refused("UNAUTHENTICATED", message)
-    sock.sendall(record(OK, _proof(key, SERVER_CONTEXT, server_nonce, client_nonce)))
+    refusal = admit() if admit is not None else None
+    until(sock, deadline)
+    if refusal is not None:
+        sock.sendall(error_record(refusal.code, str(refusal)))
+        raise refusal
+    sock.sendall(record(OK, _proof(key, SERVER_CONTEXT, server_nonce, client_nonce, target)))
 
 
-def client_handshake(sock: socket.socket, key: bytes) -> None:
+def client_handshake(sock: socket.socket, key: bytes, target: str = "") -> None:
     """The sender's side: Refused unless the receiver accepts our proof and proves the key back."""
     hello = bytearray(len(MAGIC) + NONCE_BYTES)
     recv_exact(sock, memoryview(hello)[:1])
@@ -322,11 +350,11 @@ def client_handshake(sock: socket.socket, key: bytes) -> None:
         raise WireError("not a pdserve KV data plane")
     server_nonce = bytes(hello[len(MAGIC):])
     client_nonce = os.urandom(NONCE_BYTES)
-    sock.sendall(MAGIC + client_nonce + _proof(key, CLIENT_CONTEXT, server_nonce, client_nonce))
+    sock.sendall(MAGIC + client_nonce + _proof(key, CLIENT_CONTEXT, server_nonce, client_nonce, target))
     kind, body = read_small(sock)
     if kind == ERROR:
         raise parse_error(body)
-    if kind != OK or not hmac.compare_digest(body, _proof(key, SERVER_CONTEXT, server_nonce, client_nonce)):
+    if kind != OK or not hmac.compare_digest(body, _proof(key, SERVER_CONTEXT, server_nonce, client_nonce, target)):
         raise Refused("UNAUTHENTICATED", "the KV data plane did not prove this deployment's cluster token")
 
 

@@ -24,7 +24,8 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
                  heartbeat_s: float = HEARTBEAT_S, kv_ack_timeout_s: float = KV_ACK_TIMEOUT_S,
                  data_sender: KVSender | None = None) -> None:
         """data_sender: KV to a target that names a raw TCP data plane (KVTarget.data_address) goes
-        through it; None, or a target without one: sender (gRPC)."""
+        through it (over sender when that plane cannot be had: TcpKVStream); None, or a target
+        without one: sender (gRPC)."""
         self.aengine = aengine
         self.sender = sender
         self.data_sender = data_sender
@@ -53,8 +54,9 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
         target = request.target
         needed = set(target.needed_block_indices)
         kv = None
-        if needed and target.data_address and self.data_sender is not None:
-            kv = self.data_sender.open(target.data_address, rid, target.transfer_token)
+        if needed and target.data_address and self.data_sender is not None:   # gRPC when the plane cannot be had
+            kv = self.data_sender.open(target.data_address, rid, target.transfer_token,
+                                       fallback=lambda: self.sender.open(target.address, rid, target.transfer_token))
         elif needed:
             kv = self.sender.open(target.address, rid, target.transfer_token)
         salt = request.params.cache_salt if request.params.HasField("cache_salt") else None

@@ -102,7 +102,7 @@ def test_without_a_cluster_token_the_listener_stays_on_loopback(engine: LLMEngin
 
 def test_an_oversized_length_prefix_is_refused_before_allocation(engine: LLMEngine) -> None:
     with listening(engine) as listener, _connect(listener) as sock:
-        tcp_wire.client_handshake(sock, tcp_wire.auth_key(CLUSTER))
+        tcp_wire.client_handshake(sock, tcp_wire.auth_key(CLUSTER), listener.address())
         tracemalloc.start()
         sock.sendall(tcp_wire.HEADER.pack(tcp_wire.FRAME, tcp_wire.MAX_RECORD_BYTES + 1))
         kind, body = tcp_wire.read_small(sock)
@@ -153,11 +153,16 @@ class FlippingRelay:
         self.server.close()
 
 
-def test_a_byte_flipped_on_the_path_fails_closed_and_nothing_is_cached(engine: LLMEngine) -> None:
+def test_a_byte_flipped_on_the_path_fails_closed_and_nothing_is_cached(engine: LLMEngine,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     rid = "tcp-flipped"
     res = engine.reserve(rid, PROMPT, GREEDY)
     with listening(engine) as listener:
         relay = FlippingRelay(listener.port, at=40_000)   # past the handshake and the open frame: a payload byte
+        # An on-path attacker leaves the address dialed as it is: the handshake names the listener.
+        handshake = tcp_wire.client_handshake
+        monkeypatch.setattr(tcp_wire, "client_handshake", lambda sock, key, target="": handshake(
+            sock, key, listener.address()))
         try:
             with pytest.raises(KVTransferError) as err:
                 _push(TcpKVSender(cluster_token=CLUSTER), f"127.0.0.1:{relay.port}", rid, res.transfer_token,
@@ -262,9 +267,9 @@ def test_mutual_tls_carries_a_transfer_and_refuses_a_stranger_certificate(engine
 def test_connections_are_bounded(engine: LLMEngine) -> None:
     with listening(engine, limits=DataPlaneLimits(max_connections=1)) as listener:
         with _connect(listener) as held:
-            tcp_wire.client_handshake(held, tcp_wire.auth_key(CLUSTER))
+            tcp_wire.client_handshake(held, tcp_wire.auth_key(CLUSTER), listener.address())
             with _connect(listener) as second, pytest.raises(tcp_wire.Refused) as err:
-                tcp_wire.client_handshake(second, tcp_wire.auth_key(CLUSTER))
+                tcp_wire.client_handshake(second, tcp_wire.auth_key(CLUSTER), listener.address())
     assert err.value.code == "RESOURCE_EXHAUSTED"
 
 
