@@ -37,7 +37,8 @@ class EngineConfig:
                                           "pool evicts kept for reuse instead of recomputation (0: off)")
     kv_disk_cache_dir: str = setting("", "KV tier on disk under the prefix cache: a directory for prefix blocks "
                                          "evicted from the pool (or from the host tier), one file each; kept across "
-                                         "restarts and shared by workers of the same model on one host (empty: off)")
+                                         "restarts and shared by workers of the same model and user on one host; "
+                                         "created 0700, and an existing one must be ours and 0700 (empty: off)")
     kv_disk_cache_bytes: int = setting(1 << 30, "bytes of block files one worker keeps in kv_disk_cache_dir (least "
                                                 "recently used deleted first)")
     schedule_policy: str = setting("auto", "what one step holds: prefill_first, interleave (decode after each "

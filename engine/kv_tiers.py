@@ -10,19 +10,25 @@ hand-off uses them).
 - Host tier: a bounded LRU of ``TierBlock`` (the bytes of one block across layers, with the
   parent hash and token ids a lookup compares, as the pool does against hash collisions).
   Blocks it evicts go to the disk tier when there is one.
-- Disk tier: ``<kv_disk_cache_dir>/<fingerprint>/<chain hash>.kv``, one file per block
-  (engine/kv_tier_file.py), so engines of other models, dtypes or block sizes sharing a
-  directory never see each other's blocks, and engines of the same model on one host share
-  theirs. Files are written on one background thread fed by a bounded queue (full: the block
-  is dropped and counted), each to a temporary name renamed into place, so readers see whole
-  files or none; a block still queued is found in the queue. The index (key -> file size,
-  least recently used first) bounds the bytes kept: a write first deletes the least recently
-  used files. It is rebuilt from the directory at start (by modification time; a hit touches
-  its file), so a restarted engine serves its prefixes from disk. A key missing from the index
-  is still looked for on disk (another engine may have written it). A file refused
-  (engine/kv_tier_file.decode) is counted and deleted, unless it is a sound block of another
-  prefix; one vanishing between index and read is a miss. OS errors (a full or unwritable
-  disk) are counted and cost recomputation, never an exception.
+- Disk tier: ``<kv_disk_cache_dir>/<fingerprint>/<keyed hash of the chain hash>.kv``, one file
+  per block (engine/kv_tier_file.py), so engines of other models, dtypes or block sizes sharing a
+  directory never see each other's blocks, and engines of the same model and user on one host
+  share theirs. Both directories are 0700 and the engine's user's (made so; an existing one that
+  is a symlink, another user's or open to group or others is refused, not repaired: the disk tier
+  is then off, with one warning and a refusal counted, and blocks are recomputed); files are 0600,
+  and read only after fstat finds a regular file of ours of the exact size expected. The names
+  and each file's MAC are keyed by a secret kept 0600 in the directory (``tier.key``), or given.
+  Files are written on one background thread fed by a bounded queue (full: the block is dropped
+  and counted), each to a temporary name renamed into place, so readers see whole files or none;
+  a block still queued is found in the queue. The index (key -> file size, least recently used
+  first) bounds the bytes kept: a write first deletes the least recently used files. It is
+  rebuilt from the directory at start (from the files' headers, by modification time; a hit
+  touches its file), so a restarted engine serves its prefixes from disk. A key missing from the
+  index is still looked for on disk (another engine may have written it). A file refused (not a
+  private regular file of the expected size, or engine/kv_tier_file.decode's checks) is counted
+  and deleted, unless it is a sound block of another prefix; one vanishing between index and read
+  is a miss. OS errors (a full or unwritable disk) are counted and cost recomputation, never an
+  exception.
 
 Threads: lookups, offloads and the host tier run on the caller's thread under the engine's
 lock. Disk writes are asynchronous, and so are the disk reads of a prompt's prefix: the first
@@ -38,8 +44,10 @@ import logging
 import os
 import queue
 import re
+import secrets
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -48,7 +56,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from engine.block_manager import Evicted
-from engine.kv_tier_file import RefusedBlock, TierBlock, decode, encode, file_size, kv_fingerprint
+from engine.kv_tier_file import (HEADER, RefusedBlock, TierBlock, UnsafePath, block_file_name, check_secret,
+                                 create_private, decode, encode, file_size, header_key, kv_fingerprint,
+                                 open_private_dir, read_checked, tier_secret, unlink)
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -60,7 +70,7 @@ WRITE_QUEUE_BYTES = 64 << 20   # block bytes waiting for the disk writer, at mos
 STAGED_BYTES = 64 << 20        # block bytes read ahead from disk, waiting for their allocation
 WARNINGS_LOGGED = 5            # per disk tier; the rest at debug level (the counters keep counting)
 STALE_TEMP_S = 600             # a temporary block file this old was left by a killed writer (a write takes ms)
-_FILE_NAME = re.compile(r"^([0-9a-f]{16})\.kv$")
+_FILE_NAME = re.compile(r"^[0-9a-f]{32}\.kv$")
 STAT_KEYS = ("kv_host_hits", "kv_disk_hits", "kv_offloaded_blocks", "kv_host_blocks", "kv_host_bytes",
              "kv_disk_blocks", "kv_disk_bytes", "kv_disk_writes", "kv_tier_refused", "kv_tier_dropped_writes",
              "kv_tier_write_errors")
@@ -105,11 +115,15 @@ class DiskTier:
     """Block files under one fingerprint's directory, bounded in bytes (see the module doc)."""
 
     def __init__(self, root: str | Path, budget: int, fingerprint: bytes, shape: tuple[int, ...],
-                 dtype: torch.dtype, queue_blocks: int = 64) -> None:
-        self.dir = Path(root) / fingerprint.hex()
+                 dtype: torch.dtype, queue_blocks: int = 64, secret: bytes | None = None) -> None:
+        """secret: the key of file names and MACs (16 to 64 bytes); None: the directory's own."""
+        self.root = Path(root)
+        self.dir = self.root / fingerprint.hex()
         self.budget = budget
         self.fingerprint = fingerprint
         self.shape, self.dtype = tuple(shape), dtype
+        self.payload_bytes = torch.Size(self.shape).numel() * dtype.itemsize
+        self.block_file_bytes = file_size(self.shape[2], self.payload_bytes)   # shape: [layers, 2, block_size, ...]
         self._lock = threading.Lock()   # the index, pending and byte count: shared with the writer
         self._index: OrderedDict[int, int] = OrderedDict()   # key -> file size, least recently used first
         self._pending: dict[int, TierBlock] = {}              # queued for the writer
@@ -118,7 +132,34 @@ class DiskTier:
         self.bytes = 0
         self.hits = self.writes = self.refused = self.dropped = self.errors = 0
         self._warnings = 0
-        self._scan()
+        self._secret = check_secret(secret) if secret is not None else b""
+        self._fd = self._open_dirs(secret is None)   # the fingerprint's directory; None: the tier is off
+        if self._fd is not None:
+            weakref.finalize(self, os.close, self._fd)
+            self._scan()
+
+    @property
+    def enabled(self) -> bool:
+        return self._fd is not None
+
+    def _open_dirs(self, own_secret: bool) -> int | None:
+        """The fingerprint directory's descriptor (every file is reached through it), both
+        directories private and the secret read; None (counted, one warning) if they are not."""
+        try:
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+            root = open_private_dir(self.root)
+            try:
+                if own_secret:
+                    self._secret = tier_secret(root)
+                return open_private_dir(self.dir.name, root, str(self.dir))
+            finally:
+                os.close(root)
+        except UnsafePath as exc:
+            self._count("refused", "KV disk tier off: %s; it must be this user's, mode 0700, not a symlink "
+                        "(evicted blocks will be recomputed)", exc)
+        except OSError as exc:
+            self._count("errors", "KV disk tier off: %s: %s; evicted blocks will be recomputed", self.dir, exc)
+        return None
 
     def _count(self, counter: str, warning: str | None = None, *args: object) -> None:
         """Count an event (the writer and the engine's thread both count); log the first few
@@ -137,22 +178,34 @@ class DiskTier:
             log.debug(warning, *args)
 
     # ---- the index --------------------------------------------------------------------------
-    def _path(self, key: int) -> Path:
-        return self.dir / f"{key:016x}.kv"
+    def file_name(self, key: int) -> str:
+        """The name of the block keyed key in self.dir (a keyed hash: see engine/kv_tier_file.py)."""
+        return block_file_name(self._secret, key)
 
     def _scan(self) -> None:
-        """Rebuild the index from the directory (least recently modified first), within budget;
-        delete temporary files a killed writer left behind."""
+        """Rebuild the index from the directory (least recently modified first), within budget,
+        from the headers of the sound block files (the rest are refused and deleted); delete
+        temporary files a killed writer left behind."""
         found = []
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            for entry in os.scandir(self.dir):
-                match = _FILE_NAME.match(entry.name)
-                st = entry.stat()
-                if match:
-                    found.append((st.st_mtime_ns, int(match.group(1), 16), st.st_size))
-                elif entry.name.endswith(".tmp") and time.time() - st.st_mtime > STALE_TEMP_S:
-                    _unlink(Path(entry.path))
+            with os.scandir(self._fd) as entries:
+                listed = [(entry.name, entry.stat(follow_symlinks=False)) for entry in entries]
+            for name, st in listed:
+                if _FILE_NAME.match(name):
+                    try:
+                        key = header_key(read_checked(name, self._fd, self.block_file_bytes, HEADER.size),
+                                         self.fingerprint)
+                        if self.file_name(key) != name:
+                            raise RefusedBlock(f"holds block {key:016x}, which is not named so")
+                    except RefusedBlock as exc:
+                        self._count("refused", "KV disk tier: refused %s: %s", self.dir / name, exc)
+                        unlink(name, self._fd)
+                        continue
+                    except FileNotFoundError:   # deleted by a sharer meanwhile
+                        continue
+                    found.append((st.st_mtime_ns, key, self.block_file_bytes))
+                elif name.endswith(".tmp") and time.time() - st.st_mtime > STALE_TEMP_S:
+                    unlink(name, self._fd)
         except OSError as exc:
             self._count("errors", "KV disk tier %s: %s; evicted blocks will be recomputed", self.dir, exc)
         with self._lock:
@@ -169,7 +222,7 @@ class DiskTier:
         while self._index and self.bytes + size > self.budget:
             key, old = self._index.popitem(last=False)
             self.bytes -= old
-            _unlink(self._path(key))
+            unlink(self.file_name(key), self._fd)
         self.bytes += size
         return True
 
@@ -179,7 +232,7 @@ class DiskTier:
             if size is not None:
                 self.bytes -= size
         if delete:
-            _unlink(self._path(key))
+            unlink(self.file_name(key), self._fd)
 
     def holds(self, key: int) -> bool:
         """A file or the write queue holds key (a file held counts as used now)."""
@@ -200,6 +253,8 @@ class DiskTier:
     # ---- reads (the caller's thread) -------------------------------------------------------
     def get(self, key: int, parent: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
         """The block's bytes if a file (or the write queue) holds this block, verified; None otherwise."""
+        if self._fd is None:
+            return None
         with self._lock:
             block = self._pending.get(key)
             indexed = key in self._index
@@ -211,32 +266,29 @@ class DiskTier:
                 return block.data
             self._count("refused")   # a hash collision
             return None
-        path = self._path(key)
-        try:
-            with open(path, "rb") as f:
-                buf = bytearray(os.fstat(f.fileno()).st_size)
-                n = f.readinto(buf)
-            del buf[n:]
+        name = self.file_name(key)
+        path = self.dir / name
+        try:   # (a FIFO, symlink, device, another user's or a wrong-sized file: refused unread)
+            buf = read_checked(name, self._fd, file_size(len(token_ids), self.payload_bytes))
+            data = decode(buf, self.fingerprint, self._secret, key, parent, token_ids, self.shape, self.dtype)
         except FileNotFoundError:   # never written here, or deleted by a sharer since it was indexed
             if indexed:
                 self._forget(key, delete=False)
             return None
-        except OSError as exc:
-            self._count("errors", "KV disk tier: reading %s: %s", path, exc)
-            return None
-        try:
-            data = decode(buf, self.fingerprint, key, parent, token_ids, self.shape, self.dtype)
         except RefusedBlock as exc:
             self._count("refused", "KV disk tier: refused %s: %s", path, exc)
             if not exc.keep:
                 self._forget(key, delete=True)
+            return None
+        except OSError as exc:
+            self._count("errors", "KV disk tier: reading %s: %s", path, exc)
             return None
         if not indexed:   # another engine's file: ours to keep in budget from now on
             with self._lock:
                 if key not in self._index and self._make_room(len(buf)):
                     self._index[key] = len(buf)
         try:
-            os.utime(path)   # least recently used survives a restart
+            os.utime(name, dir_fd=self._fd, follow_symlinks=False)   # least recently used survives a restart
         except OSError:
             pass
         self._count("hits")
@@ -244,8 +296,11 @@ class DiskTier:
 
     # ---- writes (queued for the writer thread) ---------------------------------------------
     def put(self, block: TierBlock) -> None:
-        """Queue block for writing; never blocks (a full queue drops it, counted)."""
+        """Queue block for writing; never blocks (a full queue, or the tier off, drops it, counted)."""
         with self._lock:
+            if self._fd is None:
+                self.dropped += 1
+                return
             if block.key in self._pending:
                 return
             if block.key in self._index:
@@ -301,18 +356,16 @@ class DiskTier:
             if not self._make_room(size):
                 self.dropped += 1
                 return
-        path = self._path(block.key)
-        tmp = self.dir / f".{block.key:016x}.{os.getpid()}.{threading.get_ident()}.tmp"
+        name = self.file_name(block.key)
+        tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
-            with open(tmp, "wb") as f:
-                for piece in encode(block, self.fingerprint):
-                    f.write(piece)
-            os.replace(tmp, path)   # atomic: readers see the whole file or none
+            create_private(tmp, self._fd, encode(block, self.fingerprint, self._secret))
+            os.replace(tmp, name, src_dir_fd=self._fd, dst_dir_fd=self._fd)   # atomic: whole file or none
         except OSError as exc:
             with self._lock:
                 self.bytes -= size
-            _unlink(tmp)
-            self._count("errors", "KV disk tier: writing %s: %s (the block will be recomputed)", path, exc)
+            unlink(tmp, self._fd)
+            self._count("errors", "KV disk tier: writing %s: %s (the block will be recomputed)", self.dir / name, exc)
             return
         with self._lock:
             old = self._index.pop(block.key, None)
@@ -331,7 +384,8 @@ class KVTiers:
         """read(block_ids) -> [n, *block shape] on CPU, write(block_ids, data): the pool's bytes."""
         self._read, self._write = read, write
         self.host = HostTier(host_bytes) if host_bytes > 0 else None
-        self.disk = disk
+        self.disk = disk if disk is not None and disk.enabled else None   # (off: as if none)
+        self._disk_counts = disk
         self.host_hits = self.offloaded = self.refused = 0
         self.loaded_blocks = 0
         self.load_s = 0.0   # time spent finding and writing back the blocks loaded
@@ -506,7 +560,7 @@ class KVTiers:
 
     def stats(self) -> dict[str, int]:
         host = self.host if self.host is not None else HostTier(0)   # (tiers have a len: never test their truth)
-        disk = self.disk
+        disk = self._disk_counts   # (a disk tier turned off still reports its refusal or error)
         return {
             "kv_host_hits": self.host_hits,
             "kv_disk_hits": disk.hits if disk is not None else 0,
@@ -539,10 +593,3 @@ def tiers_for(config: "EngineConfig", runner: "ModelRunner") -> KVTiers | None:
         disk = DiskTier(config.kv_disk_cache_dir, config.kv_disk_cache_bytes, fingerprint, shape, runner.dtype,
                         queue_blocks=WRITE_QUEUE_BYTES // max(1, runner.kv_bytes_per_block))
     return KVTiers(runner.read_blocks, runner.write_blocks, config.kv_host_cache_bytes, disk)
-
-
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except OSError:
-        pass

@@ -21,7 +21,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.block_manager import prompt_block_hashes
 from engine.config import EngineConfig
-from engine.kv_tier_file import HEADER, TierBlock, encode, file_size
+from engine.kv_tier_file import HEADER, KEY_FILE, TierBlock, block_file_name, encode, file_size
 from engine.kv_tiers import DiskTier, STAT_KEYS
 from tests.conftest import assert_no_leak, hf_greedy, random_prompts
 
@@ -58,11 +58,17 @@ def block_files(root: Path) -> list[Path]:
 
 
 def dir_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    """Bytes of the files under root but the tier's key."""
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and p.name != KEY_FILE)
+
+
+def file_name(root: Path, key: int) -> str:
+    """The name the tier under root gives block key (keyed by the secret it keeps there)."""
+    return block_file_name((root / KEY_FILE).read_bytes(), key)
 
 
 def block_file(root: Path, prompt: list[int], index: int) -> Path:
-    (path,) = root.glob(f"*/{prompt_block_hashes(prompt, BS)[index]:016x}.kv")
+    (path,) = root.glob(f"*/{file_name(root, prompt_block_hashes(prompt, BS)[index])}")
     return path
 
 
@@ -246,12 +252,15 @@ def _truncate(path: Path) -> None:
 
 
 def _foreign_header(path: Path) -> None:
-    """Another fingerprint with a valid checksum: only the fingerprint check can catch it."""
-    import hashlib
+    """Another fingerprint with a valid MAC (made with the tier's own key): only the fingerprint
+    check can catch it."""
+    from engine.kv_tier_file import DIGEST_BYTES, block_mac
 
     data = bytearray(path.read_bytes())
     data[8:24] = bytes(16)
-    data[-16:] = hashlib.blake2b(bytes(data[:-16]), digest_size=16).digest()
+    mac = block_mac((path.parents[1] / KEY_FILE).read_bytes())
+    mac.update(bytes(data[:-DIGEST_BYTES]))
+    data[-DIGEST_BYTES:] = mac.digest()
     path.write_bytes(data)
 
 
@@ -274,11 +283,11 @@ def test_a_damaged_or_foreign_block_file_is_refused_and_recomputed(tiny_qwen3: s
 def test_an_engine_of_another_dtype_sharing_the_dir_never_uses_these_blocks(tiny_qwen3: str, reference,
                                                                           tmp_path: Path) -> None:
     fill_disk(tiny_qwen3, tmp_path)
-    (f32,) = tmp_path.iterdir()
+    (f32,) = [d for d in tmp_path.iterdir() if d.is_dir()]
     fill_disk(tiny_qwen3, tmp_path, dtype="bfloat16")
-    (bf16,) = set(tmp_path.iterdir()) - {f32}   # one directory per fingerprint: neither sees the other's
+    (bf16,) = {d for d in tmp_path.iterdir() if d.is_dir()} - {f32}   # one directory per fingerprint
     # A bfloat16 file where a float32 one should be: a sound file of another fingerprint.
-    name = f"{prompt_block_hashes(PREFIX_A, BS)[0]:016x}.kv"
+    name = file_name(tmp_path, prompt_block_hashes(PREFIX_A, BS)[0])
     shutil.copy(bf16 / name, f32 / name)
     llm = make_llm(tiny_qwen3, kv_disk_cache_dir=str(tmp_path))
     prompt = PREFIX_A + TAILS[3]
@@ -324,7 +333,7 @@ def test_an_unusable_or_failing_directory_degrades_to_recomputation(tiny_qwen3: 
     llm = make_llm(tiny_qwen3, kv_disk_cache_dir=str(root))
     check_exact(reference, TURNS[:2], run_turns(llm, TURNS[:2]))
     llm.engine.kv_tiers.flush()
-    (sub,) = root.iterdir()
+    (sub,) = [d for d in root.iterdir() if d.is_dir()]
     shutil.rmtree(sub)
     sub.write_text("not a directory")
     check_exact(reference, TURNS[2:], run_turns(llm, TURNS[2:]))
@@ -334,7 +343,7 @@ def test_an_unusable_or_failing_directory_degrades_to_recomputation(tiny_qwen3: 
     if os.geteuid() != 0:   # root writes through permission bits
         ro = tmp_path / "ro"
         llm = make_llm(tiny_qwen3, kv_disk_cache_dir=str(ro))
-        (sub,) = ro.iterdir()
+        (sub,) = [d for d in ro.iterdir() if d.is_dir()]
         sub.chmod(0o500)
         try:
             check_exact(reference, TURNS, run_turns(llm, TURNS))
@@ -365,9 +374,9 @@ def test_disk_tier_files_round_trip_and_are_shared_through_the_directory(tmp_pat
     assert (a.hits, b.hits, a.writes) == (1, 1, 1)
     # A collision (same key, other tokens or parent) is refused but kept: it is a sound block.
     assert b.get(5, 7, (1, 2, 3, 9)) is None and b.get(5, 8, (1, 2, 3, 4)) is None
-    assert b.refused == 2 and (tmp_path / (b"f" * 16).hex() / f"{5:016x}.kv").exists()
+    assert b.refused == 2 and (tmp_path / (b"f" * 16).hex() / a.file_name(5)).exists()
     # A file vanishing between index and read is a plain miss.
-    (tmp_path / (b"f" * 16).hex() / f"{5:016x}.kv").unlink()
+    (tmp_path / (b"f" * 16).hex() / a.file_name(5)).unlink()
     assert a.get(5, 7, (1, 2, 3, 4)) is None and a.refused == 0 and len(a) == 0
 
 
@@ -408,8 +417,196 @@ def test_a_full_write_queue_drops_and_counts(tmp_path: Path) -> None:
 
 
 def test_encode_writes_what_decode_checks() -> None:
-    pieces = encode(block(9), b"f" * 16)
+    pieces = encode(block(9), b"f" * 16, b"k" * 32)
     assert sum(len(p) for p in pieces) == file_size(4, 32 * 4)
+
+
+# ---- the disk tier under a hostile neighbour ---------------------------------------------------
+TOKENS = (1, 2, 3, 4)
+SPARSE_BYTES = 128 << 20
+
+
+def sound_file(root: Path, key: int = 5) -> tuple[DiskTier, Path]:
+    """A tier under root holding block key in a file (written and flushed), and that file's path."""
+    t = tier(root)
+    t.put(block(key))
+    t.flush()
+    return t, t.dir / t.file_name(key)
+
+
+def modes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root.parent)): p.stat().st_mode & 0o777 for p in [root, *root.rglob("*")]}
+
+
+def test_directories_and_files_are_private_and_named_by_a_keyed_hash(tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    t, path = sound_file(root)
+    key_file = root / KEY_FILE
+    assert modes(root) == {"kv": 0o700, f"kv/{KEY_FILE}": 0o600, f"kv/{t.dir.name}": 0o700,
+                           f"kv/{t.dir.name}/{path.name}": 0o600}
+    assert path.name == block_file_name(key_file.read_bytes(), 5) != f"{5:016x}.kv" and len(key_file.read_bytes()) == 32
+    # A restart (or a sharer of the same user) reads the same key, so the same names and MACs.
+    again = tier(root)
+    assert torch.equal(again.get(5, 7, TOKENS), block(5).data) and again.refused == 0
+    # Another directory, another key: neither the names nor the MACs carry over.
+    other = tier(tmp_path / "other")
+    assert other.file_name(5) != t.file_name(5)
+    shutil.copy(path, other.dir / other.file_name(5))
+    assert other.get(5, 7, TOKENS) is None and other.refused == 1
+
+
+def _unblock(fifo: Path) -> None:
+    """Let a reader stuck opening fifo go on (the old code's hang), so the test ends."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+def test_a_fifo_at_a_block_name_is_refused_without_blocking(tmp_path: Path) -> None:
+    import threading
+
+    t, path = sound_file(tmp_path)
+    path.unlink()
+    os.mkfifo(path, 0o600)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(t.get(5, 7, TOKENS)), daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    stuck = reader.is_alive()
+    _unblock(path)
+    reader.join(timeout=10)
+    assert not stuck, "the lookup blocked opening a FIFO"
+    assert got == [None] and t.refused == 1 and not path.exists()
+    # One planted before a start: the scan refuses it, never opens it for long.
+    os.mkfifo(path, 0o600)
+    fresh = tier(tmp_path)
+    assert fresh.refused == 1 and len(fresh) == 0 and not path.exists()
+
+
+def _sparse(path: Path, size: int = SPARSE_BYTES) -> Path:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.ftruncate(fd, size)
+    os.close(fd)
+    return path
+
+
+def _peak_bytes_of(call) -> int:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("plant", ["symlink_to_sound_block", "symlink_to_huge_file", "huge_file"])
+def test_a_symlink_or_wrong_sized_file_is_refused_before_any_read(tmp_path: Path, plant: str) -> None:
+    t, path = sound_file(tmp_path / "kv")
+    elsewhere = tmp_path / "elsewhere"
+    if plant == "symlink_to_sound_block":   # even a sound block is not followed out of the directory
+        shutil.move(path, elsewhere)
+        path.symlink_to(elsewhere)
+    elif plant == "symlink_to_huge_file":
+        path.unlink()
+        path.symlink_to(_sparse(elsewhere))
+    else:
+        path.unlink()
+        _sparse(path)
+    got: list = []
+    peak = _peak_bytes_of(lambda: got.append(t.get(5, 7, TOKENS)))
+    assert got == [None] and t.refused == 1 and t.hits == 0
+    assert peak < 1 << 20, f"{peak} bytes allocated: the file was read"
+    assert not path.is_symlink() and not path.exists()   # the name removed, never a symlink's target
+    assert elsewhere.exists() == plant.startswith("symlink")
+
+
+@pytest.mark.parametrize("change", ["owner", "group_readable"])
+def test_a_block_file_not_ours_or_not_private_is_refused(tmp_path: Path, change: str) -> None:
+    t, path = sound_file(tmp_path)
+    if change == "owner":
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user takes root")
+        os.chown(path, 12345, 12345)
+    else:
+        path.chmod(0o640)
+    assert t.get(5, 7, TOKENS) is None and t.refused == 1 and not path.exists()
+
+
+def test_a_forged_block_with_chosen_kv_and_an_unkeyed_digest_is_refused(tmp_path: Path) -> None:
+    import hashlib
+
+    import numpy as np
+
+    from engine.kv_tier_file import DIGEST_BYTES, FORMAT_VERSION, MAGIC
+
+    t, path = sound_file(tmp_path)
+    chosen = torch.full(SHAPE, 42.0)
+    payload = chosen.numpy().tobytes()
+    body = HEADER.pack(MAGIC, FORMAT_VERSION, 0, b"f" * 16, 5, 7, len(TOKENS), len(payload)) + \
+        np.asarray(TOKENS, dtype="<i8").tobytes() + payload
+    path.write_bytes(body + hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest())   # (keeps 0600)
+    assert t.get(5, 7, TOKENS) is None and t.refused == 1 and not path.exists()
+
+
+@pytest.mark.parametrize("flaw", ["root_0755", "sub_0750", "root_symlink", "root_not_ours", "key_0644",
+                                  "key_short", "key_symlink"])
+def test_a_directory_or_key_not_private_turns_the_disk_tier_off(tmp_path: Path, flaw: str) -> None:
+    root = tmp_path / "kv"
+    t, path = sound_file(root)
+    path.unlink()
+    sub, key_file = t.dir, root / KEY_FILE
+    if flaw == "root_0755":
+        root.chmod(0o755)
+    elif flaw == "sub_0750":
+        sub.chmod(0o750)
+    elif flaw == "root_symlink":
+        root.rename(tmp_path / "real")
+        root.symlink_to(tmp_path / "real")
+    elif flaw == "root_not_ours":
+        if os.geteuid() != 0:
+            pytest.skip("giving a directory to another user takes root")
+        os.chown(root, 12345, 12345)
+    elif flaw == "key_0644":
+        key_file.chmod(0o644)
+    elif flaw == "key_short":
+        key_file.write_bytes(b"short")
+    else:
+        (tmp_path / "key").write_bytes(key_file.read_bytes())
+        key_file.unlink()
+        key_file.symlink_to(tmp_path / "key")
+    before = modes(tmp_path)
+    off = tier(root)
+    assert not off.enabled and off.refused == 1 and off.errors == 0
+    off.put(block(6))
+    off.flush()
+    assert off.get(5, 7, TOKENS) is None and off.dropped == 1 and len(off) == 0
+    assert modes(tmp_path) == before   # nothing written, nothing repaired
+
+
+def test_an_engine_on_a_shared_directory_keeps_serving_without_its_disk_tier(tiny_qwen3: str, reference,
+                                                                            tmp_path: Path) -> None:
+    tmp_path.chmod(0o755)   # e.g. a directory others can list: refused, not repaired
+    llm = make_llm(tiny_qwen3, kv_disk_cache_dir=str(tmp_path))
+    check_exact(reference, TURNS, run_turns(llm, TURNS))
+    llm.close()
+    stats = llm.stats()
+    assert stats["kv_tier_refused"] == 1 and stats["kv_disk_writes"] == stats["kv_disk_hits"] == 0, stats
+    assert list(tmp_path.iterdir()) == [] and llm.engine.kv_tiers.disk is None
+
+
+def test_a_given_secret_is_checked_and_used(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="secret must be 16 to 64 bytes, got 3"):
+        DiskTier(tmp_path, 1 << 20, b"f" * 16, SHAPE, torch.float32, secret=b"abc")
+    a = DiskTier(tmp_path / "a", 1 << 20, b"f" * 16, SHAPE, torch.float32, secret=b"s" * 32)
+    a.put(block(5))
+    a.flush()
+    b = DiskTier(tmp_path / "b", 1 << 20, b"f" * 16, SHAPE, torch.float32, secret=b"s" * 32)
+    shutil.copy(a.dir / a.file_name(5), b.dir / b.file_name(5))
+    assert torch.equal(b.get(5, 7, TOKENS), block(5).data)
+    assert not (tmp_path / "a" / KEY_FILE).exists()
 
 
 @pytest.mark.parametrize("field, value", [("kv_host_cache_bytes", -1), ("kv_disk_cache_bytes", -5),
