@@ -5,12 +5,15 @@ status) is a direct call from the event loop under the engine's lock, which a st
 only while it schedules and applies results: no call waits for a forward pass, and new
 work joins the next step. Step outputs are routed to one asyncio queue per request; the
 ``request`` context manager pairs opening a request with aborting it if the caller leaves
-early, so no request outlives its RPC.
+early, so no request outlives its RPC. Each turn of the loop (a step, or an idle wait) renews
+``heartbeat``, which the worker's StallWatchdog (lifecycle.py) reads.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -21,6 +24,7 @@ import torch
 from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from engine.kv_handoff import HandoffState, LeasePolicy
 from engine.parallel import RankFailure
+from engine.settings import ENV
 from services.change_signal import ChangeSignal
 
 log = logging.getLogger(__name__)
@@ -29,6 +33,7 @@ IDLE_WAKE_S = 0.05   # an idle engine thread still wakes this often to expire le
 EXPORT_RUN_BYTES = 32 << 20  # a finished prefill's KV beyond this is copied out after its first token, this much
                              # at a time (a 131 MiB copy held the first token 0.2-0.8 s); up to it, at once, before
                              # the token (~10 ms; deferring 9 MiB cost its hand-off 10-30 ms on 2 cores)
+TEST_HANG_MAX_S = 600.0   # the test hook's hang ends after this at most
 
 
 @dataclass(slots=True)
@@ -94,11 +99,21 @@ class AsyncEngine:
         self._status = ChangeSignal()
         self.engine.kv.on_change = self._on_kv_change
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # Monotonic time of the engine loop's last progress: a step completed, or an idle wait
+        # (IDLE_WAKE_S) ended with no work. A StallWatchdog (lifecycle.py) reads it.
+        self.heartbeat = time.monotonic()
+        self._hang_file = hang_file_for_tests()
 
     # ---- lifecycle --------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.heartbeat = time.monotonic()
         self._thread.start()
+
+    @property
+    def thread_ident(self) -> int | None:
+        """The engine thread's id (to find its stack in sys._current_frames())."""
+        return self._thread.ident
 
     def stop(self) -> None:
         self._stopping = True
@@ -218,6 +233,7 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         while not self._stopping:
+            self.heartbeat = time.monotonic()
             if not engine.has_unfinished_requests():
                 self._wake.wait(IDLE_WAKE_S)
                 self._wake.clear()
@@ -230,6 +246,8 @@ class AsyncEngine:
                     except RankFailure as exc:
                         self._fatal(exc)
                 continue
+            if self._hang_file is not None:
+                self._hang_while_asked()
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 outputs = engine.step()
@@ -244,6 +262,17 @@ class AsyncEngine:
             if self.on_step is not None:   # before delivery: a caller that got its tokens finds them counted
                 self.on_step(engine, outputs, StepTime(time.perf_counter() - t0, time.thread_time() - c0))
             self._call_soon(self._deliver, results)
+
+    def _hang_while_asked(self) -> None:
+        """Tests only ($PDSERVE_TEST_ENGINE_HANG_DIR): while this process's hang file exists, block
+        here holding the engine lock, as a step stuck in a blocking read would (TEST_HANG_MAX_S at most)."""
+        deadline = time.monotonic() + TEST_HANG_MAX_S
+        if not _owned_regular_file(self._hang_file):
+            return
+        log.warning("test hook: engine thread hanging while %s exists", self._hang_file)
+        with self.engine.lock:
+            while not self._stopping and time.monotonic() < deadline and _owned_regular_file(self._hang_file):
+                time.sleep(0.05)
 
     def _fatal(self, exc: RankFailure) -> None:
         """The engine can never step again: fail every request; the first time, tell on_fatal."""
@@ -309,3 +338,19 @@ class AsyncEngine:
     def _fail_streams(self) -> None:
         for rid, stream in list(self._streams.items()):
             stream.queue.put_nowait(StepResult(RequestOutput(rid, [], True, "abort")))
+
+
+def hang_file_for_tests() -> str | None:
+    """The file whose existence hangs this process's engine thread ($PDSERVE_TEST_ENGINE_HANG_DIR/
+    engine-hang-PID), or None: the hook is off (always, unless a test set the variable)."""
+    directory = ENV.TEST_ENGINE_HANG_DIR.get()
+    return None if directory is None else os.path.join(directory, f"engine-hang-{os.getpid()}")
+
+
+def _owned_regular_file(path: str) -> bool:
+    """path is a regular file (not a link) owned by this process's user."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()

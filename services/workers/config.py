@@ -8,11 +8,13 @@ from engine.kv_handoff import LeasePolicy
 from engine.settings import setting
 from services.kv_transfer import shared_memory
 from services.security import is_host_port
-from services.deployment.topology import drain_timeout_setting, otlp_endpoint_setting
+from services.deployment.topology import drain_timeout_setting, otlp_endpoint_setting, otlp_insecure_setting
 
 
 KV_COMPRESSION_MODES = ("auto", "off", "lossless", "int8")   # services/kv_transfer/wire_codec.MODES
 KV_DATA_PLANES = ("tcp", "grpc")
+ENGINE_STALL_EXIT_CODE = 75   # a worker whose engine loop stalled exits with this (EX_TEMPFAIL): restart it
+ENGINE_STALL_RANGE_S = (1.0, 3600.0)   # engine_stall_timeout_s: above the slowest step, below "hung"
 
 
 @dataclass(slots=True)
@@ -51,7 +53,15 @@ class WorkerConfig:
     kv_data_max_connections: int = setting(64, "decode: KV data-plane connections served at once; more are refused. "
                                                "A transfer holds one while its blocks flow (a queued request's "
                                                "lease is kept by beats over one shared connection per sender)")
+    engine_stall_timeout_s: float = setting(90.0, "a worker whose engine loop completes no step this long while it "
+                                                  "has work (an idle one never counts) exits with code "
+                                                  f"{ENGINE_STALL_EXIT_CODE}, so that its supervisor (`pdserve up`, "
+                                                  "Ray) restarts it and the router migrates its requests; must exceed "
+                                                  "the slowest step (a full prompt chunk on a loaded machine) and "
+                                                  "--tp-collective-timeout-s (range "
+                                                  f"{ENGINE_STALL_RANGE_S[0]:g} to {ENGINE_STALL_RANGE_S[1]:g})")
     otlp_endpoint: str | None = otlp_endpoint_setting()
+    otlp_insecure: bool = otlp_insecure_setting()
     router: str = setting("", "join the router at HOST:PORT (its membership API, with the cluster token) and stay "
                               "a member while running: it routes to this worker once healthy, and drains it "
                               "before removing it (`pdserve workers`); a restarted router gets it back",
@@ -71,6 +81,11 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be HOST:PORT (port 1-65535), got {value!r}")
         if not 0 <= self.kv_data_port < 65536:
             raise ValueError(f"kv_data_port must be 0-65535, got {self.kv_data_port}")
+        low, high = ENGINE_STALL_RANGE_S
+        if isinstance(self.engine_stall_timeout_s, bool) or not isinstance(self.engine_stall_timeout_s, (int, float)) \
+                or not low <= self.engine_stall_timeout_s <= high:   # NaN too
+            raise ValueError(f"engine_stall_timeout_s must be a number of seconds in [{low:g}, {high:g}], "
+                             f"got {self.engine_stall_timeout_s!r:.40}")
         if self.kv_data_max_connections < 1:
             raise ValueError(f"kv_data_max_connections must be >= 1, got {self.kv_data_max_connections}")
         if self.kv_shared_memory_max_bytes < 0:

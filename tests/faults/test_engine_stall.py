@@ -1,0 +1,170 @@
+"""A decode worker alive but not stepping (its engine thread hung, holding the engine lock: gRPC
+server and process alive), under `pdserve up`'s supervisor and under Ray: its watchdog ends it
+within --engine-stall-timeout-s, the supervisor (Ray: max_restarts) starts a new process, the router
+migrates its requests. No request is lost, every one has exactly a fault-free run's greedy tokens,
+and free KV blocks return to the baseline on every worker."""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.settings import ENV
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from services.deployment.launcher import RESTART_BACKOFF_S, SUPERVISE_POLL_S
+from services.security import Credentials
+from services.workers.config import ENGINE_STALL_EXIT_CODE
+from tests.e2e.test_ray_serving import CLUSTER_TOKEN, _deploy, _teardown, _scoped_env, ray_cluster  # noqa: F401
+from tests.conftest import random_prompts
+from tests.faults.harness import FAULT_WORKER, FaultCluster, observe, record, wait_for
+
+pytestmark = pytest.mark.faults
+
+ENGINE_STALL_S = 4.0
+MAX_TOKENS = 160
+RUNNING, ARRIVING = 6, 4     # streams under way when the engine hangs, and requests sent during the hang
+PROMPTS = random_prompts(RUNNING + ARRIVING, 8, 40, seed=4101)
+# The watchdog sees a stall within its timeout plus a check (1 s); the supervisor restarts after its
+# first backoff and a poll. The slack absorbs a loaded machine (a check, a poll, a fork run late).
+REPLACED_WITHIN_S = ENGINE_STALL_S + 1.0 + RESTART_BACKOFF_S[0] + SUPERVISE_POLL_S + 15.0
+# Ray restarts at once, and a new pid is seen when the restarted actor answers: after its start-up.
+RAY_REPLACED_WITHIN_S = ENGINE_STALL_S + 1.0 + 40.0
+STALL_WORKER = ["--engine-stall-timeout-s", str(ENGINE_STALL_S)]
+STALL_ROUTER = ["--stall-timeout-s", "3", "--migration-limit", "3"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen3: str) -> list[list[int]]:
+    llm = LLM(tiny_qwen3, dtype="float32", block_size=8, num_kv_blocks=1024)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [out.token_ids for out in llm.generate(PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def hang_dir():
+    """The test hook's directory (0700): a file engine-hang-PID there hangs worker PID's engine thread."""
+    path = tempfile.mkdtemp(prefix="pdserve-hang-")
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def fc(tiny_qwen3: str, hang_dir: Path):
+    """1 prefill + 2 decode workers under the supervisor, with the hook's directory in their
+    environment (each child's is copied when the cluster makes it, restarts included)."""
+    with _scoped_env(**ENV.TEST_ENGINE_HANG_DIR.env(hang_dir)):
+        cluster = FaultCluster(tiny_qwen3, prefill=1, decode=2, worker_args=[*FAULT_WORKER, *STALL_WORKER])
+    yield cluster
+    cluster.close()
+
+
+def test_a_decode_worker_whose_engine_hangs_is_replaced_and_loses_no_request(fc, reference, hang_dir) -> None:
+    wait_for(fc.all_healthy, 120, "every worker healthy")
+    wait_for(fc.at_baseline, 30, "free blocks at baseline")
+    running = [observe(fc.router, p, MAX_TOKENS, timeout=180) for p in PROMPTS[:RUNNING]]
+    wait_for(lambda: sum(1 for o in running if len(o.tokens) >= 3) >= RUNNING // 2, 90, "streams under way")
+    decoding: list[str] = []
+    wait_for(lambda: bool(decoding.append(fc.holding("decode", "num_running")) or decoding[-1]), 30,
+             "a decode worker decoding")
+    victim = decoding[-1]
+    old = fc.process(victim).popen
+    (hang_dir / f"engine-hang-{old.pid}").write_text("")   # its engine thread hangs before its next step
+    t_hang = time.monotonic()
+    arriving = [observe(fc.router, p, MAX_TOKENS, timeout=180) for p in PROMPTS[RUNNING:]]
+    wait_for(lambda: fc.process(victim).popen.pid != old.pid, REPLACED_WITHIN_S,
+             f"{victim} replaced within {REPLACED_WITHIN_S:g}s of its engine hanging\n{fc.logs()}", interval=0.05)
+    replaced_after = time.monotonic() - t_hang
+    assert old.returncode == ENGINE_STALL_EXIT_CODE, old.returncode   # its watchdog ended it, nothing else
+    for obs in running + arriving:
+        assert obs.done.wait(180), "a request hung through the stall"
+    failed = [(o.code, o.details) for o in running + arriving if o.code is not None]
+    assert not failed, f"{len(failed)} of {len(running + arriving)} requests failed: {failed[:3]}\n{fc.logs()}"
+    assert [o.tokens for o in running + arriving] == reference   # exactly a fault-free run's tokens
+    assert all(o.finish_reason == "length" for o in running + arriving)
+    # The hook hangs an engine only when it has a sequence to step: that request moved elsewhere.
+    assert any(o.migrations for o in running + arriving), "no stream was on the hung worker"
+    assert "engine loop made no progress" in Path(fc.process(victim).log_path).read_text(errors="replace")
+    assert replaced_after >= ENGINE_STALL_S   # not before its timeout
+    record("engine thread hung", replaced_after_s=round(replaced_after, 2),
+           migrated=sum(1 for o in running + arriving if o.migrations),
+           longest_silence_s=round(max(o.recovery_after(t_hang) for o in running), 2))
+    wait_for(fc.all_healthy, 60, "the new worker serving")
+    wait_for(fc.at_baseline, 30, "free blocks back at baseline on every worker")
+
+
+# ---- the same under Ray: the actor's process exits, Ray restarts it, the router follows it ----------
+@pytest.fixture(scope="module")
+def ray_hang(hang_dir: Path, request):
+    """A local Ray cluster (tests/e2e/test_ray_serving.py's) whose raylet, and so every actor, has
+    the test hook's directory in its environment."""
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed")
+    with _scoped_env(**ENV.TEST_ENGINE_HANG_DIR.env(hang_dir)):
+        yield request.getfixturevalue("ray_cluster")
+
+
+def _actor_info(name: str, timeout: float = 5.0) -> dict | None:
+    """The actor's info(), or None while it does not answer (hung, dead, restarting)."""
+    import ray
+    from tests.e2e.test_ray_serving import NAMESPACE
+
+    try:
+        return ray.get(ray.get_actor(name, namespace=NAMESPACE).info.remote(), timeout=timeout)
+    except Exception:  # noqa: BLE001 - any of Ray's unavailable / timeout / died errors: not now
+        return None
+
+
+def _status(address: str) -> worker_pb2.WorkerStatus | None:
+    if not address:
+        return None
+    try:
+        with Credentials(CLUSTER_TOKEN).sync_channel(address) as ch:
+            return worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.StatusRequest(), timeout=5)
+    except grpc.RpcError:
+        return None
+
+
+def test_a_ray_decode_actor_whose_engine_hangs_is_restarted_and_loses_no_request(ray_hang, tiny_qwen3, reference,
+                                                                                  hang_dir: Path) -> None:
+    name = "stall"
+    info = _deploy(tiny_qwen3, name, prefill_workers=1, decode_workers=2, kv_transport="grpc",
+                   worker_args=STALL_WORKER, router_args=STALL_ROUTER)
+    decodes = [f"{name}-decode-{i}" for i in range(2)]
+    workers = [f"{name}-prefill-0", *decodes]
+    try:
+        before = {n: _actor_info(n, 60) for n in decodes}
+        running = [observe(info.router_address, p, MAX_TOKENS, timeout=180) for p in PROMPTS[:RUNNING]]
+        decoding: list[str] = []
+        wait_for(lambda: bool(decoding.extend(n for n in decodes if (_status(before[n]["address"]) or
+                                                                       worker_pb2.WorkerStatus()).num_running)
+                              or decoding), 90, "a decode actor decoding", interval=0.05)
+        victim, old_pid = decoding[0], before[decoding[0]]["pid"]
+        (hang_dir / f"engine-hang-{old_pid}").write_text("")
+        t_hang = time.monotonic()
+        arriving = [observe(info.router_address, p, MAX_TOKENS, timeout=180) for p in PROMPTS[RUNNING:]]
+        wait_for(lambda: (_actor_info(victim) or {"pid": old_pid})["pid"] != old_pid, RAY_REPLACED_WITHIN_S,
+                 f"{victim} restarted within {RAY_REPLACED_WITHIN_S:g}s of its engine hanging", interval=0.2)
+        replaced_after = time.monotonic() - t_hang
+        for obs in running + arriving:
+            assert obs.done.wait(180), "a request hung through the stall"
+        failed = [(o.code, o.details) for o in running + arriving if o.code is not None]
+        assert not failed, f"{len(failed)} of {len(running + arriving)} requests failed: {failed[:3]}"
+        assert [o.tokens for o in running + arriving] == reference
+        assert any(o.migrations for o in running + arriving), "no stream was on the hung worker"
+        assert replaced_after >= ENGINE_STALL_S
+        record("engine thread hung (Ray)", replaced_after_s=round(replaced_after, 2),
+               migrated=sum(1 for o in running + arriving if o.migrations))
+
+        def at_baseline() -> bool:
+            statuses = [_status((_actor_info(n) or {}).get("address", "")) for n in workers]
+            return all(s is not None and s.num_free_blocks == s.num_total_blocks and s.num_reserved == 0
+                       for s in statuses)
+        wait_for(at_baseline, 60, "free blocks back at baseline on every worker", interval=0.5)
+    finally:
+        _teardown(name)
