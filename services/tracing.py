@@ -18,30 +18,88 @@ One disaggregated request is one trace:
 Spans are batched and exported in the background (the SDK's BatchSpanProcessor); a process flushes
 them when it stops (``shutdown``). The SDK and the OTLP exporter are the optional extra
 ``pdserve[tracing]``.
+
+Spans carry request ids and timings across the network, so the exporter's channel follows the
+internal plane's rule (``exporter_security``): a loopback collector gets plaintext; any other
+gets TLS, with the deployment's CA and certificate when mutual TLS is configured (else an
+``https://`` endpoint, with the system's roots); a plaintext collector off loopback is refused at
+start unless ``--otlp-insecure``. The client's ``user`` is never exported: a span gets
+``user_hash`` instead, an HMAC of it under a key derived from the cluster token (stable across
+the deployment's processes and restarts; without a token, a key of this process).
 """
 from __future__ import annotations
 
+import hmac
 import inspect
 import logging
+import secrets
 from typing import Any, Callable
 
 import grpc
 
-from services.security import HANDLER_BEHAVIOR, MAKE_HANDLER
+from services.security import HANDLER_BEHAVIOR, MAKE_HANDLER, Credentials, host_of, is_loopback
 
 log = logging.getLogger(__name__)
 
 TRACEPARENT = "traceparent"
+OTLP_INSECURE_FLAG = "--otlp-insecure"
+HIDDEN = {"user": "user_hash"}   # attributes never exported as given: name -> the name of their keyed hash
 _tracer: Any = None          # the process's tracer once configure() set one; None: tracing off
 _provider: Any = None
+_hash_key: bytes = secrets.token_bytes(32)   # replaced by the cluster token's derived key in configure()
 
 
-def configure(service: str, endpoint: str | None, instance: str = "") -> bool:
-    """Trace this process's work to the OTLP collector at endpoint (HOST:PORT, plaintext gRPC);
-    nothing without an endpoint. True when tracing is on."""
-    global _tracer, _provider
+def exporter_security(endpoint: str, credentials: Credentials | None = None, insecure: bool = False
+                      ) -> tuple[bool, grpc.ChannelCredentials | None]:
+    """(plaintext?, TLS credentials) of the exporter's channel to endpoint (see the module
+    docstring); ValueError naming the flags for a plaintext collector off loopback."""
+    scheme, _, rest = endpoint.rpartition("://")
+    host = host_of(rest.split("/", 1)[0])
+    tls = credentials.tls if credentials is not None else None
+    if insecure or (is_loopback(host) and scheme != "https"):
+        if not is_loopback(host):
+            log.warning("%s: spans go to the OTLP collector at %s in clear (request ids, timings)",
+                        OTLP_INSECURE_FLAG, endpoint)
+        return True, None
+    if tls is not None:
+        cert, key, ca = tls.read()
+        return False, grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    if scheme == "https":
+        return False, grpc.ssl_channel_credentials()
+    raise ValueError(f"--otlp-endpoint {endpoint[:80]} is not loopback and this process has no TLS: its spans "
+                     f"would travel in clear. Pass --tls-cert, --tls-key and --tls-ca (the collector's certificate "
+                     f"signed by the deployment CA), an https:// endpoint, or {OTLP_INSECURE_FLAG} on a network "
+                     f"you trust")
+
+
+def hash_key(credentials: Credentials | None) -> bytes:
+    """The key of hidden attributes' hashes: derived from the cluster token, else this process's own."""
+    if credentials is not None and credentials.cluster_token:
+        return hmac.digest(credentials.cluster_token.encode(), b"pdserve v1 trace attribute hash", "sha256")
+    return secrets.token_bytes(32)
+
+
+def _attributes(attributes: dict[str, Any]) -> dict[str, Any]:
+    """attributes without the Nones, each hidden one as its keyed hash (16 bytes, hex)."""
+    out = {}
+    for k, v in attributes.items():
+        if v is None:
+            continue
+        if k in HIDDEN:
+            k, v = HIDDEN[k], hmac.digest(_hash_key, str(v).encode(), "sha256")[:16].hex()
+        out[k] = v
+    return out
+
+
+def configure(service: str, endpoint: str | None, instance: str = "", credentials: Credentials | None = None,
+              insecure: bool = False) -> bool:
+    """Trace this process's work to the OTLP collector at endpoint (HOST:PORT, or http(s)://...):
+    TLS as ``exporter_security`` says (insecure: --otlp-insecure); nothing without an endpoint.
+    True when tracing is on."""
+    global _tracer, _provider, _hash_key
     if not endpoint:
         return False
+    plaintext, channel_credentials = exporter_security(endpoint, credentials, insecure)
     try:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
@@ -52,10 +110,11 @@ def configure(service: str, endpoint: str | None, instance: str = "") -> bool:
                          "pip install 'pdserve[tracing]'") from None
     resource = Resource.create({"service.name": service, "service.instance.id": instance or service})
     _provider = TracerProvider(resource=resource)
-    _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True),
-                                                    schedule_delay_millis=500))
+    exporter = OTLPSpanExporter(endpoint=endpoint, insecure=plaintext, credentials=channel_credentials)
+    _provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
+    _hash_key = hash_key(credentials)
     _tracer = _provider.get_tracer("pdserve")
-    log.info("tracing to the OTLP collector at %s as %s", endpoint, service)
+    log.info("tracing to the OTLP collector at %s as %s (%s)", endpoint, service, "plaintext" if plaintext else "TLS")
     return True
 
 
@@ -88,13 +147,12 @@ def start(name: str, parent: Any = None, metadata: Any = None, **attributes: Any
     gRPC metadata carries a traceparent, else a root."""
     if _tracer is None:
         return None
-    return _tracer.start_span(name, context=_context(parent, metadata),
-                              attributes={k: v for k, v in attributes.items() if v is not None})
+    return _tracer.start_span(name, context=_context(parent, metadata), attributes=_attributes(attributes))
 
 
 def event(span: Any, name: str, **attributes: Any) -> None:
     if span is not None:
-        span.add_event(name, {k: v for k, v in attributes.items() if v is not None})
+        span.add_event(name, _attributes(attributes))
 
 
 def end(span: Any, error: str | None = None, **attributes: Any) -> None:
@@ -103,7 +161,7 @@ def end(span: Any, error: str | None = None, **attributes: Any) -> None:
         return
     from opentelemetry.trace import Status, StatusCode
     if attributes:
-        span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+        span.set_attributes(_attributes(attributes))
     if error is not None:
         span.set_status(Status(StatusCode.ERROR, error))
     span.end()

@@ -25,7 +25,7 @@ ENGINE_FIXED = ("model", "role")  # EngineConfig fields set by --model and the s
 UP_PER_PROCESS = ("num_threads",)  # set by `up` per worker (threads_per_worker), not forwarded as given
 UP_OWN = ("drain_timeout_s",)     # set by `up` on every child from its Deployment
 PER_WORKER = ("kv_advertise_address", "router", "advertise_address")   # one worker's own: never flags of `up`
-ROLES_SHARED = ("otlp_endpoint",)   # declared by the router's and the workers' configs: one flag of `up` sets both
+ROLES_SHARED = ("otlp_endpoint", "otlp_insecure")   # declared by the router's and the workers' configs: one flag of `up` sets both
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +86,14 @@ def drain_timeout_setting() -> Any:
 def otlp_endpoint_setting() -> Any:
     """The tracing field every role's config declares (one default, one help text)."""
     return setting(None, "export OpenTelemetry spans of every request to the OTLP/gRPC collector at HOST:PORT "
-                         "(plaintext; needs pdserve[tracing]); none: no tracing, at no cost", metavar="HOST:PORT")
+                         "(needs pdserve[tracing]): plaintext on loopback, else TLS (the deployment's --tls-* files, "
+                         "or an https:// endpoint); none: no tracing, at no cost", metavar="HOST:PORT")
+
+
+def otlp_insecure_setting() -> Any:
+    """The flag that lets spans go in clear to a collector off loopback (services/tracing.py)."""
+    return setting(False, "send spans to a non-loopback --otlp-endpoint in plaintext (refused at start without "
+                          "it when the process has no TLS)")
 
 
 def role_argv(command: str, *configs: Any, exclude: tuple[str, ...] = (), **flags: Any) -> list[str]:

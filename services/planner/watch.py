@@ -19,14 +19,22 @@ picks the fewest workers whose best split keeps ``--target-attainment`` of the r
 the SLOs, and adds spares (``Membership.AddWorker``) or drains and removes them again
 (``Membership.RemoveWorker``) to get there. It never removes a worker it was not given as spare.
 Every window's decision is printed, with the predicted figures of every split it simulated.
+
+What the planner reads is not trusted further than it must be: the scrape sends the metrics
+token when one is configured (``--metrics-token-file`` or ``$PDSERVE_METRICS_TOKEN``), reads at
+most ``MAX_METRICS_BYTES`` within ``SCRAPE_TIMEOUT_S`` in all, skips a malformed line (counted,
+said once) and ignores a value that is not finite, and a window whose mean lengths exceed the
+model's is not planned on (no simulation of absurd prompts). ``--apply`` against metrics off loopback needs the token.
+The membership API is dialed under the internal plane's rule (``require_secure_internal_plane``):
+a non-loopback ``--router`` needs mutual TLS or ``--insecure-internal-plane``.
 """
 from __future__ import annotations
 
 import json
 import math
+import socket
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
@@ -36,11 +44,15 @@ from engine.settings import setting
 from services.planner.cost_model import CostModel
 from services.planner.plan import PlanConfig, Workload, parse_slos, simulate
 from services.planner.simulator import Candidate
-from services.security import is_host_port
+from services.security import host_of, is_host_port, is_loopback, require_secure_internal_plane
 
 ROUTER_METRICS = ("request_success_total", "request_failure_total", "prompt_tokens_total", "generation_tokens_total",
                   "num_requests_running")   # the last a gauge: requests in flight through the router
 HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "tpot": "time_per_output_token_seconds"}
+MAX_METRICS_BYTES = 16 << 20    # a /metrics answer larger than this is refused
+MAX_HEAD_BYTES = 64 << 10       # its status line and headers
+SCRAPE_TIMEOUT_S = 10.0         # the whole scrape: connect, send, read every byte
+DEFAULT_MAX_LEN = 1 << 17       # the longest mean prompt + output planned on when the profile names no limit
 
 
 @dataclass(slots=True)
@@ -68,6 +80,13 @@ class WatchConfig:
     target_attainment: float = setting(0.95, "watch, with --spares: the deployment is sized to the fewest workers "
                                              "whose best split is predicted to keep this fraction of requests "
                                              "within the SLOs")
+    metrics_token_file: str | None = setting(None, "watch: file holding the router's metrics token, sent with each "
+                                                   "scrape as a bearer token (default: $PDSERVE_METRICS_TOKEN, else "
+                                                   "none); --apply with --router-metrics off loopback needs it",
+                                             metavar="FILE")
+    insecure_internal_plane: bool = setting(False, "watch: allow a non-loopback --router without mutual TLS (the "
+                                                   "cluster token's proofs and the role changes travel unencrypted; "
+                                                   "for trusted networks)")
 
     def __post_init__(self) -> None:
         if self.watch and not (self.router and self.router_metrics):
@@ -98,27 +117,88 @@ class Scrape:
     at: float
     counters: dict[str, float]
     buckets: dict[str, dict[float, float]]   # histogram name -> upper bound -> cumulative count
+    malformed: int = 0                       # lines skipped: not "SERIES VALUE" with a number
+    first_malformed: str = ""
 
     @classmethod
     def parse(cls, text: str, at: float) -> "Scrape":
         counters: dict[str, float] = {}
         buckets: dict[str, dict[float, float]] = {}
+        malformed, first = 0, ""
         for line in text.splitlines():
             if not line or line.startswith("#"):
                 continue
-            series, value = line.rsplit(" ", 1)
-            name, _, labels = series.partition("{")
-            name = name.removeprefix("pdserve:")
+            try:
+                name, le, value = _sample(line)
+            except ValueError:
+                malformed, first = malformed + 1, first or line[:80]
+                continue
+            if not math.isfinite(value):
+                continue   # valid exposition (a gauge at +Inf), but nothing the planner can sum
             if name.endswith("_bucket"):
-                le = next((part.split("=", 1)[1].strip('"') for part in labels.rstrip("}").split(",")
-                           if part.startswith("le=")), None)
                 if le is not None:
                     hist = buckets.setdefault(name.removesuffix("_bucket"), {})
-                    bound = math.inf if le == "+Inf" else float(le)
-                    hist[bound] = hist.get(bound, 0.0) + float(value)
+                    hist[le] = hist.get(le, 0.0) + value
                 continue
-            counters[name] = counters.get(name, 0.0) + float(value)
-        return cls(at, counters, buckets)
+            counters[name] = counters.get(name, 0.0) + value
+        return cls(at, counters, buckets, malformed, first)
+
+
+def _sample(line: str) -> tuple[str, float | None, float]:
+    """(name without the pdserve: prefix, a bucket's upper bound or None, value) of one sample line;
+    ValueError when it is not one (no name, a value or bound that is not a number, a NaN bound)."""
+    series, value = line.rsplit(" ", 1)
+    name, _, labels = series.partition("{")
+    number = float(value)
+    if not name:
+        raise ValueError(line)
+    le = next((part.split("=", 1)[1].strip('"') for part in labels.rstrip("}").split(",") if part.startswith("le=")),
+              None)
+    bound = None if le is None else (math.inf if le == "+Inf" else float(le))
+    if bound is not None and math.isnan(bound):
+        raise ValueError(line)
+    return name.removeprefix("pdserve:"), bound, number
+
+
+def fetch_metrics(address: str, token: str | None = None, timeout_s: float = SCRAPE_TIMEOUT_S,
+                  limit: int = MAX_METRICS_BYTES) -> str:
+    """The text of http://ADDRESS/metrics: one HTTP/1.0 GET (the server closes the connection after
+    its answer), the bearer token when given, at most limit bytes of body, every byte within
+    timeout_s of the start. ValueError saying what went wrong otherwise (a refused token too)."""
+    from services.metrics import METRICS_PATH
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    data = bytearray()
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock:
+            sock.sendall(f"GET {METRICS_PATH} HTTP/1.0\r\nHost: {address}\r\n{auth}\r\n".encode())
+            while chunk := _recv(sock, deadline, timeout_s):
+                data += chunk
+                if len(data) > limit + MAX_HEAD_BYTES:
+                    raise ValueError(f"its answer is larger than {limit} bytes")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"the router's metrics at {address}: {exc}") from None
+    head, _, body = bytes(data).partition(b"\r\n\r\n")
+    status = head.split(b"\r\n", 1)[0].split(b" ", 2)
+    code = status[1].decode("ascii", "replace") if len(status) > 1 else "none"
+    if code == "401":
+        raise ValueError(f"the router's metrics at {address} refused the scrape (401): pass its token with "
+                         f"--metrics-token-file FILE (or $PDSERVE_METRICS_TOKEN)")
+    if code != "200" or len(head) > MAX_HEAD_BYTES:
+        raise ValueError(f"the router's metrics at {address} answered {head[:80]!r}, not 200 OK")
+    return body.decode("utf-8", "replace")
+
+
+def _recv(sock: socket.socket, deadline: float, timeout_s: float) -> bytes:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ValueError(f"no complete answer within {timeout_s:g}s")
+    sock.settimeout(left)
+    try:
+        return sock.recv(1 << 16)
+    except socket.timeout:
+        raise ValueError(f"no complete answer within {timeout_s:g}s") from None
 
 
 @dataclass(slots=True)
@@ -276,10 +356,15 @@ class Members:
 
 class Planner:
     def __init__(self, cost: CostModel, plan: PlanConfig, watch: WatchConfig, credentials,
-                 out: TextIO | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 out: TextIO | None = None, clock: Callable[[], float] = time.monotonic,
+                 metrics_token: str | None = None) -> None:
         self.cost, self.plan, self.watch, self.credentials = cost, plan, watch, credentials
         self.out = out or sys.stdout
         self.clock = clock
+        self.metrics_token = metrics_token
+        self.malformed = 0       # metrics lines skipped so far (the first time said)
+        self.max_len = int(cost.engine.get("max_model_len") or cost.model_config.get("max_position_embeddings")
+                           or DEFAULT_MAX_LEN)
         self.streak: tuple[str, int] = ("", 0)     # the change called for, and in how many windows in a row
         self.changed_at: float | None = None
 
@@ -287,8 +372,12 @@ class Planner:
         print(line, file=self.out, flush=True)
 
     def scrape(self) -> Scrape:
-        with urllib.request.urlopen(f"http://{self.watch.router_metrics}/metrics", timeout=10) as response:
-            return Scrape.parse(response.read().decode(), self.clock())
+        scrape = Scrape.parse(fetch_metrics(self.watch.router_metrics, self.metrics_token), self.clock())
+        if scrape.malformed and not self.malformed:
+            self.say(f"metrics: skipped {scrape.malformed} malformed line(s) of {self.watch.router_metrics}, the first "
+                     f"{scrape.first_malformed!r}; later ones are skipped and counted without a word")
+        self.malformed += scrape.malformed
+        return scrape
 
     def members(self) -> Members:
         from pdserve.v1 import membership_pb2 as m
@@ -316,6 +405,12 @@ class Planner:
         if traffic.requests < self.watch.min_window_requests:
             self.say(f"window: {traffic.describe()}; fewer than {self.watch.min_window_requests} requests: "
                      f"not planned on")
+            self.streak = ("", 0)
+            return None
+        n = max(traffic.requests, 1.0)
+        if not 0 <= traffic.prompt_tokens / n + traffic.output_tokens / n <= self.max_len:
+            self.say(f"window: mean prompt + output length past the model's {self.max_len} tokens (or below 0): "
+                     f"the metrics are wrong; not planned on")
             self.streak = ("", 0)
             return None
         free, added = self.spares(members)
@@ -386,23 +481,41 @@ class Planner:
                      m.SwitchRoleRequest(address=worker.address, role=enums[role]), 300)
 
     def run(self) -> int:
-        last = self.scrape()
+        last = self.scrape()   # a first scrape that fails is an error (a wrong address, a missing token)
         windows = 0
         while not self.watch.max_windows or windows < self.watch.max_windows:
             time.sleep(self.watch.interval_s)
-            now = self.scrape()
+            windows += 1
+            try:
+                now = self.scrape()
+            except ValueError as exc:   # the next window spans this one too
+                self.say(f"window: {exc}; not planned on")
+                continue
             self.window(Traffic.between(last, now, parse_slos(self.plan.slos)), self.members())
             last = now
-            windows += 1
         return 0
 
 
+def check_watch_security(watch: WatchConfig, credentials, metrics_token: str | None) -> None:
+    """The membership API is dialed under the internal plane's rule, and --apply acts only on
+    authenticated metrics when they come from off loopback (ValueError naming the flags)."""
+    require_secure_internal_plane(credentials, "planner", dials=(watch.router,),
+                                  insecure_plane=watch.insecure_internal_plane)
+    if watch.apply and metrics_token is None and not is_loopback(host_of(watch.router_metrics)):
+        raise ValueError(f"--apply with --router-metrics {watch.router_metrics[:80]} (not loopback) needs the "
+                         f"router's metrics token, so that what the planner acts on is authenticated: pass "
+                         f"--metrics-token-file FILE (or set $PDSERVE_METRICS_TOKEN)")
+
+
 def run_watch(plan: PlanConfig, watch: WatchConfig, credentials, out: TextIO | None = None) -> int:
+    from services.metrics import read_metrics_token
+    metrics_token = read_metrics_token(watch.metrics_token_file)
+    check_watch_security(watch, credentials, metrics_token)
     if not plan.profile:
         raise ValueError("--profile is required: make one with `pdserve profile --model DIR`")
     if not parse_slos(plan.slos):
         raise ValueError("--watch needs at least one --slo (the goodput it keeps): e.g. --slo ttft:500 --slo tpot:60")
-    planner = Planner(CostModel.load(plan.profile), plan, watch, credentials, out)
+    planner = Planner(CostModel.load(plan.profile), plan, watch, credentials, out, metrics_token=metrics_token)
     planner.say(f"pdserve plan --watch: the router at {watch.router} (metrics {watch.router_metrics}), a window every "
                 f"{watch.interval_s:g}s, SLOs {', '.join(plan.slos)}; changes "
                 f"{'applied' if watch.apply else 'only printed (no --apply)'}")

@@ -64,6 +64,9 @@ def add_ray_parser(sub, parents: list[argparse.ArgumentParser] | tuple = ()) -> 
                        help="a removed worker's in-flight requests get this long, then move to other workers "
                             "(0: the router's --drain-timeout-s)")
     scale.add_argument("--timeout", type=float, default=180.0, help="seconds for each new worker to start")
+    scale.add_argument("--insecure-internal-plane", action="store_true",
+                       help="allow a router or new workers off loopback without mutual TLS: the cluster token's "
+                            "proofs and the membership calls travel unencrypted (for trusted networks)")
     scale.set_defaults(func=cmd_ray_scale)
 
     status = rsub.add_parser("status", help="show a deployment", parents=list(parents))
@@ -209,7 +212,7 @@ def cmd_ray_scale(args: argparse.Namespace) -> int:
     _connect(args.address, args.namespace)
     try:
         result = scale(args.name, args.namespace, {"prefill": args.prefill_workers, "decode": args.decode_workers},
-                       args.drain_timeout_s, args.timeout)
+                       args.drain_timeout_s, args.timeout, insecure_plane=args.insecure_internal_plane)
     except ScaleError as exc:
         raise RuntimeFailure(f"ray scale: {exc}") from None
     print(result.describe(), flush=True)

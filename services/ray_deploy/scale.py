@@ -9,6 +9,11 @@ index (``NAME-decode-2``). Once it answers, the router is told through its membe
 first (``RemoveWorker``: in-flight requests finish or move elsewhere, nothing is lost), then
 stopped for good (``WorkerActor.stop``). Added workers live outside the deployment's placement
 group: the cluster must have room for them beside it.
+
+Before anything starts, the internal plane's rule (``require_secure_internal_plane``) is applied
+to what scaling reaches: the router it proves the cluster token to, and the address the new
+workers bind (``node-ip`` is not loopback). Off loopback that needs the deployment's mutual TLS,
+or ``--insecure-internal-plane``.
 """
 from __future__ import annotations
 
@@ -53,10 +58,20 @@ def _workers(name: str, namespace: str) -> dict[str, list[str]]:
     return out
 
 
+def check_plane(credentials, router: str, templates: dict[str, dict[str, Any]], insecure_plane: bool) -> None:
+    """`ray scale` reaches the router (membership calls) and has new workers bind their role's
+    host: past loopback, only with mutual TLS or --insecure-internal-plane (ValueError naming them)."""
+    from services.security import require_secure_internal_plane
+    binds = tuple(sorted({str(t.get("host") or "") for t in templates.values()}))
+    require_secure_internal_plane(credentials, "ray scale", binds=binds, dials=(router,),
+                                  insecure_plane=insecure_plane)
+
+
 def scale(name: str, namespace: str, want: dict[str, int | None], drain_timeout_s: float = 0.0,
-          timeout_s: float = START_TIMEOUT_S) -> ScaleResult:
+          timeout_s: float = START_TIMEOUT_S, insecure_plane: bool = False) -> ScaleResult:
     """Bring each role of want to its count (None: leave it), adding before removing, one worker
-    at a time. Raises ScaleError, saying what was done until then."""
+    at a time. insecure_plane: --insecure-internal-plane (see check_plane). Raises ScaleError,
+    saying what was done until then."""
     import ray
 
     from services.ray_deploy.actors import control_proof, load_credentials
@@ -71,7 +86,10 @@ def scale(name: str, namespace: str, want: dict[str, int | None], drain_timeout_
     router_info = ray.get(router.info.remote(), timeout=30)
     template = {role: json.loads(ray.get(ray.get_actor(actors[0], namespace=namespace).launch_spec.remote(),
                                          timeout=30)) for role, actors in workers.items() if actors}
-    credentials = load_credentials(next(iter(template.values())))
+    from services.ray_deploy.deploy import admin_token_file   # membership changes want the admin token
+    admin_file = admin_token_file(name, namespace)
+    credentials = load_credentials({**next(iter(template.values())), "admin_token_file": admin_file})
+    check_plane(credentials, router_info["address"], template, insecure_plane)
     membership = _Membership(router_info["address"], credentials)
     result = ScaleResult()
     try:

@@ -17,14 +17,25 @@ with ``--router``, or were added through the API or named on the command line).
 
 A file that cannot be read or parsed (too large, a bad line, an address twice) changes nothing:
 the error, naming the line, is logged, and the next change of the file is read again.
+
+The file decides who gets the deployment's traffic, so it is trusted only as a config file of
+this user: it is opened without following a link and without blocking (O_NOFOLLOW, O_NONBLOCK),
+and read only if it is a regular file owned by this user (or root) that group and others cannot
+write, of at most MAX_FILE_BYTES; anything else (a FIFO, a device, a file others may edit) is
+refused with a log line saying why. Every look at it (its identity each POLL_S, each reading)
+runs on a thread, off the router's event loop, and is given up after READ_TIMEOUT_S (a hung
+network mount): the router keeps serving whatever is at the path.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
+from services.checked_files import read_checked
 from services.router.membership import MembershipServicer, Refused
 from services.router.worker_pool import WorkerHandle
 
@@ -33,6 +44,7 @@ log = logging.getLogger(__name__)
 MAX_FILE_BYTES = 1 << 20     # read no more than this
 MAX_ENTRIES = 1024
 POLL_S = 1.0                 # how often the file's identity (inode, size, mtime) is checked
+READ_TIMEOUT_S = 5.0         # a look at the file (stat, open and read) given up after this
 ROLES = {"prefill": "prefill", "decode": "decode", "colocated": "both", "both": "both"}
 
 
@@ -57,15 +69,17 @@ def parse_workers(text: str) -> dict[str, str]:
 
 
 def read_workers(path: str) -> dict[str, str]:
-    """The file's workers (ValueError naming the file if it cannot be read or parsed)."""
+    """The file's workers, read after the checks of the module docstring (ValueError naming the
+    file and what is wrong otherwise). Blocking: the watcher calls it on a thread."""
+    data = read_checked(path, "workers file", MAX_FILE_BYTES)
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-        if len(data) > MAX_FILE_BYTES:
-            raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
         return parse_workers(data.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError) as exc:
         raise ValueError(f"workers file {path}: {exc}") from None
+
+
+class _StillLooking(Exception):
+    """The last look at the file, given up, has not returned yet."""
 
 
 @dataclass(slots=True)
@@ -78,14 +92,17 @@ class WorkersFileWatcher:
     poll_s: float = POLL_S
     added: dict[str, WorkerHandle] = field(default_factory=dict)   # the members this file made
     changing: dict[str, asyncio.Task] = field(default_factory=dict)   # address -> its removal or switch
+    read_timeout_s: float = READ_TIMEOUT_S
     _seen: tuple | None = None         # the file's identity when last read
     _task: asyncio.Task | None = None
+    _looking: asyncio.Future | None = None   # the look at the file under way on its thread
+    _thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "workers-file"))
 
-    def start(self) -> None:
+    async def start(self) -> None:
         """Read the file now and apply it, then follow it. At start, a missing or bad file, or an
         address that may not be a member, is an error (ValueError naming it); later, only logged."""
-        self._seen = self._identity()   # before reading: a change made while it is read is read again
-        workers = read_workers(self.path)
+        self._seen = await self._look(self._identity)   # before reading: a change made meanwhile is read again
+        workers = await self._look(read_workers, self.path)
         for address in workers:
             problem = self.membership.address_problem(address)
             if problem is not None:
@@ -98,17 +115,33 @@ class WorkersFileWatcher:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    async def _look(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the watcher's own thread (a hung file system holds no thread the router
+        needs), given up after read_timeout_s: ValueError. Until a look given up returns, the file
+        is not looked at again."""
+        if self._looking is not None and not self._looking.done():
+            raise _StillLooking()
+        self._looking = asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._looking), self.read_timeout_s)
+        except asyncio.TimeoutError:
+            raise ValueError(f"workers file {self.path}: no answer from the file system in "
+                             f"{self.read_timeout_s:g}s; not looked at again until it answers") from None
 
     async def _follow(self) -> None:
-        """Read the file again whenever its identity changes."""
+        """Read the file again whenever its identity changes (both looks on a thread, with a deadline)."""
         while True:
             await asyncio.sleep(self.poll_s)
-            identity = self._identity()
-            if identity == self._seen:
-                continue
-            self._seen = identity
             try:
-                workers = read_workers(self.path)
+                identity = await self._look(self._identity)
+                if identity == self._seen:
+                    continue
+                self._seen = identity
+                workers = await self._look(read_workers, self.path)
+            except _StillLooking:
+                continue
             except ValueError as exc:
                 log.error("%s; membership left as it was", exc)
                 continue
@@ -116,10 +149,10 @@ class WorkersFileWatcher:
 
     def _identity(self) -> tuple | None:
         try:
-            st = os.stat(self.path)
+            st = os.stat(self.path, follow_symlinks=False)
         except OSError:
             return None
-        return (st.st_ino, st.st_size, st.st_mtime_ns)
+        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode, st.st_uid)
 
     def _apply(self, workers: dict[str, str]) -> None:
         for address, role in workers.items():

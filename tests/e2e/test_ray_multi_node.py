@@ -193,7 +193,8 @@ def test_ray_scale_up_and_down_across_nodes_under_load(hosts, tiny_qwen3) -> Non
     load = NamespaceLoad(hosts, router, seed=21)
     try:
         load.served(3)
-        scale = ["ray", "scale", "--address", hosts.address, "--namespace", NAMESPACE, "--name", "obj"]
+        scale = ["ray", "scale", "--address", hosts.address, "--namespace", NAMESPACE, "--name", "obj",
+                 "--insecure-internal-plane"]   # workers bind node-ip without TLS here
         up = hosts.pdserve(*scale, "--decode-workers", "2")
         assert up.returncode == 0 and "added: obj-decode-1" in up.stdout, up.stderr[-3000:]
         load.served(6)

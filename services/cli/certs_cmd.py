@@ -1,0 +1,25 @@
+"""`pdserve certs --out DIR --host IP|NAME[,IP|NAME...] ...`: a deployment CA and a certificate per
+host for mutual TLS (services/deployment/certs.py). Importing this module imports no cryptography:
+the handler and the flag builder do."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_certs_args(p: argparse.ArgumentParser) -> None:
+    from services.cli.config_flags import add_config_args
+    from services.deployment.certs import MAX_HOSTS, MAX_NAMES_PER_HOST, CertsConfig
+    add_config_args(p, CertsConfig)
+    p.add_argument("--host", action="append", dest="hosts", metavar="IP|NAME[,IP|NAME...]",
+                   help=f"a host the deployment runs on, repeatable (at most {MAX_HOSTS}): the IP addresses and DNS "
+                        f"names (at most {MAX_NAMES_PER_HOST}) its certificate is valid for; its files are named "
+                        f"after the first")
+    p.set_defaults(func=cmd_certs)
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from services.cli.config_flags import config_from_args
+    from services.deployment.certs import CertsConfig, make_certs
+    config = config_from_args(CertsConfig, args, hosts=tuple(args.hosts or ()))
+    print(make_certs(config).describe(), flush=True)
+    return 0
