@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.quoting import quoted
+
 MAX_LOGPROBS = 20   # vLLM's default max_logprobs
 MAX_TOP_K = 2**31 - 1        # the wire's bounds (common.proto: top_k int32, token counts uint32)
 MAX_TOKENS = 2**32 - 1
@@ -35,21 +37,21 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError naming the first field outside its limits."""
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise ValueError(f"temperature must be a finite number >= 0, got {quoted(self.temperature)}")
         if not isinstance(self.top_p, (int, float)) or not (FLOAT32_MIN_NORMAL <= self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] (and a normal float32: >= {FLOAT32_MIN_NORMAL:.4g}), "
-                             f"got {self.top_p!r}")
+                             f"got {quoted(self.top_p)}")
         if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k!r}")
+            raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 disables it), got {quoted(self.top_k)}")
         if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= MAX_TOKENS:
-            raise ValueError(f"max_tokens must be an integer in [1, {MAX_TOKENS}], got {self.max_tokens!r}")
+            raise ValueError(f"max_tokens must be an integer in [1, {MAX_TOKENS}], got {quoted(self.max_tokens)}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0 or self.seed >= 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {quoted(self.seed)}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
-                             f"got {self.min_tokens!r}")
+                             f"got {quoted(self.min_tokens)}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {quoted(self.logprobs)}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt.isprintable()
                                             or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
             raise ValueError(f"cache_salt must be a non-empty printable string of at most {MAX_CACHE_SALT_CHARS} "
@@ -57,10 +59,10 @@ class SamplingParams:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int) or \
                 not PRIORITY_RANGE[0] <= self.priority <= PRIORITY_RANGE[1]:
             raise ValueError(f"priority must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], "
-                             f"got {self.priority!r}")
+                             f"got {quoted(self.priority)}")
         for tok in self.stop_token_ids:
             if not isinstance(tok, int) or tok < 0:
-                raise ValueError(f"stop_token_ids must hold non-negative integers, got {tok!r}")
+                raise ValueError(f"stop_token_ids must hold non-negative integers, got {quoted(tok)}")
 
     @property
     def greedy(self) -> bool:

@@ -1,6 +1,7 @@
 """Request validation shared by the engine and the router (which holds no model)."""
 from __future__ import annotations
 
+from engine.quoting import quoted
 from engine.sampling_params import SamplingParams
 
 
@@ -15,7 +16,7 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
                       ("stop_token_ids", params.stop_token_ids)):
         for tok in ids:
             if not isinstance(tok, int) or not 0 <= tok < vocab_size:
-                raise ValueError(f"{name} token id {tok!r} is outside the vocabulary [0, {vocab_size})")
+                raise ValueError(f"{name} token id {quoted(tok)} is outside the vocabulary [0, {vocab_size})")
     if output_token_ids and len(output_token_ids) >= params.max_tokens:
         raise ValueError(f"output_token_ids ({len(output_token_ids)}) must be fewer than max_tokens ({params.max_tokens})")
     if params.max_tokens >= max_model_len:   # too many whatever the prompt: the field to change is max_tokens

@@ -77,8 +77,9 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_toke
                   slo_ttft_ms: float = 0.0, slo_tpot_ms: float = 0.0, session_id: str = ""
                   ) -> router_pb2.GenerateRequest:
     """Only the parameters given are set; the rest take the server's defaults. priority (lower
-    first), user (the fair-share key) and the latency targets (ms; 0: the deployment's): the
-    request's scheduling class (services/router/slo.py); session_id: its multi-turn conversation
+    first; within the API key's grant), user (OpenAI's end-user id; the fair-share key is the API
+    key's principal) and the latency targets (ms; 0: the deployment's): the request's scheduling
+    class (services/router/slo.py); session_id: its multi-turn conversation
     (services/router/sessions.py)."""
     params = common_pb2.SamplingParams(stop_token_ids=list(stop_token_ids))
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k),

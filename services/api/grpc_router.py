@@ -27,7 +27,8 @@ from services.metrics import RouterMetrics
 from services.api.request_limits import InvalidRequest, RequestLimits
 from services.api.request_front import FrontRequest, Prompt, RequestFront, ValidatedRequest
 from services import tracing
-from services.security import Credentials, api_key_interceptor
+from services.security import API_KEY_HEADER, Credentials
+from services.api.principals import ApiKeys, Principal, bound_to
 from services.router.config import RouterConfig
 from services.router.membership import SERVICE_PREFIX as MEMBERSHIP_PREFIX, MembershipServicer, MembershipSettings
 from services.router.slo import ServiceClass
@@ -51,8 +52,10 @@ class RouterOptions:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, options: RouterOptions, pool: WorkerPool, metrics: RouterMetrics | None = None) -> None:
+    def __init__(self, options: RouterOptions, pool: WorkerPool, metrics: RouterMetrics | None = None,
+                 keys: ApiKeys | None = None) -> None:
         self.options = options
+        self.keys = keys or ApiKeys(min_client_priority=options.config.min_client_priority)   # who calls
         self.pool = pool
         self.metrics = metrics or RouterMetrics()
         self.model_config = ModelConfig.from_dir(options.model)
@@ -78,13 +81,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             num_decode_workers=len(self.pool.of_role("decode")) + len(self.pool.of_role("both")))
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
-        return common_pb2.AbortResponse(found=await self.generator.abort(request.request_id))
+        """Abort one of the caller's own requests (another API key's ids are not in its scope)."""
+        principal = self.keys.identify(_authorization(context))
+        found = principal is not None and await self.generator.abort(request.request_id, principal.name)
+        return common_pb2.AbortResponse(found=found)
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
         try:
             with self.pending.hold():
-                parsed = await self.parse(request)
+                parsed = await self.parse(request, self.keys.identify(_authorization(context)))
         except RouterError as exc:
             self.metrics.request_failure.inc()
             await abort_with(context, exc, request.request_id)
@@ -124,12 +130,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self.metrics.request_failure.inc()
 
     # ---- parsing ------------------------------------------------------------------
-    async def parse(self, request: router_pb2.GenerateRequest) -> ValidatedRequest:
-        """Every check, cheapest first, before anything is allocated or tokenized. Raises RouterError."""
+    async def parse(self, request: router_pb2.GenerateRequest, principal: Principal | None) -> ValidatedRequest:
+        """Every check, cheapest first, before anything is allocated or tokenized. Raises RouterError.
+        principal: the caller, by its API key (None: none of the keys; the interceptor refuses
+        those before any handler runs)."""
         if self.draining:
             raise RouterError("UNAVAILABLE", "the router is draining (shutting down)")
+        if principal is None:
+            raise RouterError("UNAUTHENTICATED", "missing or wrong API key (send authorization: Bearer KEY)")
         try:
-            return await self.front.prepare(front_request(request, self.front))
+            front = front_request(request, self.front)
+            try:
+                front.service = bound_to(front.service, principal)
+            except ValueError as exc:   # a priority beyond the caller's grant
+                raise RouterError("PERMISSION_DENIED", str(exc), field="priority") from None
+            return await self.front.prepare(front)
         except InvalidRequest as exc:
             raise RouterError("INVALID_ARGUMENT", exc.message, field=exc.field, too_large=exc.too_large) from None
 
@@ -211,8 +226,10 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
     from services.grpc_setup import check_port_free, service_registration, start_server, stop_on_signals
 
     credentials = credentials or Credentials()
+    keys = api_keys(options.config, api_key)
     check_port_free(host, port)
-    tracing.configure("pdserve-router", options.config.otlp_endpoint)
+    tracing.configure("pdserve-router", options.config.otlp_endpoint, credentials=credentials,
+                      insecure=options.config.otlp_insecure)
     gen_options = options.generation
     pool = WorkerPool(options.prefill, options.decode, options.colocated, credentials, resolver=resolver,
                       watch_kv=gen_options.routing == "kv-aware", kv_index_max_keys=gen_options.kv_index_max_keys,
@@ -226,21 +243,21 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
         if options.workers_file:
             from services.router.workers_file import WorkersFileWatcher
             watcher = WorkersFileWatcher(options.workers_file, membership, options.config.drain_timeout_s)
-            watcher.start()
+            await watcher.start()
         metrics = RouterMetrics(model_name=options.model)
-        servicer = RouterServicer(options, pool, metrics)
+        servicer = RouterServicer(options, pool, metrics, keys)
         metrics.attach_routing(servicer.generator.placement)
         log.info("placement: %s", servicer.generator.placement.describe())
         http = None
         if options.config.http_port is not None:   # on this loop, before gRPC says SERVING
             from services.api.http_server import start_http
             http = await start_http(servicer, host, options.config.http_port,
-                                    served_model_names(options.config, options.model), api_key,
+                                    served_model_names(options.config, options.model), keys,
                                     options.limits.max_http_body_bytes, tls=credentials.tls,
                                     model_aliases=(Path(options.model).name, Path(options.model).resolve().name),
                                     allowed_hosts=options.config.allowed_hosts)
         # The public API wants the API key; the membership API, on the same port, the cluster token.
-        interceptors = [api_key_interceptor(api_key, exempt=(MEMBERSHIP_PREFIX,))] if api_key else []
+        interceptors = [keys.interceptor(exempt=(MEMBERSHIP_PREFIX,))] if keys.required else []
         interceptors += credentials.server_interceptors(only=(MEMBERSHIP_PREFIX,))
         server = await start_server([service_registration(router_pb2.DESCRIPTOR.services_by_name["Router"], servicer),
                                      service_registration(membership_pb2.DESCRIPTOR.services_by_name["Membership"],
@@ -276,6 +293,21 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
         await membership.close()
         await pool.close()
         tracing.shutdown()
+
+
+def api_keys(config: RouterConfig, api_key: str | None) -> ApiKeys:
+    """The router's API keys: --api-keys-file's named keys (and the single key beside them, if
+    given), else the single key, else none (an open API)."""
+    if config.api_keys_file:
+        return ApiKeys.load(config.api_keys_file, config.min_client_priority, single_key=api_key)
+    return ApiKeys.of(api_key, config.min_client_priority)
+
+
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == API_KEY_HEADER:
+            return value
+    return None
 
 
 def served_model_names(config: RouterConfig, model: str) -> tuple[str, ...]:

@@ -11,7 +11,6 @@ key, Host and Content-Type checks made on each request's head, before routing.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import ipaddress
 import resource
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from services.api.http_request import HTTPError
+from services.api.principals import ApiKeys
 
 MAX_HTTP_CONNECTIONS = 1024     # open connections at once (at most a quarter of the fd limit); more are
                                 # closed as they are accepted
@@ -74,8 +74,8 @@ class RequestGuard:
     """The checks made on a request's head, before routing or reading its body.
     allowed_hosts: see RouterConfig."""
 
-    def __init__(self, api_key: str | None, allowed_hosts: str | None) -> None:
-        self.api_key = api_key
+    def __init__(self, api_key: ApiKeys | str | None, allowed_hosts: str | None) -> None:
+        self.keys = ApiKeys.of(api_key)
         self.allowed_hosts = frozenset(h.strip().lower().rstrip(".") for h in (allowed_hosts or "").split(",")
                                        if h.strip())
 
@@ -87,8 +87,8 @@ class RequestGuard:
         application/json: a page can POST text/plain (or no type) cross-origin without a
         CORS preflight, never JSON."""
         headers = {k: v for k, v in scope.get("headers", ()) if k in (b"authorization", b"host", b"content-type")}
-        if self.api_key:
-            if not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode()):
+        if self.keys.required:
+            if self.keys.identify(headers.get(b"authorization")) is None:
                 return HTTPError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         elif b"host" in headers and not self.host_allowed(headers[b"host"].decode("latin-1")):

@@ -19,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine import SamplingParams
+from engine.quoting import capped, quoted
 from engine.sampling_params import MAX_LOGPROBS
 from services.router.errors import RouterError
 from services.api.request_limits import InvalidRequest, RequestLimits, check_count, utf8_size
@@ -49,6 +50,7 @@ NEUTRAL_OK = {"best_of": (1,), "logit_bias": ({},), "tools": ([],), "functions":
 class HTTPError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
+        message = capped(message)   # whatever a check quoted, the client reads a bounded message
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
@@ -131,7 +133,7 @@ def _field(body: dict, name: str, types: type | tuple[type, ...], default: Any =
         try:
             value = float(value)
         except OverflowError:
-            raise HTTPError(400, f"{name} is out of range, got {value}", name) from None
+            raise HTTPError(400, f"{name} is out of range, got {quoted(value)}", name) from None
     if not isinstance(value, types):
         raise HTTPError(400, f"{name} must be of type {'/'.join(t.__name__ for t in types)}, "
                              f"got {type(value).__name__}", name)
@@ -279,7 +281,7 @@ def _parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimit
     for name, neutral in NEUTRAL.items():
         value = body.get(name)
         if value is not None and value != neutral and value not in NEUTRAL_OK.get(name, ()):
-            raise HTTPError(400, f"{name}={value!r} is not supported by pdserve", name)
+            raise HTTPError(400, f"{name}={quoted(value)} is not supported by pdserve", name)
     model = _field(body, "model", str, default_model)
     max_tokens = _field(body, "max_completion_tokens", int) if chat else None
     if max_tokens is None:
@@ -331,9 +333,9 @@ def _parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimit
 
 
 def _service_class(body: dict) -> ServiceClass:
-    """vLLM's `priority` (lower first), OpenAI's `user` (the fair-share key), pdserve's latency
-    targets `slo_ttft_ms` / `slo_tpot_ms` (services/router/slo.py) and its `session_id`
-    (services/router/sessions.py)."""
+    """vLLM's `priority` (lower first), OpenAI's `user` (the session without a session_id),
+    pdserve's latency targets `slo_ttft_ms` / `slo_tpot_ms` (services/router/slo.py) and its
+    `session_id` (services/router/sessions.py)."""
     values = (_field(body, "priority", int, 0), _field(body, "user", str, ""), _field(body, "slo_ttft_ms", float),
               _field(body, "slo_tpot_ms", float), _field(body, "session_id", str, ""))
     try:

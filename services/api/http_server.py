@@ -62,7 +62,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine import SamplingParams
+from engine.quoting import quoted
 from services.api.detokenizer import IncrementalDetokenizer
+from services.api.principals import ApiKeys, bound_to
 from services.router.errors import RouterError
 from services.router.slo import ServiceClass
 from services.api.http_connections import OPEN_PATHS, BoundedHttpToolsProtocol, RequestGuard
@@ -104,7 +106,7 @@ class Choice:
 # ---- the app -------------------------------------------------------------------------------
 
 class OpenAIServer:
-    def __init__(self, servicer, served_model_name: str | Sequence[str], api_key: str | None = None,
+    def __init__(self, servicer, served_model_name: str | Sequence[str], api_key: ApiKeys | str | None = None,
                  max_body_bytes: int = 8 << 20, model_aliases: Sequence[str] = (),
                  allowed_hosts: str | None = None) -> None:
         """served_model_name: one name or several, as vLLM's --served-model-name: the first is the
@@ -191,7 +193,7 @@ class OpenAIServer:
 
     def _check_model(self, name: str) -> None:
         if name not in self.accepted_model_names:
-            raise HTTPError(404, f"The model `{name}` does not exist (this server serves "
+            raise HTTPError(404, f"The model {quoted(name)} does not exist (this server serves "
                                  f"`{self.served_model_name}`)", "model", "model_not_found")
 
     # ---- handlers ----------------------------------------------------------------------
@@ -207,6 +209,7 @@ class OpenAIServer:
                 parsed = parse_body(body, chat, self.served_model_name, limits, self.servicer.max_model_len)
                 del body
                 self._check_model(parsed.model)
+                parsed.service = self._bound(request, parsed.service)
                 choices = await until_disconnect(request, self._prepare(parsed, base))
             started = True
             if parsed.stream:
@@ -221,6 +224,16 @@ class OpenAIServer:
         except Exception:  # noqa: BLE001 - a bug: the client gets no internal text, the log gets it all
             log.exception("request %s failed", base)
             return HTTPError(500, f"internal error (request id {base})", code="internal_error").response()
+
+    def _bound(self, request: Request, service: ServiceClass) -> ServiceClass:
+        """The request's class under its caller's API key (the guard let only known keys in)."""
+        principal = self.guard.keys.identify(request.headers.get("authorization"))
+        if principal is None:   # the guard refuses these before any handler runs
+            raise HTTPError(401, "missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key")
+        try:
+            return bound_to(service, principal)
+        except ValueError as exc:
+            raise HTTPError(403, str(exc), "priority", "permission_denied") from None
 
     async def _prepare(self, parsed: ParsedBody, base: str) -> list[Choice]:
         """Tokenize and validate every prompt through the request front (parse_body checked their

@@ -59,7 +59,7 @@ class SampleRequest:
     expected_output_len: int
     kind: str = ""            # "short" / "long" for the mixed dataset
     priority: int = 0         # its scheduling class (gRPC backend): lower first
-    user: str = ""            # its fair-share key inside the class
+    user: str = ""            # OpenAI's `user` (the fair-share key is the API key's principal)
     session_id: str = ""      # its conversation (multi-turn): the router keeps its turns together
 
 

@@ -10,6 +10,14 @@ A request that moves (a migration after a worker fault or an eviction) was admit
 waits ahead of its class's newcomers, is never refused by a full queue (nor pushed out by a
 higher class), and does not count towards the queue's bound.
 
+A head that no worker takes for a reason of its own (a TPOT target only an emptier worker keeps)
+steps aside (``Turn.step_aside``) until the workers' state changes: the next waiter is the head
+meanwhile, so one request cannot hold up every request behind it. It keeps its place in the
+order and counts towards the bound while aside.
+
+Per-class state (virtual time, clients' tags) is dropped when a class has nobody waiting, so it
+is bounded by the requests queued, however many distinct priorities arrive.
+
 Order (``Ticket``): priority first (lower values first, as vLLM's ``priority``), then a fair tag
 inside the priority class, then arrival. The tag is start-time fair queuing over the class's
 clients: a client's next request is tagged one past the later of its own last tag and the class's
@@ -26,7 +34,7 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from services.router.errors import RouterError
 
@@ -64,13 +72,15 @@ class AdmissionQueue:
         self._waiting: list[_Waiter] = []    # a heap: the next head first
         self._head: _Waiter | None = None    # the one placing itself now
         self._seq = itertools.count()
+        self._aside: list[_Waiter] = []         # heads that stepped aside until the workers change
         self._vtime: dict[int, int] = collections.defaultdict(int)          # class -> tag of its last head
         self._last_tag: dict[int, dict[str, int]] = collections.defaultdict(dict)   # class -> client -> tag
+        self._in_class: collections.Counter[int] = collections.Counter()   # class -> its requests in the queue
         self._admitted: collections.deque[float] = collections.deque()   # recent admission times
 
     def __len__(self) -> int:
-        """Requests in the queue, the head included."""
-        return len(self._waiting) + (self._head is not None)
+        """Requests in the queue, the head and those aside included."""
+        return len(self._waiting) + len(self._aside) + (self._head is not None)
 
     def ahead_of(self, ticket: Ticket) -> int:
         """Requests that would be served before a newcomer with ticket (the head included)."""
@@ -102,9 +112,10 @@ class AdmissionQueue:
     def _tag(self, ticket: Ticket, commit: bool = True) -> int:
         if ticket.moved:
             return 0   # before every newcomer's tag (each is past the class's virtual time, >= 0)
-        tags = self._last_tag[ticket.priority]
-        tag = max(self._vtime[ticket.priority], tags.get(ticket.client, 0)) + 1
+        tags = self._last_tag.get(ticket.priority, {})   # a look-up creates no class state
+        tag = max(self._vtime.get(ticket.priority, 0), tags.get(ticket.client, 0)) + 1
         if commit:
+            tags = self._last_tag[ticket.priority]
             tags[ticket.client] = tag
             if len(tags) > MAX_CLIENT_TAGS:   # clients at or behind the virtual time carry no credit: forget them
                 vtime = self._vtime[ticket.priority]
@@ -134,36 +145,80 @@ class AdmissionQueue:
         worst.event.set()
         return True
 
+    def _live(self) -> int:
+        """Newcomers held now (towards max_waiting): waiting, or aside."""
+        return sum(1 for w in (*self._waiting, *self._aside) if not w.gone and not w.ticket.moved)
+
     @contextlib.asynccontextmanager
-    async def turn(self, timeout: float, ticket: Ticket = Ticket()) -> AsyncIterator[None]:
+    async def turn(self, timeout: float, ticket: Ticket = Ticket()) -> AsyncIterator["Turn"]:
         """Wait (up to timeout) to be the head of the queue; the block runs as the head.
         RouterError RESOURCE_EXHAUSTED when the queue is full, when the wait times out, or when a
         request of a higher class took this one's place."""
-        live = sum(1 for w in self._waiting if not w.gone and not w.ticket.moved)
-        if (not ticket.moved and live >= self.max_waiting and self._head is not None
+        if (not ticket.moved and self._live() >= self.max_waiting and self._head is not None
                 and not self._evict_lowest(ticket)):
             raise self.full_error()
         me = _Waiter(ticket.priority, self._tag(ticket), next(self._seq), asyncio.Event(), ticket)
+        self._in_class[ticket.priority] += 1
         heapq.heappush(self._waiting, me)
         self._promote()
+        turn = Turn(self, me, timeout)
         try:
-            try:
-                await asyncio.wait_for(me.event.wait(), timeout)
-            except asyncio.TimeoutError:
-                raise RouterError("RESOURCE_EXHAUSTED", f"no decode capacity within {timeout:g}s "
-                                  f"({self.ahead_of(ticket)} requests ahead)", retry_after_s=self.retry_after_s()) from None
-            if me.evicted:
-                raise RouterError("RESOURCE_EXHAUSTED", "admission queue is full and a request of a higher priority "
-                                  "took this one's place; retry later", retry_after_s=self.retry_after_s())
-            yield
+            await turn.wait()
+            yield turn
             now = time.monotonic()
             self._prune(now)   # at every admission: the record holds the last window, never more
             self._admitted.append(now)
         finally:
             me.gone = True
+            if me in self._aside:
+                self._aside.remove(me)
+            self._in_class[me.priority] -= 1
+            if not self._in_class[me.priority]:   # nobody of this class left: forget its state
+                for state in (self._in_class, self._vtime, self._last_tag):
+                    state.pop(me.priority, None)
             if self._head is me:
                 self._head = None
                 self._promote()
+
+
+class Turn:
+    """A request's place in the admission queue while it is (or waits to be) the head."""
+
+    def __init__(self, queue: AdmissionQueue, me: _Waiter, timeout: float) -> None:
+        self.queue, self.me, self.timeout = queue, me, timeout
+        self.deadline = time.monotonic() + timeout
+
+    async def wait(self) -> None:
+        """Until this request is the head; RouterError when the deadline passes or it was evicted."""
+        queue, me = self.queue, self.me
+        try:
+            await asyncio.wait_for(me.event.wait(), max(0.0, self.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise RouterError("RESOURCE_EXHAUSTED", f"no decode capacity within {self.timeout:.3g}s "
+                              f"({queue.ahead_of(me.ticket)} requests ahead)",
+                              retry_after_s=queue.retry_after_s()) from None
+        if me.evicted:
+            raise RouterError("RESOURCE_EXHAUSTED", "admission queue is full and a request of a higher priority "
+                              "took this one's place; retry later", retry_after_s=queue.retry_after_s())
+
+    async def step_aside(self, changed: Callable[[float], Awaitable[object]]) -> None:
+        """The head lets the next waiter be the head until changed(timeout) returns (the workers'
+        state changed, or the deadline passed), then waits for its turn again, in its old place."""
+        queue, me = self.queue, self.me
+        if queue._head is me:
+            queue._head = None
+            me.event.clear()
+            queue._aside.append(me)
+            queue._promote()
+        try:
+            await changed(max(0.0, self.deadline - time.monotonic()))
+        finally:
+            if me in queue._aside:
+                queue._aside.remove(me)
+        if not me.gone:
+            heapq.heappush(queue._waiting, me)
+            queue._promote()
+        await self.wait()
 
 
 class PendingGate:

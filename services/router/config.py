@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.settings import setting
-from services.deployment.topology import drain_timeout_setting, otlp_endpoint_setting
+from services.deployment.topology import drain_timeout_setting, otlp_endpoint_setting, otlp_insecure_setting
 
 
 @dataclass(slots=True)
@@ -20,6 +20,14 @@ class RouterConfig:
               "none: the --model argument as given (the default model: its directory's name). The checkpoint "
               "directory's name is accepted too", metavar="NAME")
     otlp_endpoint: str | None = otlp_endpoint_setting()
+    otlp_insecure: bool = otlp_insecure_setting()
+    api_keys_file: str | None = setting(
+        None, "file of named API keys with their grants, one a line: NAME KEY [min_priority=N] (mode 0600; "
+              "services/api/principals.py); each key's name is its holder's fair-share key and request-id scope",
+        metavar="FILE")
+    min_client_priority: int = setting(
+        0, "the most urgent priority (lowest value) a client may ask for unless its API key grants lower: "
+           "0 lets clients only lower their own priority")
     allowed_hosts: str | None = setting(None, "comma-separated Host names the HTTP API answers without an API key, "
                                               "besides localhost and IP addresses (DNS rebinding needs a name); "
                                               "'*': any")

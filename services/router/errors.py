@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import re
 
+from engine.quoting import capped
+
 
 # A worker's own refusals, whose text pdserve wrote (a lease that expired, a block that failed its
 # check, no capacity); other endings (UNAVAILABLE, INTERNAL, UNKNOWN) carry transport or exception text.
@@ -21,6 +23,7 @@ class RouterError(Exception):
 
     def __init__(self, code: str, message: str, retry_after_s: float | None = None, *, field: str | None = None,
                  too_large: bool = False, detail: str | None = None) -> None:
+        message = capped(message)   # whatever a check quoted, the client reads a bounded message
         super().__init__(message)
         self.code = code
         self.message = message

@@ -61,9 +61,11 @@ class Generation:
 
     @property
     def worker_request_id(self) -> str:
-        """The id the workers know this attempt by: a late abort of an earlier attempt can never
-        hit the current one, even on the same worker."""
-        return self.request_id if not self.timing.migrations else f"{self.request_id}@{self.timing.migrations}"
+        """The id the workers know this attempt by, inside its caller's scope (two API keys' equal
+        ids never meet on a worker): a late abort of an earlier attempt can never hit the current
+        one, even on the same worker."""
+        scoped = f"{self.service.principal}/{self.request_id}" if self.service.principal else self.request_id
+        return scoped if not self.timing.migrations else f"{scoped}@{self.timing.migrations}"
 
     @property
     def n_tokens(self) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from engine import SamplingParams
+from engine.quoting import quoted
 from engine.settings import setting
 from services import tracing
 from services.router.admission import AdmissionQueue
@@ -116,7 +117,7 @@ class Generator:
         self.admission = AdmissionQueue(options.max_queued_requests)
         costs = CostModel(options.itl_weight, options.cache_affinity_weight)
         self.placement = Placement(pool, options.routing, options.disaggregation, costs, self._tokens_left)
-        self.active: dict[str, Generation] = {}
+        self.active: dict[tuple[str, str], Generation] = {}   # (principal, request id) ->
         self.routes = RouteContext(pool, options, metrics, self.placement, self.admission,
                                    WorkerWatch(pool, options.stall_timeout_s, options.worker_wait_s),
                                    SloPolicy(options.slo_admission, options.slo_ttft_ms, options.slo_tpot_ms,
@@ -131,13 +132,14 @@ class Generator:
         """Chunks of new tokens; the last has a finish_reason. Raises RouterError. deadline: the
         client's (time.monotonic()), which bounds its wait for a restarting worker; service: its
         priority, client and latency targets (services/router/slo.py)."""
-        if request_id in self.active:
-            raise RouterError("INVALID_ARGUMENT", f"request_id {request_id!r} is already in flight")
+        key = (service.principal, request_id)   # ids are scoped to their caller's API key
+        if key in self.active:
+            raise RouterError("INVALID_ARGUMENT", f"request_id {quoted(request_id)} is already in flight")
         params = replace(params, priority=service.priority)   # the workers admit and preempt by it
         gen = Generation(request_id, prompt, params, Timing(time.perf_counter()), deadline=deadline, service=service)
         gen.trace = tracing.start("pdserve.request", request_id=request_id, prompt_tokens=len(prompt),
                                   max_tokens=params.max_tokens, priority=service.priority, user=service.client or None)
-        self.active[request_id] = gen
+        self.active[key] = gen
         finish, error = None, None
         try:
             async with contextlib.aclosing(self.migration.run(gen, self._attempt, self.routes.release)) as chunks:
@@ -148,15 +150,16 @@ class Generator:
             error = f"{exc.code}: {exc.message}"
             raise
         finally:
-            self.active.pop(request_id, None)
+            self.active.pop(key, None)
             self.routes.placed_prompt(gen)   # refused or failed before its prompt reached a worker
             if gen.workers:
                 await self.routes.release(gen)
             tracing.end(gen.trace, error, finish_reason=finish, output_tokens=len(gen.generated),
                         migrations=gen.timing.migrations, route=gen.timing.prefill_route or None)
 
-    async def abort(self, request_id: str) -> bool:
-        gen = self.active.get(request_id)
+    async def abort(self, request_id: str, principal: str = "") -> bool:
+        """Abort the caller's (principal's) request of that id; False when it has none in flight."""
+        gen = self.active.get((principal, request_id))
         if gen is None:
             return False
         gen.aborted = True

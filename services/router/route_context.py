@@ -113,7 +113,10 @@ class RouteContext:
         """Refuse at once a new request predicted to miss its TTFT target (RouterError with a retry
         hint of the predicted excess); a migrating one, or one without a target, goes on."""
         target = self.slo.ttft_target_ms(gen.service)
-        if not self.slo.admission or target is None or gen.generated or gen.timing.migrations:
+        if not self.slo.admission or gen.generated or gen.timing.migrations:
+            return
+        self.check_tpot_reachable(gen)
+        if target is None:
             return
         try:
             predicted = self.predicted_ttft_ms(gen, keys)
@@ -141,16 +144,31 @@ class RouteContext:
             return None
         return gen.arrived + target / 1e3
 
-    def keeps_tpot(self, gen: Generation, worker: WorkerHandle) -> bool:
-        """Whether one more sequence on worker keeps the tightest TPOT target of this request and of
-        those already there (by the worker's learned step costs)."""
+    def keeps_tpot(self, gen: Generation, worker: WorkerHandle, own: bool = True) -> bool:
+        """Whether one more sequence on worker keeps the tightest TPOT target of this request (own)
+        and of those already there (by the worker's learned step costs)."""
         if not self.slo.admission:
             return True
-        targets = [t for t in (self.slo.tpot_target_ms(gen.service), *self.tpot_targets(worker)) if t is not None]
+        mine = (self.slo.tpot_target_ms(gen.service),) if own else ()
+        targets = [t for t in (*mine, *self.tpot_targets(worker)) if t is not None]
         if not targets:
             return True
         cost, load = self.placement.step_cost(worker), self.placement.load(worker)
         return step_ms_with_one_more(cost.base_ms, cost.ms_per_seq, load.running) <= min(targets)
+
+    def check_tpot_reachable(self, gen: Generation) -> None:
+        """A TPOT target of the request's own that no decode worker keeps even with nothing else
+        running there: no wait would place it, so it is refused at arrival (RouterError
+        INVALID_ARGUMENT naming slo_tpot_ms and the fastest step), not queued to block others."""
+        own = gen.service.tpot_ms
+        if not self.slo.admission or own is None or own < self.slo.tpot_ms or gen.generated:
+            return
+        workers = self.pool.healthy("both" if self.pool.colocated else "decode")
+        fastest = min((step_ms_with_one_more(c.base_ms, c.ms_per_seq, 0)
+                       for c in map(self.placement.step_cost, workers)), default=None)
+        if fastest is not None and own < fastest:
+            raise RouterError("INVALID_ARGUMENT", f"slo_tpot_ms must be at least {fastest:.3g} ms on this deployment "
+                              f"(its fastest decode step with one sequence), got {own:g}", field="slo_tpot_ms")
 
     def prefix_in_flight(self, route: Route, keys: list[int]) -> bool:
         """The route's worker has this prompt's prefix only in flight: an earlier request routed

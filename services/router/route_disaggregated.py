@@ -18,6 +18,7 @@ import grpc
 from pdserve.v1 import worker_pb2
 from services import tracing
 from services.proto_convert import params_to_proto
+from services.router.admission import Turn
 from services.router.errors import RouterError, WorkerFailure
 from services.router.generation_state import Chunk, Generation
 from services.router.migration import own_deadline, refused
@@ -219,8 +220,8 @@ class DisaggregatedRoute:
             ticket = gen.service.ticket
             if gen.timing.migrations:
                 ticket = dataclasses.replace(ticket, moved=True)
-            async with ctx.admission.turn(deadline - now, ticket):
-                placed = await self._place(gen, request, keys, wait_for_prefix, deadline, t0)
+            async with ctx.admission.turn(deadline - now, ticket) as turn:
+                placed = await self._place(gen, request, keys, wait_for_prefix, turn, t0)
                 return placed
         except RouterError as exc:   # it waited behind a request waiting for a restarting role: say so
             error = f"{exc.code}: {exc.message}"
@@ -239,17 +240,20 @@ class DisaggregatedRoute:
                         route=("local" if placed[1].local else "remote") if placed else None)
 
     async def _place(self, gen: Generation, request: worker_pb2.ReserveRequest, keys: list[int],
-                     wait_for_prefix: bool, deadline: float, t0: float) -> Placed | None:
-        """_reserve as the head of the admission queue, until deadline (monotonic)."""
+                     wait_for_prefix: bool, turn: Turn, t0: float) -> Placed | None:
+        """_reserve as the head of the admission queue, until the turn's deadline (monotonic). A
+        head that a worker would take but for its own TPOT target steps aside while it waits."""
         ctx, n_tokens = self.ctx, gen.n_tokens
         while True:
             routes = await ctx.watch.pick(gen, lambda: ctx.routes(gen, keys))
+            own_target_only = False   # some worker would take it, were it not for its own TPOT target
             for route in routes:
                 worker = route.decode
                 bs = worker.status.block_size if worker.status and worker.status.block_size else 1
                 if worker.status is not None and worker.free_blocks < -(-n_tokens // bs):
                     continue   # cannot fit: do not ask
                 if not ctx.keeps_tpot(gen, worker):
+                    own_target_only = own_target_only or ctx.keeps_tpot(gen, worker, own=False)
                     continue   # one more sequence there would push a TPOT target past its limit
                 if wait_for_prefix and ctx.prefix_in_flight(route, keys):
                     return None
@@ -277,8 +281,11 @@ class DisaggregatedRoute:
                         f"cost={r.cost:.1f} running={ctx.placement.load(r.decode).running} "
                         f"free={r.decode.free_blocks}" for r in routes))
                 return worker, route, response, routed_at
-            remaining = deadline - time.monotonic()
+            remaining = turn.deadline - time.monotonic()
             if remaining <= 0:
                 raise RouterError("RESOURCE_EXHAUSTED", f"no decode capacity for {n_tokens} tokens within "
-                                  f"{ctx.options.queue_timeout_s:g}s", retry_after_s=ctx.admission.retry_after_s())
-            await ctx.pool.wait_changed(remaining)
+                                  f"{time.perf_counter() - t0:.3g}s", retry_after_s=ctx.admission.retry_after_s())
+            if own_target_only:
+                await turn.step_aside(ctx.pool.wait_changed)
+            else:
+                await ctx.pool.wait_changed(remaining)

@@ -1,9 +1,11 @@
 """What a request was promised, and whether the router can still keep it.
 
-A request's ``ServiceClass``: its priority (lower first, as vLLM's ``priority``), its client (the
-fair-share key inside a priority: OpenAI's ``user``), its latency targets (TTFT and TPOT in
-ms; unset: the deployment's ``--slo-ttft-ms`` / ``--slo-tpot-ms``), and its session
-(``session_id``; services/router/sessions.py).
+A request's ``ServiceClass``: its priority (lower first, as vLLM's ``priority``; its API key's
+grant bounds it, services/api/principals.py), its principal (the API key's name: the fair-share
+key inside a priority, so a client cannot split itself into many), OpenAI's ``user``, its latency
+targets (TTFT and TPOT in ms; unset: the deployment's ``--slo-ttft-ms`` / ``--slo-tpot-ms``, and
+never tighter than those), and its session (``session_id``, else ``user``, inside its principal;
+services/router/sessions.py).
 
 With ``--slo-admission`` the router admits by prediction (``SloPolicy``):
 
@@ -12,9 +14,14 @@ With ``--slo-admission`` the router admits by prediction (``SloPolicy``):
   prefill worker's queue and compute, the KV transfer; services/router/cost_model.py). A request
   predicted to miss its TTFT target is refused at once (RESOURCE_EXHAUSTED / HTTP 429) with a
   retry hint of the predicted excess, never queued to miss it;
+- a request whose TPOT target is below every decode worker's step time with nothing else
+  running there is refused at arrival (INVALID_ARGUMENT naming ``slo_tpot_ms`` and that time):
+  no wait would ever place it;
 - a decode worker is offered a request only while its predicted step time with one more
   sequence stays within the tightest TPOT target of that request and of those already decoding
-  there, so admitted work is not pushed past its targets (the request waits in the queue);
+  there, so admitted work is not pushed past its targets (the request waits in the queue). A
+  queue head that no worker takes only because of its own TPOT target steps aside until the
+  workers' state changes, so the requests behind it are placed meanwhile (AdmissionQueue);
 - a request still waiting when its TTFT target has passed is shed (RESOURCE_EXHAUSTED, saying
   so) rather than served late, unless ``--no-slo-shed``.
 """
@@ -24,6 +31,7 @@ import collections
 import math
 from dataclasses import dataclass
 
+from engine.quoting import quoted
 from engine.sampling_params import PRIORITY_RANGE
 from services.router.admission import Ticket
 
@@ -36,29 +44,32 @@ MAX_RETRY_AFTER_S = 60.0
 @dataclass(frozen=True, slots=True)
 class ServiceClass:
     priority: int = 0
-    client: str = ""
+    client: str = ""                  # OpenAI's `user`, as the client sent it
     ttft_ms: float | None = None      # None: the deployment's target (if any)
     tpot_ms: float | None = None
     session: str = ""                 # session_id; empty: the client's, if any
+    principal: str = ""               # who the API key says sent it ("": the open API's anonymous caller)
 
     def __post_init__(self) -> None:
         check_service_class(self.priority, self.client, self.ttft_ms, self.tpot_ms, self.session)
 
     @property
     def ticket(self) -> Ticket:
-        return Ticket(self.priority, self.client)
+        """The admission queue's view: the fair share is the principal's, not the `user` it sends."""
+        return Ticket(self.priority, self.principal)
 
     @property
     def session_key(self) -> str:
-        """The multi-turn session the request belongs to ("" : none)."""
-        return self.session or self.client
+        """The multi-turn session the request belongs to ("" : none), inside its principal."""
+        name = self.session or self.client
+        return f"{self.principal}\x1f{name}" if name and self.principal else name
 
 
 def check_service_class(priority: int, client: str, ttft_ms: float | None, tpot_ms: float | None,
                         session: str = "") -> None:
     """ValueError naming the field and its limit (the doors map it to INVALID_ARGUMENT / 400)."""
     if isinstance(priority, bool) or not isinstance(priority, int) or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
-        raise ValueError(f"priority must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], got {priority!r}")
+        raise ValueError(f"priority must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], got {quoted(priority)}")
     if not isinstance(client, str) or len(client) > MAX_CLIENT_CHARS:
         raise ValueError(f"user must be a string of at most {MAX_CLIENT_CHARS} characters")
     if not isinstance(session, str) or len(session) > MAX_CLIENT_CHARS:
@@ -66,7 +77,7 @@ def check_service_class(priority: int, client: str, ttft_ms: float | None, tpot_
     for name, value in (("slo_ttft_ms", ttft_ms), ("slo_tpot_ms", tpot_ms)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not 0 < value <= MAX_TARGET_MS):
-            raise ValueError(f"{name} must be a number of milliseconds in (0, {MAX_TARGET_MS:g}], got {value!r}")
+            raise ValueError(f"{name} must be a number of milliseconds in (0, {MAX_TARGET_MS:g}], got {quoted(value)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +90,12 @@ class SloPolicy:
     shed_late: bool = True
 
     def ttft_target_ms(self, service: ServiceClass) -> float | None:
-        return service.ttft_ms or self.ttft_ms or None
+        """The request's TTFT target: its own, never tighter than the deployment's."""
+        return max(service.ttft_ms or 0.0, self.ttft_ms) or None
 
     def tpot_target_ms(self, service: ServiceClass) -> float | None:
-        return service.tpot_ms or self.tpot_ms or None
+        """The request's TPOT target: its own, never tighter than the deployment's."""
+        return max(service.tpot_ms or 0.0, self.tpot_ms) or None
 
 
 class OverloadShares:
@@ -96,14 +109,26 @@ class OverloadShares:
     def __init__(self, window_s: float = 10.0, overload_s: float = 1.0) -> None:
         self.window_s, self.overload_s = window_s, overload_s
         self._admitted: collections.deque[tuple[float, int, str]] = collections.deque()
-        self._refused_at: dict[int, float] = {}   # priority -> when one of it was last refused
+        # priority -> when one of it was last refused, oldest first; only the last overload_s kept
+        self._refused_at: dict[int, float] = {}
 
     def _prune(self, now: float) -> None:
         while self._admitted and now - self._admitted[0][0] > self.window_s:
             self._admitted.popleft()
 
     def refused(self, ticket: Ticket, now: float) -> None:
+        self._refused_at.pop(ticket.priority, None)   # re-inserted last: the dict stays in time order
         self._refused_at[ticket.priority] = now
+        self._forget_refusals(now)
+
+    def _forget_refusals(self, now: float) -> None:
+        """Drop refusals older than overload_s: the record holds at most the classes refused
+        within it, however many distinct priorities clients send."""
+        while self._refused_at:
+            priority, at = next(iter(self._refused_at.items()))
+            if now - at <= self.overload_s:
+                break
+            del self._refused_at[priority]
 
     def admitted(self, ticket: Ticket, now: float) -> None:
         self._prune(now)
@@ -111,7 +136,8 @@ class OverloadShares:
 
     def yields(self, ticket: Ticket, now: float) -> str | None:
         """Why ticket yields now (None: it need not)."""
-        recent = {p for p, t in self._refused_at.items() if now - t <= self.overload_s}
+        self._forget_refusals(now)
+        recent = self._refused_at.keys()
         if not recent:
             return None
         if any(p < ticket.priority for p in recent):

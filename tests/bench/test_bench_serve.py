@@ -329,5 +329,5 @@ def test_bench_serve_over_the_openai_http_api(cluster, tiny_qwen3: str, tmp_path
                  "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bad.json", "--no-plot",
                  "--no-progress"]) == 0
     bad = json.loads((tmp_path / "bad.json").read_text())
-    assert bad["completed"] == 0 and all(e.startswith("HTTP 404: The model `no-such-model` does not exist")
+    assert bad["completed"] == 0 and all(e.startswith("HTTP 404: The model 'no-such-model' does not exist")
                                          for e in bad["errors"]), bad["errors"]

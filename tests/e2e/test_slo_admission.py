@@ -137,15 +137,21 @@ def test_a_request_that_would_wait_for_decode_capacity_past_its_target_is_refuse
         assert client.generate([6, *BIG], slo_ttft_ms=600_000, **SHORT).finish_reason == "length"
 
 
-def test_a_request_whose_tpot_target_no_decode_step_can_keep_waits_then_is_shed(cluster) -> None:
-    """Nothing decodes there (no wait is predicted), but no decode step keeps its TPOT target: it
-    waits at the head of the queue, and is shed when its TTFT target passes, not served late."""
+def test_a_tpot_target_no_decode_step_can_keep_is_refused_at_arrival_naming_the_field(cluster) -> None:
+    """Nothing decodes there, but no decode step keeps its TPOT target even alone: no wait would
+    place it, so it is refused at once naming slo_tpot_ms and the fastest step (before issue 41 it
+    waited at the head of the queue, holding up every request behind it, until shed)."""
     shed_before = metric(_router_metrics(cluster), "pdserve:request_slo_shed_total")
     with Client(cluster.router_address, timeout=60) as client:
+        client.generate(PROMPT, **SHORT)   # the decode worker's step cost is known
+        t0 = time.perf_counter()
         with pytest.raises(grpc.RpcError) as err:
             client.generate(PROMPT, slo_ttft_ms=400, slo_tpot_ms=0.001, **SHORT)
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "shed" in err.value.details()
-        assert metric(_router_metrics(cluster), "pdserve:request_slo_shed_total") == shed_before + 1
+        took = time.perf_counter() - t0
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert re.search(r"slo_tpot_ms must be at least [\d.]+ ms", err.value.details()), err.value.details()
+        assert took < 1.0, f"the refusal took {took * 1e3:.0f} ms"
+        assert metric(_router_metrics(cluster), "pdserve:request_slo_shed_total") == shed_before
         assert client.generate(PROMPT, slo_ttft_ms=60_000, slo_tpot_ms=10_000, **SHORT).finish_reason == "length"
 
 

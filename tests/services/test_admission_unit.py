@@ -192,3 +192,99 @@ def test_a_moving_request_goes_ahead_of_its_class_and_a_full_queue_never_refuses
         ("high", Ticket(0), 0.01)])
     assert [n for n, o in outcome.items() if o != "admitted"] == ["new-2"]   # room for the higher class:
     assert order == ["head", "high", "moved", "new-1"]                       # the latest newcomer, not the moving one
+
+
+def test_a_head_that_only_its_own_target_blocks_steps_aside_and_keeps_its_place() -> None:
+    """The picky head (a TPOT target no busy worker keeps) steps aside until the workers change:
+    the requests behind it are placed meanwhile, and it is the head again after the change,
+    before later arrivals of its class. Without step_aside every other request waits behind it
+    (the stall of issue 41: 10 normal requests from 0.25 s to 59 s)."""
+    from services.router.admission import Ticket
+
+    async def run():
+        queue, order = AdmissionQueue(8), []
+        changed = asyncio.Event()
+        tries = 0
+
+        async def picky() -> None:
+            nonlocal tries
+            async with queue.turn(5.0, Ticket(0, "p")) as turn:
+                while not changed.is_set():
+                    tries += 1
+                    await turn.step_aside(lambda timeout: asyncio.wait_for(changed.wait(), timeout))
+                order.append("picky")
+
+        async def normal(i: int) -> None:
+            async with queue.turn(5.0, Ticket(0, f"n{i}")):
+                order.append(f"n{i}")
+                if i == 2:
+                    changed.set()   # the third placement changes the workers' state
+        tasks = [asyncio.create_task(picky())]
+        await asyncio.sleep(0)
+        tasks += [asyncio.create_task(normal(i)) for i in range(5)]
+        await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
+        return order, tries, len(queue)
+    order, tries, left = asyncio.run(run())
+    assert order[:3] == ["n0", "n1", "n2"] and "picky" in order and left == 0, order
+    assert tries >= 1
+
+
+def test_a_stepped_aside_head_counts_towards_the_bound_and_times_out_on_its_deadline() -> None:
+    from services.router.admission import Ticket
+
+    async def run():
+        queue = AdmissionQueue(1)
+        aside = asyncio.Event()
+
+        async def picky() -> None:
+            async with queue.turn(0.3, Ticket(0, "p")) as turn:
+                aside.set()
+                while True:
+                    await turn.step_aside(lambda timeout: asyncio.sleep(timeout))
+
+        async def holder(release: asyncio.Event) -> None:
+            async with queue.turn(5.0, Ticket(0, "h")):
+                await release.wait()
+        task = asyncio.create_task(picky())
+        await aside.wait()
+        release = asyncio.Event()
+        head = asyncio.create_task(holder(release))   # the head while picky is aside
+        await asyncio.sleep(0.01)
+        with pytest.raises(RouterError) as full:   # picky (aside) and the head: the queue is full
+            async with queue.turn(5.0, Ticket(0, "x")):
+                pass
+        with pytest.raises(RouterError) as late:
+            await task
+        release.set()
+        await head
+        return full.value, late.value, len(queue)
+    full, late, left = asyncio.run(run())
+    assert "queue is full" in full.message
+    assert late.code == "RESOURCE_EXHAUSTED" and "within 0.3s" in late.message, late.message
+    assert left == 0
+
+
+def test_per_class_state_is_dropped_when_a_class_has_nobody_waiting() -> None:
+    """A flood of distinct priorities leaves no state behind (issue 41, low 6): the queue's per-class
+    maps hold only the classes with requests in the queue, and look-ups create none."""
+    from services.router.admission import Ticket
+
+    async def run():
+        queue = AdmissionQueue(64)
+        for p in range(1000):
+            queue.ahead_of(Ticket(p, "c"))   # a prediction's look-up
+            async with queue.turn(1.0, Ticket(p, "c")):
+                pass
+        return queue
+    queue = asyncio.run(run())
+    assert not queue._vtime and not queue._last_tag and not queue._in_class
+
+
+def test_overload_shares_forget_old_refusals_whatever_the_number_of_priorities() -> None:
+    from services.router.admission import Ticket
+    from services.router.slo import OverloadShares
+    shares = OverloadShares(window_s=10.0, overload_s=1.0)
+    for p in range(10_000):
+        shares.refused(Ticket(p, "x"), now=float(p) * 0.01)   # 100 a second, each a new class
+    assert len(shares._refused_at) <= 101
+    assert shares.yields(Ticket(0, "x"), now=1000.0) is None and not shares._refused_at

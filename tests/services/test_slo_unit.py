@@ -17,8 +17,12 @@ from services.router.slo import (MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, ServiceCl
 
 
 def test_a_service_class_is_checked_and_gives_its_ticket() -> None:
-    service = ServiceClass(priority=-3, client="alice", ttft_ms=500.0, tpot_ms=60)
-    assert service.ticket == Ticket(-3, "alice")
+    service = ServiceClass(priority=-3, client="alice", ttft_ms=500.0, tpot_ms=60, principal="team-a")
+    assert service.ticket == Ticket(-3, "team-a")   # the fair share is the API key's, not the `user` sent
+    assert ServiceClass(client="bob", principal="team-a").ticket == Ticket(0, "team-a")
+    # sessions live inside their principal: another key's holder naming the same session gets another one
+    assert ServiceClass(session="s1", principal="a").session_key != ServiceClass(session="s1", principal="b").session_key
+    assert ServiceClass().session_key == ""
     for kwargs, field in ((dict(priority=2 ** 31), "priority"), (dict(priority=True), "priority"),
                           (dict(client="x" * 257), "user"), (dict(ttft_ms=0.0), "slo_ttft_ms"),
                           (dict(tpot_ms=float("nan")), "slo_tpot_ms"), (dict(ttft_ms=1e9), "slo_ttft_ms")):
@@ -26,12 +30,14 @@ def test_a_service_class_is_checked_and_gives_its_ticket() -> None:
             ServiceClass(**kwargs)
 
 
-def test_the_policy_takes_a_requests_own_targets_before_the_deployments() -> None:
+def test_a_requests_own_targets_are_never_tighter_than_the_deployments() -> None:
     policy = SloPolicy(admission=True, ttft_ms=500.0, tpot_ms=0.0)
     assert policy.ttft_target_ms(ServiceClass()) == 500.0
-    assert policy.ttft_target_ms(ServiceClass(ttft_ms=200.0)) == 200.0
+    assert policy.ttft_target_ms(ServiceClass(ttft_ms=200.0)) == 500.0     # tighter: the deployment's
+    assert policy.ttft_target_ms(ServiceClass(ttft_ms=2000.0)) == 2000.0   # looser: its own
     assert policy.tpot_target_ms(ServiceClass()) is None
     assert policy.tpot_target_ms(ServiceClass(tpot_ms=40.0)) == 40.0
+    assert SloPolicy(tpot_ms=50.0).tpot_target_ms(ServiceClass(tpot_ms=1e-6)) == 50.0
 
 
 def test_predictions_and_retry_hints() -> None:
