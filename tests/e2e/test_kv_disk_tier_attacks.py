@@ -131,6 +131,8 @@ def test_a_symlink_to_a_huge_sparse_file_does_not_grow_the_worker(deployment, tm
     tokens, _ = generate(cluster, prompt)
     assert tokens == reference[tuple(prompt)]
     grew_kb = vm_kb(pid, "VmHWM") - max(hwm, rss)
+    print(f"a link to a {SPARSE_BYTES >> 20} MiB sparse file at a block's name: the worker's peak grew "
+          f"{grew_kb >> 10} MiB")
     assert grew_kb < 256 << 10, f"the worker's peak memory grew by {grew_kb >> 10} MiB"
     assert huge.stat().st_size == SPARSE_BYTES   # the target untouched
 
@@ -147,6 +149,7 @@ def test_a_fifo_at_a_known_prefix_name_does_not_hang_the_worker(deployment) -> N
     try:
         tokens, took = generate(cluster, prompt, timeout=max(30.0, 20 * usual))
         assert tokens == reference[tuple(prompt)]
+        print(f"a FIFO at a prefix's block name: the request took {took:.2f}s (usually {usual:.2f}s)")
         assert took < max(10.0, 10 * usual), f"{took:.1f} s, usually {usual:.2f} s"
         assert generate(cluster, PROMPTS[7])[0] == reference[tuple(PROMPTS[7])]   # and it keeps serving
         assert tier_counts(worker)[1] > refused
