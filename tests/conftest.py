@@ -42,10 +42,7 @@ _STARTERS = {"start_cluster", "FaultCluster", "Cluster", "subprocess", "Popen", 
 # started through engine or deployment objects the scan does not follow: rank processes, actors).
 _E2E_MODULES = {"test_ray_serving", "test_ray_quickstart", "test_tensor_parallel", "test_cli_up",
                 "test_bench_scripts", "test_metrics_e2e", "test_serving_e2e", "test_serving_large_kv"}
-# test_engine_stall starts a local Ray cluster (test_ray_serving's fixture) for its Ray case: one
-# at a time with the other Ray modules, or two heads race for the machine (a GCS that never came up).
 _GROUPS = {"test_ray_serving": "ray", "test_ray_quickstart": "ray", "test_bench_scripts": "ray",
-           "test_engine_stall": "ray",
            "test_fault_matrix": "faults", "test_supervisor": "faults", "test_leases": "faults",
            "test_restart_outage": "faults"}
 # Seconds per group (the sum of its tests' durations in a -n 2 run, 2026-12-03; for the order

@@ -15,22 +15,30 @@ import ipaddress
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import grpc
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.settings import ENV
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.client import AsyncClient
 from services.deployment.launcher import free_port
 from services.process_table import group_pids, is_alive
 from services.security import API_KEY_ENV, CLUSTER_TOKEN_ENV, Credentials
 from tests.conftest import random_prompts
+from tests.faults.harness import observe, record, wait_for
+from tests.faults.test_engine_stall import (ENGINE_STALL_S, MAX_TOKENS, PROMPTS as STALL_PROMPTS,  # noqa: F401
+                                            RAY_REPLACED_WITHIN_S, RUNNING, STALL_ROUTER, STALL_WORKER, reference)
 from tests.serving import SteadyLoad
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
@@ -62,7 +70,16 @@ def _scoped_env(**values: str) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_hang_dir() -> Iterator[Path]:
+    """The engine-hang test hook's directory (a file engine-hang-PID there hangs worker PID's engine
+    thread): in the raylet's environment, so in every actor's."""
+    path = Path(tempfile.mkdtemp(prefix="pdserve-hang-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_hang_dir: Path):
     """`ray start --head` on 127.0.0.1 (token auth with a throwaway token, no dashboard,
     4 logical CPUs, 200 MB object store); this process connected as a driver."""
     from services.ray_deploy.cluster import LOOPBACK_ENV, start_local_cluster, stop_local_cluster, use_loopback_node
@@ -70,7 +87,7 @@ def ray_cluster():
     path = os.environ.get("PYTHONPATH", "")
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), LOOPBACK_ENV: "0",
            "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, path) if p), CLUSTER_TOKEN_ENV: CLUSTER_TOKEN,
-           API_KEY_ENV: API_KEY}
+           API_KEY_ENV: API_KEY, **ENV.TEST_ENGINE_HANG_DIR.env(ray_hang_dir)}
     with _scoped_env(**env):
         use_loopback_node()
         cluster = start_local_cluster(num_cpus=4, object_store_bytes=200 << 20, save=False)
@@ -556,3 +573,66 @@ def test_tp_layouts_through_the_object_store_match_offline(ray_cluster, tiny_qwe
     while not all(_gone(p) for p in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(_gone(p) for p in ranks)
+
+
+# ---- a hung engine (tests/faults/test_engine_stall.py under `pdserve up`): the actor's process exits,
+# Ray restarts it, the router follows it ----------------------------------------------------------
+def _actor_info(name: str, timeout: float = 5.0) -> dict | None:
+    """The actor's info(), or None while it does not answer (hung, dead, restarting)."""
+    import ray
+
+    try:
+        return ray.get(ray.get_actor(name, namespace=NAMESPACE).info.remote(), timeout=timeout)
+    except Exception:  # noqa: BLE001 - any of Ray's unavailable / timeout / died errors: not now
+        return None
+
+
+def _status(address: str) -> worker_pb2.WorkerStatus | None:
+    if not address:
+        return None
+    try:
+        with Credentials(CLUSTER_TOKEN).sync_channel(address) as ch:
+            return worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.StatusRequest(), timeout=5)
+    except grpc.RpcError:
+        return None
+
+
+def test_a_ray_decode_actor_whose_engine_hangs_is_restarted_and_loses_no_request(ray_cluster, ray_hang_dir: Path,
+                                                                                  tiny_qwen3, reference) -> None:
+    hang_dir = ray_hang_dir
+    name = "stall"
+    info = _deploy(tiny_qwen3, name, prefill_workers=1, decode_workers=2, kv_transport="grpc",
+                   worker_args=STALL_WORKER, router_args=STALL_ROUTER)
+    decodes = [f"{name}-decode-{i}" for i in range(2)]
+    workers = [f"{name}-prefill-0", *decodes]
+    try:
+        before = {n: _actor_info(n, 60) for n in decodes}
+        running = [observe(info.router_address, p, MAX_TOKENS, timeout=180) for p in STALL_PROMPTS[:RUNNING]]
+        decoding: list[str] = []
+        wait_for(lambda: bool(decoding.extend(n for n in decodes if (_status(before[n]["address"]) or
+                                                                       worker_pb2.WorkerStatus()).num_running)
+                              or decoding), 90, "a decode actor decoding", interval=0.05)
+        victim, old_pid = decoding[0], before[decoding[0]]["pid"]
+        (hang_dir / f"engine-hang-{old_pid}").write_text("")
+        t_hang = time.monotonic()
+        arriving = [observe(info.router_address, p, MAX_TOKENS, timeout=180) for p in STALL_PROMPTS[RUNNING:]]
+        wait_for(lambda: (_actor_info(victim) or {"pid": old_pid})["pid"] != old_pid, RAY_REPLACED_WITHIN_S,
+                 f"{victim} restarted within {RAY_REPLACED_WITHIN_S:g}s of its engine hanging", interval=0.2)
+        replaced_after = time.monotonic() - t_hang
+        for obs in running + arriving:
+            assert obs.done.wait(180), "a request hung through the stall"
+        failed = [(o.code, o.details) for o in running + arriving if o.code is not None]
+        assert not failed, f"{len(failed)} of {len(running + arriving)} requests failed: {failed[:3]}"
+        assert [o.tokens for o in running + arriving] == reference
+        assert any(o.migrations for o in running + arriving), "no stream was on the hung worker"
+        assert replaced_after >= ENGINE_STALL_S
+        record("engine thread hung (Ray)", replaced_after_s=round(replaced_after, 2),
+               migrated=sum(1 for o in running + arriving if o.migrations))
+
+        def at_baseline() -> bool:
+            statuses = [_status((_actor_info(n) or {}).get("address", "")) for n in workers]
+            return all(s is not None and s.num_free_blocks == s.num_total_blocks and s.num_reserved == 0
+                       for s in statuses)
+        wait_for(at_baseline, 60, "free blocks back at baseline on every worker", interval=0.5)
+    finally:
+        _teardown(name)

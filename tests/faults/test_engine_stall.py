@@ -1,26 +1,22 @@
 """A decode worker alive but not stepping (its engine thread hung, holding the engine lock: gRPC
-server and process alive), under `pdserve up`'s supervisor and under Ray: its watchdog ends it
+server and process alive), under `pdserve up`'s supervisor (under Ray: tests/e2e/test_ray_serving.py, which holds the one
+local Ray cluster of its test process): its watchdog ends it
 within --engine-stall-timeout-s, the supervisor (Ray: max_restarts) starts a new process, the router
 migrates its requests. No request is lost, every one has exactly a fault-free run's greedy tokens,
 and free KV blocks return to the baseline on every worker."""
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.settings import ENV
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.deployment.launcher import RESTART_BACKOFF_S, SUPERVISE_POLL_S
-from services.security import Credentials
 from services.workers.config import ENGINE_STALL_EXIT_CODE
-from tests.e2e.test_ray_serving import CLUSTER_TOKEN, _deploy, _teardown, _scoped_env, ray_cluster  # noqa: F401
 from tests.conftest import random_prompts
 from tests.faults.harness import FAULT_WORKER, FaultCluster, observe, record, wait_for
 
@@ -33,7 +29,8 @@ PROMPTS = random_prompts(RUNNING + ARRIVING, 8, 40, seed=4101)
 # The watchdog sees a stall within its timeout plus a check (1 s); the supervisor restarts after its
 # first backoff and a poll. The slack absorbs a loaded machine (a check, a poll, a fork run late).
 REPLACED_WITHIN_S = ENGINE_STALL_S + 1.0 + RESTART_BACKOFF_S[0] + SUPERVISE_POLL_S + 15.0
-# Ray restarts at once, and a new pid is seen when the restarted actor answers: after its start-up.
+# Ray restarts at once, and a new pid is seen when the restarted actor answers: after its start-up
+# (the Ray case: tests/e2e/test_ray_serving.py).
 RAY_REPLACED_WITHIN_S = ENGINE_STALL_S + 1.0 + 40.0
 STALL_WORKER = ["--engine-stall-timeout-s", str(ENGINE_STALL_S)]
 STALL_ROUTER = ["--stall-timeout-s", "3", "--migration-limit", "3"]
@@ -58,7 +55,9 @@ def hang_dir():
 def fc(tiny_qwen3: str, hang_dir: Path):
     """1 prefill + 2 decode workers under the supervisor, with the hook's directory in their
     environment (each child's is copied when the cluster makes it, restarts included)."""
-    with _scoped_env(**ENV.TEST_ENGINE_HANG_DIR.env(hang_dir)):
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in ENV.TEST_ENGINE_HANG_DIR.env(hang_dir).items():
+            env.setenv(key, value)
         cluster = FaultCluster(tiny_qwen3, prefill=1, decode=2, worker_args=[*FAULT_WORKER, *STALL_WORKER])
     yield cluster
     cluster.close()
@@ -96,75 +95,3 @@ def test_a_decode_worker_whose_engine_hangs_is_replaced_and_loses_no_request(fc,
            longest_silence_s=round(max(o.recovery_after(t_hang) for o in running), 2))
     wait_for(fc.all_healthy, 60, "the new worker serving")
     wait_for(fc.at_baseline, 30, "free blocks back at baseline on every worker")
-
-
-# ---- the same under Ray: the actor's process exits, Ray restarts it, the router follows it ----------
-@pytest.fixture(scope="module")
-def ray_hang(hang_dir: Path, request):
-    """A local Ray cluster (tests/e2e/test_ray_serving.py's) whose raylet, and so every actor, has
-    the test hook's directory in its environment."""
-    if importlib.util.find_spec("ray") is None:
-        pytest.skip("ray is not installed")
-    with _scoped_env(**ENV.TEST_ENGINE_HANG_DIR.env(hang_dir)):
-        yield request.getfixturevalue("ray_cluster")
-
-
-def _actor_info(name: str, timeout: float = 5.0) -> dict | None:
-    """The actor's info(), or None while it does not answer (hung, dead, restarting)."""
-    import ray
-    from tests.e2e.test_ray_serving import NAMESPACE
-
-    try:
-        return ray.get(ray.get_actor(name, namespace=NAMESPACE).info.remote(), timeout=timeout)
-    except Exception:  # noqa: BLE001 - any of Ray's unavailable / timeout / died errors: not now
-        return None
-
-
-def _status(address: str) -> worker_pb2.WorkerStatus | None:
-    if not address:
-        return None
-    try:
-        with Credentials(CLUSTER_TOKEN).sync_channel(address) as ch:
-            return worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.StatusRequest(), timeout=5)
-    except grpc.RpcError:
-        return None
-
-
-def test_a_ray_decode_actor_whose_engine_hangs_is_restarted_and_loses_no_request(ray_hang, tiny_qwen3, reference,
-                                                                                  hang_dir: Path) -> None:
-    name = "stall"
-    info = _deploy(tiny_qwen3, name, prefill_workers=1, decode_workers=2, kv_transport="grpc",
-                   worker_args=STALL_WORKER, router_args=STALL_ROUTER)
-    decodes = [f"{name}-decode-{i}" for i in range(2)]
-    workers = [f"{name}-prefill-0", *decodes]
-    try:
-        before = {n: _actor_info(n, 60) for n in decodes}
-        running = [observe(info.router_address, p, MAX_TOKENS, timeout=180) for p in PROMPTS[:RUNNING]]
-        decoding: list[str] = []
-        wait_for(lambda: bool(decoding.extend(n for n in decodes if (_status(before[n]["address"]) or
-                                                                       worker_pb2.WorkerStatus()).num_running)
-                              or decoding), 90, "a decode actor decoding", interval=0.05)
-        victim, old_pid = decoding[0], before[decoding[0]]["pid"]
-        (hang_dir / f"engine-hang-{old_pid}").write_text("")
-        t_hang = time.monotonic()
-        arriving = [observe(info.router_address, p, MAX_TOKENS, timeout=180) for p in PROMPTS[RUNNING:]]
-        wait_for(lambda: (_actor_info(victim) or {"pid": old_pid})["pid"] != old_pid, RAY_REPLACED_WITHIN_S,
-                 f"{victim} restarted within {RAY_REPLACED_WITHIN_S:g}s of its engine hanging", interval=0.2)
-        replaced_after = time.monotonic() - t_hang
-        for obs in running + arriving:
-            assert obs.done.wait(180), "a request hung through the stall"
-        failed = [(o.code, o.details) for o in running + arriving if o.code is not None]
-        assert not failed, f"{len(failed)} of {len(running + arriving)} requests failed: {failed[:3]}"
-        assert [o.tokens for o in running + arriving] == reference
-        assert any(o.migrations for o in running + arriving), "no stream was on the hung worker"
-        assert replaced_after >= ENGINE_STALL_S
-        record("engine thread hung (Ray)", replaced_after_s=round(replaced_after, 2),
-               migrated=sum(1 for o in running + arriving if o.migrations))
-
-        def at_baseline() -> bool:
-            statuses = [_status((_actor_info(n) or {}).get("address", "")) for n in workers]
-            return all(s is not None and s.num_free_blocks == s.num_total_blocks and s.num_reserved == 0
-                       for s in statuses)
-        wait_for(at_baseline, 60, "free blocks back at baseline on every worker", interval=0.5)
-    finally:
-        _teardown(name)
