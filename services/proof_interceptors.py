@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import grpc
 
 from engine.settings import ENV
-from services.proofs import (API_KEY_HEADER, AUTH_REPLY_HEADER, PROOF_WINDOW_S, REPLAY_CACHE_MAX, CallProof,
+from services.proofs import (AUTH_REPLY_HEADER, PROOF_WINDOW_S, REPLAY_CACHE_MAX, CallProof,
                              ClusterKey, ServerNames, _digest, _Nonces, _text)
 
 if TYPE_CHECKING:
@@ -87,31 +87,6 @@ class ClusterInterceptor(grpc.aio.ServerInterceptor):
             return _proving(handler, ((AUTH_REPLY_HEADER, key.reply(method, claim.nonce)),), claim.digest)
         what = "the admin token" if keys[0] is self.admin_key else "the cluster token"
         return refusing(handler, f"missing, stale or wrong proof of {what}")
-
-
-class SecretInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call whose metadata lacks the secret (health checks excepted): the router's
-    API key, which clients send as a bearer header."""
-
-    def __init__(self, header: str, secret: str, scheme: str = "", exempt: tuple[str, ...] = ()) -> None:
-        """exempt: method prefixes another check guards (the router's Membership service: the cluster token)."""
-        self.header = header
-        self.expected = (f"{scheme} {secret}" if scheme else secret).encode()
-        self.what = "API key" if header == API_KEY_HEADER else "secret"
-        self.open = (*OPEN_METHOD_PREFIXES, *exempt)
-
-    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
-        if details.method.startswith(self.open):
-            return await continuation(details)
-        given = next((v for k, v in details.invocation_metadata or () if k == self.header), None)
-        if given is not None and hmac.compare_digest(given.encode() if isinstance(given, str) else given, self.expected):
-            return await continuation(details)
-        handler = await continuation(details)
-        return refusing(handler, f"missing or wrong {self.what}")
-
-
-def api_key_interceptor(api_key: str, exempt: tuple[str, ...] = ()) -> SecretInterceptor:
-    return SecretInterceptor(API_KEY_HEADER, api_key, scheme="Bearer", exempt=exempt)
 
 
 MAKE_HANDLER = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,

@@ -47,8 +47,8 @@ import grpc
 from engine.settings import ENV
 # The proofs and their interceptors, re-exported: ``services.security`` is where callers find them.
 from services.proof_interceptors import (HANDLER_BEHAVIOR, MAKE_HANDLER, MEMBERSHIP_ADMIN_METHODS,  # noqa: F401
-                                         OPEN_METHOD_PREFIXES, ClusterInterceptor, SecretInterceptor, refusing,
-                                         _SyncProof, api_key_interceptor, checked_call, metadata_interceptors,
+                                         OPEN_METHOD_PREFIXES, ClusterInterceptor, refusing,
+                                         _SyncProof, checked_call, metadata_interceptors,
                                          proving_interceptors, unproven_error)
 from services.proofs import (ADMIN_AUTH_HEADER, API_KEY_HEADER, AUTH_HEADER, AUTH_REPLY_HEADER,  # noqa: F401
                              PROOF_WINDOW_S, CallProof, ClusterKey, ProofCheck, ServerNames, _Nonces, _text, host_of,
