@@ -6,7 +6,9 @@ migrates its requests. No request is lost, every one has exactly a fault-free ru
 and free KV blocks return to the baseline on every worker."""
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -23,7 +25,7 @@ from tests.faults.harness import FAULT_WORKER, FaultCluster, observe, record, wa
 pytestmark = pytest.mark.faults
 
 ENGINE_STALL_S = 4.0
-MAX_TOKENS = 160
+MAX_TOKENS = 320   # 10 streams' blocks fit one decode worker (512 of 8 tokens) after a migration
 RUNNING, ARRIVING = 6, 4     # streams under way when the engine hangs, and requests sent during the hang
 PROMPTS = random_prompts(RUNNING + ARRIVING, 8, 40, seed=4101)
 # The watchdog sees a stall within its timeout plus a check (1 s); the supervisor restarts after its
@@ -63,17 +65,26 @@ def fc(tiny_qwen3: str, hang_dir: Path):
     cluster.close()
 
 
+def _caught_decoding(fc: FaultCluster, running: list) -> str:
+    """A decode worker running sequences, caught frozen (the caller resumes it): asked while it runs,
+    a tiny model's streams could end between the answer and the hook (on a loaded machine they did)."""
+    while not all(o.done.is_set() for o in running):
+        victim = fc.catch_holding("decode", lambda s: s.num_running > 0, keep_frozen=True)
+        if victim is not None:
+            return victim
+        time.sleep(0.005)
+    raise AssertionError("every stream ended before a decode worker was caught running one")
+
+
 def test_a_decode_worker_whose_engine_hangs_is_replaced_and_loses_no_request(fc, reference, hang_dir) -> None:
     wait_for(fc.all_healthy, 120, "every worker healthy")
     wait_for(fc.at_baseline, 30, "free blocks at baseline")
     running = [observe(fc.router, p, MAX_TOKENS, timeout=180) for p in PROMPTS[:RUNNING]]
     wait_for(lambda: sum(1 for o in running if len(o.tokens) >= 3) >= RUNNING // 2, 90, "streams under way")
-    decoding: list[str] = []
-    wait_for(lambda: bool(decoding.append(fc.holding("decode", "num_running")) or decoding[-1]), 30,
-             "a decode worker decoding")
-    victim = decoding[-1]
+    victim = _caught_decoding(fc, running)   # frozen: what it runs is still there when the hook is set
     old = fc.process(victim).popen
     (hang_dir / f"engine-hang-{old.pid}").write_text("")   # its engine thread hangs before its next step
+    os.kill(old.pid, signal.SIGCONT)
     t_hang = time.monotonic()
     arriving = [observe(fc.router, p, MAX_TOKENS, timeout=180) for p in PROMPTS[RUNNING:]]
     wait_for(lambda: fc.process(victim).popen.pid != old.pid, REPLACED_WITHIN_S,
