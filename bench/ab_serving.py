@@ -33,13 +33,13 @@ from bench import drivers  # noqa: E402
 def one_run(tree: Path, args: argparse.Namespace, model: str, logs: Path, tag: str) -> dict[str, float]:
     import numpy as np
 
-    from engine.model_config import ModelConfig
-    from services.deployment.launcher import free_port, wait_serving
-    from services.loadtest.datasets import DatasetOptions, sample_requests
-    from services.loadtest.results import Sampling
-    from services.loadtest.run import run_load
+    from pdserve.engine.model_config import ModelConfig
+    from pdserve.services.deployment.launcher import free_port, wait_serving
+    from pdserve.services.loadtest.datasets import DatasetOptions, sample_requests
+    from pdserve.services.loadtest.results import Sampling
+    from pdserve.services.loadtest.run import run_load
     port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--threads", "1", "--prefill-workers", "1", "--decode-workers", "1"]
     print(f"[{tag}] {tree}: {' '.join(cmd)}", flush=True)
     popen = subprocess.Popen(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},

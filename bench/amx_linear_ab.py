@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from engine.layers import cpu_kernels  # noqa: E402
+from pdserve.engine.layers import cpu_kernels  # noqa: E402
 
 SHAPES = ((1024, 512), (3072, 512), (512, 1536), (8192, 512), (4096, 1024), (6144, 1024), (1024, 3072))
 QWEN3_STEP = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)) * 28   # one step's linears, (N, K)

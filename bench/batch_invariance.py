@@ -24,15 +24,15 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench import drivers  # noqa: E402
-from services.loadtest.offline import ensure_model, make_workload  # noqa: E402
+from pdserve.services.loadtest.offline import ensure_model, make_workload  # noqa: E402
 from bench.step_profile import measure_decode, measure_prefill    # noqa: E402
 
 MODES = {"default": False, "invariant": True}
 
 
 def _engine(model: Path, args: argparse.Namespace, invariant: bool, max_seqs: int):
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     # No prefix caching: later rounds send the same prompts again.
     kwargs = {"num_threads": args.threads, "device": "cpu", "max_num_seqs": max_seqs, "batch_invariant": invariant,
@@ -45,7 +45,7 @@ def _engine(model: Path, args: argparse.Namespace, invariant: bool, max_seqs: in
 
 def measure_offline(engine, args: argparse.Namespace) -> tuple[float, float]:
     """Output tokens per wall second and per CPU second, every prompt queued at once."""
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     wl = make_workload(args.num_prompts, 8192, (64, 512), (32, 128), seed=0)
     for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens)):
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
-    from engine.cpu_features import detect
+    from pdserve.engine.cpu_features import detect
     print(f"CPU: {detect().model}; compute {result['compute_dtype']}, KV {result['kv_dtype']}, "
           f"{result['threads']} thread(s); invariant mode in force: {result['invariant_in_force']}")
     print(f"{'metric':26s} {'default':>10s} {'invariant':>10s} {'ratio':>7s}")

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.drivers import best_ms  # noqa: E402
-from engine.layers import cpu_kernels  # noqa: E402
+from pdserve.engine.layers import cpu_kernels  # noqa: E402
 
 # name -> (available, pack a bf16 weight, x @ W^T into bf16)
 KERNELS = {"bf16dot": (cpu_kernels.bf16dot_available, cpu_kernels.pack_bf16dot_weight,

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.drivers import best_ms  # noqa: E402
-from engine.layers import cpu_kernels  # noqa: E402
+from pdserve.engine.layers import cpu_kernels  # noqa: E402
 
 SHAPES = ((4096, 1024), (6144, 1024), (1024, 3072))
 

@@ -36,7 +36,7 @@ RUN_TIMEOUT_S = 120.0
 
 def pdserve_command() -> list[str]:
     exe = shutil.which("pdserve")
-    return [exe] if exe else [sys.executable, "-m", "services.cli.entry"]
+    return [exe] if exe else [sys.executable, "-m", "pdserve.services.cli.entry"]
 
 
 def timed_run(argv: list[str]) -> tuple[float | None, float, int, str]:
@@ -87,13 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be >= 1")
-    from services.deployment.launcher import free_port
+    from pdserve.services.deployment.launcher import free_port
 
     cmd = pdserve_command()
     cluster = None
     if args.router is None:
-        from engine.model_maker import ensure_default_model
-        from services.deployment.launcher import Cluster, Deployment
+        from pdserve.engine.model_maker import ensure_default_model
+        from pdserve.services.deployment.launcher import Cluster, Deployment
         cluster = Cluster(Deployment(model=str(ensure_default_model()), port=free_port()))
         print("starting a 1P1D deployment of the default model ...", file=sys.stderr, flush=True)
         cluster.start()

@@ -47,14 +47,14 @@ PERCENTILES = (50, 90, 99)
 
 def start_up(model: str, setup: str, port: int, threads: int, engine_args: list[str], log_path: Path
              ) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--threads", str(threads), *SETUPS[setup], *engine_args]
     return drivers.start_up(cmd, log_path, f"[{setup}]")
 
 
 def run_setup(setup: str, args: argparse.Namespace, model: str, out_dir: Path) -> dict[str, Any]:
-    from services.loadtest.serve import main as bench_main
-    from services.deployment.launcher import free_port, wait_serving
+    from pdserve.services.loadtest.serve import main as bench_main
+    from pdserve.services.deployment.launcher import free_port, wait_serving
 
     port = free_port()
     threads = args.colocated_threads if setup == "colocated" and args.colocated_threads else args.threads

@@ -50,7 +50,7 @@ def model_dir(given: str | None) -> str:
     """--model, else the deterministic ``small`` checkpoint (made once under $PDSERVE_HOME)."""
     if given:
         return str(given)
-    from engine.model_maker import ensure_model
+    from pdserve.engine.model_maker import ensure_model
     return str(ensure_model("small"))
 
 

@@ -20,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from services.loadtest.offline import hf_greedy  # noqa: E402
+from pdserve.services.loadtest.offline import hf_greedy  # noqa: E402
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     import torch
-    from engine import LLM, SamplingParams
-    from engine.model_maker import ensure_model
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine.model_maker import ensure_model
     torch.set_num_threads(args.threads)
     model_dir = str(ensure_model("small"))
     rng = random.Random(0)

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import zstandard
 
-from engine import LLM, SamplingParams
-from services.kv_transfer import compression as kc
+from pdserve.engine import LLM, SamplingParams
+from pdserve.services.kv_transfer import compression as kc
 
 
 def real_kv(model: str, tokens: int, seed: int) -> torch.Tensor:

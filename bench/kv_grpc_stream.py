@@ -52,12 +52,13 @@ RAW_PORT = 7311
 async def _serve(args: argparse.Namespace) -> None:
     import torch
 
-    from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.model_maker import PRESETS, ensure_model
-    from services.grpc_setup import start_server
-    from services.kv_transfer import KVTransferServicer, register_kv_servicer
-    from services.kv_transfer.tcp_receiver import KVDataListener
-    from services.security import Credentials
+    from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+    from pdserve.engine.model_maker import ensure_model
+    from pdserve.engine.presets import PRESETS
+    from pdserve.services.common.grpc_setup import start_server
+    from pdserve.services.kv_transfer import KVTransferServicer, register_kv_servicer
+    from pdserve.services.kv_transfer.tcp_receiver import KVDataListener
+    from pdserve.services.common.security import Credentials
 
     torch.set_num_threads(1)
     model = str(ensure_model(args.model)) if args.model in PRESETS else args.model
@@ -162,12 +163,12 @@ async def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     import grpc
     import torch
 
-    from engine.block_manager import transfer_block_hashes
-    from services.grpc_setup import options as channel_options
-    from services.kv_transfer import GrpcKVSender, KVBlock
-    from services.kv_transfer.grpc_transport import grpc_message_limit
-    from services.kv_transfer.tcp_transport import TcpKVSender
-    from services.security import Credentials
+    from pdserve.engine.kv.block_manager import transfer_block_hashes
+    from pdserve.services.common.grpc_setup import options as channel_options
+    from pdserve.services.kv_transfer import GrpcKVSender, KVBlock
+    from pdserve.services.kv_transfer.grpc_transport import grpc_message_limit
+    from pdserve.services.kv_transfer.tcp_transport import TcpKVSender
+    from pdserve.services.common.security import Credentials
 
     token = secrets.token_urlsafe(24)
     decode = Decode(args, token)

@@ -75,11 +75,11 @@ async def handoff_seconds(address: str, token: str, tokens: int, iters: int, shm
     request admitted; seconds until the sender had its acknowledgement; bytes) per iteration."""
     import torch
 
-    from engine.block_manager import transfer_block_hashes
+    from pdserve.engine.kv.block_manager import transfer_block_hashes
     from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-    from services.kv_transfer import GrpcKVSender, KVBlock
-    from services.security import Credentials
-    from services.grpc_setup import options
+    from pdserve.services.kv_transfer import GrpcKVSender, KVBlock
+    from pdserve.services.common.security import Credentials
+    from pdserve.services.common.grpc_setup import options
 
     creds = Credentials(token)
     sender = GrpcKVSender(lambda a: creds.channel(a, options(), attach_token=False), proof=creds.call_proof,
@@ -128,14 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args(argv)
 
-    from services.deployment.launcher import free_port, wait_serving
-    from services.security import CLUSTER_TOKEN_ENV, Credentials, new_token
+    from pdserve.services.deployment.launcher import free_port, wait_serving
+    from pdserve.services.common.security import CLUSTER_TOKEN_ENV, Credentials, new_token
     if args.model is None:
-        from engine.model_maker import ensure_model
+        from pdserve.engine.model_maker import ensure_model
         args.model = str(ensure_model("small"))
     token, port = new_token(), free_port()
     env = {**os.environ, CLUSTER_TOKEN_ENV: token, "OMP_NUM_THREADS": "1"}
-    worker = subprocess.Popen([sys.executable, "-m", "services.cli", "decode", "--model", args.model,
+    worker = subprocess.Popen([sys.executable, "-m", "pdserve.services.cli", "decode", "--model", args.model,
                                "--port", str(port), "--num-threads", "1"], env=env, cwd=REPO_ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"

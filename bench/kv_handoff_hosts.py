@@ -192,9 +192,9 @@ def table(rows: Sequence[Row]) -> str:
 # ---- scripts run inside the hosts -----------------------------------------------------------------
 CLIENT = r"""
 import json, os, random, sys, time, urllib.request
-from services.client import Client
-from services.deployment.launcher import wait_serving
-from services.security import CLUSTER_TOKEN_ENV, Credentials
+from pdserve.services.client import Client
+from pdserve.services.deployment.launcher import wait_serving
+from pdserve.services.common.security import CLUSTER_TOKEN_ENV, Credentials
 
 spec = json.loads(sys.argv[1])
 creds = Credentials(os.environ[CLUSTER_TOKEN_ENV])
@@ -239,7 +239,8 @@ class ModelInfo:
 
 def model_info(model: str) -> ModelInfo:
     """A preset's checkpoint (made if missing) or a checkpoint directory, and its KV shape."""
-    from engine.model_maker import PRESETS, ensure_model
+    from pdserve.engine.model_maker import ensure_model
+    from pdserve.engine.presets import PRESETS
     path = Path(model) if model not in PRESETS else ensure_model(model)
     cfg = json.loads((path / "config.json").read_text())
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.get("torch_dtype", "float32")]
@@ -258,7 +259,7 @@ def pinned(argv: list[str], host_index: int, pin: bool) -> list[str]:
 
 
 def cli_has_flag(role: str, flag: str) -> bool:
-    done = subprocess.run([sys.executable, "-m", "services.cli", role, "--help"], cwd=REPO_ROOT,
+    done = subprocess.run([sys.executable, "-m", "pdserve.services.cli", role, "--help"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
     return flag in done.stdout
 
@@ -282,7 +283,7 @@ class Deployment:
 
     def _start(self, host: Any, host_index: int, name: str, argv: list[str]) -> None:
         with open(self.log_dir / f"{name}.log", "ab") as log:
-            host.popen(pinned([sys.executable, "-m", "services.cli", *argv, "--model", self.model.path,
+            host.popen(pinned([sys.executable, "-m", "pdserve.services.cli", *argv, "--model", self.model.path,
                                "--host", host.address, INSECURE], host_index, self.cfg.pin_hosts),
                        env=self.env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
 
@@ -358,8 +359,8 @@ def rows_from(samples: list[dict], model: ModelInfo, rate_gbit: float, block_siz
 def measure(cfg: Config, model: ModelInfo, rate_gbit: float, tokens: Sequence[int], log_dir: Path,
             compression: str | None = None) -> list[Row]:
     """One deployment at one rate: the prompts, then the raw socket for the bytes they shipped."""
-    from services.deployment import netns
-    from services.security import CLUSTER_TOKEN_ENV, new_token
+    from pdserve.services.deployment import netns
+    from pdserve.services.common.security import CLUSTER_TOKEN_ENV, new_token
     env = {**os.environ, CLUSTER_TOKEN_ENV: new_token(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     extra = [COMPRESSION_FLAG, compression] if compression else []
     plane = ["--kv-data-plane", cfg.kv_data_plane] if cfg.kv_data_plane else []
@@ -409,7 +410,7 @@ def _terminate(signum: int, frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
-    from services.deployment import netns
+    from pdserve.services.deployment import netns
     ok, why = netns.available()
     if not ok:
         print(f"cannot emulate hosts here: {why}", file=sys.stderr)

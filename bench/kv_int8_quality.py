@@ -242,7 +242,7 @@ def check_conversion(bin_path: Path, model_dir: Path, seqs: list[list[int]], max
     """transformers vs the .bin's reference forward (max |Δ logit|); engine greedy vs transformers greedy."""
     import torch
     from transformers import LlamaForCausalLM
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     cfg, w = read_llama2c(bin_path)
     model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -264,7 +264,7 @@ def check_conversion(bin_path: Path, model_dir: Path, seqs: list[list[int]], max
 
 def sample_prompts(model_dir: Path, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     """n prompts the model wrote itself: BOS, then lo-1..hi-1 tokens at temperature 1 (seeded)."""
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     rng = random.Random(seed)
     lens = [rng.randint(lo, hi) for _ in range(n)]
@@ -278,8 +278,8 @@ def codec_ratios(model_dir: Path, prompts: list[list[int]]) -> dict[str, Any]:
     """Each codec's raw/wire bytes over the full KV blocks of the prompts, read from the engine's pool
     as the prefill worker does, and int8's max |error| relative to each vector's max."""
     import torch
-    from engine import LLM, SamplingParams
-    from services.kv_transfer import compression as kc
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.services.kv_transfer import compression as kc
 
     raw = {c: 0 for c in kc.CODECS}
     wire = dict(raw)
@@ -311,12 +311,12 @@ def run_cluster(model_dir: Path, codec: str, prompts: list[list[int]], max_token
                 log_dir: Path) -> list[dict[str, Any]]:
     """One `pdserve up` (1P + 1D, KV inline on the gRPC stream, --kv-compression codec); each prompt
     alone, greedy, logprobs=0. Returns per prompt: tokens, logprobs, the router's KV figures."""
-    from services.client import Client, build_request
-    from services.deployment.launcher import wait_serving
-    from services.deployment.ports import free_port
+    from pdserve.services.client import Client, build_request
+    from pdserve.services.deployment.launcher import wait_serving
+    from pdserve.services.common.ports import free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", str(port), "--prefill-workers", "1", "--decode-workers", "1", "--threads", str(threads),
            "--kv-compression", codec, "--no-kv-shared-memory"]
     popen = drivers.start_up(cmd, log_dir / f"up-{codec}.log", f"[{codec}]")
@@ -353,7 +353,7 @@ def _roundtrip(x, variant: str):
     """One KV tensor [batch, kv_heads, tokens, head_dim] through the int8 wire codec, or rounded to a
     16-bit float (the baselines: what storing the cache in bf16 / fp16 would do)."""
     import torch
-    from services.kv_transfer import compression as kc
+    from pdserve.services.kv_transfer import compression as kc
 
     if variant in ("bfloat16", "float16"):
         return x.to(getattr(torch, variant)).to(x.dtype)

@@ -38,11 +38,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from engine.model_maker import ensure_model  # noqa: E402
-from services.loadtest.datasets import DatasetOptions, SampleRequest, sample_requests  # noqa: E402
-from services.loadtest.results import RequestResult, Sampling  # noqa: E402
-from services.loadtest.run import run_load  # noqa: E402
-from services.deployment.launcher import Cluster, Deployment, free_port  # noqa: E402
+from pdserve.engine.model_maker import ensure_model  # noqa: E402
+from pdserve.services.loadtest.datasets import DatasetOptions, SampleRequest, sample_requests  # noqa: E402
+from pdserve.services.loadtest.results import RequestResult, Sampling  # noqa: E402
+from pdserve.services.loadtest.run import run_load  # noqa: E402
+from pdserve.services.deployment.launcher import Cluster, Deployment, free_port  # noqa: E402
 from tests.serving import scrape  # noqa: E402
 
 THRESHOLD_METRIC = "pdserve:router_local_prefill_threshold_tokens"

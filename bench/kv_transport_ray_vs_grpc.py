@@ -5,7 +5,7 @@ A loopback-only local Ray cluster (token authentication with a throwaway token, 
 every server on 127.0.0.1) holds two actors:
 
 * decode: a real decode-role ``LLMEngine`` (the ``small`` model unless --model). Its KV
-  connector (engine/kv_connector.py) is the sink of both receivers it serves: a gRPC
+  connector (engine/kv/connector.py) is the sink of both receivers it serves: a gRPC
   ``KVTransfer`` server on 127.0.0.1 (``KVTransferServicer`` behind the cluster-token
   interceptor, as a decode worker runs it) and ``RayKVReceiver`` (its ``push_blocks``,
   ``kv_heartbeat`` and ``kv_cancel`` methods, as ``services.ray_deploy.actors.WorkerActor``).
@@ -64,12 +64,12 @@ class DecodeActor:
     async def __init__(self, model: str, num_kv_blocks: int, cluster_token: str) -> None:
         import torch
 
-        from engine import EngineConfig, LLMEngine
-        from services.kv_transfer import KVTransferServicer, register_kv_servicer
-        from services.kv_transfer import shared_memory
-        from services.kv_transfer.ray_transport import RayKVReceiver
-        from services.security import Credentials
-        from services.grpc_setup import start_server
+        from pdserve.engine import EngineConfig, LLMEngine
+        from pdserve.services.kv_transfer import KVTransferServicer, register_kv_servicer
+        from pdserve.services.kv_transfer import shared_memory
+        from pdserve.services.kv_transfer.ray_transport import RayKVReceiver
+        from pdserve.services.common.security import Credentials
+        from pdserve.services.common.grpc_setup import start_server
 
         torch.set_num_threads(1)
         self.engine = LLMEngine(EngineConfig(model=model, role="decode", num_kv_blocks=num_kv_blocks, num_threads=1))
@@ -93,7 +93,7 @@ class DecodeActor:
         return self.engine.stats()
 
     async def reserve(self, request_id: str, prompt: list[int]) -> dict[str, Any]:
-        from engine import SamplingParams
+        from pdserve.engine import SamplingParams
 
         res = self.engine.reserve(request_id, prompt, SamplingParams(max_tokens=1))
         return {"needed": list(res.needed_block_indices), "token": res.transfer_token}
@@ -125,11 +125,11 @@ class PrefillActor:
                        grpc_frame_bytes: int) -> None:
         import torch
 
-        from services.kv_transfer import GrpcKVSender
-        from services.kv_transfer.grpc_transport import grpc_message_limit
-        from services.kv_transfer.ray_transport import RayKVSender, ray_kv_address
-        from services.security import Credentials
-        from services.grpc_setup import options
+        from pdserve.services.kv_transfer import GrpcKVSender
+        from pdserve.services.kv_transfer.grpc_transport import grpc_message_limit
+        from pdserve.services.kv_transfer.ray_transport import RayKVSender, ray_kv_address
+        from pdserve.services.common.security import Credentials
+        from pdserve.services.common.grpc_setup import options
 
         torch.set_num_threads(1)
         self.decode = decode
@@ -155,7 +155,7 @@ class PrefillActor:
         """iters timed pushes per transport (after warmup each), taking turns; seconds per push."""
         import torch
 
-        from services.kv_transfer.base import SUPPORTED_DTYPES
+        from pdserve.services.kv_transfer.base import SUPPORTED_DTYPES
 
         info = self.info
         n_blocks = -(-tokens // info["block_size"])
@@ -172,8 +172,8 @@ class PrefillActor:
         return {"seconds": times, "bytes": nbytes, "blocks": n_blocks}
 
     async def _push(self, transport: str, tokens: int, data: list[Any]) -> tuple[float, int]:
-        from engine.block_manager import transfer_block_hashes
-        from services.kv_transfer import KVBlock
+        from pdserve.engine.kv.block_manager import transfer_block_hashes
+        from pdserve.services.kv_transfer import KVBlock
 
         bs = self.info["block_size"]
         prompt = [self.rng.randrange(2, self.info["vocab_size"]) for _ in range(tokens)]   # fresh: no cache hit
@@ -208,7 +208,7 @@ class PrefillActor:
 def _ray_left(pgid: int, pids: list[int], wait_s: float = 15.0) -> list[str]:
     """What is still running of the stopped cluster: its head's process group, and the actors'
     worker processes (Ray starts each worker in a session of its own), after up to wait_s."""
-    from services.process_table import group_running, is_alive
+    from pdserve.services.common.process_table import group_running, is_alive
 
     deadline = time.monotonic() + wait_s
     while True:
@@ -267,14 +267,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--transports: a list of distinct names of {', '.join(TRANSPORTS)}")
     lengths = [int(x) for x in args.tokens.split(",")]
     if args.model is None:
-        from engine.model_maker import ensure_model
+        from pdserve.engine.model_maker import ensure_model
         args.model = str(ensure_model("small"))
 
-    from engine.config import EngineConfig
-    from services.ray_deploy.cluster import (
+    from pdserve.engine.config import EngineConfig
+    from pdserve.services.ray_deploy.cluster import (
         LOOPBACK_ENV, prepare_auth, start_local_cluster, stop_local_cluster, use_loopback_node,
     )
-    from services.security import new_token
+    from pdserve.services.common.security import new_token
 
     # A throwaway cluster with a throwaway Ray token in the environment: nothing is written under
     # $PDSERVE_HOME, where the token of a `pdserve ray up --address local` cluster may live.

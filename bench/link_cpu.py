@@ -53,7 +53,7 @@ def send(host: str, nbytes: int, sends: int, timeout_s: float) -> dict[str, floa
 
 def measure(rate_gbit: float, nbytes: int, sends: int, timeout_s: float = 120.0) -> dict[str, float]:
     """ms per send: wall (median), the sender's user and system CPU, the machine's per field."""
-    from services.deployment import netns
+    from pdserve.services.deployment import netns
     with netns.HostNetwork(2, int(rate_gbit * 1e9) if rate_gbit > 0 else None) as net:
         sender, receiver = net.hosts
         rx = receiver.popen([sys.executable, RAW_SOCKET, "serve", receiver.address, str(PORT), str(timeout_s)],

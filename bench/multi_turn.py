@@ -138,7 +138,7 @@ def cache_figures(before: dict[str, float] | None, after: dict[str, float] | Non
 @contextlib.contextmanager
 def pdserve_target(setup: str, model: str, logs: Path, extra: str = "") -> Iterator[tuple[Target, dict[str, str]]]:
     """`pdserve up` (1P1D) for setup, serving, with its workers' /metrics URLs; stopped on leaving."""
-    from services.deployment.launcher import wait_serving
+    from pdserve.services.deployment.launcher import wait_serving
     port, metrics = free_port(), free_port_run(1 + len(WORKERS))
     cmd = pdserve_up_command(sys.executable, model, port, "1p1d", threads=1,
                              extra=[*up_flags(setup, extra), "--metrics-port-base", str(metrics)])
@@ -156,15 +156,15 @@ def pdserve_target(setup: str, model: str, logs: Path, extra: str = "") -> Itera
 def vllm_target(args: argparse.Namespace, model: str, logs: Path) -> Iterator[tuple[Target, dict[str, str]]]:
     """vLLM-CPU's OpenAI server (bench/vs_vllm_server.py) reporting cached tokens, loaded over
     /v1/completions with the answers' token ids returned; its /metrics URL."""
-    from services.loadtest.openai_backend import OpenAIBackend
+    from pdserve.services.loadtest.openai_backend import OpenAIBackend
     with vllm_server(args, model, logs, VLLM_MAX_MODEL_LEN, VLLM_EXTRA) as base:
         yield Target(base, lambda: OpenAIBackend(base, model=model, return_token_ids=True)), {"vllm": f"{base}/metrics"}
 
 
 def load(target: Target, opts, n: int, seed: int, rate: float, burstiness: float, vocab: int):
     """n sessions of opts arriving at rate against target (greedy, ignore_eos); returns the SessionRun."""
-    from services.loadtest.multi_turn import plan_sessions, run_sessions
-    from services.loadtest.results import Sampling
+    from pdserve.services.loadtest.multi_turn import plan_sessions, run_sessions
+    from pdserve.services.loadtest.results import Sampling
     plans = plan_sessions(opts, n, vocab, seed=seed)
     backend = target.backend() if target.backend is not None else None
     return asyncio.run(run_sessions(target.address, plans, rate=rate, burstiness=burstiness, seed=seed,
@@ -175,9 +175,9 @@ def run_setup(setup: str, args: argparse.Namespace, model: str, logs: Path) -> d
     """One setup: serve, warm up, scrape, load, scrape; its summary, cache figures and requests."""
     from dataclasses import replace
 
-    from engine.config import EngineConfig
-    from engine.model_config import ModelConfig
-    from services.loadtest.multi_turn import summarise
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.model_config import ModelConfig
+    from pdserve.services.loadtest.multi_turn import summarise
     vocab = ModelConfig.from_dir(model).vocab_size
     block_size = EngineConfig.__dataclass_fields__["block_size"].default
     opts = multi_turn_options(args)
@@ -207,7 +207,7 @@ def run_setup(setup: str, args: argparse.Namespace, model: str, logs: Path) -> d
 
 
 def multi_turn_options(args: argparse.Namespace):
-    from services.loadtest.multi_turn import MultiTurnOptions
+    from pdserve.services.loadtest.multi_turn import MultiTurnOptions
     return MultiTurnOptions(turns=args.multi_turn_turns, first_input_len=args.multi_turn_first_input_len,
                             input_len=args.multi_turn_input_len, output_len=args.random_output_len,
                             think_time_s=args.multi_turn_think_time_s)
@@ -280,7 +280,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.loadtest.multi_turn import MultiTurnOptions
+    from pdserve.services.loadtest.multi_turn import MultiTurnOptions
     mt = MultiTurnOptions()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint (default: the small model, made once)")

@@ -57,7 +57,7 @@ VLLM_MAIN = ("import argparse, sys\n"
 
 def start_up(model: str, port: int, http_port: int, args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
     setup = ["--colocated-workers", "1"] if args.colocated else ["--prefill-workers", "1", "--decode-workers", "1"]
-    cmd = [sys.executable, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--http-port", str(http_port), "--served-model-name", SERVED_NAME, "--threads", str(args.threads),
            *setup, *shlex.split(args.engine_args)]
     return drivers.start_up(cmd, log_path, "$")
@@ -94,13 +94,13 @@ ROUTER_HISTOGRAMS = {"ttft": "pdserve:time_to_first_token_seconds", "itl": "pdse
 
 def router_histograms(http_port: int) -> dict[str, tuple[float, float]]:
     """(sum, count) of the router's latency histograms, from its /metrics on the HTTP port."""
-    from services.metrics import scrape_by_name
+    from pdserve.services.common.metrics import scrape_by_name
     values = scrape_by_name(f"127.0.0.1:{http_port}")
     return {k: (values.get(f"{m}_sum", 0.0), values.get(f"{m}_count", 0.0)) for k, m in ROUTER_HISTOGRAMS.items()}
 
 
 def run_grpc(args: argparse.Namespace, port: int, seed: int, out_dir: Path, label: str = "grpc") -> dict[str, Any]:
-    from services.loadtest.serve import main as bench_main
+    from pdserve.services.loadtest.serve import main as bench_main
     name = f"{label.replace('#', '-')}.json"
     argv = ["--router", f"127.0.0.1:{port}", "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     runs = drivers.names(args.runs, RUNS, "run")
-    from services.deployment.launcher import free_port, wait_serving
+    from pdserve.services.deployment.launcher import free_port, wait_serving
 
     model, out_dir = drivers.model_and_results(args, "openai-vs-grpc")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,

@@ -42,7 +42,7 @@ LOCK = Path("/tmp/pdserve-benchmark.lock")
 
 
 def candidate(setup: str, threads: int):
-    from services.planner.simulator import Candidate
+    from pdserve.services.planner.simulator import Candidate
     if setup == "colocated":
         return Candidate(colocated_workers=1, threads_per_worker=threads)
     return Candidate(prefill_workers=1, decode_workers=1, threads_per_worker=threads)
@@ -60,7 +60,7 @@ def wait_quiet(max_load: float, max_wait_s: float) -> float:
 
 
 def measure(port: int, args: argparse.Namespace, rate: float, seed: int, out_dir: Path, name: str) -> dict[str, Any]:
-    from services.loadtest.serve import main as bench_main
+    from pdserve.services.loadtest.serve import main as bench_main
     argv = ["--router", f"127.0.0.1:{port}", "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
             "--request-rate", str(rate), "--seed", str(seed), "--ignore-eos", "--num-warmups", str(args.num_warmups),
@@ -79,8 +79,8 @@ def measure(port: int, args: argparse.Namespace, rate: float, seed: int, out_dir
 def measured_attainment(result: dict[str, Any], slos: dict[str, float]) -> float:
     """Share of a bench serve run's requests meeting every SLO (failed requests miss), by bench
     serve's own goodput rule (calculate_metrics)."""
-    from services.loadtest.metrics import calculate_metrics
-    from services.loadtest.results import RequestResult
+    from pdserve.services.loadtest.metrics import calculate_metrics
+    from pdserve.services.loadtest.results import RequestResult
     requests = [RequestResult(success=not err, output_len=n, ttft=ttft, latency=e2el)
                 for err, n, ttft, e2el in zip(result["errors"], result["output_lens"], result["ttfts"], result["e2els"])]
     if not requests:
@@ -169,16 +169,16 @@ def main(argv: list[str] | None = None) -> int:
                         "instead of measuring")
     args = p.parse_args(argv)
 
-    from services.planner.cost_model import CostModel
-    from services.planner.plan import Workload, parse_slos, simulate
-    from services.planner.simulator import Overheads
-    from services.deployment.launcher import free_port, wait_serving
+    from pdserve.services.planner.cost_model import CostModel
+    from pdserve.services.planner.plan import Workload, parse_slos, simulate
+    from pdserve.services.planner.simulator import Overheads
+    from pdserve.services.deployment.launcher import free_port, wait_serving
 
     model = drivers.model_dir(args.model)
     if args.profile_first:
         load = wait_quiet(args.max_load, args.max_wait_s)
         print(f"profiling (1-min load average {load:.2f})", flush=True)
-        subprocess.run(["nice", "-n", "10", sys.executable, "-m", "services.cli", "profile", "--model", model,
+        subprocess.run(["nice", "-n", "10", sys.executable, "-m", "pdserve.services.cli", "profile", "--model", model,
                         "--threads", str(args.threads), "--out", args.profile], cwd=REPO_ROOT, check=True)
     slos = parse_slos(args.slo)
     if args.plot and not slos:

@@ -102,7 +102,7 @@ def schedule(phases: list[Phase], vocab: int, seed: int) -> list[Arrival]:
     """Each phase's Poisson arrivals within its span, its own prompts; deterministic for a seed."""
     import numpy as np
 
-    from services.loadtest.datasets import DatasetOptions, sample_requests
+    from pdserve.services.loadtest.datasets import DatasetOptions, sample_requests
     rng = np.random.default_rng(seed)
     out, start = [], 0.0
     for i, ph in enumerate(phases):
@@ -131,7 +131,7 @@ class Members(threading.Thread):
 
     def __init__(self, router: str, token: str, period_s: float = 1.0) -> None:
         super().__init__(daemon=True)
-        from services.security import Credentials
+        from pdserve.services.common.security import Credentials
         self.router, self.creds, self.period_s = router, Credentials(token), period_s
         self.samples: list[tuple[float, list[tuple[str, str]]]] = []
         self.stopping = threading.Event()
@@ -190,9 +190,9 @@ class PlannerProcess:
 def start_deployment(name: str, split: tuple[int, int], args: argparse.Namespace, model: str, logs: Path,
                      env: dict[str, str]) -> tuple[subprocess.Popen, str, str]:
     """`pdserve up` of split, with /metrics; (process, router address, router metrics address)."""
-    from services.deployment.launcher import free_port, wait_serving
+    from pdserve.services.deployment.launcher import free_port, wait_serving
     port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--threads", "1", "--prefill-workers", str(split[0]), "--decode-workers", str(split[1]), "--metrics",
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--log-dir", str(logs / name)]
     log_path = logs / f"{name}-up.log"
@@ -215,8 +215,8 @@ def start_deployment(name: str, split: tuple[int, int], args: argparse.Namespace
 
 async def serve(address: str, arrivals: list[Arrival], tag: str, one_by_one: bool = False) -> tuple[list, float]:
     """The schedule (one_by_one: each request after the last, no schedule); (results in order, start time)."""
-    from services.loadtest.grpc_backend import GrpcBackend
-    from services.loadtest.results import Sampling
+    from pdserve.services.loadtest.grpc_backend import GrpcBackend
+    from pdserve.services.loadtest.results import Sampling
     sampling = Sampling(temperature=0.0, ignore_eos=True)
     async with GrpcBackend(address, 600.0) as client:
         start = time.perf_counter()
@@ -233,7 +233,7 @@ async def serve(address: str, arrivals: list[Arrival], tag: str, one_by_one: boo
 
 def run_setup(name: str, split: tuple[int, int], planner: bool, args: argparse.Namespace, ctx: dict) -> dict:
     """One deployment serving the schedule (with the planner alongside when planner is set)."""
-    from services.security import new_token
+    from pdserve.services.common.security import new_token
     drivers.wait_for_quiet(args.max_load, args.max_wait_s)
     load_before = os.getloadavg()[0]
     token = new_token()
@@ -276,7 +276,7 @@ def run_setup(name: str, split: tuple[int, int], planner: bool, args: argparse.N
 
 
 def planner_cmd(args: argparse.Namespace, profile: str, router: str, metrics: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", "plan", "--watch", "--apply", "--profile", profile,
+    return [sys.executable, "-m", "pdserve.services.cli", "plan", "--watch", "--apply", "--profile", profile,
             "--router", router, "--router-metrics", metrics, "--slo", f"ttft:{args.slo_ttft_ms:g}",
             "--slo", f"tpot:{args.slo_tpot_ms:g}", "--interval-s", str(args.interval_s),
             "--confirmations", str(args.confirmations), "--min-dwell-s", str(args.min_dwell_s),
@@ -288,7 +288,7 @@ def planner_cmd(args: argparse.Namespace, profile: str, router: str, metrics: st
 def measure_profile(model: str, logs: Path) -> str:
     """`pdserve profile` of the model at one thread (its own `pdserve up` inside: SIGINT stops it)."""
     out = logs / "profile.json"
-    cmd = [sys.executable, "-m", "services.cli", "profile", "--model", model, "--threads", "1", "--out", str(out)]
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "profile", "--model", model, "--threads", "1", "--out", str(out)]
     popen = drivers.start_up(cmd, logs / "profile.log", "[profile]")
     try:
         if popen.wait() != 0:
@@ -451,10 +451,10 @@ def main() -> int:
     logs = drivers.result_dir(args.result_dir, "planner-loop")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from engine.model_config import ModelConfig
+    from pdserve.engine.model_config import ModelConfig
     vocab = ModelConfig.from_dir(model).vocab_size
     arrivals = schedule(phases, vocab, args.seed)
-    from services.loadtest.datasets import DatasetOptions, sample_requests
+    from pdserve.services.loadtest.datasets import DatasetOptions, sample_requests
     warmup = [Arrival(0.0, i, r) for i, ph in enumerate(phases) for r in sample_requests(
         DatasetOptions("random", input_len=ph.input_len, output_len=ph.output_len), args.num_warmups, vocab,
         seed=10_000 + i)] if args.num_warmups > 0 else []

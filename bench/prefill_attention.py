@@ -44,7 +44,7 @@ def _best(fn, reps: int) -> float:
 
 def _step_inputs(lens: list[int], start: int, args: argparse.Namespace):
     """q, k, v of one step's prefill rows, a cache holding every sequence's K/V and the segments."""
-    from engine.layers.attention import Attention, PrefillSegment
+    from pdserve.engine.layers.attention import Attention, PrefillSegment
 
     h, hkv, d, bs = 8, 4, 64, 16
     q_dtype, cache_dtype = getattr(torch, args.q_dtype), getattr(torch, args.cache_dtype)
@@ -82,7 +82,7 @@ def _row_tables(segments) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def bench_kernel(args: argparse.Namespace) -> None:
-    from engine.layers import cpu_kernels
+    from pdserve.engine.layers import cpu_kernels
 
     print(f"one layer's prefill attention, small shape (H 8, HKV 4, D 64, bs 16), q {args.q_dtype}, "
           f"cache {args.cache_dtype}, {torch.get_num_threads()} threads, best of {args.reps}:")
@@ -117,11 +117,11 @@ def bench_kernel(args: argparse.Namespace) -> None:
 
 
 def bench_step(args: argparse.Namespace) -> None:
-    from engine import SamplingParams
-    from engine.config import EngineConfig
-    from engine.layers import cpu_kernels
-    from engine.llm_engine import LLMEngine
-    from engine.model_maker import ensure_model
+    from pdserve.engine import SamplingParams
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.layers import cpu_kernels
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.model_maker import ensure_model
 
     engine = LLMEngine(EngineConfig.from_kwargs(str(ensure_model("small")), num_threads=args.threads, device="cpu",
                                                 max_num_batched_tokens=2048, enable_prefix_caching=False,

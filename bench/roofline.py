@@ -37,7 +37,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench import drivers  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402 - torch-free
+from pdserve.engine.model_config import ModelConfig  # noqa: E402 - torch-free
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -93,7 +93,7 @@ def workload(args: argparse.Namespace, vocab_size: int) -> list[Arrival]:
 
 
 def run_policy(model_dir: str, policy: str, arrivals: list[Arrival], args: argparse.Namespace) -> PolicyRun:
-    from engine import EngineConfig, LLMEngine, SamplingParams
+    from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 
     kwargs: dict[str, Any] = dict(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   schedule_policy=policy, num_threads=args.threads, device="cpu", dtype=args.dtype,
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for p in policies if p not in POLICIES]
     if bad:
         raise SystemExit(f"unknown policy {bad}; choose from {POLICIES}")
-    from engine.model_config import ModelConfig
+    from pdserve.engine.model_config import ModelConfig
     model_dir = drivers.model_dir(args.model)
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     arrivals = workload(args, vocab)

@@ -40,8 +40,8 @@ def run_phase(address: str, rate: float, n: int, classes: dict[str, tuple[float,
     sent, completed, refused, good (within both targets), TTFT p50/p99 of the completed."""
     import numpy as np
 
-    from services.loadtest.results import Sampling
-    from services.loadtest.run import run_load
+    from pdserve.services.loadtest.results import Sampling
+    from pdserve.services.loadtest.run import run_load
     reqs = requests(n, args.input_len, args.output_len, seed, vocab)
     rng = random.Random(seed)
     names = list(classes)
@@ -78,14 +78,14 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=100)
     p.add_argument("--out", default=str(REPO_ROOT / "docs" / "images"))
     args = p.parse_args()
-    from engine.model_config import ModelConfig
-    from services.deployment.launcher import free_port, wait_serving
+    from pdserve.engine.model_config import ModelConfig
+    from pdserve.services.deployment.launcher import free_port, wait_serving
 
     model = drivers.model_dir(args.model)
     vocab = ModelConfig.from_dir(model).vocab_size
     logs = drivers.result_dir(None, "slo-classes")
     port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--threads", "1", *up_flags("disagg-slo", args.ttft_ms, args.tpot_ms)]
     popen = drivers.start_up(cmd, logs / "up.log", "[disagg-slo]")
     address = f"127.0.0.1:{port}"

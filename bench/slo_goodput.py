@@ -74,7 +74,7 @@ def up_flags(setup: str, ttft_ms: float, tpot_ms: float) -> list[str]:
 
 
 def requests(n: int, input_len: int, output_len: int, seed: int, vocab: int):
-    from services.loadtest.datasets import DatasetOptions, sample_requests
+    from pdserve.services.loadtest.datasets import DatasetOptions, sample_requests
     return sample_requests(DatasetOptions("random", input_len=input_len, output_len=output_len), n, vocab, seed=seed)
 
 
@@ -96,8 +96,8 @@ def point(target: Target, rate: float, args: argparse.Namespace, seed: int, voca
     """One load at rate against target, summarised."""
     import numpy as np
 
-    from services.loadtest.results import Sampling
-    from services.loadtest.run import run_load
+    from pdserve.services.loadtest.results import Sampling
+    from pdserve.services.loadtest.run import run_load
     reqs = requests(args.num_prompts, args.input_len, args.output_len, seed, vocab)
     backend = target.backend() if target.backend is not None else None
     results, duration = asyncio.run(run_load(target.address, reqs, rate=rate, seed=seed, backend=backend,
@@ -123,10 +123,10 @@ def point(target: Target, rate: float, args: argparse.Namespace, seed: int, voca
 @contextlib.contextmanager
 def pdserve_target(setup: str, args: argparse.Namespace, model: str, logs: Path) -> Iterator[Target]:
     """`pdserve up` for setup, serving; stopped (its router and workers) on leaving."""
-    from services.deployment.launcher import free_port as free_router_port
-    from services.deployment.launcher import wait_serving
+    from pdserve.services.deployment.launcher import free_port as free_router_port
+    from pdserve.services.deployment.launcher import wait_serving
     port = free_router_port()
-    cmd = [sys.executable, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--threads", "1", *up_flags(setup, args.ttft_ms, args.tpot_ms)]
     popen = drivers.start_up(cmd, logs / f"{setup}-up.log", f"[{setup}]")
     try:
@@ -140,7 +140,7 @@ def pdserve_target(setup: str, args: argparse.Namespace, model: str, logs: Path)
 @contextlib.contextmanager
 def vllm_target(args: argparse.Namespace, model: str, logs: Path) -> Iterator[Target]:
     """vLLM-CPU's OpenAI server (bench/vs_vllm_server.py), loaded over /v1/completions."""
-    from services.loadtest.openai_backend import OpenAIBackend
+    from pdserve.services.loadtest.openai_backend import OpenAIBackend
     with vllm_server(args, model, logs) as base:
         yield Target(base, lambda: OpenAIBackend(base, model=model))
 
@@ -150,7 +150,7 @@ def serve(setup: str, args: argparse.Namespace, model: str, logs: Path):
 
 
 def run_setup(setup: str, args: argparse.Namespace, model: str, logs: Path, rates: list[float]) -> list[dict]:
-    from engine.model_config import ModelConfig
+    from pdserve.engine.model_config import ModelConfig
     vocab = ModelConfig.from_dir(model).vocab_size
     rows = []
     with serve(setup, args, model, logs) as target:

@@ -30,8 +30,8 @@ from bench import drivers  # noqa: E402
 
 
 def _engine(args: argparse.Namespace, max_seqs: int):
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     kwargs = {"num_threads": args.threads, "device": "cpu", "max_num_seqs": max(max_seqs, args.prefill_seqs),
               "max_num_batched_tokens": max(2048, args.prefill_len * args.prefill_seqs)}
@@ -48,7 +48,7 @@ def _prompts(n: int, length: int, seed: int, vocab: int = 8192) -> list[list[int
 
 
 def measure_prefill(engine, args: argparse.Namespace) -> tuple[float, float]:
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     times, cpu = [], []
     for rep in range(args.reps + 1):
@@ -65,7 +65,7 @@ def measure_prefill(engine, args: argparse.Namespace) -> tuple[float, float]:
 
 
 def measure_decode(engine, batch: int, args: argparse.Namespace, profile: bool = False) -> tuple[float, float]:
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     for i, p in enumerate(_prompts(batch, args.ctx, 7 + batch, engine.model_config.vocab_size)):
         engine.add_request(f"d{batch}-{i}", p, SamplingParams(temperature=0.6, max_tokens=args.steps + 4, seed=i,

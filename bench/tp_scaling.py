@@ -32,8 +32,8 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def measure(tp: int, threads: int, args: argparse.Namespace) -> dict[str, float]:
-    from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.model_maker import ensure_model
+    from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+    from pdserve.engine.model_maker import ensure_model
 
     batches = [int(b) for b in args.batches.split(",")]
     engine = LLMEngine(EngineConfig(model=str(ensure_model(args.preset)), device="cpu", tensor_parallel_size=tp,

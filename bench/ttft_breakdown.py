@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.model_maker import ensure_model  # noqa: E402
-from services.client import Client  # noqa: E402
-from services.deployment.launcher import Cluster, Deployment, free_port  # noqa: E402
+from pdserve.engine.model_maker import ensure_model  # noqa: E402
+from pdserve.services.client import Client  # noqa: E402
+from pdserve.services.deployment.launcher import Cluster, Deployment, free_port  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

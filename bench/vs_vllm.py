@@ -89,7 +89,7 @@ VENV_TOOL = "../shared/tools/vllm-cpu-venv.sh"
 
 
 def model_info(model: str) -> tuple[int, int | None]:
-    from engine.model_config import ModelConfig
+    from pdserve.engine.model_config import ModelConfig
     cfg = ModelConfig.from_dir(Path(model))
     eos = tuple(getattr(cfg, "eos_token_ids", ()) or ())
     return cfg.vocab_size, (eos[0] if eos else None)
@@ -156,7 +156,7 @@ def run_offline(args: argparse.Namespace, rec: Record, model: str) -> dict[str, 
 
 def pdserve_http_supported(python: str = sys.executable) -> bool:
     try:
-        out = subprocess.run([python, "-m", "services.cli", "up", "--help"], cwd=REPO_ROOT, capture_output=True,
+        out = subprocess.run([python, "-m", "pdserve.services.cli", "up", "--help"], cwd=REPO_ROOT, capture_output=True,
                              text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired):
         return False
@@ -203,7 +203,7 @@ def run_vllm_server_load(args: argparse.Namespace, rec: Record, model: str, wl_p
 
 def run_pdserve_load(args: argparse.Namespace, rec: Record, model: str, wl: dict[str, Any], wl_path: Path, tag: str,
                      generator: str) -> dict[str, Any]:
-    from services.deployment.launcher import wait_serving
+    from pdserve.services.deployment.launcher import wait_serving
     port = free_port()
     http_port = free_port() if generator == "vllm" else None
     cmd = pdserve_up_command(sys.executable, model, port, args.pdserve_setup, args.threads,
@@ -439,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"load {m['loadavg'][0]:.2f}; vLLM dtype {vllm_dtype(args.vllm_dtype)}", flush=True)
     print(f"git: {rec.git.get('short')} on {rec.git.get('branch')}{' (DIRTY)' if rec.git.get('dirty') else ''}; "
           f"results in {out_dir}", flush=True)
-    from engine.model_maker import ensure_model
+    from pdserve.engine.model_maker import ensure_model
     model = str(Path(args.model).resolve()) if args.model else str(ensure_model("small"))
     print(f"model: {model}", flush=True)
     old = signal.signal(signal.SIGTERM, _on_sigterm)

@@ -59,7 +59,7 @@ def pdserve_up_command(python: str, model: str, port: int, setup: str, threads: 
                        extra: Sequence[str] = (), http_port: int | None = None) -> list[str]:
     if setup not in PDSERVE_SETUPS:
         raise ValueError(f"unknown pdserve setup {setup!r}; choose from {', '.join(PDSERVE_SETUPS)}")
-    cmd = [python, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [python, "-m", "pdserve.services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--threads", str(threads), *PDSERVE_SETUPS[setup]]
     if http_port is not None:
         cmd += ["--http-port", str(http_port)]
@@ -71,7 +71,7 @@ def native_load_command(python: str, router: str, dataset: Path, num_prompts: in
                         burstiness: float = 1.0) -> list[str]:
     """`pdserve bench serve` on a jsonl token-id dataset. With the same seed its arrival schedule is
     services.loadtest.arrivals.arrival_offsets(num_prompts, rate, burstiness, seed), as in make_online_workload."""
-    cmd = [python, "-m", "services.cli", "bench", "serve", "--router", router, "--dataset-name", "jsonl",
+    cmd = [python, "-m", "pdserve.services.cli", "bench", "serve", "--router", router, "--dataset-name", "jsonl",
            "--dataset-path", str(dataset), "--num-prompts", str(num_prompts),
            "--request-rate", "inf" if math.isinf(rate) else f"{rate:g}", "--burstiness", f"{burstiness:g}",
            "--seed", str(seed), "--ignore-eos", "--temperature", f"{temperature:g}", "--num-warmups", "0",

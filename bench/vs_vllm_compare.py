@@ -38,7 +38,7 @@ def make_offline_workload(vocab_size: int, num_prompts: int = 64, seed: int = 0,
                           output_range: tuple[int, int] = OFFLINE_OUTPUT_RANGE,
                           temperature: float = OFFLINE_TEMPERATURE) -> dict[str, Any]:
     """The workload of pdserve bench offline (same generator, same seed) + its warm-up."""
-    from services.loadtest.offline import make_workload
+    from pdserve.services.loadtest.offline import make_workload
     wl = make_workload(num_prompts, vocab_size, input_range, output_range, seed)
     warm = make_workload(2, vocab_size, (16, 32), (8, 8), seed + WARMUP_SEED_OFFSET)
     return {"kind": "offline", "seed": seed, "temperature": temperature, "ignore_eos": True,
@@ -52,8 +52,8 @@ def make_online_workload(vocab_size: int, eos_token_id: int | None, num_prompts:
                          num_warmups: int = 2, temperature: float = 0.0) -> dict[str, Any]:
     """What `pdserve bench serve --dataset-name random --seed SEED --request-rate RATE` sends:
     exact-length random token-id prompts and its gamma (Poisson) arrival schedule."""
-    from services.loadtest.arrivals import arrival_offsets
-    from services.loadtest.datasets import DatasetOptions, sample_requests
+    from pdserve.services.loadtest.arrivals import arrival_offsets
+    from pdserve.services.loadtest.datasets import DatasetOptions, sample_requests
     opts = DatasetOptions(name="random", input_len=input_len, output_len=output_len, range_ratio=0.0)
     reqs = sample_requests(opts, num_prompts, vocab_size, seed=seed, eos_token_id=eos_token_id)
     arrivals = arrival_offsets(num_prompts, rate, burstiness, seed)

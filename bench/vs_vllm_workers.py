@@ -43,9 +43,9 @@ def pdserve_offline_worker(argv: Sequence[str]) -> int:
     a = _offline_worker_args(argv)
     import torch
     torch.set_num_threads(a.threads)
-    from engine import LLM, SamplingParams
-    from engine.config import EngineConfig
-    from services.cli.config_flags import add_config_args, given   # the engine flags `pdserve up` forwards
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine.config import EngineConfig
+    from pdserve.services.common.config_flags import add_config_args, given   # the engine flags `pdserve up` forwards
     ep = argparse.ArgumentParser(prog="--pdserve-args")
     add_config_args(ep, EngineConfig, exclude=("model", "role"))
     eargs = ep.parse_args(shlex.split(a.pdserve_args))

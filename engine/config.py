@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.settings import setting
+from pdserve.engine.settings import setting
 
 ROLES = ("both", "prefill", "decode")
 SCHEDULE_POLICIES = ("prefill_first", "interleave", "mixed")

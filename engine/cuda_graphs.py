@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.layers.attention import AttentionMetadata
+from pdserve.engine.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.model_runner import ModelRunner
 
 
 class DecodeGraphs:

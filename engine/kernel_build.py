@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.cpu_features import cpu_identity
-from engine.settings import ENV, pdserve_home
+from pdserve.engine.cpu_features import cpu_identity
+from pdserve.engine.settings import ENV, pdserve_home
 
 log = logging.getLogger(__name__)
 

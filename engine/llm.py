@@ -5,11 +5,11 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence as Seq
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.logprobs import TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import load_tokenizer
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.logprobs import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import load_tokenizer
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """The step-level engine every worker role drives; it has no role of its own.
 
 Prompts are prefilled and decoded here. What a role adds lives in the KV connector
-(engine/kv_connector.py), which the engine calls at fixed points: a prefill worker's connector
+(engine/kv/connector.py), which the engine calls at fixed points: a prefill worker's connector
 exports each computed chunk and, once the first token is sampled, keeps the sequence's blocks
 pinned until release(); on a decode worker reserve() allocates blocks for a sequence whose KV
 arrives from elsewhere, the connector verifies and stores each block, and admit() joins the
@@ -23,22 +23,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence as Seq
 
-from engine.block_manager import BlockManager, NoFreeBlocks
-from engine.parallel import RankFailure
-from engine.config import ROLES, EngineConfig
-from engine.kv_connector import KVConnector
-from engine.kv_handoff import LeasePolicy, Reservation
-from engine.kv_pool import KVBlockPool
-from engine.kv_events import KVEventBatch, KVEventLog
-from engine.kv_tiers import no_tier_stats, tiers_for
-from engine.logprobs import TokenLogprob, logprob_of
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Claim, ScheduledBatch, Scheduler, StepTrace
-from engine.step_cost import DECODE_FIT_DECAY, MIN_SPREAD_SEQS, StepCost
-from engine.sequence import Sequence, SequenceStatus
-from engine.validation import validate_request
+from pdserve.engine.kv.block_manager import BlockManager, NoFreeBlocks
+from pdserve.engine.parallel import RankFailure
+from pdserve.engine.config import ROLES, EngineConfig
+from pdserve.engine.kv.connector import KVConnector
+from pdserve.engine.kv.handoff import LeasePolicy, Reservation
+from pdserve.engine.kv.pool import KVBlockPool
+from pdserve.engine.kv.events import KVEventBatch, KVEventLog
+from pdserve.engine.kv.tiers import no_tier_stats, tiers_for
+from pdserve.engine.logprobs import TokenLogprob, logprob_of
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Claim, ScheduledBatch, Scheduler, StepTrace
+from pdserve.engine.step_cost import DECODE_FIT_DECAY, MIN_SPREAD_SEQS, StepCost
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.validation import validate_request
 
 
 @dataclass(slots=True)
@@ -268,7 +268,7 @@ class LLMEngine:
             return "length"
         return None
 
-    # ---- the KV hand-off (engine/kv_connector.py) ------------------------------------------
+    # ---- the KV hand-off (engine/kv/connector.py) ------------------------------------------
     def release(self, request_id: str) -> bool:
         """Prefill role: the pinned blocks were delivered; they fall back to the prefix cache."""
         with self.lock:

@@ -10,7 +10,7 @@ from pathlib import Path
 from safetensors import safe_open
 from torch import nn
 
-from engine.layers.linear import Linear, TensorSource, materialize
+from pdserve.engine.layers.linear import Linear, TensorSource, materialize
 
 
 def load_weights(model: nn.Module, model_dir: str | Path) -> None:

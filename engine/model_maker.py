@@ -33,10 +33,17 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engine.presets import (ARCHITECTURES, DEFAULT_ARCH, DEFAULT_PRESET, PRESETS, PUBLIC_PRESETS, Arch,  # noqa: F401
-                            Preset, PresetName, get_preset, resolve_arch)
-from engine.safetensors_stream import write_safetensors
-from engine.settings import pdserve_home
+from pdserve.engine.presets import (ARCHITECTURES,
+    DEFAULT_ARCH,
+    DEFAULT_PRESET,
+    PRESETS,
+    Arch,
+    Preset,
+    PresetName,
+    get_preset,
+    resolve_arch)
+from pdserve.engine.safetensors_stream import write_safetensors
+from pdserve.engine.settings import pdserve_home
 
 EOS_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|bos|>"

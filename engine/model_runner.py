@@ -8,19 +8,19 @@ from pathlib import Path
 
 import torch
 
-from engine import cpu_features, heap, hugepages
-from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs
-from engine.layers.attention import AttentionMetadata, PrefillSegment
-from engine.layers.backend import TorchBackend, select_backend
-from engine.layers.linear import Linear
-from engine.layers.sampler import Sampler
-from engine.loader import load_weights
-from engine.model_config import ModelConfig
-from engine.models import MODEL_CLASSES
-from engine.parallel import RankProcesses, TPGroup, TPLayout, check_divisible
-from engine.scheduler import ScheduledBatch
-from engine.step_plan import OP_READ_KV, OP_WRITE_KV, StepPlan
+from pdserve.engine import cpu_features, heap, hugepages
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.layers.attention import AttentionMetadata, PrefillSegment
+from pdserve.engine.layers.backend import TorchBackend, select_backend
+from pdserve.engine.layers.linear import Linear
+from pdserve.engine.layers.sampler import Sampler
+from pdserve.engine.loader import load_weights
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models import MODEL_CLASSES
+from pdserve.engine.parallel import RankProcesses, TPGroup, TPLayout, check_divisible
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.step_plan import OP_READ_KV, OP_WRITE_KV, StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
-from engine.step_plan import HEADER_LEN, OP_STOP
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.step_plan import HEADER_LEN, OP_STOP
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class RankProcesses:
         cfg = json.dumps(dataclasses.asdict(config))
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, size):
-            cmd = [sys.executable, "-m", "engine.tp_rank", "--rank", str(rank), "--size", str(size),
+            cmd = [sys.executable, "-m", "pdserve.engine.tp_rank", "--rank", str(rank), "--size", str(size),
                    "--store-path", store_path, "--driver-pid", str(os.getpid()),
                    "--device", str(rank_device(device, rank)), "--config", cfg]
             if pdeathsig:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from engine.quoting import quoted
+from pdserve.engine.quoting import quoted
 
 MAX_LOGPROBS = 20   # vLLM's default max_logprobs
 MAX_TOP_K = 2**31 - 1        # the wire's bounds (common.proto: top_k int32, token counts uint32)

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-from engine.block_manager import BlockManager, NoFreeBlocks
-from engine.config import EngineConfig
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.kv.block_manager import BlockManager, NoFreeBlocks
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
 class StepKind(str, Enum):

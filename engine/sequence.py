@@ -5,7 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -34,7 +34,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    # Its prefix blocks' background read from the disk KV tier (engine/kv_tiers.py): None before
+    # Its prefix blocks' background read from the disk KV tier (engine/kv/tiers.py): None before
     # the scheduler first asked, a Future while it runs, True once done or not needed.
     tier_load: object = None
 

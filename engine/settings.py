@@ -3,7 +3,7 @@ registry of environment variables (``ENV``).
 
 A setting is a dataclass field whose metadata holds its help text (and, optionally, ``choices``,
 ``aliases``, ``metavar`` or ``cli=False``); the command-line flags are generated from these
-(services/cli/config_flags.py), so each default is written once, where the field is declared.
+(services/common/config_flags.py), so each default is written once, where the field is declared.
 This module imports nothing heavy: the CLI's ``--help`` reads it without torch.
 """
 from __future__ import annotations
@@ -102,8 +102,6 @@ class ENV:
     RAY_AUTH_MODE = EnvVar("RAY_AUTH_MODE", None, "Ray: `token` for a token-authenticated cluster", internal=True)
     RAY_LOOPBACK = EnvVar("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None, "Ray: 0 keeps a local head on loopback",
                           internal=True)
-    PYTHONPATH = EnvVar("PYTHONPATH", None, "Python's import path; children started from a source checkout get "
-                        "the checkout prepended", internal=True)
 
     @classmethod
     def all(cls) -> list[EnvVar]:

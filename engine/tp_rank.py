@@ -30,12 +30,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.settings import ENV
-from engine.parallel import RankFailure, TPGroup, open_store
-from engine.step_plan import HEADER_LEN, OP_PING, OP_READ_KV, OP_STEP, OP_STOP, OP_WRITE_KV, StepPlan
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.settings import ENV
+from pdserve.engine.parallel import RankFailure, TPGroup, open_store
+from pdserve.engine.step_plan import HEADER_LEN, OP_PING, OP_READ_KV, OP_STEP, OP_STOP, OP_WRITE_KV, StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Request validation shared by the engine and the router (which holds no model)."""
 from __future__ import annotations
 
-from engine.quoting import quoted
-from engine.sampling_params import SamplingParams
+from pdserve.engine.quoting import quoted
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,

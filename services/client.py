@@ -14,10 +14,11 @@ from typing import AsyncIterator, Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.settings import ENV
+from pdserve.engine.settings import ENV
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.security import API_KEY_HEADER, metadata_interceptors
-from services.grpc_setup import options as channel_options
+from pdserve.services.common.proofs import API_KEY_HEADER
+from pdserve.services.common.proof_interceptors import metadata_interceptors
+from pdserve.services.common.grpc_setup import options as channel_options
 
 CONNECT_TIMEOUT_S = 5.0
 

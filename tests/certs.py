@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from services.deployment.certs import HostNames, new_ca, new_leaf, pem_cert, pem_key
+from pdserve.services.deployment.certs import HostNames, new_ca, new_leaf, pem_cert, pem_key
 
 
 def make_ca_and_cert(out: Path, cn: str = "pdserve-test", ips: tuple[str, ...] = ("127.0.0.1",)) -> dict[str, Path]:

@@ -28,8 +28,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 import pytest
 
-from engine.model_maker import make_model
-from services.planner.cost_model import CostModel, KindFit
+from pdserve.engine.model_maker import make_model
+from pdserve.services.planner.cost_model import CostModel, KindFit
 
 ARCHS = ("qwen3", "llama")
 _TESTS = Path(__file__).resolve().parent
@@ -209,7 +209,7 @@ def tiny_qwen3(model_root: Path) -> str:
 def served_reference(tiny_qwen3: str):
     """The offline engine with the test deployments' engine settings (tests/serving.TEST_ENGINE_ARGS):
     a request served greedily by one of them must get exactly its tokens (batch-invariant)."""
-    from engine import LLM
+    from pdserve.engine import LLM
     return LLM(tiny_qwen3, dtype="float32", block_size=8, num_kv_blocks=512)
 
 
@@ -218,8 +218,8 @@ def user_home(tmp_path: Path) -> Path:
     """A fresh PDSERVE_HOME for a test that runs pdserve as a user would (and finds its processes by
     it), whose ``kernels`` is the suite's: a fresh home compiles the C++ kernels again, about 16 s
     of both cores each time (first-run builds are test_kernel_build's and the CI's first test's)."""
-    from engine.layers import cpu_kernels
-    from engine.settings import pdserve_home
+    from pdserve.engine.layers import cpu_kernels
+    from pdserve.engine.settings import pdserve_home
 
     cpu_kernels.load()   # built once into the suite's home (a no-op where kernels are off)
     home = tmp_path / "home"
@@ -244,7 +244,7 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
     if key not in _HF_CACHE:
         import torch
 
-        from services.loadtest.offline import hf_greedy as reference
+        from pdserve.services.loadtest.offline import hf_greedy as reference
         _HF_CACHE[key] = reference(model_dir, prompts, max_new_tokens, torch.float32)
     return _HF_CACHE[key]
 

@@ -15,8 +15,8 @@ from typing import Callable, Sequence, TypeVar
 import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.client import AsyncClient
-from services.deployment.launcher import Cluster, Deployment, free_port
+from pdserve.services.client import AsyncClient
+from pdserve.services.deployment.launcher import Cluster, Deployment, free_port
 
 P = TypeVar("P")
 
@@ -211,5 +211,5 @@ class SteadyLoad:
 
 
 def _sampling(params: dict):
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
     return SamplingParams(**params)

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from engine.layers import cpu_kernels
-from engine.layers.attention import AttentionMetadata, DecodeGroup
-from engine.layers.linear import AMX_KERNEL_MAX_ROWS
-from engine.layers.norm import rms_norm
+from pdserve.engine.layers import cpu_kernels
+from pdserve.engine.layers.attention import AttentionMetadata, DecodeGroup
+from pdserve.engine.layers.linear import AMX_KERNEL_MAX_ROWS
+from pdserve.engine.layers.norm import rms_norm
 
 if TYPE_CHECKING:
-    from engine.layers.attention import Attention
-    from engine.models.llama import SelfAttention
+    from pdserve.engine.layers.attention import Attention
+    from pdserve.engine.models.llama import SelfAttention
 
 log = logging.getLogger(__name__)
 

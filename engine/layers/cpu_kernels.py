@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_features import detect
-from engine.settings import ENV
+from pdserve.engine.cpu_features import detect
+from pdserve.engine.settings import ENV
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def _build() -> ctypes.CDLL | None:
-    from engine.kernel_build import build_library
+    from pdserve.engine.kernel_build import build_library
 
     path = build_library("pd_cpu_kernels", [CSRC / s for s in SOURCES], FLAGS)
     if path is None:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import cpu_kernels
+from pdserve.engine.layers import cpu_kernels
 
 # Row counts up to this use the bf16-weight kernel when it is set up (decode steps); more rows
 # (prefill) use the oneDNN float32 GEMM, which is faster once weights are reused across rows.
@@ -361,7 +361,7 @@ class ParallelLMHead(Linear):
     are all-gathered and trimmed to the vocabulary."""
 
     def __init__(self, in_features: int, vocab_size: int, group) -> None:
-        from engine.parallel import padded_split
+        from pdserve.engine.parallel import padded_split
         start, end, per = padded_split(vocab_size, group.rank, group.size)
         super().__init__(in_features, per)
         self.vocab_size, self.vocab_range, self.group = vocab_size, (start, end), group

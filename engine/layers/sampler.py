@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers import cpu_kernels
-from engine.logprobs import attach_logprobs
-from engine.sampling_params import SamplingParams
+from pdserve.engine.layers import cpu_kernels
+from pdserve.engine.logprobs import attach_logprobs
+from pdserve.engine.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
 TOP_P_CANDIDATES = 1024   # top-p without top-k looks at this many of the largest logits before sorting a row

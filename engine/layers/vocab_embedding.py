@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import TensorSource
-from engine.parallel import TPGroup, padded_split
+from pdserve.engine.layers.linear import TensorSource
+from pdserve.engine.parallel import TPGroup, padded_split
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,4 +1,4 @@
-from engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen3": LlamaForCausalLM}
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.attention import Attention, AttentionMetadata
-from engine.layers.backend import TORCH, TorchBackend
-from engine.layers.linear import ColumnParallelLinear, Linear, ParallelLMHead, RowParallelLinear
-from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
-from engine.layers.vocab_embedding import VocabParallelEmbedding
-from engine.model_config import ModelConfig
-from engine.parallel import TPGroup, TPLayout, split_range
+from pdserve.engine.layers.attention import Attention, AttentionMetadata
+from pdserve.engine.layers.backend import TORCH, TorchBackend
+from pdserve.engine.layers.linear import ColumnParallelLinear, Linear, ParallelLMHead, RowParallelLinear
+from pdserve.engine.layers.norm import RMSNorm
+from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.layers.vocab_embedding import VocabParallelEmbedding
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.parallel import TPGroup, TPLayout, split_range
 
 
 class SelfAttention(nn.Module):

@@ -14,25 +14,26 @@ from typing import AsyncIterator
 
 import grpc
 
-from engine.model_config import ModelConfig
-from engine.tokenizer import load_tokenizer
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.v1 import common_pb2, membership_pb2, router_pb2, router_pb2_grpc
-from services.router.admission import PendingGate
-from services.proto_convert import params_from_proto
-from services.api.detokenizer import IncrementalDetokenizer
-from services.router.errors import RouterError
-from services.router.generator import GenerationOptions, Generator
-from services.router.generation_state import Generation
-from services.metrics import RouterMetrics
-from services.api.request_limits import InvalidRequest, RequestLimits
-from services.api.request_front import FrontRequest, Prompt, RequestFront, ValidatedRequest
-from services import tracing
-from services.security import API_KEY_HEADER, Credentials
-from services.api.principals import ApiKeys, Principal, bound_to
-from services.router.config import RouterConfig
-from services.router.membership import SERVICE_PREFIX as MEMBERSHIP_PREFIX, MembershipServicer, MembershipSettings
-from services.router.slo import ServiceClass
-from services.router.worker_pool import WorkerPool
+from pdserve.services.router.admission import PendingGate
+from pdserve.services.common.proto_convert import params_from_proto
+from pdserve.services.api.detokenizer import IncrementalDetokenizer
+from pdserve.services.router.errors import RouterError
+from pdserve.services.router.generator import GenerationOptions, Generator
+from pdserve.services.router.generation_state import Generation
+from pdserve.services.common.metrics import RouterMetrics
+from pdserve.services.api.request_limits import InvalidRequest, RequestLimits
+from pdserve.services.api.request_front import FrontRequest, Prompt, RequestFront, ValidatedRequest
+from pdserve.services.common import tracing
+from pdserve.services.common.security import Credentials
+from pdserve.services.common.proofs import API_KEY_HEADER
+from pdserve.services.api.principals import ApiKeys, Principal, bound_to
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.membership import SERVICE_PREFIX as MEMBERSHIP_PREFIX, MembershipServicer, MembershipSettings
+from pdserve.services.router.slo import ServiceClass
+from pdserve.services.router.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -222,8 +223,8 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
     WorkerPool; on_start(bound_port) runs once serving; metrics_token: /metrics wants it as a
     bearer token; remote_workers: workers at non-loopback addresses may join without mutual TLS
     (--insecure-internal-plane)."""
-    from services.metrics import start_metrics_server
-    from services.grpc_setup import check_port_free, service_registration, start_server, stop_on_signals
+    from pdserve.services.common.metrics import start_metrics_server
+    from pdserve.services.common.grpc_setup import check_port_free, service_registration, start_server, stop_on_signals
 
     credentials = credentials or Credentials()
     keys = api_keys(options.config, api_key)
@@ -241,7 +242,7 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
     try:
         await pool.wait_ready(options.config.ready_timeout_s)
         if options.workers_file:
-            from services.router.workers_file import WorkersFileWatcher
+            from pdserve.services.router.workers_file import WorkersFileWatcher
             watcher = WorkersFileWatcher(options.workers_file, membership, options.config.drain_timeout_s)
             await watcher.start()
         metrics = RouterMetrics(model_name=options.model)
@@ -250,7 +251,7 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
         log.info("placement: %s", servicer.generator.placement.describe())
         http = None
         if options.config.http_port is not None:   # on this loop, before gRPC says SERVING
-            from services.api.http_server import start_http
+            from pdserve.services.api.http_server import start_http
             http = await start_http(servicer, host, options.config.http_port,
                                     served_model_names(options.config, options.model), keys,
                                     options.limits.max_http_body_bytes, tls=credentials.tls,

@@ -17,8 +17,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from services.api.http_request import HTTPError
-from services.api.principals import ApiKeys
+from pdserve.services.api.http_request import HTTPError
+from pdserve.services.api.principals import ApiKeys
 
 MAX_HTTP_CONNECTIONS = 1024     # open connections at once (at most a quarter of the fd limit); more are
                                 # closed as they are accepted

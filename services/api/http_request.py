@@ -18,13 +18,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine import SamplingParams
-from engine.quoting import capped, quoted
-from engine.sampling_params import MAX_LOGPROBS
-from services.router.errors import RouterError
-from services.api.request_limits import InvalidRequest, RequestLimits, check_count, utf8_size
-from services.router.slo import ServiceClass
-from services.api.request_front import FrontRequest, Prompt, field_of_message
+from pdserve.engine import SamplingParams
+from pdserve.engine.quoting import capped, quoted
+from pdserve.engine.sampling_params import MAX_LOGPROBS
+from pdserve.services.router.errors import RouterError
+from pdserve.services.api.request_limits import InvalidRequest, RequestLimits, check_count, utf8_size
+from pdserve.services.router.slo import ServiceClass
+from pdserve.services.api.request_front import FrontRequest, Prompt, field_of_message
 
 log = logging.getLogger(__name__)
 

@@ -61,19 +61,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine import SamplingParams
-from engine.quoting import quoted
-from services.api.detokenizer import IncrementalDetokenizer
-from services.api.principals import ApiKeys, bound_to
-from services.router.errors import RouterError
-from services.router.slo import ServiceClass
-from services.api.http_connections import OPEN_PATHS, BoundedHttpToolsProtocol, RequestGuard
-from services.api.http_stream import (SSE_DONE, ClientGone, SSEResponse, cancel_all, gather_or_cancel, sse_event,
+from pdserve.engine import SamplingParams
+from pdserve.engine.quoting import quoted
+from pdserve.services.api.detokenizer import IncrementalDetokenizer
+from pdserve.services.api.principals import ApiKeys, bound_to
+from pdserve.services.router.errors import RouterError
+from pdserve.services.router.slo import ServiceClass
+from pdserve.services.api.http_connections import OPEN_PATHS, BoundedHttpToolsProtocol, RequestGuard
+from pdserve.services.api.http_stream import (SSE_DONE, ClientGone, SSEResponse, cancel_all, gather_or_cancel, sse_event,
                                   until_disconnect)
-from services.api.http_request import HTTPError, ParsedBody, front_requests, parse_body, read_json
-from services.deployment.ports import reuse_port
-from services.api.request_limits import InvalidRequest
-from services.api.stop_strings import StopMatcher
+from pdserve.services.api.http_request import HTTPError, ParsedBody, front_requests, parse_body, read_json
+from pdserve.services.common.ports import reuse_port
+from pdserve.services.api.request_limits import InvalidRequest
+from pdserve.services.api.stop_strings import StopMatcher
 
 log = logging.getLogger(__name__)
 
@@ -485,7 +485,7 @@ async def start_http(servicer, host: str, port: int, served_model_name: str | Se
                      model_aliases: Sequence[str] = (), allowed_hosts: str | None = None) -> HTTPServer:
     """Serve the OpenAI-compatible API on host:port (0: any free port) on the running loop;
     returns once it accepts connections. Raises OSError if the port is taken. tls (a
-    services.security.TLSFiles): HTTPS with the router's certificate, as its gRPC API has
+    services.common.security.TLSFiles): HTTPS with the router's certificate, as its gRPC API has
     (clients are not asked for a certificate; the API key is what authenticates them)."""
     api = OpenAIServer(servicer, served_model_name, api_key, max_body_bytes, model_aliases=model_aliases,
                        allowed_hosts=allowed_hosts)
@@ -493,7 +493,7 @@ async def start_http(servicer, host: str, port: int, served_model_name: str | Se
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port(port):   # reserved for us by `pdserve up` (services/deployment/ports.py)
+        if reuse_port(port):   # reserved for us by `pdserve up` (services/common/ports.py)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError as exc:

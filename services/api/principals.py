@@ -29,11 +29,11 @@ from typing import Callable
 
 import grpc
 
-from engine.sampling_params import PRIORITY_RANGE
-from services.proof_interceptors import OPEN_METHOD_PREFIXES, refusing
-from services.checked_files import read_checked
-from services.proofs import API_KEY_HEADER
-from services.router.slo import ServiceClass
+from pdserve.engine.sampling_params import PRIORITY_RANGE
+from pdserve.services.common.proof_interceptors import OPEN_METHOD_PREFIXES, refusing
+from pdserve.services.common.checked_files import read_checked
+from pdserve.services.common.proofs import API_KEY_HEADER
+from pdserve.services.router.slo import ServiceClass
 
 MAX_KEYS_FILE_BYTES = 1 << 20
 MIN_KEY_CHARS = 16

@@ -20,10 +20,10 @@ from typing import Callable, Sequence
 
 import jinja2
 
-from engine import SamplingParams
-from engine.validation import validate_request
-from services.api.request_limits import InvalidRequest, RequestLimits, check_count, utf8_size
-from services.router.slo import ServiceClass
+from pdserve.engine import SamplingParams
+from pdserve.engine.validation import validate_request
+from pdserve.services.api.request_limits import InvalidRequest, RequestLimits, check_count, utf8_size
+from pdserve.services.router.slo import ServiceClass
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.settings import setting
+from pdserve.engine.settings import setting
 
 
 @dataclass(slots=True)

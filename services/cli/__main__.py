@@ -1,6 +1,6 @@
 """`python -m services.cli`: the `pdserve` command line."""
 import sys
 
-from services.cli.commands import main
+from pdserve.services.cli.commands import main
 
 sys.exit(main())

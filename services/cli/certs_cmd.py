@@ -7,8 +7,8 @@ import argparse
 
 
 def add_certs_args(p: argparse.ArgumentParser) -> None:
-    from services.cli.config_flags import add_config_args
-    from services.deployment.certs import MAX_HOSTS, MAX_NAMES_PER_HOST, CertsConfig
+    from pdserve.services.common.config_flags import add_config_args
+    from pdserve.services.deployment.certs import MAX_HOSTS, MAX_NAMES_PER_HOST, CertsConfig
     add_config_args(p, CertsConfig)
     p.add_argument("--host", action="append", dest="hosts", metavar="IP|NAME[,IP|NAME...]",
                    help=f"a host the deployment runs on, repeatable (at most {MAX_HOSTS}): the IP addresses and DNS "
@@ -18,8 +18,8 @@ def add_certs_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
-    from services.cli.config_flags import config_from_args
-    from services.deployment.certs import CertsConfig, make_certs
+    from pdserve.services.common.config_flags import config_from_args
+    from pdserve.services.deployment.certs import CertsConfig, make_certs
     config = config_from_args(CertsConfig, args, hosts=tuple(args.hosts or ()))
     print(make_certs(config).describe(), flush=True)
     return 0

@@ -7,7 +7,7 @@ import sys
 
 
 def main() -> int:
-    from services.cli.commands import main as cli_main
+    from pdserve.services.cli.commands import main as cli_main
     return cli_main(sys.argv[1:])
 
 

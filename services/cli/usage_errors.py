@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from services.log_format import configure as _configure_logging
+from pdserve.services.common.log_format import configure as _configure_logging
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -67,5 +67,5 @@ def parse_log_level(text: str) -> str:
 
 
 def configure_logging(level: str) -> None:
-    """The root logger at level; control characters in messages escaped (services/log_format.py)."""
+    """The root logger at level; control characters in messages escaped (services/common/log_format.py)."""
     _configure_logging(level)

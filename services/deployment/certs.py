@@ -32,8 +32,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from engine.settings import setting
-from services.checked_files import read_checked
+from pdserve.engine.settings import setting
+from pdserve.services.common.checked_files import read_checked
 
 MAX_HOSTS = 256               # --host flags per run
 MAX_NAMES_PER_HOST = 16       # SANs per certificate

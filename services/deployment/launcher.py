@@ -5,7 +5,7 @@
   handed to the router only: workers hold the cluster token alone.
 - The router's port is checked before anything starts.
 - Every gRPC/HTTP port a child serves is reserved by the supervisor for the deployment's
-  lifetime (services/deployment/ports.py), so a child that dies is restarted on the same port, with
+  lifetime (services/common/ports.py), so a child that dies is restarted on the same port, with
   exponential backoff, and no other local user can bind that port meanwhile; the router
   notices through its status streams. Health probes carry no secret.
 - Children never outlive the supervisor: they ask the kernel to kill them when it dies
@@ -28,16 +28,16 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.settings import ENV, setting
-from services.kv_transfer import shared_memory
-from services.deployment.ports import PortReservations, RESERVED_PORTS_ENV, free_port
-from services.security import ADMIN_TOKEN_ENV, Credentials, new_token
-from services.grpc_setup import check_port_free
-from services.deployment.topology import (DEFAULT_HOST, ROUTER_PORT, WORKER_THREADS, Topology, drain_timeout_setting, flags_argv,
+from pdserve.engine.settings import ENV, setting
+from pdserve.services.kv_transfer import shared_memory
+from pdserve.services.common.ports import PortReservations, RESERVED_PORTS_ENV, free_port
+from pdserve.services.common.security import ADMIN_TOKEN_ENV, Credentials, new_token
+from pdserve.services.common.grpc_setup import check_port_free
+from pdserve.services.common.topology import (DEFAULT_HOST, ROUTER_PORT, WORKER_THREADS, Topology, drain_timeout_setting, flags_argv,
                                role_argv)
 
 if TYPE_CHECKING:
-    from services.cli.progress import Progress
+    from pdserve.services.cli.progress import Progress
 
 PARENT_PID_ENV = ENV.PARENT_PID.name
 PROBE_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -101,7 +101,7 @@ class Deployment:
 
     @property
     def topology(self) -> Topology:
-        """The deployment's shape (services/deployment/topology.py), read by the supervisor."""
+        """The deployment's shape (services/common/topology.py), read by the supervisor."""
         return Topology(self.prefill_workers, self.decode_workers, self.colocated_workers, self.prefill_tp,
                         self.decode_tp, self.engine_tp, self.host, self.port)
 
@@ -299,7 +299,7 @@ class Cluster:
         tls = self.spec.credentials.tls
         if tls is not None:   # file paths, not secrets: they travel as flags
             args = [*args, "--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca)]
-        cmd = [sys.executable, "-m", "services.cli", *args, "--host", self.spec.host, "--port", str(port)]
+        cmd = [sys.executable, "-m", "pdserve.services.cli", *args, "--host", self.spec.host, "--port", str(port)]
         log_path = os.path.join(self.spec.log_dir, f"{name}.log") if self.spec.log_dir else None
         proc = Process(name, cmd, f"{self.spec.host}:{port}", env, metrics_address=metrics, log_path=log_path,
                        cpus=self._pinned.get(name))

@@ -21,7 +21,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from engine.kv_handoff import BlockMeta, HandoffError, HandoffState
+from pdserve.engine.kv.handoff import BlockMeta, HandoffError, HandoffState
 from pdserve.v1 import kv_pb2
 
 MAX_FRAME_BYTES = 64 << 20           # upper bound accepted for a sender's frame size

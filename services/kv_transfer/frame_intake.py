@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.kv_handoff import HandoffError
+from pdserve.engine.kv.handoff import HandoffError
 from pdserve.v1 import kv_pb2
-from services.kv_transfer.base import MAX_PENDING_HEADERS
-from services.kv_transfer.frames import Frame
-from services.kv_transfer.receive_session import ReceiveSession, whole_run
-from services.kv_transfer.wire_codec import WireMeta
+from pdserve.services.kv_transfer.base import MAX_PENDING_HEADERS
+from pdserve.services.kv_transfer.frames import Frame
+from pdserve.services.kv_transfer.receive_session import ReceiveSession, whole_run
+from pdserve.services.kv_transfer.wire_codec import WireMeta
 
 
 @dataclass(slots=True)

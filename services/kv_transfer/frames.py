@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
 from pdserve.v1 import kv_pb2
-from services.kv_transfer import integrity, shared_memory
-from services.kv_transfer.base import KVBlock
+from pdserve.services.kv_transfer import integrity, shared_memory
+from pdserve.services.kv_transfer.base import KVBlock
 
 _OPEN, _HEADER, _PAYLOAD, _SHM, _MAC = 1, 2, 3, 4, 5
 MAX_SEGMENT_BYTES = 64 << 20       # payload bytes per shared-memory segment

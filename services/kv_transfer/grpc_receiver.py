@@ -15,13 +15,13 @@ from typing import AsyncIterator
 
 import grpc
 
-from engine.kv_handoff import HandoffError
+from pdserve.engine.kv.handoff import HandoffError
 from pdserve.v1 import kv_pb2, kv_pb2_grpc
-from services.kv_transfer import shared_memory
-from services.kv_transfer.base import KVSink
-from services.kv_transfer.frame_intake import Pending, announce, deliver, end, open_or_refuse, take_inline
-from services.kv_transfer.frames import Frame, parse_frame
-from services.kv_transfer.receive_session import ReceiveSession
+from pdserve.services.kv_transfer import shared_memory
+from pdserve.services.kv_transfer.base import KVSink
+from pdserve.services.kv_transfer.frame_intake import Pending, announce, deliver, end, open_or_refuse, take_inline
+from pdserve.services.kv_transfer.frames import Frame, parse_frame
+from pdserve.services.kv_transfer.receive_session import ReceiveSession
 
 SERVICE = "pdserve.v1.KVTransfer"
 SHM_PROBE_BYTES = 64                  # the segment that asks a peer whether it shares memory with us

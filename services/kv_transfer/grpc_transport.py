@@ -22,17 +22,16 @@ from typing import Any, Awaitable, Callable, Sequence
 import grpc
 
 from pdserve.v1 import kv_pb2
-from services.kv_transfer import integrity, shared_memory
-from services.kv_transfer.frames import (  # noqa: F401 - re-exported: the wire format's users import it here
-    MAX_SEGMENT_BYTES, Frame, encode_frames, encode_heartbeat, encode_open, encode_probe, encode_shm_frames,
-    encode_wire_frames, iter_wire_frames, parse_frame,
-)
-from services.kv_transfer.grpc_receiver import (  # noqa: F401 - re-exported: the receiver's users import it here
-    REFUSAL_DRAIN_S, SERVICE, SHM_PROBE_BYTES, KVTransferServicer, register_kv_servicer,
-)
-from services.kv_transfer.wire_codec import CodecPolicy, encode_blocks
-from services.kv_transfer.shared_memory import SHARED_MEMORY_MAX_BYTES, available as shared_memory_available
-from services.kv_transfer.base import (
+from pdserve.services.kv_transfer import integrity, shared_memory
+from pdserve.services.kv_transfer.frames import (encode_heartbeat,
+    encode_open,
+    encode_probe,
+    encode_shm_frames,
+    iter_wire_frames)
+from pdserve.services.kv_transfer.grpc_receiver import SERVICE, SHM_PROBE_BYTES
+from pdserve.services.kv_transfer.wire_codec import CodecPolicy, encode_blocks
+from pdserve.services.kv_transfer.shared_memory import SHARED_MEMORY_MAX_BYTES, available as shared_memory_available
+from pdserve.services.kv_transfer.base import (
     DEFAULT_FRAME_BYTES, FRAME_TARGET_BYTES, MAX_FRAME_BYTES, KVBlock, KVSender, KVStream, KVTransferError, SendResult,
 )
 
@@ -155,7 +154,7 @@ class GrpcKVStream(KVStream):
         """start_call(first frame): makes the call once its channel is connected, with a fresh proof
         of membership bound to that frame (a proof minted before a long wait, say this process
         frozen while connecting, would be refused as stale): (call, its
-        services.security.CallProof, whose reply the receiver must send before any frame goes
+        services.common.security.CallProof, whose reply the receiver must send before any frame goes
         out; None: nothing to check).
         frame_target: frames hold whole blocks up to this many payload bytes (frames.iter_wire_frames).
         shared: (route, target, method, metadata maker) when sends to this loopback target may go
@@ -351,7 +350,7 @@ class GrpcKVSender(KVSender):
         cluster_token: the deployment's (Credentials.cluster_token), which keys every frame's MAC
         with the reservation's transfer token; None (--insecure-no-auth) keys by the transfer token
         alone, which guards against accidents only (integrity.py). metadata: sent on every stream.
-        proof: (method, target, first frame) -> a fresh services.security.CallProof for each
+        proof: (method, target, first frame) -> a fresh services.common.security.CallProof for each
         stream (when the factory's channels do not prove membership themselves); the receiver's
         reply is checked before any KV leaves. shared_memory: payloads to a loopback target that shares our
         memory, in sends of at least shared_memory_min_bytes, go through /dev/shm (or the route's

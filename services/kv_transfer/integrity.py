@@ -31,7 +31,7 @@ import hashlib
 import hmac
 from typing import Iterable
 
-from engine.kv_handoff import HandoffError
+from pdserve.engine.kv.handoff import HandoffError
 
 try:
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms as ciphers, modes as cipher_modes

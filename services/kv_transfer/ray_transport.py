@@ -27,12 +27,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from engine.kv_handoff import HandoffError
+from pdserve.engine.kv.handoff import HandoffError
 from pdserve.v1 import kv_pb2
-from services.kv_transfer import integrity
-from services.kv_transfer.base import KVBlock, KVSender, KVSink, KVStream, KVTransferError, SendResult
-from services.kv_transfer.receive_session import ReceiveSession
-from services.kv_transfer.wire_codec import check_mode, encode_blocks
+from pdserve.services.kv_transfer import integrity
+from pdserve.services.kv_transfer.base import KVBlock, KVSender, KVSink, KVStream, KVTransferError, SendResult
+from pdserve.services.kv_transfer.receive_session import ReceiveSession
+from pdserve.services.kv_transfer.wire_codec import check_mode, encode_blocks
 
 SCHEME = "ray://"
 DEFAULT_FETCH_TIMEOUT_S = 60.0

@@ -19,12 +19,12 @@ from __future__ import annotations
 import logging
 from typing import Iterable, Sequence
 
-from engine.kv_connector import ClaimedRun
-from engine.kv_handoff import BlockMeta, HandoffError, HandoffState
+from pdserve.engine.kv.connector import ClaimedRun
+from pdserve.engine.kv.handoff import BlockMeta, HandoffError, HandoffState
 from pdserve.v1 import kv_pb2
-from services.kv_transfer import integrity
-from services.kv_transfer.base import KVSink
-from services.kv_transfer.wire_codec import WireMeta, decode_payload, wire_meta
+from pdserve.services.kv_transfer import integrity
+from pdserve.services.kv_transfer.base import KVSink
+from pdserve.services.kv_transfer.wire_codec import WireMeta, decode_payload, wire_meta
 
 log = logging.getLogger(__name__)
 

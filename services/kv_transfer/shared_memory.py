@@ -30,7 +30,7 @@ import stat
 import time
 from typing import Sequence
 
-from services.security import is_loopback
+from pdserve.services.common.proofs import is_loopback
 
 SHM_DIR = "/dev/shm"
 SHARED_MEMORY_MAX_BYTES = 256 << 20   # default cap on one sender's payload bytes in live segments

@@ -34,13 +34,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.kv_handoff import HandoffError, HandoffState
-from services.kv_transfer import tcp_wire
-from services.kv_transfer.base import KVSink
-from services.kv_transfer.frame_intake import Pending, end, take_inline
-from services.kv_transfer.frames import parse_frame, parse_head, parse_trailer
-from services.kv_transfer.receive_session import ReceiveSession
-from services.security import is_loopback
+from pdserve.engine.kv.handoff import HandoffError, HandoffState
+from pdserve.services.kv_transfer import tcp_wire
+from pdserve.services.kv_transfer.base import KVSink
+from pdserve.services.kv_transfer.frame_intake import Pending, end, take_inline
+from pdserve.services.kv_transfer.frames import parse_frame, parse_head, parse_trailer
+from pdserve.services.kv_transfer.receive_session import ReceiveSession
+from pdserve.services.common.proofs import is_loopback
 
 log = logging.getLogger(__name__)
 

@@ -39,12 +39,12 @@ import time
 from typing import Callable, Iterable, Iterator, Sequence
 
 from pdserve.v1 import kv_pb2
-from services.kv_transfer import integrity, tcp_wire
-from services.kv_transfer.base import (
+from pdserve.services.kv_transfer import integrity, tcp_wire
+from pdserve.services.kv_transfer.base import (
     DEFAULT_FRAME_BYTES, FRAME_TARGET_BYTES, MAX_FRAME_BYTES, KVBlock, KVSender, KVStream, KVTransferError, SendResult,
 )
-from services.kv_transfer.frames import encode_heartbeat, encode_open, iter_frame_parts
-from services.kv_transfer.wire_codec import CodecPolicy, encode_blocks
+from pdserve.services.kv_transfer.frames import encode_heartbeat, encode_open, iter_frame_parts
+from pdserve.services.kv_transfer.wire_codec import CodecPolicy, encode_blocks
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ import struct
 import time
 from typing import Callable
 
-from services.kv_transfer.base import MAX_FRAME_BYTES
+from pdserve.services.kv_transfer.base import MAX_FRAME_BYTES
 
 MAGIC = b"PDKVTCP1"
 NONCE_BYTES = 32

@@ -16,10 +16,10 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from engine.kv_handoff import BlockMeta, HandoffError
+from pdserve.engine.kv.handoff import BlockMeta, HandoffError
 from pdserve.v1 import kv_pb2
-from services.kv_transfer import compression
-from services.kv_transfer.base import KVBlock, block_meta
+from pdserve.services.kv_transfer import compression
+from pdserve.services.kv_transfer.base import KVBlock, block_meta
 
 MODES = ("auto", *compression.CODECS)
 

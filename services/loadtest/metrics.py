@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from services.loadtest.results import RequestResult
+from pdserve.services.loadtest.results import RequestResult
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",

@@ -36,11 +36,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from services.loadtest.arrivals import arrival_offsets
-from services.loadtest.datasets import SampleRequest, TokenSource
-from services.loadtest.grpc_backend import GrpcBackend
-from services.loadtest.results import RequestResult, Sampling
-from services.loadtest.run import LoadProgress, not_closed
+from pdserve.services.loadtest.arrivals import arrival_offsets
+from pdserve.services.loadtest.datasets import SampleRequest, TokenSource
+from pdserve.services.loadtest.grpc_backend import GrpcBackend
+from pdserve.services.loadtest.results import RequestResult, Sampling
+from pdserve.services.loadtest.run import LoadProgress, not_closed
 
 
 @dataclass(slots=True)

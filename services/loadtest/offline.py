@@ -62,7 +62,7 @@ def make_workload(num_prompts: int, vocab_size: int, input_range: tuple[int, int
 
 def ensure_model(model_dir: str | None) -> Path:
     """The benchmark checkpoint: ``model_dir`` if given, else made once in the cache (atomically)."""
-    from engine.model_maker import ensure_model as make_once
+    from pdserve.engine.model_maker import ensure_model as make_once
     return Path(model_dir) if model_dir else make_once(MODEL_PRESET, MODEL_ARCH, MODEL_SEED)
 
 
@@ -70,7 +70,7 @@ def ensure_model(model_dir: str | None) -> Path:
 
 
 def run_pdserve(model_dir: Path, wl: Workload, args: argparse.Namespace, warmup: Workload) -> dict[str, Any]:
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     kwargs: dict[str, Any] = {"dtype": args.dtype, "num_threads": args.threads, "device": "cpu"}
     if args.compute_dtype is not None:
@@ -217,7 +217,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
     torch.set_num_threads(args.threads)
 
-    from engine.model_config import ModelConfig
+    from pdserve.engine.model_config import ModelConfig
     model_dir = ensure_model(args.model_dir)
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     if args.quick:

@@ -30,9 +30,9 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
-from engine.settings import ENV
-from services.loadtest.datasets import SampleRequest
-from services.loadtest.results import RequestResult, Sampling, settle
+from pdserve.engine.settings import ENV
+from pdserve.services.loadtest.datasets import SampleRequest
+from pdserve.services.loadtest.results import RequestResult, Sampling, settle
 
 BACKENDS = ("pdserve", "openai", "openai-chat")   # pdserve: the router's gRPC API
 ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from services.loadtest.metrics import METRIC_TITLES, METRICS, percentile_key
+from pdserve.services.loadtest.metrics import METRIC_TITLES, METRICS, percentile_key
 
 
 def _pyplot():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from services.loadtest.metrics import METRIC_TITLES, METRICS, percentile_key
+from pdserve.services.loadtest.metrics import METRIC_TITLES, METRICS, percentile_key
 
 
 def print_summary(metrics: dict[str, Any], *, max_concurrency: int | None, percentile_metrics: Sequence[str],

@@ -9,10 +9,10 @@ import time
 import uuid
 from typing import Sequence
 
-from services.loadtest.arrivals import arrival_offsets
-from services.loadtest.datasets import SampleRequest
-from services.loadtest.grpc_backend import GrpcBackend
-from services.loadtest.results import RequestResult, Sampling
+from pdserve.services.loadtest.arrivals import arrival_offsets
+from pdserve.services.loadtest.datasets import SampleRequest
+from pdserve.services.loadtest.grpc_backend import GrpcBackend
+from pdserve.services.loadtest.results import RequestResult, Sampling
 
 
 class LoadProgress:

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from services.planner.serving_costs import ServingCosts
+from pdserve.services.planner.serving_costs import ServingCosts
 
 FEATURES = ("const", "prefill_tokens", "prefill_seqs", "prefill_attention", "decode_seqs", "decode_context")
 KIND_FEATURES = {

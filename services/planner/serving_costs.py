@@ -24,9 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from engine.settings import ENV
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SETUPS = {"colocated": ["--colocated-workers", "1"], "disaggregated": ["--prefill-workers", "1", "--decode-workers", "1"]}
 COUNTERS = ("process_cpu_seconds_total", "pdserve:engine_step_cpu_seconds_total", "pdserve:engine_step_seconds_count",
             "pdserve:generation_tokens_total", "pdserve:kv_transfer_bytes_total")   # what is read and kept
@@ -83,7 +81,7 @@ def _free_port_base(n: int) -> int:
 
 
 async def _load(address: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> int:
-    from services.client import AsyncClient
+    from pdserve.services.client import AsyncClient
     gate = asyncio.Semaphore(concurrency)
     async with AsyncClient(address, timeout=300) as client:
         async def one(p: list[int]) -> int:
@@ -96,16 +94,15 @@ async def _load(address: str, prompts: list[list[int]], max_tokens: int, concurr
 def _run_setup(setup: str, model: str, engine_args: list[str], loads: dict[str, list[list[int]]], max_tokens: int,
                concurrency: int, log_path: Path) -> dict[str, dict[str, dict[str, float]]]:
     """Start `pdserve up`, serve each load in turn; per load, each process's counter deltas."""
-    from services.deployment.launcher import wait_serving
-    from services.metrics import scrape_by_name
+    from pdserve.services.deployment.launcher import wait_serving
+    from pdserve.services.common.metrics import scrape_by_name
     names = ["router", *(["both-0"] if setup == "colocated" else ["prefill-0", "decode-0"])]
     port = _free_port_base(len(names) + 1)
     base = port + 1
-    cmd = [sys.executable, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--metrics-port-base", str(base), *SETUPS[setup], *engine_args]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + (ENV.PYTHONPATH.raw() or "")}
     with open(log_path, "w") as log:
-        popen = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
     runs: dict[str, dict[str, dict[str, float]]] = {}
     try:

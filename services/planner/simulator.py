@@ -37,12 +37,12 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, NoCapacity, RequestOutput
-from engine.model_config import ModelConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, StepTrace
-from services.planner.cost_model import CostModel, StepSample, step_features
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine, NoCapacity, RequestOutput
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledBatch, StepTrace
+from pdserve.services.planner.cost_model import CostModel, StepSample, step_features
 
 SIM_TOKEN = 2   # the token every simulated step samples: never EOS in pdserve's made models (ignore_eos anyway)
 
@@ -325,7 +325,7 @@ class Simulation:
                 w.schedule_end()
 
     def run(self, prompts: Sequence[list[int]], output_lens: Sequence[int], offsets: Sequence[float]) -> list[Any]:
-        from services.loadtest.results import RequestResult
+        from pdserve.services.loadtest.results import RequestResult
         for i, (prompt, n_out, t) in enumerate(zip(prompts, output_lens, offsets)):
             req = SimRequest(f"sim-{i}", list(prompt), int(n_out), float(t))
             self.requests[req.request_id] = req

@@ -3,6 +3,6 @@
 Importing this package does not import Ray; ``deploy`` / ``teardown`` / the actors do.
 See docs/ray.md.
 """
-from services.ray_deploy.deploy import DeploymentError, DeploymentInfo, RayDeployment, deploy, describe, teardown
+from pdserve.services.ray_deploy.deploy import DeploymentError, DeploymentInfo, RayDeployment, deploy, describe, teardown
 
 __all__ = ["DeploymentError", "DeploymentInfo", "RayDeployment", "deploy", "describe", "teardown"]

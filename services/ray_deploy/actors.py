@@ -36,7 +36,7 @@ from typing import Any, Awaitable, Callable
 
 import ray
 
-from engine.settings import ENV
+from pdserve.engine.settings import ENV
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +92,9 @@ def _setup_logging() -> None:
 
 def worker_configs(spec: dict[str, Any], model: str):
     """(EngineConfig, WorkerConfig) from the spec's argv, parsed by the CLI's generated flags."""
-    from engine import EngineConfig
-    from services.cli.config_flags import configs_from_argv
-    from services.workers.config import WorkerConfig
+    from pdserve.engine import EngineConfig
+    from pdserve.services.common.config_flags import configs_from_argv
+    from pdserve.services.workers.config import WorkerConfig
 
     engine, = configs_from_argv(spec.get("engine_args", []), (EngineConfig, ()), model=model, role=spec["role"])
     worker, = configs_from_argv(spec.get("worker_args", []), (WorkerConfig, ()))
@@ -103,10 +103,10 @@ def worker_configs(spec: dict[str, Any], model: str):
 
 def router_configs(spec: dict[str, Any]):
     """(GenerationOptions, RequestLimits, RouterConfig) from the spec's router argv."""
-    from services.cli.config_flags import configs_from_argv
-    from services.router.generator import GenerationOptions
-    from services.api.request_limits import RequestLimits
-    from services.router.config import RouterConfig
+    from pdserve.services.common.config_flags import configs_from_argv
+    from pdserve.services.router.generator import GenerationOptions
+    from pdserve.services.api.request_limits import RequestLimits
+    from pdserve.services.router.config import RouterConfig
 
     return configs_from_argv(spec.get("router_args", []), (GenerationOptions, ()), (RequestLimits, ()),
                              (RouterConfig, ()))
@@ -114,7 +114,7 @@ def router_configs(spec: dict[str, Any]):
 
 def load_credentials(spec: dict[str, Any]):
     """The deployment's Credentials from the files the spec names (read on this node)."""
-    from services.security import Credentials
+    from pdserve.services.common.security import Credentials
 
     path = spec.get("cluster_token_file")
     if not path:
@@ -136,7 +136,7 @@ class ControlGate:
     """Control methods answer only a caller proving the cluster token, each proof once."""
 
     def __init__(self, credentials, actor_name: str) -> None:
-        from services.security import ProofCheck
+        from pdserve.services.common.proofs import ProofCheck
 
         self.actor_name = actor_name
         self.check = ProofCheck(credentials.key) if credentials.key is not None else None
@@ -193,10 +193,10 @@ class WorkerActor(_ServerActor):
     """A prefill or decode worker (grpc Worker service + KVTransfer, and push_blocks for Ray KV)."""
 
     async def __init__(self, spec_json: str) -> None:
-        from services.kv_transfer import GrpcKVSender
-        from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender, ray_kv_address
-        from services.grpc_setup import options as channel_options
-        from services.workers.worker_process import WorkerOptions, serve_worker
+        from pdserve.services.kv_transfer import GrpcKVSender
+        from pdserve.services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender, ray_kv_address
+        from pdserve.services.common.grpc_setup import options as channel_options
+        from pdserve.services.workers.worker_process import WorkerOptions, serve_worker
 
         spec = self._load(spec_json)
         self.role, namespace = spec["role"], spec["namespace"]
@@ -308,8 +308,8 @@ class RouterActor(_ServerActor):
     """The router: the client-facing pdserve.v1.Router gRPC API, unchanged."""
 
     async def __init__(self, spec_json: str) -> None:
-        from services.api.grpc_router import RouterOptions, serve_router
-        from services.security import API_KEY_ENV, read_secret
+        from pdserve.services.api.grpc_router import RouterOptions, serve_router
+        from pdserve.services.common.security import API_KEY_ENV, read_secret
 
         spec = self._load(spec_json)
         generation, limits, config = router_configs(spec)

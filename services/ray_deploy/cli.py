@@ -5,17 +5,17 @@ import argparse
 import json
 import sys
 
-from services.cli.parser import add_engine_args, add_router_args, model_dir, router_argv
-from services.deployment.topology import ENGINE_FIXED, PER_WORKER, ROLES_SHARED, UP_OWN
+from pdserve.services.cli.parser import add_engine_args, add_router_args, model_dir, router_argv
+from pdserve.services.common.topology import ENGINE_FIXED, PER_WORKER, ROLES_SHARED, UP_OWN
 
 
 RAY_UP_FIXED = ("model", "name", "namespace")   # --model, and the flags every ray command has
 
 
 def add_ray_parser(sub, parents: list[argparse.ArgumentParser] | tuple = ()) -> None:
-    from services.cli.config_flags import add_config_args
-    from services.ray_deploy.deploy import RayDeployment
-    from services.workers.config import WorkerConfig
+    from pdserve.services.common.config_flags import add_config_args
+    from pdserve.services.ray_deploy.deploy import RayDeployment
+    from pdserve.services.workers.config import WorkerConfig
 
     p = sub.add_parser("ray", help="deploy onto a Ray cluster (ray up | ray down | ray scale | ray status)", parents=list(parents))
     rsub = p.add_subparsers(dest="ray_command", required=True, metavar="COMMAND")
@@ -76,11 +76,11 @@ def add_ray_parser(sub, parents: list[argparse.ArgumentParser] | tuple = ()) -> 
 
 def ray_spec(args: argparse.Namespace, model: str):
     """The RayDeployment of `pdserve ray up`'s flags; the roles' settings as argv."""
-    from engine.config import EngineConfig
-    from services.cli.config_flags import config_from_args, config_to_argv, given
-    from services.ray_deploy.deploy import RayDeployment
-    from services.router.config import RouterConfig
-    from services.workers.config import WorkerConfig
+    from pdserve.engine.config import EngineConfig
+    from pdserve.services.common.config_flags import config_from_args, config_to_argv, given
+    from pdserve.services.ray_deploy.deploy import RayDeployment
+    from pdserve.services.router.config import RouterConfig
+    from pdserve.services.workers.config import WorkerConfig
 
     engine = EngineConfig(model=model, **given(args, EngineConfig, ENGINE_FIXED))
     router_args = router_argv(args, config_from_args(RouterConfig, args, exclude=("ready_timeout_s",)))
@@ -94,7 +94,7 @@ def _existing(spec, if_exists: str):
     """What to do with a deployment of the same name: its DeploymentInfo to keep, or None to (re)deploy."""
     import ray
 
-    from services.ray_deploy.deploy import DeploymentError, describe, list_actors, teardown
+    from pdserve.services.ray_deploy.deploy import DeploymentError, describe, list_actors, teardown
 
     if not list_actors(spec.name, spec.namespace) or if_exists == "fail":
         return None
@@ -111,9 +111,9 @@ def _existing(spec, if_exists: str):
 
 
 def cmd_ray_up(args: argparse.Namespace) -> int:
-    from services.ray_deploy.cluster import AuthError, connect, stop_local_cluster
-    from services.ray_deploy.deploy import DeploymentError, deploy, job_runtime_env
-    from services.cli.usage_errors import RuntimeFailure, check_model_dir, looks_like_hub_id
+    from pdserve.services.ray_deploy.cluster import AuthError, connect, stop_local_cluster
+    from pdserve.services.ray_deploy.deploy import DeploymentError, deploy, job_runtime_env
+    from pdserve.services.cli.usage_errors import RuntimeFailure, check_model_dir, looks_like_hub_id
 
     if args.model and looks_like_hub_id(args.model):
         check_model_dir(args.model)   # raises: a hub id is never a model directory
@@ -137,7 +137,7 @@ def cmd_ray_up(args: argparse.Namespace) -> int:
             if info is not None:
                 print(f"pdserve: deployment {spec.name!r} is already up", file=sys.stderr, flush=True)
             else:
-                from services.cli.progress import Progress
+                from pdserve.services.cli.progress import Progress
                 with Progress().step(f"deploying {spec.prefill_workers} prefill + {spec.decode_workers} decode "
                                      f"worker(s) and a router on Ray", done="up"):
                     info = deploy(spec)
@@ -168,8 +168,8 @@ def _shutdown_ray() -> None:
 
 
 def cmd_ray_down(args: argparse.Namespace) -> int:
-    from services.ray_deploy.cluster import load_local_cluster, stop_local_cluster
-    from services.ray_deploy.deploy import teardown
+    from pdserve.services.ray_deploy.cluster import load_local_cluster, stop_local_cluster
+    from pdserve.services.ray_deploy.deploy import teardown
 
     if args.address == "local":
         saved = load_local_cluster()
@@ -193,8 +193,8 @@ def cmd_ray_down(args: argparse.Namespace) -> int:
 
 
 def _connect(address: str, namespace: str):
-    from services.ray_deploy.cluster import AuthError, connect
-    from services.cli.usage_errors import RuntimeFailure
+    from pdserve.services.ray_deploy.cluster import AuthError, connect
+    from pdserve.services.cli.usage_errors import RuntimeFailure
     try:
         return connect(address, namespace)
     except AuthError as exc:
@@ -202,8 +202,8 @@ def _connect(address: str, namespace: str):
 
 
 def cmd_ray_scale(args: argparse.Namespace) -> int:
-    from services.cli.usage_errors import RuntimeFailure
-    from services.ray_deploy.scale import ScaleError, scale
+    from pdserve.services.cli.usage_errors import RuntimeFailure
+    from pdserve.services.ray_deploy.scale import ScaleError, scale
 
     if args.prefill_workers is None and args.decode_workers is None:
         raise ValueError("ray scale: give --prefill-workers N and/or --decode-workers M")
@@ -220,8 +220,8 @@ def cmd_ray_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_ray_status(args: argparse.Namespace) -> int:
-    from services.ray_deploy.cluster import load_local_cluster
-    from services.ray_deploy.deploy import describe
+    from pdserve.services.ray_deploy.cluster import load_local_cluster
+    from pdserve.services.ray_deploy.deploy import describe
 
     if args.address == "local" and (load_local_cluster() is None or not load_local_cluster().alive()):
         print("no local cluster is running", file=sys.stderr)

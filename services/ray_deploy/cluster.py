@@ -35,16 +35,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.settings import ENV
-from services.deployment.ports import free_port
-from services.process_table import group_running
+from pdserve.engine.settings import ENV
+from pdserve.services.common.ports import free_port
+from pdserve.services.common.process_table import group_running
 
 log = logging.getLogger(__name__)
 
 AUTH_ENV = (ENV.RAY_AUTH_TOKEN.name, ENV.RAY_AUTH_TOKEN_PATH.name)
 AUTH_MODE_ENV = ENV.RAY_AUTH_MODE.name
 LOOPBACK_ENV = ENV.RAY_LOOPBACK.name
-SOURCE_ROOT = str(Path(__file__).resolve().parents[2])   # the directory holding services/, engine/, pdserve/
 
 
 @dataclass(slots=True)
@@ -68,7 +67,7 @@ class LocalCluster:
 
 
 def state_dir() -> Path:
-    from engine.settings import pdserve_home
+    from pdserve.engine.settings import pdserve_home
     return pdserve_home() / "ray"
 
 
@@ -121,10 +120,6 @@ def local_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env.setdefault("RAY_AUTH_MODE", "token")
     env[LOOPBACK_ENV] = "0"
-    # Workers import pdserve from here when it is not installed (a source checkout).
-    path = env.get("PYTHONPATH", "")
-    if SOURCE_ROOT not in path.split(os.pathsep):
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (SOURCE_ROOT, path) if p)
     return env
 
 

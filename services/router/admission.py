@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
-from services.router.errors import RouterError
+from pdserve.services.router.errors import RouterError
 
 RATE_WINDOW_S = 30.0
 MAX_CLIENT_TAGS = 4096   # clients remembered per class before the stale ones are dropped

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.settings import setting
-from services.deployment.topology import drain_timeout_setting, otlp_endpoint_setting, otlp_insecure_setting
+from pdserve.engine.settings import setting
+from pdserve.services.common.topology import drain_timeout_setting, otlp_endpoint_setting, otlp_insecure_setting
 
 
 @dataclass(slots=True)

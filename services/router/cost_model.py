@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.step_cost import StepCost
+from pdserve.engine.step_cost import StepCost
 from pdserve.v1 import worker_pb2
 
 DEFAULT_MS_PER_TOKEN = 0.1       # before any worker has stepped

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from engine.quoting import capped
+from pdserve.engine.quoting import capped
 
 
 # A worker's own refusals, whose text pdserve wrote (a lease that expired, a block that failed its

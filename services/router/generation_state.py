@@ -6,10 +6,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import SamplingParams
+from pdserve.engine import SamplingParams
 from pdserve.v1 import common_pb2
-from services.router.slo import ServiceClass
-from services.router.worker_pool import WorkerHandle
+from pdserve.services.router.slo import ServiceClass
+from pdserve.services.router.worker_pool import WorkerHandle
 
 
 @dataclass(slots=True)
@@ -56,7 +56,7 @@ class Generation:
     deadline: float | None = None      # the client's own deadline (monotonic), when it gave one
     service: ServiceClass = field(default_factory=ServiceClass)   # its priority, client and latency targets
     arrived: float = field(default_factory=time.monotonic)
-    trace: Any = None                  # its root span (services/tracing.py), None when tracing is off
+    trace: Any = None                  # its root span (services/common/tracing.py), None when tracing is off
     unplaced_tokens: int = 0           # admitted by prediction, prompt not yet on a worker (RouteContext)
 
     @property

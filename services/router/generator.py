@@ -18,24 +18,24 @@ import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
-from engine import SamplingParams
-from engine.quoting import quoted
-from engine.settings import setting
-from services import tracing
-from services.router.admission import AdmissionQueue
-from services.router.cost_model import CostModel
-from services.router.errors import RouterError
-from services.router.generation_state import Chunk, Generation, Timing
-from services.router.prefix_index import DEFAULT_MAX_KEYS
-from services.metrics import RouterMetrics
-from services.router.migration import MigrationLoop, WorkerWatch
-from services.router.route_colocated import colocated
-from services.router.sessions import SessionTable
-from services.router.route_context import RouteContext
-from services.router.route_disaggregated import DisaggregatedRoute
-from services.router.placement import DISAGGREGATION_MODES, ROUTING_POLICIES, Placement
-from services.router.slo import MAX_TARGET_MS, ServiceClass, SloPolicy
-from services.router.worker_pool import WorkerHandle, WorkerPool
+from pdserve.engine import SamplingParams
+from pdserve.engine.quoting import quoted
+from pdserve.engine.settings import setting
+from pdserve.services.common import tracing
+from pdserve.services.router.admission import AdmissionQueue
+from pdserve.services.router.cost_model import CostModel
+from pdserve.services.router.errors import RouterError
+from pdserve.services.router.generation_state import Chunk, Generation, Timing
+from pdserve.services.router.prefix_index import DEFAULT_MAX_KEYS
+from pdserve.services.common.metrics import RouterMetrics
+from pdserve.services.router.migration import MigrationLoop, WorkerWatch
+from pdserve.services.router.route_colocated import colocated
+from pdserve.services.router.sessions import SessionTable
+from pdserve.services.router.route_context import RouteContext
+from pdserve.services.router.route_disaggregated import DisaggregatedRoute
+from pdserve.services.router.placement import DISAGGREGATION_MODES, ROUTING_POLICIES, Placement
+from pdserve.services.router.slo import MAX_TARGET_MS, ServiceClass, SloPolicy
+from pdserve.services.router.worker_pool import WorkerHandle, WorkerPool
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ while it serves.
 
 Every call is on the internal plane: with a cluster token the router refuses a call without a
 fresh proof of it, and a membership change without one of the admin token
-(services/proof_interceptors.ClusterInterceptor, scoped to this service), whatever API key its
+(services/common/proof_interceptors.ClusterInterceptor, scoped to this service), whatever API key its
 public API wants. An address the router is told to dial is HOST:PORT (a DNS name or an IP, no scheme or
 path: ``security.is_dial_address``), and a drain timeout is finite, at most
 ``MAX_DRAIN_TIMEOUT_S``. A router that dials only loopback workers (no mutual TLS and no
@@ -39,9 +39,10 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.v1 import membership_pb2, membership_pb2_grpc, worker_pb2
-from services.proto_convert import ROLE_ENUM, ROLE_NAMES
-from services.router.worker_pool import MembershipError, WorkerHandle, WorkerPool
-from services.security import MAX_DRAIN_TIMEOUT_S, host_of, is_dial_address, is_loopback
+from pdserve.services.common.proto_convert import ROLE_ENUM, ROLE_NAMES
+from pdserve.services.router.worker_pool import MembershipError, WorkerHandle, WorkerPool
+from pdserve.services.common.security import MAX_DRAIN_TIMEOUT_S
+from pdserve.services.common.proofs import host_of, is_dial_address, is_loopback
 
 log = logging.getLogger(__name__)
 

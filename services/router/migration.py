@@ -17,11 +17,11 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from services import tracing
-from services.router.errors import RouterError, WorkerFailure
-from services.router.generation_state import Chunk, Generation
-from services.metrics import RouterMetrics
-from services.router.worker_pool import NoWorker, WorkerHandle, WorkerPool
+from pdserve.services.common import tracing
+from pdserve.services.router.errors import RouterError, WorkerFailure
+from pdserve.services.router.generation_state import Chunk, Generation
+from pdserve.services.common.metrics import RouterMetrics
+from pdserve.services.router.worker_pool import NoWorker, WorkerHandle, WorkerPool
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from services.router.cost_model import CostModel, Load, StepCostView
-from services.router.worker_pool import NoWorker, WorkerHandle, WorkerPool
+from pdserve.services.router.cost_model import CostModel, Load, StepCostView
+from pdserve.services.router.worker_pool import NoWorker, WorkerHandle, WorkerPool
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The router's picture of which prefix blocks each worker holds (KV-aware routing).
 
 Fed by the worker's ``WatchKVEvents`` stream (keys of blocks computed there, moved to a KV tier
-under its pool, and removed, engine/kv_events.py) and by the router itself: a request routed to a worker will leave its
+under its pool, and removed, engine/kv/events.py) and by the router itself: a request routed to a worker will leave its
 prompt's blocks there, so its keys are noted at once (``note_routed``), before the worker
 reports them, and a burst of requests sharing a prefix follows the first one. Until the
 worker reports them computed they are *pending*: a request that reaches the worker before
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
-from engine.block_manager import prompt_block_hashes, salt_root
+from pdserve.engine.kv.block_manager import prompt_block_hashes, salt_root
 
 DEFAULT_MAX_KEYS = 1 << 20   # per worker: ~100 MB of Python objects at most, far above a real pool's blocks
 

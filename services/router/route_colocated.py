@@ -9,12 +9,12 @@ import time
 from typing import AsyncIterator
 
 from pdserve.v1 import worker_pb2
-from services import tracing
-from services.proto_convert import params_to_proto
-from services.router.errors import WorkerFailure
-from services.router.generation_state import Chunk, Generation
-from services.router.route_context import RouteContext
-from services.router.worker_pool import WorkerHandle
+from pdserve.services.common import tracing
+from pdserve.services.common.proto_convert import params_to_proto
+from pdserve.services.router.errors import WorkerFailure
+from pdserve.services.router.generation_state import Chunk, Generation
+from pdserve.services.router.route_context import RouteContext
+from pdserve.services.router.worker_pool import WorkerHandle
 
 
 async def colocated(ctx: RouteContext, gen: Generation) -> AsyncIterator[Chunk]:

@@ -12,20 +12,20 @@ from typing import TYPE_CHECKING, Callable
 import grpc
 
 from pdserve.v1 import common_pb2, worker_pb2
-from services.router.admission import AdmissionQueue
-from services.router.errors import RouterError, WorkerFailure
-from services.router.generation_state import Chunk, Generation
-from services.router.prefix_index import request_keys
-from services.router.sessions import SessionTable
-from services.metrics import RouterMetrics
-from services.router.migration import WorkerWatch
-from services.router.placement import Placement, Route
-from services.router.slo import (OverloadShares, SloPolicy, predicted_wait_ms, retry_after_s,
+from pdserve.services.router.admission import AdmissionQueue
+from pdserve.services.router.errors import RouterError, WorkerFailure
+from pdserve.services.router.generation_state import Chunk, Generation
+from pdserve.services.router.prefix_index import request_keys
+from pdserve.services.router.sessions import SessionTable
+from pdserve.services.common.metrics import RouterMetrics
+from pdserve.services.router.migration import WorkerWatch
+from pdserve.services.router.placement import Placement, Route
+from pdserve.services.router.slo import (OverloadShares, SloPolicy, predicted_wait_ms, retry_after_s,
                                  step_ms_with_one_more)
-from services.router.worker_pool import NoWorker, WorkerHandle, WorkerPool
+from pdserve.services.router.worker_pool import NoWorker, WorkerHandle, WorkerPool
 
 if TYPE_CHECKING:
-    from services.router.generator import GenerationOptions
+    from pdserve.services.router.generator import GenerationOptions
 
 log = logging.getLogger(__name__)
 

@@ -16,16 +16,16 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.v1 import worker_pb2
-from services import tracing
-from services.proto_convert import params_to_proto
-from services.router.admission import Turn
-from services.router.errors import RouterError, WorkerFailure
-from services.router.generation_state import Chunk, Generation
-from services.router.migration import own_deadline, refused
-from services.router.route_colocated import on_one_worker
-from services.router.route_context import RPC_TIMEOUT_S, RouteContext
-from services.router.placement import Route
-from services.router.worker_pool import NoWorker, WorkerHandle
+from pdserve.services.common import tracing
+from pdserve.services.common.proto_convert import params_to_proto
+from pdserve.services.router.admission import Turn
+from pdserve.services.router.errors import RouterError, WorkerFailure
+from pdserve.services.router.generation_state import Chunk, Generation
+from pdserve.services.router.migration import own_deadline, refused
+from pdserve.services.router.route_colocated import on_one_worker
+from pdserve.services.router.route_context import RPC_TIMEOUT_S, RouteContext
+from pdserve.services.router.placement import Route
+from pdserve.services.router.worker_pool import NoWorker, WorkerHandle
 
 log = logging.getLogger(__name__)
 

@@ -31,9 +31,9 @@ import collections
 import math
 from dataclasses import dataclass
 
-from engine.quoting import quoted
-from engine.sampling_params import PRIORITY_RANGE
-from services.router.admission import Ticket
+from pdserve.engine.quoting import quoted
+from pdserve.engine.sampling_params import PRIORITY_RANGE
+from pdserve.services.router.admission import Ticket
 
 MAX_CLIENT_CHARS = 256
 MAX_TARGET_MS = 3_600_000.0

@@ -34,11 +34,11 @@ from typing import Awaitable, Callable, Iterator
 import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.change_signal import ChangeSignal
-from services.proto_convert import ROLE_ENUM
-from services.router.prefix_index import DEFAULT_MAX_KEYS, PrefixIndex
-from services.security import Credentials
-from services.grpc_setup import options as channel_options
+from pdserve.services.common.change_signal import ChangeSignal
+from pdserve.services.common.proto_convert import ROLE_ENUM
+from pdserve.services.router.prefix_index import DEFAULT_MAX_KEYS, PrefixIndex
+from pdserve.services.common.security import Credentials
+from pdserve.services.common.grpc_setup import options as channel_options
 
 log = logging.getLogger(__name__)
 

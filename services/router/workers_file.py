@@ -35,9 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from services.checked_files import read_checked
-from services.router.membership import MembershipServicer, Refused
-from services.router.worker_pool import WorkerHandle
+from pdserve.services.common.checked_files import read_checked
+from pdserve.services.router.membership import MembershipServicer, Refused
+from pdserve.services.router.worker_pool import WorkerHandle
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
-from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from engine.kv_handoff import HandoffState, LeasePolicy
-from engine.parallel import RankFailure
-from engine.settings import ENV
-from services.change_signal import ChangeSignal
+from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from pdserve.engine.kv.handoff import HandoffState, LeasePolicy
+from pdserve.engine.parallel import RankFailure
+from pdserve.engine.settings import ENV
+from pdserve.services.common.change_signal import ChangeSignal
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.workers.async_engine import AsyncEngine
-from services.proto_convert import first_token_proto, logprobs_to_proto, params_from_proto
-from services.workers.prefill import HEARTBEAT_S
-from services.workers.lifecycle import WorkerState
+from pdserve.services.workers.async_engine import AsyncEngine
+from pdserve.services.common.proto_convert import first_token_proto, logprobs_to_proto, params_from_proto
+from pdserve.services.workers.prefill import HEARTBEAT_S
+from pdserve.services.workers.lifecycle import WorkerState
 
 
 class ColocatedHandler(worker_pb2_grpc.ColocatedWorkerServicer):

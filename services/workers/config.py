@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.kv_handoff import LeasePolicy
-from engine.settings import setting
-from services.kv_transfer import shared_memory
-from services.security import is_host_port
-from services.deployment.topology import drain_timeout_setting, otlp_endpoint_setting, otlp_insecure_setting
+from pdserve.engine.kv.handoff import LeasePolicy
+from pdserve.engine.settings import setting
+from pdserve.services.kv_transfer import shared_memory
+from pdserve.services.common.proofs import is_host_port
+from pdserve.services.common.topology import drain_timeout_setting, otlp_endpoint_setting, otlp_insecure_setting
 
 
 KV_COMPRESSION_MODES = ("auto", "off", "lossless", "int8")   # services/kv_transfer/wire_codec.MODES

@@ -8,13 +8,13 @@ from typing import AsyncIterator
 
 import grpc
 
-from engine import NoCapacity
-from engine.kv_handoff import HandoffError, HandoffState
+from pdserve.engine import NoCapacity
+from pdserve.engine.kv.handoff import HandoffError, HandoffState
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.workers.async_engine import AsyncEngine
-from services.workers.colocated import generate_local
-from services.proto_convert import logprobs_to_proto, params_from_proto
-from services.workers.lifecycle import WorkerState
+from pdserve.services.workers.async_engine import AsyncEngine
+from pdserve.services.workers.colocated import generate_local
+from pdserve.services.common.proto_convert import logprobs_to_proto, params_from_proto
+from pdserve.services.workers.lifecycle import WorkerState
 
 
 def status_code(code: str) -> grpc.StatusCode:

@@ -5,7 +5,7 @@ does not join again until it is restarted or added back by an operator.
 
 The Join call proves the cluster token like every internal call (the proof names the router's
 address and this Join), and the router must prove it back before anything it says is read
-(services/security.py). The cluster token lets a worker join itself only: the router refuses
+(services/common/security.py). The cluster token lets a worker join itself only: the router refuses
 (PERMISSION_DENIED) an address on another host than the one the call comes from, and every other
 membership change wants its admin token, which workers never hold."""
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Callable
 import grpc
 
 from pdserve.v1 import membership_pb2, membership_pb2_grpc
-from services.grpc_setup import options as channel_options
-from services.security import Credentials
+from pdserve.services.common.grpc_setup import options as channel_options
+from pdserve.services.common.security import Credentials
 
 log = logging.getLogger(__name__)
 

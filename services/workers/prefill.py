@@ -8,12 +8,12 @@ from typing import AsyncIterator
 
 import grpc
 
-from engine.block_manager import salt_root, transfer_block_hashes
+from pdserve.engine.kv.block_manager import salt_root, transfer_block_hashes
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.workers.async_engine import AsyncEngine
-from services.proto_convert import first_token_proto, params_from_proto
-from services.kv_transfer import KVBlock, KVSender, KVTransferError
-from services.workers.lifecycle import WorkerState
+from pdserve.services.workers.async_engine import AsyncEngine
+from pdserve.services.common.proto_convert import first_token_proto, params_from_proto
+from pdserve.services.kv_transfer import KVBlock, KVSender, KVTransferError
+from pdserve.services.workers.lifecycle import WorkerState
 
 HEARTBEAT_S = 0.5          # Progress to the router and a KV heartbeat to the decode worker, while computing
 KV_ACK_TIMEOUT_S = 30.0    # the decode worker must acknowledge the last block within this

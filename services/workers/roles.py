@@ -11,21 +11,21 @@ from typing import TYPE_CHECKING, Callable
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 
-from services.kv_transfer import GrpcKVSender, KVSender, KVTransferServicer
-from services.kv_transfer import shared_memory
-from services.kv_transfer.grpc_transport import SharedMemoryRoute, grpc_message_limit
-from services.grpc_setup import options as channel_options
-from services.workers.async_engine import AsyncEngine
-from services.workers.colocated import ColocatedHandler
-from services.workers.data_plane import kv_data_listener, kv_data_sender
-from services.workers.decode import DecodeHandler
-from services.workers.lifecycle import WorkerState
-from services.workers.prefill import PrefillHandler
+from pdserve.services.kv_transfer import GrpcKVSender, KVSender, KVTransferServicer
+from pdserve.services.kv_transfer import shared_memory
+from pdserve.services.kv_transfer.grpc_transport import SharedMemoryRoute, grpc_message_limit
+from pdserve.services.common.grpc_setup import options as channel_options
+from pdserve.services.workers.async_engine import AsyncEngine
+from pdserve.services.workers.colocated import ColocatedHandler
+from pdserve.services.workers.data_plane import kv_data_listener, kv_data_sender
+from pdserve.services.workers.decode import DecodeHandler
+from pdserve.services.workers.lifecycle import WorkerState
+from pdserve.services.workers.prefill import PrefillHandler
 
 if TYPE_CHECKING:
-    from services.kv_transfer.tcp_receiver import KVDataListener
-    from services.metrics import WorkerMetrics
-    from services.workers.worker_process import WorkerOptions
+    from pdserve.services.kv_transfer.tcp_receiver import KVDataListener
+    from pdserve.services.common.metrics import WorkerMetrics
+    from pdserve.services.workers.worker_process import WorkerOptions
 
 log = logging.getLogger(__name__)
 

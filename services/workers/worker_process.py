@@ -19,21 +19,21 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 import grpc
 
-from engine import EngineConfig
+from pdserve.engine import EngineConfig
 from pdserve.v1 import common_pb2, membership_pb2, worker_pb2, worker_pb2_grpc
-from services.workers.async_engine import AsyncEngine
-from services.kv_transfer import KVSender, register_kv_servicer
-from services import tracing
-from services.proto_convert import ROLE_ENUM, ROLE_NAMES
-from services.security import Credentials
-from services.grpc_setup import Server, service_registration, start_server, stop_on_signals
-from services.workers.config import ENGINE_STALL_EXIT_CODE, WorkerConfig
-from services.workers.lifecycle import StallWatchdog, WorkerState
-from services.workers.membership_client import keep_joined
-from services.workers.roles import GatedKVTransfer, RoleGate, RoleSides
+from pdserve.services.workers.async_engine import AsyncEngine
+from pdserve.services.kv_transfer import KVSender, register_kv_servicer
+from pdserve.services.common import tracing
+from pdserve.services.common.proto_convert import ROLE_ENUM, ROLE_NAMES
+from pdserve.services.common.security import Credentials
+from pdserve.services.common.grpc_setup import Server, service_registration, start_server, stop_on_signals
+from pdserve.services.workers.config import ENGINE_STALL_EXIT_CODE, WorkerConfig
+from pdserve.services.workers.lifecycle import StallWatchdog, WorkerState
+from pdserve.services.workers.membership_client import keep_joined
+from pdserve.services.workers.roles import GatedKVTransfer, RoleGate, RoleSides
 
 if TYPE_CHECKING:
-    from services.metrics import WorkerMetrics
+    from pdserve.services.common.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
     """Run one worker until stop is set (or SIGINT/SIGTERM), then drain. on_start runs once serving.
     Raises RankFailure, after draining, when a tensor-parallel rank died: the worker cannot step
     again, and its supervisor (`pdserve up`, Ray) restarts it."""
-    from services.metrics import WorkerMetrics, start_metrics_server
+    from pdserve.services.common.metrics import WorkerMetrics, start_metrics_server
 
     worker_id = options.worker_id or f"{config.role}-{uuid.uuid4().hex[:8]}"
     metrics = WorkerMetrics(config.role, worker_id, model_name=config.model)

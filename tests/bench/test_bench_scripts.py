@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.process_table import group_running
+from pdserve.services.common.process_table import group_running
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

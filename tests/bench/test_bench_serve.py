@@ -14,14 +14,14 @@ import grpc
 import numpy as np
 import pytest
 
-from services.loadtest.arrivals import arrival_offsets
-from services.loadtest.datasets import MIN_TOKEN_ID, DatasetOptions, SampleRequest, length_range, sample_requests
-from services.loadtest.grpc_backend import send_request
-from services.loadtest.metrics import calculate_metrics, parse_goodput, percentile_key
-from services.loadtest.results import RequestResult, Sampling
-from services.loadtest.serve import build_parser
+from pdserve.services.loadtest.arrivals import arrival_offsets
+from pdserve.services.loadtest.datasets import MIN_TOKEN_ID, DatasetOptions, SampleRequest, length_range, sample_requests
+from pdserve.services.loadtest.grpc_backend import send_request
+from pdserve.services.loadtest.metrics import calculate_metrics, parse_goodput, percentile_key
+from pdserve.services.loadtest.results import RequestResult, Sampling
+from pdserve.services.loadtest.serve import build_parser
 from pdserve.v1 import router_pb2
-from services.deployment.launcher import free_port
+from pdserve.services.deployment.launcher import free_port
 from tests.serving import start_cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -240,7 +240,7 @@ NUM_PROMPTS, IN_LEN, OUT_LEN = 6, 24, 10
 
 
 def test_bench_serve_cli_against_cluster(cluster, tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "services.cli", "bench", "serve", "--router", cluster.router_address,
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "bench", "serve", "--router", cluster.router_address,
            "--dataset-name", "random", "--random-input-len", str(IN_LEN), "--random-output-len", str(OUT_LEN),
            "--num-prompts", str(NUM_PROMPTS), "--request-rate", "40", "--num-warmups", "1", "--ignore-eos",
            "--goodput", "ttft:60000", "tpot:60000", "--metric-percentiles", "50,99",
@@ -281,7 +281,7 @@ def test_bench_serve_cli_against_cluster(cluster, tmp_path: Path) -> None:
 
 
 def test_bench_serve_records_failures_and_sweeps(cluster, tmp_path: Path) -> None:
-    from services.loadtest.serve import main
+    from pdserve.services.loadtest.serve import main
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps({"prompt_token_ids": [5] * 2100, "output_len": 4}) + "\n"   # > max_model_len 2048
                     + json.dumps({"prompt_token_ids": [5, 6, 7, 8], "output_len": 3}) + "\n")
@@ -306,7 +306,7 @@ def test_bench_serve_records_failures_and_sweeps(cluster, tmp_path: Path) -> Non
 def test_bench_serve_over_the_openai_http_api(cluster, tiny_qwen3: str, tmp_path: Path, backend: str) -> None:
     """The same load generator against pdserve's HTTP API (as against vLLM or SGLang): streaming SSE,
     TTFT and ITL from chunk arrival, every request completed, token counts from the usage chunk."""
-    from services.loadtest.serve import main
+    from pdserve.services.loadtest.serve import main
     n, in_len, out_len = 5, 16, 6
     assert main(["--backend", backend, "--base-url", cluster.http_url + "/v1", "--model", tiny_qwen3,
                  "--random-input-len", str(in_len), "--random-output-len", str(out_len), "--num-prompts", str(n),

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from bench import kv_handoff_hosts as kh
-from engine.model_maker import get_preset
+from pdserve.engine.presets import get_preset
 
 QWEN3_06B_KV_PER_TOKEN = 28 * 2 * 8 * 128 * 2    # layers x (K, V) x KV heads x head_dim x bf16: 112 KiB
 
@@ -33,7 +33,7 @@ def test_bad_flags_are_usage_errors(argv: list[str], capsys) -> None:
 
 def test_pinning_gives_the_prefill_and_decode_hosts_a_cpu_each(monkeypatch) -> None:
     monkeypatch.setattr(kh.os, "sched_getaffinity", lambda pid: {3, 5, 7})
-    argv = ["python", "-m", "services.cli", "prefill"]
+    argv = ["python", "-m", "pdserve.services.cli", "prefill"]
     assert kh.pinned(argv, 1, pin=False) == argv and kh.pinned(argv, 0, pin=True) == argv   # the router's host floats
     assert kh.pinned(argv, 1, pin=True) == ["taskset", "-c", "3", *argv]
     assert kh.pinned(argv, 2, pin=True) == ["taskset", "-c", "5", *argv]

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from bench import roofline as rl
-from engine import model_maker as mm
-from engine.model_config import ModelConfig
+from pdserve.engine import model_maker as mm
+from pdserve.engine.model_config import ModelConfig
 
 
 def test_tiny_costs_by_hand(tiny_qwen3: str) -> None:

@@ -14,10 +14,10 @@ from bench import vs_vllm_commands as vs_cmd
 from bench import vs_vllm_compare as vs_cmp
 from bench import vs_vllm_procs as vs_proc
 from bench.vs_vllm_workers import _offline_worker_args
-from services.loadtest.arrivals import arrival_offsets
-from services.loadtest.datasets import DatasetOptions, _jsonl, sample_requests
-from services.loadtest.offline import make_workload
-from services.loadtest.serve import build_parser as serve_parser
+from pdserve.services.loadtest.arrivals import arrival_offsets
+from pdserve.services.loadtest.datasets import DatasetOptions, _jsonl, sample_requests
+from pdserve.services.loadtest.offline import make_workload
+from pdserve.services.loadtest.serve import build_parser as serve_parser
 
 VOCAB, EOS = 8192, 0
 
@@ -197,7 +197,7 @@ def test_online_workload_is_what_bench_serve_random_sends(tmp_path):
 
 def test_native_load_command_parses_and_replays_the_schedule(tmp_path):
     cmd = vs_cmd.native_load_command("py", "127.0.0.1:5", tmp_path / "w.jsonl", 100, 4.0, 0, 0.0, tmp_path, "pd.json")
-    assert cmd[:5] == ["py", "-m", "services.cli", "bench", "serve"]
+    assert cmd[:5] == ["py", "-m", "pdserve.services.cli", "bench", "serve"]
     args = serve_parser().parse_args(cmd[5:])
     assert (args.dataset_name, args.num_prompts, args.request_rate, args.seed) == ("jsonl", 100, 4.0, 0)
     assert args.ignore_eos and args.temperature == 0.0 and args.num_warmups == 0 and args.burstiness == 1.0
@@ -230,7 +230,7 @@ def test_server_commands():
     assert vs_cmd.vllm_env(4, "auto") == {"VLLM_CPU_KVCACHE_SPACE": "4"}
     assert vs_cmd.default_omp_bind(1) == "0" and vs_cmd.default_omp_bind(2) == "0-1"
     up = vs_cmd.pdserve_up_command("py", "/m", 50, "1p1d", 1, ["--max-num-seqs", "8"])
-    assert up == ["py", "-m", "services.cli", "up", "--model", "/m", "--host", "127.0.0.1", "--port", "50",
+    assert up == ["py", "-m", "pdserve.services.cli", "up", "--model", "/m", "--host", "127.0.0.1", "--port", "50",
                   "--threads", "1", "--prefill-workers", "1", "--decode-workers", "1", "--max-num-seqs", "8"]
     up = vs_cmd.pdserve_up_command("py", "/m", 50, "colocated", 2, http_port=8080)
     assert "--colocated-workers" in up and up[up.index("--http-port") + 1] == "8080" and "--prefill-workers" not in up
@@ -241,7 +241,7 @@ def test_server_commands():
 
 def test_pdserve_up_command_is_accepted_by_the_cli():
     """The flags the script gives `pdserve up` (without --http-port) are the CLI's."""
-    from services.cli.commands import build_parser
+    from pdserve.services.cli.commands import build_parser
     cmd = vs_cmd.pdserve_up_command("py", "/m", 50, "1p1d", 1, ["--max-num-batched-tokens", "512"])
     args = build_parser().parse_args(cmd[3:])
     assert (args.prefill_workers, args.decode_workers, args.threads_per_worker, args.max_num_batched_tokens) == (1, 1, 1, 512)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from services.deployment import netns
-from services.security import CLUSTER_TOKEN_ENV, new_token
+from pdserve.services.deployment import netns
+from pdserve.services.common.security import CLUSTER_TOKEN_ENV, new_token
 from tests.certs import make_ca_and_cert
 
 MAX_NEW = 10
@@ -48,7 +48,7 @@ class HostDeployment:
 
     def _start(self, host: netns.Host, name: str, argv: list[str]) -> None:
         with open(self.log_dir / f"{name}.log", "ab") as log:
-            host.popen([sys.executable, "-m", "services.cli", *argv, "--model", self.model, "--host", host.address,
+            host.popen([sys.executable, "-m", "pdserve.services.cli", *argv, "--model", self.model, "--host", host.address,
                         *self.security[argv[0]]], env=self.env, stdout=log, stderr=subprocess.STDOUT)
 
     def worker(self, host: netns.Host, role: str, *extra: str) -> str:
@@ -95,9 +95,9 @@ DRIVER = r"""
 import asyncio, json, os, sys, time, urllib.request
 from pathlib import Path
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.client import AsyncClient
-from services.deployment.launcher import wait_serving
-from services.security import CLUSTER_TOKEN_ENV, Credentials, TLSFiles
+from pdserve.services.client import AsyncClient
+from pdserve.services.deployment.launcher import wait_serving
+from pdserve.services.common.security import CLUSTER_TOKEN_ENV, Credentials, TLSFiles
 
 spec = json.loads(sys.argv[1])
 tls = TLSFiles(*(Path(spec["tls"][k]) for k in ("cert", "key", "ca"))) if spec["tls"] else None

@@ -11,8 +11,8 @@ import sys
 import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.client import Client
-from services.security import Credentials, TLSFiles
+from pdserve.services.client import Client
+from pdserve.services.common.security import Credentials, TLSFiles
 from tests.conftest import hf_greedy, random_prompts
 from tests.serving import start_cluster, worker_status, workers
 
@@ -20,7 +20,7 @@ PROMPT = random_prompts(1, 20, 20, seed=11)[0]
 
 
 def _certs(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "certs", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pdserve.services.cli", "certs", *argv], capture_output=True, text=True,
                           timeout=60)
 
 

@@ -13,8 +13,8 @@ import random
 import socket
 from pathlib import Path
 
-from services.client import Client
-from services.deployment.ports import free_port
+from pdserve.services.client import Client
+from pdserve.services.common.ports import free_port
 from tests.conftest import hf_greedy, random_prompts
 from tests.serving import scrape, wait_up_line
 
@@ -38,7 +38,7 @@ def _free_port_run(n: int) -> int:
 def test_up_generate_and_sigterm(tiny_qwen3: str, user_home: Path) -> None:
     port, http_port, metrics_base = free_port(), free_port(), _free_port_run(3)
     home = user_home
-    cmd = [sys.executable, "-m", "services.cli", "up", "--model", tiny_qwen3, "--port", str(port),
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", tiny_qwen3, "--port", str(port),
            "--prefill-workers", "1", "--decode-workers", "1", "--dtype", "float32",
            "--metrics-port-base", str(metrics_base), "--log-level", "info", "--kv-cache-memory-bytes", str(64 << 20),
            "--http-port", str(http_port), "--served-model-name", "tiny"]
@@ -54,7 +54,7 @@ def test_up_generate_and_sigterm(tiny_qwen3: str, user_home: Path) -> None:
         with Client(f"127.0.0.1:{port}", timeout=30) as client:
             out = client.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
         assert out.token_ids == hf_greedy(tiny_qwen3, [prompt], 6)[0]
-        cli = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--router", f"127.0.0.1:{port}",
+        cli = subprocess.run([sys.executable, "-m", "pdserve.services.cli", "generate", "--router", f"127.0.0.1:{port}",
                               "Hello world", "--max-tokens", "5", "--ignore-eos"],
                              capture_output=True, text=True, timeout=60)
         assert cli.returncode == 0 and "finish_reason=length" in cli.stderr and "completion_tokens=5" in cli.stderr

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.commands import build_parser
-from services.cli.config_flags import config_from_args, config_to_argv
-from services.deployment.launcher import free_port
+from pdserve.services.cli.commands import build_parser
+from pdserve.services.common.config_flags import config_from_args, config_to_argv
+from pdserve.services.deployment.launcher import free_port
 from tests.services.test_cli_errors import _one_error_line, _run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,12 +33,12 @@ UP_TIMEOUT_S = 240    # the deployment's start on a loaded 2-core machine
                                   ["up", "--help"], ["serve", "--help"], ["router", "--help"],
                                   ["prefill", "--help"], ["ray", "up", "--help"]])
 def test_help_paths_do_not_import_torch(argv: list[str]) -> None:
-    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "services.cli.entry", *argv],
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "pdserve.services.cli.entry", *argv],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     imported = {line.split("|")[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
     assert not imported & {"torch", "transformers"}, sorted(imported & {"torch", "transformers"})
-    assert "services.cli" in imported or argv == ["--version"] or "services.cli.entry" in imported
+    assert "pdserve.services.cli" in imported or argv == ["--version"] or "pdserve.services.cli.entry" in imported
 
 
 def test_cli_and_client_modules_do_not_import_torch() -> None:
@@ -106,8 +106,8 @@ def test_serve_is_up_with_the_http_api_on_8000() -> None:
 
 
 def test_served_model_name_takes_several_names() -> None:
-    from services.api.grpc_router import served_model_names
-    from services.router.config import RouterConfig
+    from pdserve.services.api.grpc_router import served_model_names
+    from pdserve.services.router.config import RouterConfig
     args = build_parser().parse_args(["up", "--served-model-name", "a", "org/b", "--http-port", "1"])
     config = config_from_args(RouterConfig, args)
     assert config.served_model_name == ("a", "org/b")
@@ -127,7 +127,7 @@ def served(tiny_qwen3: str, tmp_path_factory):
     (cwd / "models").mkdir()
     (cwd / "models" / "tiny").symlink_to(tiny_qwen3)
     http_port, grpc_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "services.cli.entry", "serve", "models/tiny", "--port", str(http_port),
+    cmd = [sys.executable, "-m", "pdserve.services.cli.entry", "serve", "models/tiny", "--port", str(http_port),
            "--grpc-port", str(grpc_port), "--dtype", "float32", "--log-dir", str(cwd / "logs"),
            "--kv-cache-memory-bytes", str(64 << 20)]   # the default 1 GiB pool costs seconds of page faults
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

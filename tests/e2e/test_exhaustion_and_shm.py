@@ -24,15 +24,15 @@ import grpc
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.block_manager import transfer_block_hashes
-from engine.kv_handoff import HandoffState
-from services.client import Client
-from services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError, KVTransferServicer, register_kv_servicer
-from services.kv_transfer import shared_memory
-from services.kv_transfer.grpc_transport import SharedMemoryRoute
-from services.metrics import scrape_by_name
-from services.grpc_setup import options as channel_options
+from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.kv.block_manager import transfer_block_hashes
+from pdserve.engine.kv.handoff import HandoffState
+from pdserve.services.client import Client
+from pdserve.services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError, KVTransferServicer, register_kv_servicer
+from pdserve.services.kv_transfer import shared_memory
+from pdserve.services.kv_transfer.grpc_transport import SharedMemoryRoute
+from pdserve.services.common.metrics import scrape_by_name
+from pdserve.services.common.grpc_setup import options as channel_options
 from tests.conftest import assert_no_leak, random_prompts
 from tests.faults.harness import FAULT_ROUTER, FaultCluster, wait_for
 from tests.serving import worker_status
@@ -363,7 +363,7 @@ def test_a_sender_sweeps_stale_segments_periodically(engine: LLMEngine, tmp_path
     route = SharedMemoryRoute(str(tmp_path), min_bytes=0, sweep_after_s=600)
 
     async def run() -> None:
-        from services.kv_transfer import grpc_transport
+        from pdserve.services.kv_transfer import grpc_transport
         interval = grpc_transport.SHM_SWEEP_INTERVAL_S
         grpc_transport.SHM_SWEEP_INTERVAL_S = 0.2
         try:

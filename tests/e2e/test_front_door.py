@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.deployment.launcher import Cluster, free_port
+from pdserve.services.deployment.launcher import Cluster, free_port
 from tests.conftest import random_prompts
 from tests.serving import metric, scrape, start_cluster
 
@@ -191,7 +191,7 @@ def test_idle_connections_are_capped_and_timed_out(front: Front) -> None:
     """Sockets that connect and send nothing: past the cap they are closed as they are accepted,
     the others once the head timeout passes; meanwhile the router's fds stay bounded and its gRPC
     door serves, and afterwards HTTP serves again."""
-    from services.api.http_connections import HEAD_TIMEOUT_S, connection_cap
+    from pdserve.services.api.http_connections import HEAD_TIMEOUT_S, connection_cap
 
     cap = connection_cap()
     fds = lambda: len(os.listdir(f"/proc/{front.router_pid}/fd"))   # noqa: E731
@@ -273,7 +273,7 @@ def test_grpc_bounds_name_the_field(front: Front, params, text) -> None:
 # ---- cache_salt: cached_tokens reveal nothing across salts --------------------------------------------
 
 def test_salted_block_chains_never_meet() -> None:
-    from engine.block_manager import ROOT_HASH, prompt_block_hashes, salt_root, transfer_block_hashes
+    from pdserve.engine.kv.block_manager import ROOT_HASH, prompt_block_hashes, salt_root, transfer_block_hashes
     prompt = random_prompts(1, 37, 37, seed=8)[0]
     plain, a, a2, b = (prompt_block_hashes(prompt, 8, root) for root in (
         ROOT_HASH, salt_root("alice"), salt_root("alice"), salt_root("bob")))

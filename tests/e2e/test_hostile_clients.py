@@ -18,8 +18,8 @@ import urllib.request
 import grpc
 import pytest
 
-from services.client import Client
-from services.deployment.launcher import free_port
+from pdserve.services.client import Client
+from pdserve.services.deployment.launcher import free_port
 from tests.serving import assert_blocks_at_baseline, start_cluster
 
 KEY_A = "a" * 24 + "-key-of-alice"

@@ -25,13 +25,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.v1 import worker_pb2
-from services.client import Client
-from services.kv_transfer import GrpcKVSender, KVTransferError
-from services.deployment.launcher import wait_serving
-from services.deployment.ports import PortReservations, RESERVED_PORTS_ENV
-from services.security import (AUTH_HEADER, ClusterKey, Credentials, TLSFiles, _Nonces, require_cluster_token,
-                               require_secure_internal_plane)
-from services.grpc_setup import MAX_HEALTH_WATCHES, start_server
+from pdserve.services.client import Client
+from pdserve.services.kv_transfer import GrpcKVSender, KVTransferError
+from pdserve.services.deployment.launcher import wait_serving
+from pdserve.services.common.ports import PortReservations, RESERVED_PORTS_ENV
+from pdserve.services.common.security import (Credentials,
+    TLSFiles,
+    require_cluster_token,
+    require_secure_internal_plane)
+from pdserve.services.common.proofs import AUTH_HEADER, ClusterKey, _Nonces
+from pdserve.services.common.grpc_setup import MAX_HEALTH_WATCHES, start_server
 from tests.conftest import random_prompts
 from tests.serving import start_cluster, worker_status, workers
 
@@ -249,7 +252,7 @@ def test_kv_goes_only_to_a_receiver_that_proves_membership(cluster) -> None:
     frame (the sender waits for the receiver's proof before writing)."""
     import torch
 
-    from services.kv_transfer import KVBlock
+    from pdserve.services.kv_transfer import KVBlock
     token = cluster.spec.credentials.cluster_token
     received: list[bytes] = []
 
@@ -324,7 +327,7 @@ def test_a_proof_is_bound_to_its_method_server_message_time_key_and_used_once() 
 def _cli(args: list[str], env_extra: dict[str, str] | None = None, wait_for: str | None = None):
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_CLUSTER_TOKEN"}
     env.update(env_extra or {})
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", *args], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.services.cli", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     if wait_for is None:
         out, _ = proc.communicate(timeout=120)
@@ -401,7 +404,7 @@ def test_a_plane_past_loopback_without_tls_refuses_to_start(tiny_qwen3: str, arg
 
 # ---- the TP rendezvous ---------------------------------------------------------------------------
 def test_the_tp_rendezvous_is_closed_to_other_users(tiny_qwen3: str) -> None:
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
     llm = LLM(tiny_qwen3, tensor_parallel_size=2, dtype="float32", block_size=8, num_kv_blocks=64, num_threads=1)
     try:
         ranks = llm.engine.runner.ranks

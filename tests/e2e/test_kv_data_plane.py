@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.client import AsyncClient
+from pdserve.services.client import AsyncClient
 from tests.conftest import random_prompts
 from tests.serving import assert_blocks_at_baseline, channel, start_cluster, workers
 

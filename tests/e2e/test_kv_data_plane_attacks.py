@@ -18,18 +18,18 @@ import pytest
 import torch
 
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.client import AsyncClient
-from services.kv_transfer import KVBlock, KVTransferError, tcp_wire
-from services.kv_transfer.base import KVStream, SendResult
-from services.kv_transfer.tcp_receiver import DataPlaneLimits, KVDataListener
-from services.kv_transfer.tcp_transport import TcpKVSender, split_address
+from pdserve.services.client import AsyncClient
+from pdserve.services.kv_transfer import KVBlock, KVTransferError, tcp_wire
+from pdserve.services.kv_transfer.base import KVStream, SendResult
+from pdserve.services.kv_transfer.tcp_receiver import DataPlaneLimits, KVDataListener
+from pdserve.services.kv_transfer.tcp_transport import TcpKVSender, split_address
 from tests.certs import make_ca_and_cert
 from tests.conftest import random_prompts
 from tests.serving import assert_blocks_at_baseline, channel, start_cluster, workers
 
 CLUSTER = "the-cluster-token"
 HANDSHAKE_S = 5.0        # the deployment's handshake deadline (DataPlaneLimits' default)
-METRICS_READ_S = 5.0     # services.metrics.READ_TIMEOUT_S
+METRICS_READ_S = 5.0     # services.common.metrics.READ_TIMEOUT_S
 SLACK_S = 4.0            # a shared 2-core machine's scheduling noise, on top of a deadline
 SOURCES = ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
 LANES_PER_SOURCE = 6     # 30 drippers: past the unproved pool (16) and past each address's share (4)

@@ -6,7 +6,7 @@ completes at its usual pace with the tokens of a run without tiers, the worker's
 grow, no planted KV is used.
 
 The planted files go under both names a block may have: the chain hash in hex (the old, unkeyed
-name a neighbour can compute from a prompt) and the keyed name (engine/kv_tier_file.block_file_name:
+name a neighbour can compute from a prompt) and the keyed name (engine/kv/tier_file.block_file_name:
 here planted as if the neighbour had the key, and the directory's write permission, which it has
 not: each check holds on its own)."""
 from __future__ import annotations
@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import LLM, SamplingParams
-from engine import kv_tier_file
-from engine.block_manager import prompt_block_hashes
-from services.client import Client
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.kv import tier_file as kv_tier_file
+from pdserve.engine.kv.block_manager import prompt_block_hashes
+from pdserve.services.client import Client
 from tests.conftest import random_prompts
 from tests.serving import metric, scrape, start_cluster
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
-from services.deployment import netns
+from pdserve.engine import LLM, SamplingParams
+from pdserve.services.deployment import netns
 from tests.conftest import random_prompts
 from tests.e2e.hosts import INSECURE_FLAG, MAX_NEW, NO_HOSTS, HostDeployment
 
@@ -30,10 +30,10 @@ RELAY = r"""
 import asyncio, sys
 import grpc
 from pdserve.v1 import kv_pb2
-from services.grpc_setup import SERVER_OPTIONS, options
-from services.kv_transfer import integrity
-from services.kv_transfer.frames import parse_frame
-from services.kv_transfer.grpc_transport import METHOD, SERVICE
+from pdserve.services.common.grpc_setup import SERVER_OPTIONS, options
+from pdserve.services.kv_transfer import integrity
+from pdserve.services.kv_transfer.frames import parse_frame
+from pdserve.services.kv_transfer.grpc_transport import METHOD, SERVICE
 
 listen, target = sys.argv[1], sys.argv[2]
 state = {"streams": 0}

@@ -19,7 +19,7 @@ import pytest
 
 from pdserve.v1 import membership_pb2 as m
 from pdserve.v1 import membership_pb2_grpc, worker_pb2
-from services.security import Credentials, new_token
+from pdserve.services.common.security import Credentials, new_token
 from tests.serving import SteadyLoad, start_cluster, worker_status
 
 
@@ -58,7 +58,7 @@ def workers_cli(cluster, *args: str, token: bool = True, admin: bool = True) -> 
     env = {k: v for k, v in os.environ.items() if k not in ("PDSERVE_CLUSTER_TOKEN", "PDSERVE_ADMIN_TOKEN")}
     if token:
         env.update(cluster.spec.credentials.child_env(admin=admin))
-    return subprocess.run([sys.executable, "-m", "services.cli", "workers", *args, "--router", cluster.router_address],
+    return subprocess.run([sys.executable, "-m", "pdserve.services.cli", "workers", *args, "--router", cluster.router_address],
                           env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -247,7 +247,7 @@ def decode_heavy(cost):
     hang on how fast this machine is today."""
     import dataclasses
 
-    from services.planner.cost_model import KindFit
+    from pdserve.services.planner.cost_model import KindFit
     fits = {**cost.fits, "decode": KindFit({"const": 0.005, "decode_seqs": 0.02, "decode_context": 0.0}, 0, 0.0),
             "mixed": KindFit({**cost.fits["mixed"].coefficients, "decode_seqs": 0.02}, 0, 0.0)}
     return dataclasses.replace(cost, fits=fits)
@@ -268,7 +268,7 @@ def test_the_planner_in_the_loop_moves_prefill_workers_to_decode_under_a_decode_
     with SteadyLoad(cluster.router_address, clients=3, seed=6, max_tokens=120) as load:
         load.served(3)
         planner = subprocess.run(
-            [sys.executable, "-m", "services.cli", "plan", "--watch", "--apply", "--profile", str(profile),
+            [sys.executable, "-m", "pdserve.services.cli", "plan", "--watch", "--apply", "--profile", str(profile),
              "--router", cluster.router_address, "--router-metrics", router_metrics, "--slo", "ttft:600000",
              "--interval-s", "3", "--confirmations", "1", "--min-dwell-s", "0",
              "--min-window-requests", "3", "--num-prompts", "60", "--max-windows", "2"],

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from services.client import AsyncClient
+from pdserve.services.client import AsyncClient
 from tests.conftest import random_prompts
 from tests.serving import metric, scrape, start_cluster, worker_status
 

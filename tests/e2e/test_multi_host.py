@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from engine import LLM, SamplingParams
-from services.deployment import netns
-from services.security import CLUSTER_TOKEN_ENV, new_token
+from pdserve.engine import LLM, SamplingParams
+from pdserve.services.deployment import netns
+from pdserve.services.common.security import CLUSTER_TOKEN_ENV, new_token
 from tests.conftest import random_prompts
 from tests.e2e.hosts import INSECURE_FLAG, MAX_NEW, NO_HOSTS, WORKER_PORT, HostDeployment, make_certs
 
@@ -128,7 +128,7 @@ def test_tp2_prefill_feeds_tp1_decode_across_hosts(tiny_qwen3, offline_reference
                          ids=["worker", "router"])
 def test_a_plane_across_hosts_without_tls_or_the_flag_refuses_to_start(tiny_qwen3, argv, tmp_path) -> None:
     with netns.HostNetwork(2) as net:
-        cmd = [sys.executable, "-m", "services.cli", *(a.format(peer=net[1].address) for a in argv),
+        cmd = [sys.executable, "-m", "pdserve.services.cli", *(a.format(peer=net[1].address) for a in argv),
                "--model", tiny_qwen3, "--host", net[0].address, "--port", str(WORKER_PORT)]
         done = net[0].run(cmd, env={**os.environ, CLUSTER_TOKEN_ENV: new_token()}, capture_output=True, text=True,
                           timeout=120)

@@ -16,15 +16,15 @@ from types import SimpleNamespace
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.tokenizer import load_tokenizer
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.api.detokenizer import IncrementalDetokenizer
-from services.deployment.launcher import Cluster, free_port
-from services.api.http_request import HTTPError, parse_body
-from services.api.request_limits import InvalidRequest, RequestLimits
-from services.api.request_front import RequestFront
-from services.api.stop_strings import StopMatcher
+from pdserve.services.api.detokenizer import IncrementalDetokenizer
+from pdserve.services.deployment.launcher import Cluster, free_port
+from pdserve.services.api.http_request import HTTPError, parse_body
+from pdserve.services.api.request_limits import InvalidRequest, RequestLimits
+from pdserve.services.api.request_front import RequestFront
+from pdserve.services.api.stop_strings import StopMatcher
 from tests.conftest import random_prompts
 from tests.serving import assert_blocks_at_baseline, channel, frozen, metric, start_cluster, workers
 
@@ -54,7 +54,7 @@ def test_stop_matcher_across_boundaries_and_hold_back() -> None:
 
 
 def test_request_guard_without_a_server() -> None:
-    from services.api.http_connections import RequestGuard
+    from pdserve.services.api.http_connections import RequestGuard
 
     def scope(host: str = "localhost:8000", content_type: str = "application/json", auth: str | None = None,
               path: str = "/v1/completions") -> dict:
@@ -179,8 +179,8 @@ def test_https_with_the_router_certificate(tmp_path) -> None:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    from services.api.http_server import start_http
-    from services.security import TLSFiles
+    from pdserve.services.api.http_server import start_http
+    from pdserve.services.common.security import TLSFiles
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
@@ -221,8 +221,8 @@ def test_https_with_the_router_certificate(tmp_path) -> None:
 
 
 def test_up_forwards_router_settings(monkeypatch, tiny_qwen3: str) -> None:
-    import services.deployment.launcher
-    from services.cli.commands import main
+    import pdserve.services.deployment.launcher
+    from pdserve.services.cli.commands import main
 
     seen = {}
 

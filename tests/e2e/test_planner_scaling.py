@@ -31,7 +31,7 @@ def _planner(cluster, profile, spare: str) -> subprocess.CompletedProcess:
     the cheap one for 1P1D."""
     router_metrics = next(p.metrics_address for p in cluster.processes if p.name == "router")
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "plan", "--watch", "--apply", "--profile", str(profile),
+        [sys.executable, "-m", "pdserve.services.cli", "plan", "--watch", "--apply", "--profile", str(profile),
          "--router", cluster.router_address, "--router-metrics", router_metrics, "--slo", "tpot:100",
          "--spares", spare, "--interval-s", "4", "--confirmations", "1", "--min-dwell-s", "0",
          "--min-window-requests", "3", "--num-prompts", "60", "--max-windows", "2"],

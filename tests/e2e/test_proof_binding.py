@@ -17,9 +17,9 @@ import grpc
 import pytest
 
 from pdserve.v1 import common_pb2, membership_pb2 as m, membership_pb2_grpc, worker_pb2
-from services.kv_transfer import tcp_wire
-from services.deployment.ports import free_port
-from services.security import ADMIN_TOKEN_ENV, CLUSTER_TOKEN_ENV, Credentials, new_token
+from pdserve.services.kv_transfer import tcp_wire
+from pdserve.services.common.ports import free_port
+from pdserve.services.common.security import ADMIN_TOKEN_ENV, CLUSTER_TOKEN_ENV, Credentials, new_token
 from tests.serving import SteadyLoad, start_cluster, workers
 
 ABORT = "/pdserve.v1.Worker/Abort"
@@ -180,7 +180,7 @@ def _env(**secrets: str) -> dict[str, str]:
 
 
 def _workers_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "workers", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pdserve.services.cli", "workers", *args], env=env, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -203,7 +203,7 @@ def test_a_worker_joins_only_at_its_own_address(tiny_qwen3: str) -> None:
     host the call comes from: a member cannot make it dial elsewhere."""
     token, port = new_token(), free_port()
     router = f"127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "router", "--model", tiny_qwen3, "--host",
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.services.cli", "router", "--model", tiny_qwen3, "--host",
                              "127.0.0.1", "--port", str(port), "--insecure-internal-plane"],
                             env=_env(**{CLUSTER_TOKEN_ENV: token}), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)

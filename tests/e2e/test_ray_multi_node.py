@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from services.deployment import netns
-from services.security import CLUSTER_TOKEN_ENV, new_token
+from pdserve.engine import LLM, SamplingParams
+from pdserve.services.deployment import netns
+from pdserve.services.common.security import CLUSTER_TOKEN_ENV, new_token
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed"),
               pytest.mark.skipif(not netns.available()[0], reason=f"no network namespaces: {netns.available()[1]}")]
@@ -73,7 +73,7 @@ class RayHosts:
 
     def pdserve(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         """`pdserve ARGS` in the head's namespace."""
-        return self.head.run([sys.executable, "-m", "services.cli", *args], timeout=timeout, env=self.env,
+        return self.head.run([sys.executable, "-m", "pdserve.services.cli", *args], timeout=timeout, env=self.env,
                              capture_output=True, text=True, cwd=REPO_ROOT)
 
     def up(self, name: str, model: str, *extra: str) -> dict:

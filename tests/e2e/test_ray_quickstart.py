@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from services.deployment.launcher import free_port
+from pdserve.services.deployment.launcher import free_port
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
 
@@ -38,7 +38,7 @@ def _user_env(home: Path, **extra: str) -> dict[str, str]:
 
 
 def _pdserve(argv: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *argv], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pdserve.services.cli", *argv], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
 
@@ -80,7 +80,7 @@ def _generate(router: str, env: dict[str, str]) -> None:
 
 def _ray_start(home: Path, port: int, auth_token: str | None) -> subprocess.Popen:
     """A plain `ray start --head` on 127.0.0.1 (token auth if auth_token), in its own process group."""
-    from services.ray_deploy.cluster import LOOPBACK_ENV, _ray_cli
+    from pdserve.services.ray_deploy.cluster import LOOPBACK_ENV, _ray_cli
 
     env = _user_env(home, **{LOOPBACK_ENV: "0"})   # keeps every Ray server on 127.0.0.1
     if auth_token:
@@ -98,7 +98,7 @@ def _ray_start(home: Path, port: int, auth_token: str | None) -> subprocess.Pope
 
 
 def _stop_group(pgid: int) -> None:
-    from services.ray_deploy.cluster import _kill_group
+    from pdserve.services.ray_deploy.cluster import _kill_group
     _kill_group(pgid)
 
 

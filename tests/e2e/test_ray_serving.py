@@ -28,13 +28,13 @@ from typing import Iterator
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.settings import ENV
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.settings import ENV
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.client import AsyncClient
-from services.deployment.launcher import free_port
-from services.process_table import group_pids, is_alive
-from services.security import API_KEY_ENV, CLUSTER_TOKEN_ENV, Credentials
+from pdserve.services.client import AsyncClient
+from pdserve.services.deployment.launcher import free_port
+from pdserve.services.common.process_table import group_pids, is_alive
+from pdserve.services.common.security import API_KEY_ENV, CLUSTER_TOKEN_ENV, Credentials
 from tests.conftest import random_prompts
 from tests.faults.harness import observe, record, wait_for
 from tests.faults.test_engine_stall import (ENGINE_STALL_S, MAX_TOKENS, PROMPTS as STALL_PROMPTS,  # noqa: F401
@@ -82,7 +82,7 @@ def ray_hang_dir() -> Iterator[Path]:
 def ray_cluster(ray_hang_dir: Path):
     """`ray start --head` on 127.0.0.1 (token auth with a throwaway token, no dashboard,
     4 logical CPUs, 200 MB object store); this process connected as a driver."""
-    from services.ray_deploy.cluster import LOOPBACK_ENV, start_local_cluster, stop_local_cluster, use_loopback_node
+    from pdserve.services.ray_deploy.cluster import LOOPBACK_ENV, start_local_cluster, stop_local_cluster, use_loopback_node
 
     path = os.environ.get("PYTHONPATH", "")
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), LOOPBACK_ENV: "0",
@@ -157,7 +157,7 @@ def _kill_and_wait_dead(name: str) -> dict:
 
 
 def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pdserve.services.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO_ROOT)
 
 
@@ -194,14 +194,14 @@ def _listening(pids: set[int]) -> list[tuple[int, str]]:
 
 
 def _deploy(model: str, name: str, **kwargs):
-    from services.ray_deploy import RayDeployment, deploy
+    from pdserve.services.ray_deploy import RayDeployment, deploy
     spec = RayDeployment(model=model, name=name, namespace=NAMESPACE, port=free_port(), engine=dict(ENGINE),
                          ready_timeout_s=180, **{**SMALL, **kwargs})
     return deploy(spec)
 
 
 def _teardown(name: str) -> None:
-    from services.ray_deploy import teardown
+    from pdserve.services.ray_deploy import teardown
     teardown(name, NAMESPACE)
 
 
@@ -219,7 +219,7 @@ def cli_deployment(ray_cluster, tiny_qwen3: str):
 
 def test_cli_up_returns_serving_and_detached(cli_deployment) -> None:
     # `pdserve ray up` has exited: its actors live on, named, in the namespace.
-    from services.ray_deploy.deploy import list_actors
+    from pdserve.services.ray_deploy.deploy import list_actors
     assert list_actors("cli", NAMESPACE) == ["cli-decode-0", "cli-prefill-0", "cli-router"]
     decode = next(w for w in cli_deployment["workers"] if w["role"] == "decode")
     assert decode["kv_address"] == f"ray://{NAMESPACE}/cli-decode-0"
@@ -267,10 +267,10 @@ def test_corrupted_block_through_the_object_store_is_refused(cli_deployment) -> 
     import grpc
     import torch
 
-    from engine.block_manager import transfer_block_hashes
+    from pdserve.engine.kv.block_manager import transfer_block_hashes
     from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-    from services.kv_transfer import KVBlock, KVTransferError
-    from services.kv_transfer.ray_transport import RayKVSender
+    from pdserve.services.kv_transfer import KVBlock, KVTransferError
+    from pdserve.services.kv_transfer.ray_transport import RayKVSender
 
     decode = _info("cli-decode-0")
     prompt = random_prompts(1, 20, 20, seed=51)[0]
@@ -333,7 +333,7 @@ def test_no_secret_is_in_any_actors_state(ray_cluster, cli_deployment) -> None:
     from google.protobuf.json_format import MessageToJson
     from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
 
-    from services.ray_deploy.deploy import secret_path
+    from pdserve.services.ray_deploy.deploy import secret_path
 
     with grpc.insecure_channel(ray_cluster.address) as ch:
         reply = gcs_service_pb2_grpc.ActorInfoGcsServiceStub(ch).GetAllActorInfo(
@@ -371,7 +371,7 @@ def test_stop_without_the_cluster_token_is_refused_and_the_actor_keeps_serving(c
     another actor, or a replayed one is refused (PermissionError), and every actor still serves."""
     import ray
 
-    from services.ray_deploy.actors import control_proof
+    from pdserve.services.ray_deploy.actors import control_proof
 
     creds = Credentials(CLUSTER_TOKEN)
     used = control_proof(creds, "cli-prefill-0", "info")   # a valid proof, for another method
@@ -391,7 +391,7 @@ def test_cli_scale_adds_and_removes_a_decode_worker_under_load(ray_cluster, cli_
     """`pdserve ray scale` changes the running deployment through its router's membership API: a
     new decode actor joins and takes requests, then is drained, removed and stopped; under a
     steady load no request is lost and every one has the offline engine's tokens."""
-    from services.ray_deploy.deploy import list_actors
+    from pdserve.services.ray_deploy.deploy import list_actors
 
     def scale(decode: int) -> subprocess.CompletedProcess:
         res = _cli("ray", "scale", "--address", ray_cluster.address, "--namespace", NAMESPACE, "--name", "cli",
@@ -415,12 +415,12 @@ def test_cli_scale_adds_and_removes_a_decode_worker_under_load(ray_cluster, cli_
 
 
 def test_cli_down_removes_the_deployment(ray_cluster, cli_deployment) -> None:
-    from services.ray_deploy.deploy import list_actors
+    from pdserve.services.ray_deploy.deploy import list_actors
     res = _cli("ray", "down", "--address", ray_cluster.address, "--namespace", NAMESPACE, "--name", "cli")
     assert res.returncode == 0, res.stderr[-4000:]
     assert "cli-router" in res.stdout and "placement group cli-workers" in res.stdout
     assert list_actors("cli", NAMESPACE) == []
-    from services.ray_deploy.deploy import secret_path
+    from pdserve.services.ray_deploy.deploy import secret_path
     assert not secret_path("cli", NAMESPACE, "cluster-token").exists()   # the secrets it wrote went too
 
 
@@ -456,7 +456,7 @@ def _stop_with_proof(name: str) -> None:
     not left alive serving nothing)."""
     import ray
 
-    from services.ray_deploy.actors import control_proof
+    from pdserve.services.ray_deploy.actors import control_proof
 
     pid = _info(name)["pid"]
     try:
@@ -474,8 +474,8 @@ def _stop_with_proof(name: str) -> None:
 
 # ---- deployments that cannot work fail with a reason, and leave nothing behind --------------
 def test_deployment_too_big_for_the_head_fails_fast(ray_cluster, tiny_qwen3) -> None:
-    from services.ray_deploy import DeploymentError
-    from services.ray_deploy.deploy import list_actors
+    from pdserve.services.ray_deploy import DeploymentError
+    from pdserve.services.ray_deploy.deploy import list_actors
 
     t0 = time.monotonic()
     with pytest.raises(DeploymentError, match="worker-host node-ip"):
@@ -484,8 +484,8 @@ def test_deployment_too_big_for_the_head_fails_fast(ray_cluster, tiny_qwen3) -> 
 
 
 def test_worker_that_cannot_start_fails_the_deployment(ray_cluster, tmp_path) -> None:
-    from services.ray_deploy import DeploymentError
-    from services.ray_deploy.deploy import list_actors
+    from pdserve.services.ray_deploy import DeploymentError
+    from pdserve.services.ray_deploy.deploy import list_actors
 
     with pytest.raises(DeploymentError, match="workers failed to start"):
         _deploy(str(tmp_path / "no-such-model"), "broken")

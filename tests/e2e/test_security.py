@@ -12,13 +12,14 @@ import grpc
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.block_manager import transfer_block_hashes
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.kv.block_manager import transfer_block_hashes
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.client import AsyncClient, Client
-from services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError
-from services.api.grpc_router import RETRY_AFTER_KEY
-from services.security import API_KEY_ENV, AUTH_HEADER, Credentials, TLSFiles
+from pdserve.services.client import AsyncClient, Client
+from pdserve.services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError
+from pdserve.services.api.grpc_router import RETRY_AFTER_KEY
+from pdserve.services.common.security import API_KEY_ENV, Credentials, TLSFiles
+from pdserve.services.common.proofs import AUTH_HEADER
 from tests.certs import make_ca_and_cert
 from tests.conftest import hf_greedy, random_prompts
 from tests.serving import assert_blocks_at_baseline, channel, start_cluster, worker_status, workers

@@ -8,11 +8,11 @@ import grpc
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.block_manager import transfer_block_hashes
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.kv.block_manager import transfer_block_hashes
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.client import AsyncClient, Client, build_request
-from services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError
+from pdserve.services.client import AsyncClient, Client, build_request
+from pdserve.services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError
 from tests.conftest import hf_greedy, random_prompts
 from tests.serving import (aio_channel, assert_blocks_at_baseline, channel, metric, scrape, start_cluster,
                            worker_status, workers)

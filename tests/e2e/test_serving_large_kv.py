@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.model_maker import make_model
-from services.client import Client
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.model_maker import make_model
+from pdserve.services.client import Client
 from tests.conftest import hf_greedy, random_prompts
 from tests.serving import metric, scrape, start_cluster
 

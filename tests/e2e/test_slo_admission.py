@@ -20,8 +20,8 @@ import pytest
 
 from pdserve.v1 import membership_pb2 as m
 from pdserve.v1 import membership_pb2_grpc, worker_pb2
-from services.client import Client
-from services.deployment.launcher import free_port
+from pdserve.services.client import Client
+from pdserve.services.deployment.launcher import free_port
 from tests.serving import metric, scrape, start_cluster
 
 LONG = dict(max_tokens=400, temperature=0.0, ignore_eos=True)

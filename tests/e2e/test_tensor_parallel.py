@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.model_maker import make_model
-from engine.parallel import RankFailure, TPLayout, check_divisible
-from engine.step_plan import SeqView, StepPlan
-from services.process_table import is_alive
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.model_maker import make_model
+from pdserve.engine.parallel import RankFailure, TPLayout, check_divisible
+from pdserve.engine.step_plan import SeqView, StepPlan
+from pdserve.services.common.process_table import is_alive
 from tests.conftest import assert_no_leak, hf_greedy, random_prompts
 
 MAX_NEW = 8
@@ -81,7 +81,7 @@ def rank_processes(driver_pids: set[int]) -> list[int]:
                 argv = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "engine.tp_rank" in argv and "--driver-pid" in argv:
+        if "pdserve.engine.tp_rank" in argv and "--driver-pid" in argv:
             if int(argv[argv.index("--driver-pid") + 1]) in driver_pids and not gone(int(entry)):
                 found.append(int(entry))
     return found
@@ -191,9 +191,9 @@ def test_worker_with_a_killed_rank_fails_and_frees_its_blocks(tiny_qwen3: str) -
     """serve_worker, what `pdserve up` and the Ray actors run: a rank killed while a request decodes
     and another request's blocks are reserved for its KV fails both and frees every block; the
     worker drains and raises RankFailure (its supervisor restarts it) instead of hanging."""
-    from engine import EngineConfig
-    from engine.kv_handoff import HandoffState
-    from services.workers.worker_process import WorkerOptions, serve_worker
+    from pdserve.engine import EngineConfig
+    from pdserve.engine.kv.handoff import HandoffState
+    from pdserve.services.workers.worker_process import WorkerOptions, serve_worker
 
     config = EngineConfig(model=tiny_qwen3, role="decode", dtype="float32", block_size=8, num_kv_blocks=64,
                           tensor_parallel_size=2, tp_collective_timeout_s=TIMEOUT_S)
@@ -253,10 +253,10 @@ def test_rank_dies_with_a_dead_driver(tiny_qwen3: str, tmp_path: Path) -> None:
 
 
 def test_tp_collective_timeout_is_a_validated_engine_flag() -> None:
-    from engine import EngineConfig
-    from services.cli.commands import build_parser
-    from services.deployment.topology import ENGINE_FIXED
-    from services.cli.config_flags import given
+    from pdserve.engine import EngineConfig
+    from pdserve.services.cli.commands import build_parser
+    from pdserve.services.common.topology import ENGINE_FIXED
+    from pdserve.services.common.config_flags import given
 
     for bad in (0.1, 3601, True, "5"):
         with pytest.raises(ValueError, match=r"tp_collective_timeout_s must be .*\[0\.5, 3600\]"):
@@ -271,12 +271,12 @@ def test_tp_size_must_divide_heads(tiny_qwen3: str) -> None:
         make_llm(tiny_qwen3, tensor_parallel_size=3)
 
 
-# ---- heterogeneous layouts across the hand-off (engine/kv_connector.py) --------------------------
+# ---- heterogeneous layouts across the hand-off (engine/kv/connector.py) --------------------------
 def _prefill_then_decode(prefill, decode, prompts: list[list[int]]) -> list[list[int]]:
     """Prefill in one engine, each block's head ranges as their own wire pieces (header + bytes, as
     a transport sends them), decode in another engine with another layout."""
-    from engine.block_manager import transfer_block_hashes
-    from services.kv_transfer import KVBlock, block_meta
+    from pdserve.engine.kv.block_manager import transfer_block_hashes
+    from pdserve.services.kv_transfer import KVBlock, block_meta
 
     bs = prefill.config.block_size
     reservations = {f"h{i}": decode.reserve(f"h{i}", p, GREEDY) for i, p in enumerate(prompts)}
@@ -318,7 +318,7 @@ def _prefill_then_decode(prefill, decode, prompts: list[list[int]]) -> list[list
 def test_handoff_between_layouts_matches_hf(request: pytest.FixtureRequest, tiny_qwen3: str, prefill_tp: int,
                                             decode_tp: int) -> None:
     """TP=2 -> TP=1 and TP=1 -> TP=2 (the shared engine receives)."""
-    from engine import EngineConfig, LLMEngine
+    from pdserve.engine import EngineConfig, LLMEngine
 
     prompts = random_prompts(3, 3, 60, seed=12)
     kw = dict(dtype="float32", block_size=8, num_kv_blocks=64, max_num_batched_tokens=16)
@@ -337,10 +337,10 @@ def test_head_ranges_are_checked(tiny_qwen3: str) -> None:
     some heads still missing is not ready."""
     import torch
 
-    from engine import EngineConfig, LLMEngine
-    from engine.block_manager import transfer_block_hashes
-    from engine.kv_handoff import HandoffError, HandoffState
-    from services.kv_transfer import KVBlock, block_meta
+    from pdserve.engine import EngineConfig, LLMEngine
+    from pdserve.engine.kv.block_manager import transfer_block_hashes
+    from pdserve.engine.kv.handoff import HandoffError, HandoffState
+    from pdserve.services.kv_transfer import KVBlock, block_meta
 
     decode = LLMEngine(EngineConfig(model=tiny_qwen3, role="decode", dtype="float32", block_size=8, num_kv_blocks=16))
     prompt = list(range(10, 18))   # one full block
@@ -379,7 +379,7 @@ def test_disaggregated_grpc_between_layouts_gives_offline_tokens(tiny_qwen3: str
     """`pdserve up --prefill-tp P --decode-tp D` over real processes and gRPC."""
     import asyncio
 
-    from services.client import AsyncClient
+    from pdserve.services.client import AsyncClient
     from tests.serving import assert_blocks_at_baseline, start_cluster
 
     want = hf_greedy(tiny_qwen3, PROMPTS, MAX_NEW)
@@ -412,7 +412,7 @@ def test_tp2_nccl_matches_hf(tiny_qwen3: str) -> None:
 
 
 def test_up_gives_each_tp_worker_a_core_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.deployment.launcher import Cluster, Deployment
+    from pdserve.services.deployment.launcher import Cluster, Deployment
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     spec = Deployment(model="m", prefill_tp=2, engine_tp=1, decode_workers=2)

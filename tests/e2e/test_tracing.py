@@ -1,4 +1,4 @@
-"""Traces across processes (services/tracing.py): a deployment started with --otlp-endpoint sends
+"""Traces across processes (services/common/tracing.py): a deployment started with --otlp-endpoint sends
 its spans to an OTLP/gRPC collector (here, one this test runs), and a disaggregated request is one
 trace: the router's root span, its admission and KV hand-off spans, and the prefill and decode
 workers' spans as its children, the decode steps as events. Without an endpoint nothing traces."""
@@ -15,8 +15,8 @@ import pytest
 pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
                     reason="tracing needs pdserve[tracing] (the OTLP exporter)")
 
-from services import tracing  # noqa: E402
-from services.client import Client  # noqa: E402
+from pdserve.services.common import tracing  # noqa: E402
+from pdserve.services.client import Client  # noqa: E402
 from tests.serving import start_cluster  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

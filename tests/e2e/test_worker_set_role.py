@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.security import Credentials, new_token
+from pdserve.services.common.security import Credentials, new_token
 from tests.serving import scrape
 
 PROMPT = [(13 * i) % 200 + 3 for i in range(20)]
@@ -30,7 +30,7 @@ class WorkerProc:
     def __init__(self, model: str, token: str) -> None:
         env = {**os.environ, "PDSERVE_CLUSTER_TOKEN": token}
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "prefill", "--model", model, "--port", "0", "--worker-id", "sw",
+            [sys.executable, "-m", "pdserve.services.cli", "prefill", "--model", model, "--port", "0", "--worker-id", "sw",
              "--metrics-port", "0", "--num-kv-blocks", "64", "--block-size", "8", "--dtype", "float32",
              "--threads", "1", "--log-level", "INFO"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

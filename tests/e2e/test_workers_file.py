@@ -15,8 +15,8 @@ import pytest
 
 from pdserve.v1 import membership_pb2 as m
 from pdserve.v1 import worker_pb2
-from services.router.workers_file import parse_workers
-from services.security import Credentials, new_token
+from pdserve.services.router.workers_file import parse_workers
+from pdserve.services.common.security import Credentials, new_token
 from tests.e2e.test_membership import members, wait_member
 from tests.serving import SteadyLoad, start_cluster, worker_status
 
@@ -99,7 +99,7 @@ def test_a_router_refuses_to_start_on_a_file_naming_another_host_without_mutual_
     bad = tmp_path / "workers.txt"
     bad.write_text("decode 10.99.0.3:50062\n")
     env = {**os.environ, **Credentials(new_token()).child_env()}
-    run = subprocess.run([sys.executable, "-m", "services.cli", "router", "--model", tiny_qwen3, "--port", "0",
+    run = subprocess.run([sys.executable, "-m", "pdserve.services.cli", "router", "--model", tiny_qwen3, "--port", "0",
                           "--workers-file", str(bad)], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode != 0
     assert "10.99.0.3:50062 is not a loopback address" in run.stderr, run.stderr[-2000:]

@@ -18,10 +18,10 @@ import threading
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, cpu_features
-from engine.layers import cpu_kernels
-from engine.layers.linear import Linear
-from services.client import AsyncClient
+from pdserve.engine import LLM, SamplingParams, cpu_features
+from pdserve.engine.layers import cpu_kernels
+from pdserve.engine.layers.linear import Linear
+from pdserve.services.client import AsyncClient
 from tests.conftest import random_prompts
 from tests.faults.harness import Observed, observe, wait_for
 from tests.serving import assert_blocks_at_baseline, catch_holder, start_cluster, worker_status

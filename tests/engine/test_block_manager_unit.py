@@ -1,12 +1,12 @@
-"""Block manager (engine/block_manager.py), pure Python: ref counts, hash-chained prefix hits,
+"""Block manager (engine/kv/block_manager.py), pure Python: ref counts, hash-chained prefix hits,
 eviction order, salted chains, and every block back free at the end."""
 from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager, NoFreeBlocks, prompt_block_hashes, salt_root
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from pdserve.engine.kv.block_manager import BlockManager, NoFreeBlocks, prompt_block_hashes, salt_root
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
 
 BS = 4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cpu_features import CpuFeatures, choose_compute_dtype, cpu_identity, invariant_kernels_are_fastest
+from pdserve.engine.cpu_features import CpuFeatures, choose_compute_dtype, cpu_identity, invariant_kernels_are_fastest
 
 SPR = CpuFeatures("Xeon (AMX)", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
                                            "amx_tile", "amx_bf16", "amx_int8"}), "x86_64")

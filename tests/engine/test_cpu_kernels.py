@@ -5,11 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams, cpu_features
-from engine.cpu_features import CpuFeatures, detect, invariant_kernels_are_fastest
-from engine.layers import cpu_kernels
-from engine.layers.backend import TorchBackend
-from engine.model_maker import make_model
+from pdserve.engine import LLM, SamplingParams, cpu_features
+from pdserve.engine.cpu_features import CpuFeatures, detect, invariant_kernels_are_fastest
+from pdserve.engine.layers import cpu_kernels
+from pdserve.engine.layers.backend import TorchBackend
+from pdserve.engine.model_maker import make_model
 from tests.conftest import hf_greedy, random_prompts
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler: torch paths only")
@@ -128,7 +128,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_and_add_rms_norm_match_torch(dtype: torch.dtype) -> None:
-    from engine.layers.backend import NativeCpuBackend
+    from pdserve.engine.layers.backend import NativeCpuBackend
     g = torch.Generator().manual_seed(2)
     x = torch.randn(7, 200, generator=g).to(dtype)            # 200: a masked tail past 12 full vectors
     res = torch.randn(7, 200, generator=g).to(dtype)
@@ -144,7 +144,7 @@ def test_rms_norm_and_add_rms_norm_match_torch(dtype: torch.dtype) -> None:
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
-    from engine.layers.backend import NativeCpuBackend
+    from pdserve.engine.layers.backend import NativeCpuBackend
     g = torch.Generator().manual_seed(3)
     gate_up = 4 * torch.randn(5, 2 * 136, generator=g)
     gate_up[0, :8] = torch.tensor([-200.0, -90.0, -30.0, -1e-3, 0.0, 30.0, 90.0, 200.0])   # exp's clamps
@@ -159,10 +159,10 @@ def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
 def test_qkv_rope_store_matches_torch(dtype: torch.dtype, cache_dtype: torch.dtype, qk_norm: bool) -> None:
     from types import SimpleNamespace
 
-    from engine.layers.attention import Attention, AttentionMetadata
-    from engine.layers.backend import NativeCpuBackend
-    from engine.layers.norm import RMSNorm
-    from engine.layers.rotary import RotaryEmbedding
+    from pdserve.engine.layers.attention import Attention, AttentionMetadata
+    from pdserve.engine.layers.backend import NativeCpuBackend
+    from pdserve.engine.layers.norm import RMSNorm
+    from pdserve.engine.layers.rotary import RotaryEmbedding
     g = torch.Generator().manual_seed(4)
     nq, nkv, d, rows, blocks, bs = 4, 2, 64, 6, 8, 4
     rot = RotaryEmbedding(d, 128, 10000.0).to(dtype)
@@ -236,7 +236,7 @@ def test_native_backend_matches_torch_backend_in_bf16(tiny_qwen3: str) -> None:
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_native_sampler_matches_torch_sampler(dtype: torch.dtype) -> None:
-    from engine.layers.sampler import Sampler
+    from pdserve.engine.layers.sampler import Sampler
     g = torch.Generator().manual_seed(7)
     logits = (3 * torch.randn(12, 1000, generator=g)).to(dtype)
     params = [SamplingParams(temperature=[0.0, 0.6, 1.3][i % 3], seed=50 + i,
@@ -474,8 +474,8 @@ def test_tuned_mode_runs_the_invariant_kernels_where_they_are_the_fastest(tiny_d
     if not _tuned_mode_runs_bf16dot():
         pytest.skip("this CPU has no AVX512-BF16: tuned mode keeps its own kernels")
     _as_if_without_amx(monkeypatch)
-    from engine.layers.attention import Attention
-    from engine.layers.linear import Linear
+    from pdserve.engine.layers.attention import Attention
+    from pdserve.engine.layers.linear import Linear
 
     def no_sdpa(*args):
         raise AssertionError("a prompt attended through sdpa")
@@ -499,7 +499,7 @@ def test_tuned_mode_runs_the_invariant_kernels_where_they_are_the_fastest(tiny_d
 
 @needs_amx
 def test_amx_int8_linear_matches_w8a16_torch_path() -> None:
-    from engine.layers.linear import Linear
+    from pdserve.engine.layers.linear import Linear
     g = torch.Generator().manual_seed(9)
     lin = Linear(96, 128, bias=True).to(torch.bfloat16)
     lin.weight.data = torch.randn(128, 96, generator=g).to(torch.bfloat16)
@@ -534,7 +534,7 @@ def test_top_k_and_top_p_by_partial_selection_equal_a_sort_of_the_vocabulary() -
     """The filter keeps the same tokens with the same probabilities as sorting the whole row
     (top-k, top-p over the renormalized rest), at a Qwen3-sized vocabulary: top-k alone, top-p
     alone (its mass inside the candidates, and a flat row where it is not), and both."""
-    from engine.layers.sampler import TOP_P_CANDIDATES, Sampler
+    from pdserve.engine.layers.sampler import TOP_P_CANDIDATES, Sampler
 
     def by_sort(scaled: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         values, ids = scaled.sort(descending=True)

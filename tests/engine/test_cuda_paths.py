@@ -6,7 +6,7 @@ import importlib
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.conftest import hf_greedy, random_prompts
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -14,9 +14,9 @@ PROMPTS = random_prompts(6, 5, 50, seed=81)
 
 
 def test_gpu_modules_import_cleanly_without_cuda() -> None:
-    for name in ("engine.cuda_graphs", "engine.layers.attention", "engine.model_runner"):
+    for name in ("pdserve.engine.cuda_graphs", "pdserve.engine.layers.attention", "pdserve.engine.model_runner"):
         importlib.import_module(name)
-    from engine.layers import attention
+    from pdserve.engine.layers import attention
     assert isinstance(attention.HAS_FLASH_ATTN, bool)
 
 

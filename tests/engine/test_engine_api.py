@@ -9,9 +9,9 @@ import zlib
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, NoCapacity, SamplingParams
-from engine.block_manager import transfer_block_hashes
-from engine.kv_handoff import BlockMeta, HandoffError, HandoffState, LeasePolicy
+from pdserve.engine import LLM, EngineConfig, LLMEngine, NoCapacity, SamplingParams
+from pdserve.engine.kv.block_manager import transfer_block_hashes
+from pdserve.engine.kv.handoff import BlockMeta, HandoffError, HandoffState, LeasePolicy
 from tests.conftest import assert_no_leak, hf_greedy, random_prompts
 
 PROMPTS = random_prompts(6, 5, 40, seed=21)

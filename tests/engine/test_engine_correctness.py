@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.conftest import assert_no_leak, hf_greedy, random_prompts
 
 MAX_NEW = 20

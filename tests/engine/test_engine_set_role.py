@@ -7,9 +7,9 @@ import zlib
 
 import pytest
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.block_manager import transfer_block_hashes
-from engine.kv_handoff import BlockMeta, HandoffState
+from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.kv.block_manager import transfer_block_hashes
+from pdserve.engine.kv.handoff import BlockMeta, HandoffState
 from tests.conftest import assert_no_leak
 
 KW = dict(dtype="float32", block_size=8, num_kv_blocks=32, max_num_batched_tokens=64, max_model_len=256)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import hugepages
+from pdserve.engine import hugepages
 
 
 def test_zeros_on_huge_pages_when_available() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import kernel_build
-from engine.layers import cpu_kernels
+from pdserve.engine import kernel_build
+from pdserve.engine.layers import cpu_kernels
 
 SOURCE = 'extern "C" int pd_answer() { return 42; }\n'
 
@@ -21,7 +21,7 @@ def test_concurrent_builders_compile_once(tmp_path: Path, monkeypatch: pytest.Mo
     src = tmp_path / "answer.cpp"
     src.write_text(SOURCE)
     results: list[Path | None] = []
-    caplog.set_level(logging.INFO, logger="engine.kernel_build")
+    caplog.set_level(logging.INFO, logger="pdserve.engine.kernel_build")
     threads = [threading.Thread(target=lambda: results.append(
         kernel_build.build_library("answer", [src], ["-O1", "-shared", "-fPIC"]))) for _ in range(3)]
     for t in threads:
@@ -46,7 +46,7 @@ def test_missing_compiler_builds_nothing(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_kernels_off_falls_back_to_torch(tiny_qwen3: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """PDSERVE_CPU_KERNELS=0: no library, the torch backend and sampler, HF-exact greedy output."""
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
     from tests.conftest import hf_greedy, random_prompts
     monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")
     monkeypatch.setattr(cpu_kernels, "_lib", None)

@@ -1,4 +1,4 @@
-"""KV connector (engine/kv_connector.py) state machine on the tiny model, in process:
+"""KV connector (engine/kv/connector.py) state machine on the tiny model, in process:
 RESERVED -> RECEIVING -> READY, FAILED, EXPIRED; abort in every state frees the blocks; a lapsed
 lease frees; a producer's pinned blocks fall back to the prefix cache on delivery."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import zlib
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.kv_handoff import BlockMeta, HandoffError, HandoffState, LeasePolicy
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.kv.handoff import BlockMeta, HandoffError, HandoffState, LeasePolicy
 from tests.conftest import assert_no_leak
 
 KW = dict(dtype="float32", block_size=8, num_kv_blocks=32, max_num_batched_tokens=64, max_model_len=256)

@@ -1,4 +1,4 @@
-"""KV tiers under the prefix cache (engine/kv_tiers.py, engine/kv_tier_file.py): blocks the pool
+"""KV tiers under the prefix cache (engine/kv/tiers.py, engine/kv/tier_file.py): blocks the pool
 evicts go to host RAM, then disk, and come back as prefix-cache hits with exact greedy output;
 a restarted engine serves a prefix from disk; broken, foreign or colliding block files are
 refused and recomputed; the budgets hold; a failing disk costs recomputation, never an error.
@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.block_manager import prompt_block_hashes
-from engine.config import EngineConfig
-from engine.kv_tier_file import HEADER, KEY_FILE, TierBlock, block_file_name, encode, file_size
-from engine.kv_tiers import DiskTier, STAT_KEYS
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.kv.block_manager import prompt_block_hashes
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv.tier_file import HEADER, KEY_FILE, TierBlock, block_file_name, encode, file_size
+from pdserve.engine.kv.tiers import DiskTier, STAT_KEYS
 from tests.conftest import assert_no_leak, hf_greedy, random_prompts
 
 BS = 8
@@ -225,7 +225,7 @@ def test_a_prompt_waits_for_its_blocks_from_disk_while_another_is_served(tiny_qw
 
 def test_a_restart_in_a_real_subprocess_serves_its_blocks(tiny_qwen3: str, reference, tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
-        from engine import LLM, SamplingParams
+        from pdserve.engine import LLM, SamplingParams
         llm = LLM({tiny_qwen3!r}, dtype="float32", block_size={BS}, num_kv_blocks=6, max_num_seqs=4,
                   kv_disk_cache_dir={str(tmp_path)!r})
         for prompt in {TURNS[:2]!r}:
@@ -254,7 +254,7 @@ def _truncate(path: Path) -> None:
 def _foreign_header(path: Path) -> None:
     """Another fingerprint with a valid MAC (made with the tier's own key): only the fingerprint
     check can catch it."""
-    from engine.kv_tier_file import DIGEST_BYTES, block_mac
+    from pdserve.engine.kv.tier_file import DIGEST_BYTES, block_mac
 
     data = bytearray(path.read_bytes())
     data[8:24] = bytes(16)
@@ -540,7 +540,7 @@ def test_a_forged_block_with_chosen_kv_and_an_unkeyed_digest_is_refused(tmp_path
 
     import numpy as np
 
-    from engine.kv_tier_file import DIGEST_BYTES, FORMAT_VERSION, MAGIC
+    from pdserve.engine.kv.tier_file import DIGEST_BYTES, FORMAT_VERSION, MAGIC
 
     t, path = sound_file(tmp_path)
     chosen = torch.full(SHAPE, 42.0)

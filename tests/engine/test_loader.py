@@ -10,10 +10,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from engine import loader
-from engine.model_config import ModelConfig
-from engine.models import MODEL_CLASSES
-from engine.parallel import padded_split
+from pdserve.engine import loader
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models import MODEL_CLASSES
+from pdserve.engine.parallel import padded_split
 
 
 class _Recording:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import model_maker as mm
+from pdserve.engine import model_maker as mm
 
 EXPECTED_FILES = {
     "config.json",

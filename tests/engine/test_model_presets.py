@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import model_maker as mm
-from engine.presets import PRESETS, PUBLIC_PRESETS, get_preset, resolve_arch
+from pdserve.engine import model_maker as mm
+from pdserve.engine.presets import PRESETS, PUBLIC_PRESETS, get_preset, resolve_arch
 
 
 def _num_params(preset: str) -> int:
@@ -47,8 +47,8 @@ def test_llama3_rope_scaling_as_hf_computes_it(tmp_path: Path) -> None:
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from engine.layers.rotary import inv_frequencies
-    from engine.model_config import ModelConfig
+    from pdserve.engine.layers.rotary import inv_frequencies
+    from pdserve.engine.model_config import ModelConfig
 
     mm._write_configs(tmp_path, get_preset("llama-3.2-1b"), "llama")
     cfg = ModelConfig.from_dir(tmp_path)
@@ -85,8 +85,8 @@ def test_a_vocabulary_past_the_tokenizer(tmp_path: Path, monkeypatch: pytest.Mon
     every token has text; prompts of ids past the tokenizer run in pdserve's offline LLM."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
 
     monkeypatch.setitem(PRESETS, "tiny-wide", dataclasses.replace(PRESETS["tiny"], vocab_size=4096,
                                                                   tokenizer_vocab_size=1024))
@@ -116,7 +116,7 @@ def test_greedy_equals_hf_at_qwen3_0_6b_width(tmp_path: Path) -> None:
     exact width: hidden 1024, 16 query / 8 KV heads of 128, MLP 3072, vocabulary 151,936 (the
     LM head and sampling over every logit). Two of its 28 layers: the layers are identical in
     shape, so the other 26 would add 14 times the layer work and no shape (12 s as it is)."""
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
     from tests.conftest import hf_greedy, random_prompts
 
     path = str(mm.make_model(tmp_path / "qwen3-0.6b-2l", preset="qwen3-0.6b-2l"))

@@ -9,11 +9,11 @@ import zlib
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.block_manager import BlockManager
-from engine.kv_handoff import BlockMeta, HandoffState
-from engine.scheduler import Scheduler, StepTrace
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.handoff import BlockMeta, HandoffState
+from pdserve.engine.scheduler import Scheduler, StepTrace
+from pdserve.engine.sequence import Sequence, SequenceStatus
 from tests.conftest import assert_no_leak, random_prompts
 
 
@@ -258,7 +258,7 @@ def test_a_higher_class_reservation_on_a_full_decode_pool_preempts_a_lower_class
     higher-class reservation is refused once, with a claim; the next step preempts the lower
     sequence (recomputed later from its prompt and tokens, exact), and the reservation asked
     again fits. A reservation of the same class or a lower one leaves no claim."""
-    from engine.llm_engine import NoCapacity
+    from pdserve.engine.llm_engine import NoCapacity
     engine = LLMEngine(EngineConfig(model=tiny_qwen3, role="decode", num_kv_blocks=10, **KW))
     lo_prompt = random_prompts(1, 40, 40, seed=35)[0]
     engine.add_request("lo", lo_prompt, greedy(24, 1))                # prefilled here: its KV is real

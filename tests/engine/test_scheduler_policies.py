@@ -1,7 +1,7 @@
 """The step trace shows each policy's shape while a long prompt is chunked and decoders run."""
 from __future__ import annotations
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.conftest import assert_no_leak, random_prompts
 
 LONG = random_prompts(1, 120, 120, seed=11)[0]

@@ -1,11 +1,11 @@
 """Scheduler (engine/scheduler.py), pure Python: a real block manager, no model, no forward pass."""
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, StepKind
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, StepKind
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8)
 

@@ -18,8 +18,8 @@ from typing import Callable
 import grpc
 
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.client import Client
-from services.deployment.launcher import PROBE_OPTIONS, Cluster
+from pdserve.services.client import Client
+from pdserve.services.deployment.launcher import PROBE_OPTIONS, Cluster
 from tests.conftest import random_prompts
 from tests.serving import catch_holder, channel, start_cluster
 

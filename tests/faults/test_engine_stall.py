@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.settings import ENV
-from services.deployment.launcher import RESTART_BACKOFF_S, SUPERVISE_POLL_S
-from services.workers.config import ENGINE_STALL_EXIT_CODE
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.settings import ENV
+from pdserve.services.deployment.launcher import RESTART_BACKOFF_S, SUPERVISE_POLL_S
+from pdserve.services.workers.config import ENGINE_STALL_EXIT_CODE
 from tests.conftest import random_prompts
 from tests.faults.harness import FAULT_WORKER, FaultCluster, observe, record, wait_for
 

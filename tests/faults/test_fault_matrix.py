@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.conftest import random_prompts
 from tests.faults.harness import BLOCK_SIZE, STALL_S, Busy, FaultCluster, observe, record, wait_for
 from tests.serving import catch_holder, metric, scrape

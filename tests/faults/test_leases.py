@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.conftest import random_prompts
 from tests.faults.harness import FaultCluster, observe, wait_for
 

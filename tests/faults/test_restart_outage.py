@@ -13,8 +13,8 @@ import time
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
-from services.client import Client
+from pdserve.engine import LLM, SamplingParams
+from pdserve.services.client import Client
 from tests.conftest import random_prompts
 from tests.faults.harness import FaultCluster, observe, wait_for
 

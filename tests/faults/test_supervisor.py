@@ -13,9 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.client import Client
-from services.process_table import is_alive
-from services.deployment.launcher import PARENT_PID_ENV, free_port
+from pdserve.services.client import Client
+from pdserve.services.common.process_table import is_alive
+from pdserve.services.deployment.launcher import PARENT_PID_ENV, free_port
 from tests.conftest import hf_greedy, random_prompts
 from tests.faults.harness import observe, wait_for
 from tests.serving import wait_up_line
@@ -27,7 +27,7 @@ ENGINE = ["--dtype", "float32", "--block-size", "8", "--num-kv-blocks", "256"]
 
 
 def _up(model: str, port: int, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "services.cli", "up", "--model", model, "--port", str(port), *ENGINE, *extra]
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", model, "--port", str(port), *ENGINE, *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import EngineConfig, LLMEngine
+from pdserve.engine import EngineConfig, LLMEngine
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,11 @@ from typing import AsyncIterator, Sequence
 
 import grpc
 
-from engine import LLMEngine
+from pdserve.engine import LLMEngine
 from pdserve.v1 import kv_pb2
-from services.kv_transfer import KVTransferServicer
-from services.kv_transfer.grpc_transport import METHOD, register_kv_servicer
+from pdserve.services.kv_transfer import KVTransferServicer
+from pdserve.services.kv_transfer.grpc_transport import METHOD
+from pdserve.services.kv_transfer.grpc_receiver import register_kv_servicer
 
 
 @asynccontextmanager

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from services.router.admission import AdmissionQueue, PendingGate
-from services.router.errors import RouterError
+from pdserve.services.router.admission import AdmissionQueue, PendingGate
+from pdserve.services.router.errors import RouterError
 
 
 def test_requests_are_admitted_in_arrival_order() -> None:
@@ -96,7 +96,7 @@ def test_the_pending_gate_refuses_past_its_limit_and_frees_on_exit() -> None:
 def _served_order(arrivals: list[tuple[int, str]], capacity: int = 64) -> list[tuple[int, str]]:
     """The order in which requests (priority, client) that all arrive while the head holds its turn
     are admitted."""
-    from services.router.admission import Ticket
+    from pdserve.services.router.admission import Ticket
 
     async def run():
         queue, order = AdmissionQueue(capacity), []
@@ -141,7 +141,7 @@ def _behind_a_busy_head(capacity: int, arrivals: list) -> tuple[list[str], dict[
     """A class-1 head holds its turn while arrivals (name, ticket, pause after it) queue behind it,
     then lets go. Returns the admission order (the head first) and each one's outcome: "admitted"
     or the refusal's code."""
-    from services.router.admission import Ticket
+    from pdserve.services.router.admission import Ticket
 
     async def run():
         queue = AdmissionQueue(capacity)
@@ -171,7 +171,7 @@ def _behind_a_busy_head(capacity: int, arrivals: list) -> tuple[list[str], dict[
 
 
 def test_a_full_queue_refuses_the_lowest_class_to_admit_a_higher_one() -> None:
-    from services.router.admission import Ticket
+    from pdserve.services.router.admission import Ticket
 
     _, outcome = _behind_a_busy_head(2, [
         ("low-1", Ticket(2), 0), ("low-2", Ticket(2), 0),
@@ -185,7 +185,7 @@ def test_a_moving_request_goes_ahead_of_its_class_and_a_full_queue_never_refuses
     """A request moving after a fault or an eviction was admitted once: it waits ahead of its
     class's newcomers (not of a higher class), a full queue takes it, and a higher class that
     needs room pushes out a newcomer, never it."""
-    from services.router.admission import Ticket
+    from pdserve.services.router.admission import Ticket
 
     order, outcome = _behind_a_busy_head(2, [   # the queue is full from new-2 on
         ("new-1", Ticket(1), 0.01), ("new-2", Ticket(1), 0.01), ("moved", Ticket(1, moved=True), 0.01),
@@ -199,7 +199,7 @@ def test_a_head_that_only_its_own_target_blocks_steps_aside_and_keeps_its_place(
     the requests behind it are placed meanwhile, and it is the head again after the change,
     before later arrivals of its class. Without step_aside every other request waits behind it
     (the stall of issue 41: 10 normal requests from 0.25 s to 59 s)."""
-    from services.router.admission import Ticket
+    from pdserve.services.router.admission import Ticket
 
     async def run():
         queue, order = AdmissionQueue(8), []
@@ -230,7 +230,7 @@ def test_a_head_that_only_its_own_target_blocks_steps_aside_and_keeps_its_place(
 
 
 def test_a_stepped_aside_head_counts_towards_the_bound_and_times_out_on_its_deadline() -> None:
-    from services.router.admission import Ticket
+    from pdserve.services.router.admission import Ticket
 
     async def run():
         queue = AdmissionQueue(1)
@@ -267,7 +267,7 @@ def test_a_stepped_aside_head_counts_towards_the_bound_and_times_out_on_its_dead
 def test_per_class_state_is_dropped_when_a_class_has_nobody_waiting() -> None:
     """A flood of distinct priorities leaves no state behind (issue 41, low 6): the queue's per-class
     maps hold only the classes with requests in the queue, and look-ups create none."""
-    from services.router.admission import Ticket
+    from pdserve.services.router.admission import Ticket
 
     async def run():
         queue = AdmissionQueue(64)
@@ -281,8 +281,8 @@ def test_per_class_state_is_dropped_when_a_class_has_nobody_waiting() -> None:
 
 
 def test_overload_shares_forget_old_refusals_whatever_the_number_of_priorities() -> None:
-    from services.router.admission import Ticket
-    from services.router.slo import OverloadShares
+    from pdserve.services.router.admission import Ticket
+    from pdserve.services.router.slo import OverloadShares
     shares = OverloadShares(window_s=10.0, overload_s=1.0)
     for p in range(10_000):
         shares.refused(Ticket(p, "x"), now=float(p) * 0.01)   # 100 a second, each a new class

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from engine import EngineConfig, LLM, SamplingParams
-from engine.kv_handoff import HandoffError, HandoffState
-from services.workers.async_engine import AsyncEngine
+from pdserve.engine import EngineConfig, LLM, SamplingParams
+from pdserve.engine.kv.handoff import HandoffError, HandoffState
+from pdserve.services.workers.async_engine import AsyncEngine
 from tests.conftest import assert_no_leak
 
 KW = dict(dtype="float32", block_size=8, num_kv_blocks=64, max_num_batched_tokens=64, max_model_len=256)

@@ -8,7 +8,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.security import AUTH_HEADER, AUTH_REPLY_HEADER, Credentials, proving_interceptors
+from pdserve.services.common.security import Credentials
+from pdserve.services.common.proofs import AUTH_HEADER, AUTH_REPLY_HEADER
+from pdserve.services.common.proof_interceptors import proving_interceptors
 
 TOKEN = "a-cluster-token-for-this-test-only"
 METHOD = "/grpc.health.v1.Health/Watch"

@@ -10,7 +10,7 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from services.deployment.certs import MAX_NAMES_PER_HOST, CertsConfig, make_certs
+from pdserve.services.deployment.certs import MAX_NAMES_PER_HOST, CertsConfig, make_certs
 
 
 def _cert(path) -> x509.Certificate:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.commands import build_parser, main
-from services.deployment.launcher import free_port
+from pdserve.services.cli.commands import build_parser, main
+from pdserve.services.deployment.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,7 +93,7 @@ def test_directory_that_is_not_a_checkpoint(tmp_path: Path, capsys) -> None:
 def test_unreachable_router_is_one_line_and_exit_1() -> None:
     """As a user runs it: a real process, no traceback."""
     address = f"127.0.0.1:{free_port()}"   # nothing listens there
-    res = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--router", address, "Hello"],
+    res = subprocess.run([sys.executable, "-m", "pdserve.services.cli", "generate", "--router", address, "Hello"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 1
     assert res.stdout == ""
@@ -109,7 +109,7 @@ def test_bad_flag_value_is_one_line(capsys) -> None:
 
 
 def test_make_model_offers_the_public_presets_and_refuses_a_wrong_arch(tmp_path: Path, capsys) -> None:
-    from engine.presets import PUBLIC_PRESETS
+    from pdserve.engine.presets import PUBLIC_PRESETS
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     preset = next(a for a in sub.choices["make-model"]._actions if a.dest == "preset")
@@ -167,7 +167,7 @@ def test_global_flags_before_or_after_the_subcommand() -> None:
 
 
 def test_console_script_answers_version_without_loading_torch() -> None:
-    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "services.cli.entry", "--version"],
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "pdserve.services.cli.entry", "--version"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert res.returncode == 0 and res.stdout.startswith("pdserve ")
     assert " torch" not in res.stderr   # -X importtime lists every module imported

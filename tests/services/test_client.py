@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from pdserve.v1 import router_pb2, router_pb2_grpc
-from services.client import AsyncClient, Client
-from services.deployment.launcher import free_port
+from pdserve.services.client import AsyncClient, Client
+from pdserve.services.deployment.launcher import free_port
 
 
 class _ModelInfoOnly(router_pb2_grpc.RouterServicer):

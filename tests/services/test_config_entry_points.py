@@ -8,15 +8,15 @@ import dataclasses
 
 import pytest
 
-from engine.config import EngineConfig
-from services.cli.commands import build_parser
-from services.cli.config_flags import config_fields, config_to_argv, configs_from_argv, flag
-from services.router.generator import GenerationOptions
-from services.deployment.launcher import Deployment
-from services.ray_deploy.deploy import RayDeployment
-from services.api.request_limits import RequestLimits
-from services.router.config import RouterConfig
-from services.workers.config import WorkerConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.services.cli.commands import build_parser
+from pdserve.services.common.config_flags import config_fields, config_to_argv, configs_from_argv, flag
+from pdserve.services.router.generator import GenerationOptions
+from pdserve.services.deployment.launcher import Deployment
+from pdserve.services.ray_deploy.deploy import RayDeployment
+from pdserve.services.api.request_limits import RequestLimits
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.workers.config import WorkerConfig
 
 WORKER = (EngineConfig, WorkerConfig)
 ROUTER = (RouterConfig, GenerationOptions, RequestLimits)
@@ -90,8 +90,8 @@ def test_argv_round_trip_through_the_generated_parser(cls: type) -> None:
 
 def test_up_forwards_engine_settings_to_its_workers_as_their_cli_parses_them() -> None:
     """`pdserve up --block-size 8 ...` -> the argv a worker gets -> `pdserve worker`'s own parser."""
-    from services.deployment.topology import ENGINE_FIXED
-    from services.cli.config_flags import config_from_args, given
+    from pdserve.services.common.topology import ENGINE_FIXED
+    from pdserve.services.common.config_flags import config_from_args, given
 
     up = build_parser().parse_args(["up", "--block-size", "8", "--no-enable-prefix-caching", "--dtype", "float32",
                                     "--kv-lease-idle-s", "4"])
@@ -105,8 +105,8 @@ def test_up_forwards_engine_settings_to_its_workers_as_their_cli_parses_them() -
 
 
 def test_ray_up_hands_actors_argv_parsed_like_the_cli() -> None:
-    from services.ray_deploy.actors import router_configs, worker_configs
-    from services.ray_deploy.cli import ray_spec
+    from pdserve.services.ray_deploy.actors import router_configs, worker_configs
+    from pdserve.services.ray_deploy.cli import ray_spec
 
     args = build_parser().parse_args(["ray", "up", "--block-size", "8", "--kv-lease-max-s", "100",
                                       "--stall-timeout-s", "4", "--max-prompt-bytes", "4096", "--worker-wait", "7",
@@ -124,8 +124,8 @@ def test_ray_up_hands_actors_argv_parsed_like_the_cli() -> None:
 
 def test_ray_up_takes_per_role_tp_and_sizes_each_workers_bundle_by_its_ranks() -> None:
     """`pdserve ray up --prefill-tp/--decode-tp` as `pdserve up`; a worker's bundle holds all its ranks."""
-    from services.ray_deploy.cli import ray_spec
-    from services.ray_deploy.deploy import HEAD_RESOURCE, PIN, resolve_cpus
+    from pdserve.services.ray_deploy.cli import ray_spec
+    from pdserve.services.ray_deploy.deploy import HEAD_RESOURCE, PIN, resolve_cpus
 
     spec = ray_spec(build_parser().parse_args(["ray", "up", "--tensor-parallel-size", "2", "--decode-tp", "1"]), "/m")
     assert (spec.tp("prefill"), spec.tp("decode"), spec.num_ranks) == (2, 1, 3)

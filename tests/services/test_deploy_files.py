@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.cli.commands import build_parser, plane_reach
-from services.security import Credentials, require_secure_internal_plane
+from pdserve.services.cli.commands import build_parser, plane_reach
+from pdserve.services.common.security import Credentials, require_secure_internal_plane
 
 ROOT = Path(__file__).resolve().parents[2]
 VAR = re.compile(r"\$\{([A-Z0-9_]+)(?::?-([^}]*))?\}")
@@ -87,7 +87,7 @@ def test_compose_commands_parse_with_the_cli(model: str) -> None:
 
 
 def test_compose_commands_pass_the_internal_plane_rule() -> None:
-    """Each service would start: the rule the CLI applies (services.security), on what its command
+    """Each service would start: the rule the CLI applies (services.common.security), on what its command
     binds and dials; without the flag the same commands are refused (compose has no TLS)."""
     services = _compose()["services"]
     parser = build_parser()
@@ -138,7 +138,7 @@ def test_prometheus_scrapes_every_process_on_its_port() -> None:
 
 def _registered_metric_names() -> set[str]:
     """Every sample name the processes export (with _bucket/_sum/_count/_total)."""
-    from services.metrics import RouterMetrics, WorkerMetrics
+    from pdserve.services.common.metrics import RouterMetrics, WorkerMetrics
     names = set()
     for m in (WorkerMetrics("prefill", "w"), RouterMetrics()):
         for family in m.registry.collect():
@@ -166,7 +166,7 @@ def test_grafana_provisioning_and_dashboard_use_existing_metrics() -> None:
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
             for name in re.findall(r"pdserve:[a-z0-9_]+", target["expr"]):
-                assert name in known, f"{panel['title']}: {name} is not exported (services/metrics.py)"
+                assert name in known, f"{panel['title']}: {name} is not exported (services/common/metrics.py)"
                 used.add(re.sub(r"_(bucket|sum|count|total)$", "", name))
     titles = " | ".join(p["title"] for p in panels).lower()
     for what in ("ttft", "itl", "tpot", "tokens per second", "running and waiting", "queue", "kv cache usage",
@@ -222,10 +222,10 @@ def test_compose_cli_validates_the_file(tmp_path: Path, with_env: bool) -> None:
 
 
 def test_compose_is_the_default_topology() -> None:
-    """Compose's roles, gRPC ports and metrics ports are services/deployment/topology.py's default shape and
+    """Compose's roles, gRPC ports and metrics ports are services/common/topology.py's default shape and
     port layout (the router on 50051 / 9100, then prefill-0, decode-0), and the router reaches the
     workers by their compose names."""
-    from services.deployment.topology import ROUTER_PORT, SERVE_HTTP_PORT, Topology
+    from pdserve.services.common.topology import ROUTER_PORT, SERVE_HTTP_PORT, Topology
     topology = Topology()
     compose = _compose()
     services = compose["services"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.tokenizer import load_tokenizer
-from services.api.detokenizer import IncrementalDetokenizer
-from services.api.stop_strings import StopMatcher
+from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.services.api.detokenizer import IncrementalDetokenizer
+from pdserve.services.api.stop_strings import StopMatcher
 
 TEXT = "naïve café — 日本語 🙂 𝕳𝖊𝖑𝖑𝖔 한국어, then plain words at the end"
 
@@ -60,7 +60,7 @@ def test_ids_past_the_tokenizer_add_no_text(tokenizer) -> None:
     """A model's vocabulary may be larger than its tokenizer's (Qwen3's padding rows; pdserve's
     qwen3-0.6b and llama-3.2-1b presets have 8192 tokenizer ids for 151936 / 128256 model ids):
     such ids decode to nothing, in the stream and in a logprobs entry's token text."""
-    from services.api.http_server import _token_text
+    from pdserve.services.api.http_server import _token_text
 
     past = [len(tokenizer), len(tokenizer) + 1, 151_935]
     ids = tokenizer.encode("hello", add_special_tokens=False)

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from engine import EngineConfig, SamplingParams
-from engine.settings import ENV
-from services.workers.async_engine import AsyncEngine, hang_file_for_tests
-from services.workers.config import WorkerConfig
-from services.workers.lifecycle import StallWatchdog
+from pdserve.engine import EngineConfig, SamplingParams
+from pdserve.engine.settings import ENV
+from pdserve.services.workers.async_engine import AsyncEngine, hang_file_for_tests
+from pdserve.services.workers.config import WorkerConfig
+from pdserve.services.workers.lifecycle import StallWatchdog
 from tests.conftest import assert_no_leak
 
 KW = dict(dtype="float32", block_size=8, num_kv_blocks=64, max_num_batched_tokens=64, max_model_len=256)

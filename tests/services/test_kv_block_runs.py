@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
-from engine.block_manager import transfer_block_hashes
-from engine.kv_handoff import HandoffError, HandoffState
-from services.kv_transfer import KVBlock, integrity
-from services.kv_transfer.base import block_meta
-from services.kv_transfer.frames import iter_wire_frames, parse_frame
+from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.engine.kv.block_manager import transfer_block_hashes
+from pdserve.engine.kv.handoff import HandoffError, HandoffState
+from pdserve.services.kv_transfer import KVBlock, integrity
+from pdserve.services.kv_transfer.base import block_meta
+from pdserve.services.kv_transfer.frames import iter_wire_frames, parse_frame
 from tests.conftest import assert_no_leak, random_prompts
 
 PROMPT = random_prompts(1, 60, 60, seed=78)[0]          # 8 blocks of 8 (the last one partial)
@@ -210,7 +210,7 @@ def test_a_request_ended_mid_write_keeps_its_blocks_until_the_writer_is_done(eng
 def test_a_frames_head_is_parsed_from_its_first_bytes() -> None:
     """parse_head: None until the bytes before the payload are in; then the headers and where the
     payload lies; a frame without a payload (the open frame) says so; the trailer is the MAC."""
-    from services.kv_transfer.frames import encode_open, parse_head, parse_trailer
+    from pdserve.services.kv_transfer.frames import encode_open, parse_head, parse_trailer
     mac = integrity.StreamMac(b"k" * 32, integrity.PREFERRED)
     blocks = _raw_blocks([64] * 100)    # 100 headers: more than one first read of the receiver's
     frame = next(iter_wire_frames([b.encode() for b in blocks], 1 << 20, mac, target_bytes=1 << 20))

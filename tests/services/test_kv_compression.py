@@ -8,7 +8,7 @@ import pytest
 import torch
 import zstandard
 
-from services.kv_transfer import compression as kc
+from pdserve.services.kv_transfer import compression as kc
 
 SHAPE = (2, 2, 16, 4, 64)      # [layers, k/v, block, heads, head_dim]
 

@@ -16,14 +16,16 @@ import grpc
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
-from engine.block_manager import transfer_block_hashes
-from engine.kv_handoff import HandoffState
+from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.engine.kv.block_manager import transfer_block_hashes
+from pdserve.engine.kv.handoff import HandoffState
 from pdserve.v1 import kv_pb2
-from services.grpc_setup import options as channel_options
-from services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError, integrity, shared_memory
-from services.kv_transfer.grpc_transport import METHOD, SERVICE, parse_frame
-from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender
+from pdserve.services.common.grpc_setup import options as channel_options
+from pdserve.services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError, integrity, shared_memory
+from pdserve.services.kv_transfer.grpc_transport import METHOD
+from pdserve.services.kv_transfer.grpc_receiver import SERVICE
+from pdserve.services.kv_transfer.frames import parse_frame
+from pdserve.services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender
 from tests.conftest import assert_no_leak, random_prompts
 from tests.services.kv_servers import Resolved, kv_receiver, on_loopback, refusal_of
 

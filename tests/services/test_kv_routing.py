@@ -21,14 +21,14 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager, prompt_block_hashes
-from engine.kv_events import KVEventLog
-from engine.sequence import Sequence
-from engine.step_cost import StepCost
-from services.client import AsyncClient
-from services.router.cost_model import CostModel, Load, StepCostView
-from services.router.prefix_index import PrefixIndex
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.kv.block_manager import BlockManager, prompt_block_hashes
+from pdserve.engine.kv.events import KVEventLog
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.step_cost import StepCost
+from pdserve.services.client import AsyncClient
+from pdserve.services.router.cost_model import CostModel, Load, StepCostView
+from pdserve.services.router.prefix_index import PrefixIndex
 from tests.conftest import random_prompts
 from tests.serving import metric, scrape, start_cluster, worker_status, workers
 
@@ -137,7 +137,7 @@ def test_decode_worker_publishes_no_prompt_token_cost_until_it_computes_a_prompt
     from types import SimpleNamespace
 
     from pdserve.v1 import worker_pb2
-    from services.workers.worker_process import step_cost_fields
+    from pdserve.services.workers.worker_process import step_cost_fields
 
     engine = SimpleNamespace(step_cost=StepCost(), decode_step_cost=StepCost(min_spread=1.0))
     for seqs in [1, 2, 3, 4] * 30:
@@ -186,8 +186,8 @@ def _pool_with_statuses(routing: str, disaggregation: str, itl_weight: float = 1
     """A real WorkerPool and Placement over workers that are never contacted: their statuses and
     prefix indexes are set as their streams would set them."""
     from pdserve.v1 import worker_pb2
-    from services.router.placement import Placement
-    from services.router.worker_pool import WorkerPool
+    from pdserve.services.router.placement import Placement
+    from pdserve.services.router.worker_pool import WorkerPool
 
     pool = WorkerPool(["127.0.0.1:1"], ["127.0.0.1:2", "127.0.0.1:3"], [])
     for w in pool.workers:
@@ -198,7 +198,7 @@ def _pool_with_statuses(routing: str, disaggregation: str, itl_weight: float = 1
 
 
 def test_placement_prefers_the_decode_worker_holding_the_prefix() -> None:
-    from services.router.prefix_index import request_keys
+    from pdserve.services.router.prefix_index import request_keys
 
     async def run():
         prompt = list(range(2, 42))                          # 10 full blocks of 4
@@ -224,7 +224,7 @@ def test_a_prefix_stays_on_its_worker_until_the_extra_load_costs_more_than_the_p
     """SGLang's balance threshold, in learned milliseconds: the worker holding 16 blocks of the
     prompt (64 tokens: 64 ms at the prefill worker's 1 ms per token) keeps it while its extra
     decode load (2 ms per sequence per step, 16 output tokens: 32 ms per sequence) costs less."""
-    from services.router.prefix_index import request_keys
+    from pdserve.services.router.prefix_index import request_keys
 
     async def run():
         prompt = list(range(2, 82))                          # 20 full blocks of 4
@@ -277,7 +277,7 @@ def test_the_local_prefill_threshold_follows_the_prefill_workers_learned_speed()
     shipped is prefilled on the decode worker instead."""
     from types import SimpleNamespace
 
-    from services.workers.worker_process import step_cost_fields
+    from pdserve.services.workers.worker_process import step_cost_fields
 
     async def run():
         pool, placement = _pool_with_statuses("kv-aware", "conditional")
@@ -333,8 +333,8 @@ def test_a_step_that_decodes_holds_at_most_the_prompt_chunk(tiny_qwen3: str) -> 
 
 
 def test_a_decode_worker_sizes_its_prompt_chunk_from_its_learned_step_costs(tiny_qwen3: str) -> None:
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig.from_kwargs(tiny_qwen3, role="decode", dtype="float32", block_size=8,
                                                 num_kv_blocks=64))

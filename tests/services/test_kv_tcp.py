@@ -17,12 +17,12 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
-from engine.block_manager import transfer_block_hashes
-from engine.kv_handoff import HandoffState
-from services.kv_transfer import KVBlock, KVTransferError, tcp_wire
-from services.kv_transfer.tcp_receiver import DataPlaneLimits, KVDataListener
-from services.kv_transfer.tcp_transport import TcpKVSender
+from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.engine.kv.block_manager import transfer_block_hashes
+from pdserve.engine.kv.handoff import HandoffState
+from pdserve.services.kv_transfer import KVBlock, KVTransferError, tcp_wire
+from pdserve.services.kv_transfer.tcp_receiver import DataPlaneLimits, KVDataListener
+from pdserve.services.kv_transfer.tcp_transport import TcpKVSender
 from tests.certs import make_ca_and_cert
 from tests.conftest import assert_no_leak, random_prompts
 
@@ -221,7 +221,7 @@ def test_a_frame_whose_headers_outgrow_the_first_read_still_goes_straight_into_t
         engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """60 blocks in one frame, announced by headers longer than the receiver's first read
     (HEAD_READ_BYTES): it reads on until the payload begins, then the payload goes to the pool."""
-    from services.kv_transfer.tcp_receiver import HEAD_READ_BYTES
+    from pdserve.services.kv_transfer.tcp_receiver import HEAD_READ_BYTES
     rid = "tcp-many-headers-" + "x" * 64
     prompt = random_prompts(1, 480, 480, seed=79)[0]
     res = engine.reserve(rid, prompt, GREEDY)
@@ -277,8 +277,8 @@ def test_a_beat_goes_over_an_idle_pooled_connection_when_the_receiver_is_at_its_
     """The receiver serves 2 connections and both are the sender's idle pooled ones (left by two
     transfers that overlapped): the lost beat connection is remade from one of them, not refused,
     so a queued request's lease is still kept."""
-    from services.kv_transfer import integrity
-    from services.kv_transfer.frames import encode_open
+    from pdserve.services.kv_transfer import integrity
+    from pdserve.services.kv_transfer.frames import encode_open
     rid = "tcp-beat-pooled"
     res = engine.reserve(rid, PROMPT, GREEDY)
     mac = integrity.StreamMac(integrity.mac_key(res.transfer_token, CLUSTER), integrity.PREFERRED)

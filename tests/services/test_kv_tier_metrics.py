@@ -1,11 +1,11 @@
-"""A worker's /metrics carries its engine's KV tier figures (services/metrics.KVTierCollector),
+"""A worker's /metrics carries its engine's KV tier figures (services/common/metrics.KVTierCollector),
 read when scraped, under the worker's labels; nothing without tiers."""
 from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from engine import LLM, SamplingParams
-from services.metrics import KV_TIER_COUNTERS, KV_TIER_GAUGES, WorkerMetrics
+from pdserve.engine import LLM, SamplingParams
+from pdserve.services.common.metrics import KV_TIER_COUNTERS, KV_TIER_GAUGES, WorkerMetrics
 from tests.conftest import random_prompts
 
 

@@ -16,19 +16,20 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
-from engine.block_manager import transfer_block_hashes
-from engine.kv_handoff import HandoffState
+from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.engine.kv.block_manager import transfer_block_hashes
+from pdserve.engine.kv.handoff import HandoffState
 from pdserve.v1 import kv_pb2
-from services.deployment.ports import free_port
-from services.kv_transfer import GrpcKVSender, KVBlock, KVSender, KVTransferError, KVTransferServicer
-from services.kv_transfer import integrity, shared_memory
-from services.kv_transfer.grpc_transport import encode_open, register_kv_servicer
-from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender
-from services.kv_transfer.tcp_receiver import KVDataListener
-from services.kv_transfer.tcp_transport import TcpKVSender
-from services.grpc_setup import options as channel_options
-from services.security import Credentials
+from pdserve.services.common.ports import free_port
+from pdserve.services.kv_transfer import GrpcKVSender, KVBlock, KVSender, KVTransferError, KVTransferServicer
+from pdserve.services.kv_transfer import integrity, shared_memory
+from pdserve.services.kv_transfer.frames import encode_open
+from pdserve.services.kv_transfer.grpc_receiver import register_kv_servicer
+from pdserve.services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender
+from pdserve.services.kv_transfer.tcp_receiver import KVDataListener
+from pdserve.services.kv_transfer.tcp_transport import TcpKVSender
+from pdserve.services.common.grpc_setup import options as channel_options
+from pdserve.services.common.security import Credentials
 from tests.conftest import assert_no_leak, random_prompts
 from tests.services.kv_servers import Resolved, kv_receiver, raw_push
 

@@ -14,16 +14,16 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from engine import LLMEngine
-from engine.kv_handoff import HandoffState
+from pdserve.engine import LLMEngine
+from pdserve.engine.kv.handoff import HandoffState
 from pdserve.v1 import kv_pb2
-from services.grpc_setup import options as channel_options
-from services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError, compression, integrity, wire_codec
-from services.kv_transfer.frames import _HEADER, _PAYLOAD, _field, _sealed, encode_open
-from services.kv_transfer.grpc_transport import parse_frame
-from services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender
-from services.metrics import WorkerMetrics
-from services.workers.config import KV_COMPRESSION_MODES, WorkerConfig
+from pdserve.services.common.grpc_setup import options as channel_options
+from pdserve.services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError, compression, integrity, wire_codec
+from pdserve.services.kv_transfer.frames import _HEADER, _PAYLOAD, _field, _sealed, encode_open
+from pdserve.services.kv_transfer.frames import parse_frame
+from pdserve.services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender
+from pdserve.services.common.metrics import WorkerMetrics
+from pdserve.services.workers.config import KV_COMPRESSION_MODES, WorkerConfig
 from tests.conftest import assert_no_leak
 from tests.services.kv_servers import Resolved, refusal_of
 from tests.services.test_kv_integrity import (CLUSTER, GREEDY, PROMPT, Attacker, _blocks, _nothing_cached,
@@ -239,7 +239,7 @@ def test_the_policy_and_the_int8_fallback() -> None:
 
 
 def test_the_flag_is_generated_from_the_worker_config() -> None:
-    from services.cli.config_flags import add_config_args, config_from_args
+    from pdserve.services.common.config_flags import add_config_args, config_from_args
     assert KV_COMPRESSION_MODES == wire_codec.MODES and WorkerConfig().kv_compression == "auto"
     parser = argparse.ArgumentParser()
     add_config_args(parser, WorkerConfig)

@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from services.loadtest.arrivals import arrival_offsets
-from services.loadtest.metrics import calculate_metrics, parse_goodput, parse_slo, percentile_key, server_breakdown
-from services.loadtest.results import RequestResult, settle
+from pdserve.services.loadtest.arrivals import arrival_offsets
+from pdserve.services.loadtest.metrics import calculate_metrics, parse_goodput, parse_slo, percentile_key, server_breakdown
+from pdserve.services.loadtest.results import RequestResult, settle
 
 
 def _ok(ttft: float, latency: float, n_out: int, prompt_len: int = 10, itl: list[float] | None = None) -> RequestResult:

@@ -10,12 +10,12 @@ import time
 import grpc
 import pytest
 
-from engine import SamplingParams
+from pdserve.engine import SamplingParams
 from pdserve.v1 import worker_pb2
-from services.router.errors import RouterError, WorkerFailure
-from services.router.generation_state import Chunk, Generation, Timing
-from services.router.migration import MigrationLoop, WorkerWatch
-from services.router.worker_pool import NoWorker, WorkerPool
+from pdserve.services.router.errors import RouterError, WorkerFailure
+from pdserve.services.router.generation_state import Chunk, Generation, Timing
+from pdserve.services.router.migration import MigrationLoop, WorkerWatch
+from pdserve.services.router.worker_pool import NoWorker, WorkerPool
 
 
 def _gen(rid: str = "r", deadline: float | None = None) -> Generation:

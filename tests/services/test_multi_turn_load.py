@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from services.loadtest.datasets import MIN_TOKEN_ID, SampleRequest
-from services.loadtest.multi_turn import (MultiTurnOptions, SessionOutcome, SessionRun, TurnResult, next_prompt,
+from pdserve.services.loadtest.datasets import MIN_TOKEN_ID, SampleRequest
+from pdserve.services.loadtest.multi_turn import (MultiTurnOptions, SessionOutcome, SessionRun, TurnResult, next_prompt,
                                           per_turn, plan_sessions, request_fields, run_sessions, summarise)
-from services.loadtest.openai_backend import OpenAIBackend, cached_tokens
-from services.loadtest.results import RequestResult, Sampling
+from pdserve.services.loadtest.openai_backend import OpenAIBackend, cached_tokens
+from pdserve.services.loadtest.results import RequestResult, Sampling
 
 OPTS = MultiTurnOptions(turns=3, first_input_len=20, input_len=5, output_len=4, think_time_s=0.5)
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from services.deployment import netns
+from pdserve.services.deployment import netns
 
 
 def test_subnets_differ_per_counter_and_per_pid_and_skip_used_ones() -> None:

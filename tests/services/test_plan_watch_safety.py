@@ -12,11 +12,11 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from services.cli.commands import main
-from services.metrics import MetricsServer, _handler
-from services.planner.plan import PlanConfig
-from services.planner.watch import Planner, Scrape, WatchConfig, check_watch_security, fetch_metrics
-from services.security import Credentials, TLSFiles
+from pdserve.services.cli.commands import main
+from pdserve.services.common.metrics import MetricsServer, _handler
+from pdserve.services.planner.plan import PlanConfig
+from pdserve.services.planner.watch import Planner, Scrape, WatchConfig, check_watch_security, fetch_metrics
+from pdserve.services.common.security import Credentials, TLSFiles
 from tests.certs import make_ca_and_cert
 
 TOKEN = "t" * 32

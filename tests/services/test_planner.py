@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from services.planner.cost_model import CostModel, StepSample, fit_nonnegative, step_features
-from services.planner.plan import Workload, candidates, parse_slos, rank, simulate
-from services.planner.serving_costs import ServingCosts
-from services.planner.simulator import Candidate, Overheads, Simulation
-from services.cli.commands import main
+from pdserve.services.planner.cost_model import CostModel, StepSample, fit_nonnegative, step_features
+from pdserve.services.planner.plan import Workload, candidates, parse_slos, rank, simulate
+from pdserve.services.planner.serving_costs import ServingCosts
+from pdserve.services.planner.simulator import Candidate, Overheads, Simulation
+from pdserve.services.cli.commands import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -255,7 +255,7 @@ def test_profile_cli_end_to_end(tiny_qwen3: str, tmp_path: Path) -> None:
     """`pdserve profile` on the tiny model with a tiny sweep writes a usable cost model."""
     out = tmp_path / "tiny.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "profile", "--model", tiny_qwen3, "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "pdserve.services.cli", "profile", "--model", tiny_qwen3, "--out", str(out),
                            "--chunk-sizes", "16,64", "--max-context", "128", "--decode-batches", "1,4",
                            "--decode-contexts", "32,96", "--decode-steps", "3", "--mixed-chunks", "16",
                            "--repeats", "1", "--kv-blocks", "2", "--num-kv-blocks", "256"],

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.planner.plan import PlanConfig
-from services.planner.watch import Members, Planner, Scrape, Split, Traffic, WatchConfig, decide
+from pdserve.services.planner.plan import PlanConfig
+from pdserve.services.planner.watch import Members, Planner, Scrape, Split, Traffic, WatchConfig, decide
 
 SLOS = ("ttft:500", "tpot:60")
 

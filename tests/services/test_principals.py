@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from services.api.principals import ApiKeys, Principal, bound_to
-from services.router.slo import ServiceClass
+from pdserve.services.api.principals import ApiKeys, Principal, bound_to
+from pdserve.services.router.slo import ServiceClass
 
 KEY = "k" * 20
 

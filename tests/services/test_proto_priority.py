@@ -1,12 +1,12 @@
-"""A request's priority on the wire (common.proto SamplingParams.priority, services/proto_convert.py)
+"""A request's priority on the wire (common.proto SamplingParams.priority, services/common/proto_convert.py)
 and its validation (engine SamplingParams)."""
 from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
+from pdserve.engine import SamplingParams
 from pdserve.v1 import common_pb2
-from services.proto_convert import params_from_proto, params_to_proto
+from pdserve.services.common.proto_convert import params_from_proto, params_to_proto
 
 
 @pytest.mark.parametrize("priority", [0, 1, -1, 7, 2**31 - 1, -(2**31)])

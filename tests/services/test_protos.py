@@ -63,8 +63,8 @@ def test_hand_encoded_kv_frames_are_standard_protobuf() -> None:
     import torch
 
     from pdserve.v1 import kv_pb2
-    from services.kv_transfer import KVBlock
-    from services.kv_transfer.grpc_transport import encode_frames, encode_open, parse_frame
+    from pdserve.services.kv_transfer import KVBlock
+    from pdserve.services.kv_transfer.frames import encode_frames, encode_open, parse_frame
 
     blocks = [KVBlock("r", i, 100 + i, torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) + i) for i in range(3)]
     frames = encode_frames(blocks, frame_bytes=150)   # 96-byte blocks: some share a frame, some span two

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from services.cli.commands import build_parser
-from services.ray_deploy.cli import ray_spec
+from pdserve.services.cli.commands import build_parser
+from pdserve.services.ray_deploy.cli import ray_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY_DIR = ROOT / "deploy" / "ray"

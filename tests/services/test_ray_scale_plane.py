@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import ray
 
-from services.ray_deploy import scale as scale_mod
-from services.security import new_token
+from pdserve.services.ray_deploy import scale as scale_mod
+from pdserve.services.common.security import new_token
 
 
 class _Started(Exception):
@@ -63,8 +63,8 @@ def test_ray_scale_refuses_a_plane_off_loopback_without_tls(monkeypatch, tmp_pat
 
 
 def test_loopback_needs_no_flag_and_the_cli_flag_reaches_scale(monkeypatch, tmp_path) -> None:
-    from services.cli.commands import build_parser
-    from services.ray_deploy import cli
+    from pdserve.services.cli.commands import build_parser
+    from pdserve.services.ray_deploy import cli
     started = _fake_ray(monkeypatch, tmp_path, "127.0.0.1:50051", "127.0.0.1")
     with pytest.raises(scale_mod.ScaleError):
         scale_mod.scale("d", "ns", {"prefill": None, "decode": 2})

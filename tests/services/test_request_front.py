@@ -8,14 +8,14 @@ import threading
 
 import pytest
 
-from engine import SamplingParams
-from engine.tokenizer import load_tokenizer
+from pdserve.engine import SamplingParams
+from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.v1 import common_pb2, router_pb2
-from services.proto_convert import params_from_proto, params_to_proto
-from services.api.http_request import HTTPError, front_requests, parse_body
-from services.api.request_limits import InvalidRequest, RequestLimits
-from services.api.request_front import FrontRequest, Prompt, RequestFront, ValidatedRequest
-from services.api.grpc_router import front_request
+from pdserve.services.common.proto_convert import params_from_proto, params_to_proto
+from pdserve.services.api.http_request import HTTPError, front_requests, parse_body
+from pdserve.services.api.request_limits import InvalidRequest, RequestLimits
+from pdserve.services.api.request_front import FrontRequest, Prompt, RequestFront, ValidatedRequest
+from pdserve.services.api.grpc_router import front_request
 
 MAX_LEN = 128
 CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Tell me a story."}]

@@ -17,13 +17,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine.tokenizer import load_tokenizer
-from services.router.admission import AdmissionQueue
-from services.client import Client
-from services.api.detokenizer import IncrementalDetokenizer
-from services.deployment.launcher import Process, open_log
-from services.log_format import escape_controls
-from services.grpc_setup import SERVER_OPTIONS, options as channel_options
+from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.services.router.admission import AdmissionQueue
+from pdserve.services.client import Client
+from pdserve.services.api.detokenizer import IncrementalDetokenizer
+from pdserve.services.deployment.launcher import Process, open_log
+from pdserve.services.common.log_format import escape_controls
+from pdserve.services.common.grpc_setup import SERVER_OPTIONS, options as channel_options
 from tests.serving import start_cluster
 
 TEXTS = ["naïve café — 日本語 🙂 Ünïcödé ✓", "hello world, once upon a time", "Ω≈ç√∫˜µ≤≥÷ 𝕳𝖊𝖑𝖑𝖔 한국어 ありがとう"]
@@ -161,7 +161,7 @@ def test_logged_request_ids_cannot_forge_lines() -> None:
     code = ("import logging, sys\n"
             "from services.cli.usage_errors import configure_logging\n"
             "configure_logging('INFO')\n"
-            "logging.getLogger('services.router.migration').warning('request %s migrates (1/3) after %s', sys.argv[1], "
+            "logging.getLogger('pdserve.services.router.migration').warning('request %s migrates (1/3) after %s', sys.argv[1], "
             "'fault')\n")
     out = subprocess.run([sys.executable, "-c", code, rid], capture_output=True, text=True, timeout=60,
                          cwd=Path(__file__).resolve().parents[2])

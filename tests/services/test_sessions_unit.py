@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.placement import Placement
-from services.router.prefix_index import request_keys
-from services.router.sessions import SessionTable
-from services.router.slo import MAX_CLIENT_CHARS, ServiceClass
+from pdserve.services.router.placement import Placement
+from pdserve.services.router.prefix_index import request_keys
+from pdserve.services.router.sessions import SessionTable
+from pdserve.services.router.slo import MAX_CLIENT_CHARS, ServiceClass
 from tests.services.test_routing_unit import PROMPT, _pool
 
 

@@ -8,13 +8,13 @@ import asyncio
 import grpc
 import pytest
 
-from engine import EngineConfig
+from pdserve.engine import EngineConfig
 from pdserve.v1 import worker_pb2
-from services.metrics import WorkerMetrics
-from services.workers.async_engine import AsyncEngine
-from services.workers.lifecycle import WorkerState
-from services.workers.roles import RoleGate, RoleSides
-from services.workers.worker_process import WorkerInfoServicer, WorkerOptions
+from pdserve.services.common.metrics import WorkerMetrics
+from pdserve.services.workers.async_engine import AsyncEngine
+from pdserve.services.workers.lifecycle import WorkerState
+from pdserve.services.workers.roles import RoleGate, RoleSides
+from pdserve.services.workers.worker_process import WorkerInfoServicer, WorkerOptions
 
 KW = dict(dtype="float32", block_size=8, num_kv_blocks=16, max_model_len=128)
 

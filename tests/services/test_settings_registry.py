@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.settings import ENV, EnvVar, pdserve_home
+from pdserve.engine.settings import ENV, EnvVar, pdserve_home
 
 ROOT = Path(__file__).resolve().parents[2]
 REGISTRY = ROOT / "engine" / "settings.py"
@@ -68,7 +68,7 @@ def test_names_are_unique_and_documented():
 
 
 def test_pdserve_help_lists_the_user_facing_variables():
-    from services.cli.commands import build_parser
+    from pdserve.services.cli.commands import build_parser
     epilog = build_parser(None).epilog
     for var in ENV.all():
         assert (f"{var.name}: {var.help}" in epilog) == (not var.internal), var.name

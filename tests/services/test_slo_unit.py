@@ -8,11 +8,11 @@ import math
 import pytest
 
 from pdserve.v1 import router_pb2
-from services.api.grpc_router import service_class
-from services.api.http_request import HTTPError, _service_class
-from services.api.request_limits import InvalidRequest
-from services.router.admission import Ticket
-from services.router.slo import (MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, ServiceClass, SloPolicy, predicted_wait_ms,
+from pdserve.services.api.grpc_router import service_class
+from pdserve.services.api.http_request import HTTPError, _service_class
+from pdserve.services.api.request_limits import InvalidRequest
+from pdserve.services.router.admission import Ticket
+from pdserve.services.router.slo import (MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, ServiceClass, SloPolicy, predicted_wait_ms,
                                  retry_after_s, step_ms_with_one_more)
 
 
@@ -70,7 +70,7 @@ def test_both_doors_refuse_bad_scheduling_fields_naming_them() -> None:
 
 
 def test_while_overloaded_lower_classes_and_clients_over_their_share_yield() -> None:
-    from services.router.slo import OverloadShares
+    from pdserve.services.router.slo import OverloadShares
     shares = OverloadShares(window_s=10.0, overload_s=1.0)
     a, b, low = Ticket(0, "a"), Ticket(0, "b"), Ticket(1, "a")
     for t in range(6):                      # a was admitted 6 times, b once

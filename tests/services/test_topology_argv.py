@@ -1,4 +1,4 @@
-"""services.deployment.topology: each deployment default declared once, one way to build a child's argv, and
+"""services.common.topology: each deployment default declared once, one way to build a child's argv, and
 the parser's configs torch-free (this file also runs as a script)."""
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from services.cli.config_flags import config_to_argv, configs_from_argv, field_default
-from services.deployment.launcher import Cluster, Deployment
-from services.ray_deploy.deploy import RayDeployment
-from services.router.config import RouterConfig
-from services.deployment.topology import DRAIN_TIMEOUT_S, ROUTER_PORT, Topology, flags_argv, role_argv
-from services.workers.config import WorkerConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.services.common.config_flags import config_to_argv, configs_from_argv, field_default
+from pdserve.services.deployment.launcher import Cluster, Deployment
+from pdserve.services.ray_deploy.deploy import RayDeployment
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.common.topology import DRAIN_TIMEOUT_S, ROUTER_PORT, Topology, flags_argv, role_argv
+from pdserve.services.workers.config import WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,8 +36,8 @@ def test_router_port_and_host_defaults_are_shared():
 
 
 def test_generate_max_tokens_is_the_sampling_default():
-    from engine.sampling_params import SamplingParams
-    from services.cli.commands import build_parser
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.services.cli.commands import build_parser
     args = build_parser("generate").parse_args(["generate", "hi"])
     assert args.max_tokens == SamplingParams().max_tokens
 
@@ -119,7 +119,7 @@ def test_no_import_cycle_through_the_cli():
     finally:
         sys.path.pop(0)
     found = [c for c in test_code_shape.cycles(test_code_shape.import_graph())
-             if any(m.startswith(("services.cli", "services.planner", "services.ray_deploy")) for m in c)]
+             if any(m.startswith(("pdserve.services.cli", "pdserve.services.planner", "pdserve.services.ray_deploy")) for m in c)]
     assert not found, found
 
 
@@ -128,7 +128,7 @@ if __name__ == "__main__":
 
 
 def test_a_workers_own_address_is_a_flag_of_its_role_never_of_up() -> None:
-    from services.cli.commands import build_parser
+    from pdserve.services.cli.commands import build_parser
     parser = build_parser()
     assert parser.parse_args(["decode", "--kv-advertise-address", "10.0.0.9:7300"]).kv_advertise_address == "10.0.0.9:7300"
     for command in (["up"], ["ray", "up"]):

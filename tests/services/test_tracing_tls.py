@@ -1,4 +1,4 @@
-"""Traces under the internal plane's rule (services/tracing.py): a collector off loopback gets TLS
+"""Traces under the internal plane's rule (services/common/tracing.py): a collector off loopback gets TLS
 (the deployment's certificate, or https://), plaintext there is refused at start unless
 --otlp-insecure, and the client's `user` is exported only as a keyed hash."""
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from services import tracing
-from services.deployment.certs import CertsConfig, make_certs
-from services.security import Credentials, TLSFiles, new_token
+from pdserve.services.common import tracing
+from pdserve.services.deployment.certs import CertsConfig, make_certs
+from pdserve.services.common.security import Credentials, TLSFiles, new_token
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ def test_the_exporter_channel_follows_the_plane_rule(tmp_path, caplog) -> None:
     for endpoint in ("10.1.2.3:4317", "http://otel.example:4317", "[fd00::9]:4317"):
         with pytest.raises(ValueError, match="not loopback and this process has no TLS.*--otlp-insecure"):
             tracing.exporter_security(endpoint, Credentials(new_token()))
-    with caplog.at_level(logging.WARNING, logger="services.tracing"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.services.common.tracing"):
         assert tracing.exporter_security("10.1.2.3:4317", Credentials(), insecure=True) == (True, None)
     assert "in clear" in caplog.text
 

@@ -13,9 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.client import Client
-from services.router.workers_file import MAX_FILE_BYTES, read_workers
-from services.security import Credentials, new_token
+from pdserve.services.client import Client
+from pdserve.services.router.workers_file import MAX_FILE_BYTES, read_workers
+from pdserve.services.common.security import Credentials, new_token
 from tests.e2e.test_membership import members
 from tests.serving import start_cluster
 
@@ -116,7 +116,7 @@ def test_a_router_refuses_to_start_on_a_file_others_may_write(tiny_qwen3, tmp_pa
     loose.write_text("# nothing\n")
     os.chmod(loose, 0o666)
     env = {**os.environ, **Credentials(new_token()).child_env()}
-    run = subprocess.run([sys.executable, "-m", "services.cli", "router", "--model", tiny_qwen3, "--port", "0",
+    run = subprocess.run([sys.executable, "-m", "pdserve.services.cli", "router", "--model", tiny_qwen3, "--port", "0",
                           "--workers-file", str(loose)], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode != 0
     assert f"workers file {loose}: writable by group or others (mode 0666)" in run.stderr, run.stderr[-2000:]

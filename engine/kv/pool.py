@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.block_manager import BlockManager, salt_root, transfer_block_hashes
-from engine.sequence import Sequence
+from pdserve.engine.kv.block_manager import BlockManager, salt_root, transfer_block_hashes
+from pdserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.model_runner import ModelRunner
 
 
 class KVBlockPool:

@@ -4,7 +4,7 @@ A full block's key is hash(parent key, its token ids). Freed blocks keep their k
 stay findable until the pool hands them out again (lazy eviction, least recently freed
 first). A key lookup also compares token ids, so a hash collision can never share a block.
 
-With KV tiers (engine/kv_tiers.py), a computed block the pool hands out again is first copied
+With KV tiers (engine/kv/tiers.py), a computed block the pool hands out again is first copied
 to host RAM (and from there to disk); an allocation whose cached prefix runs out in the pool
 continues it from the tiers, writing each block found into a fresh pool block.
 """
@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from engine.kv_events import KVEventLog
-from engine.sequence import Sequence
+from pdserve.engine.kv.events import KVEventLog
+from pdserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.kv_tiers import KVTiers
+    from pdserve.engine.kv.tiers import KVTiers
 
 ROOT_HASH = 0
 

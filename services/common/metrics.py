@@ -25,13 +25,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.exposition import choose_encoder
 
-from engine.settings import ENV
-from services.security import read_secret
+from pdserve.engine.settings import ENV
+from pdserve.services.common.security import read_secret
 
 if TYPE_CHECKING:
-    from engine import LLMEngine, RequestOutput
-    from services.workers.async_engine import StepTime
-    from services.router.placement import Placement
+    from pdserve.engine import LLMEngine, RequestOutput
+    from pdserve.services.workers.async_engine import StepTime
+    from pdserve.services.router.placement import Placement
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -177,7 +177,7 @@ class WorkerMetrics(_Metrics):
         self.watch_kv_tiers(engine)
 
     def watch_kv_tiers(self, engine: "LLMEngine") -> None:
-        """Publish the engine's KV tier figures (engine/kv_tiers.py), read when scraped: hits per
+        """Publish the engine's KV tier figures (engine/kv/tiers.py), read when scraped: hits per
         tier, blocks offloaded, refused, writes dropped or failed (counters), blocks and bytes held
         per tier (gauges). Nothing is published without tiers."""
         if engine.kv_tiers is None or self._tiers_watched:

@@ -39,7 +39,7 @@ sampled: the producer exports, and on the first token keeps the sequence's block
 (``set_role``, at construction and again when an idle worker switches roles): "prefill" installs
 the producer hooks, "decode" paces its local prompts by the engine's learned step costs, "both"
 does neither (every role may reserve and receive).
-Blocks are reached only through a :class:`engine.kv_pool.KVBlockPool`.
+Blocks are reached only through a :class:`engine.kv.pool.KVBlockPool`.
 
 Thread safety: the public methods take the engine's (re-entrant) lock, which the engine
 thread holds only between forward passes, so transports call in from any thread and never
@@ -60,9 +60,9 @@ from typing import Callable
 
 import torch
 
-from engine.kv_handoff import BlockMeta, Failure, HandoffError, HandoffState, LeasePolicy, Reservation
-from engine.kv_pool import KVBlockPool
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.kv.handoff import BlockMeta, Failure, HandoffError, HandoffState, LeasePolicy, Reservation
+from pdserve.engine.kv.pool import KVBlockPool
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 MAX_REMEMBERED_FAILURES = 1024
 

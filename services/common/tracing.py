@@ -37,7 +37,9 @@ from typing import Any, Callable
 
 import grpc
 
-from services.security import HANDLER_BEHAVIOR, MAKE_HANDLER, Credentials, host_of, is_loopback
+from pdserve.services.common.security import Credentials
+from pdserve.services.common.proof_interceptors import HANDLER_BEHAVIOR, MAKE_HANDLER
+from pdserve.services.common.proofs import host_of, is_loopback
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""A call's proof of a deployment secret (services/security.py's trust model): its format, the
+"""A call's proof of a deployment secret (services/common/security.py's trust model): its format, the
 keys derived from the secret, the server names a proof binds, and the cache that lets each proof
 in once. No grpc here: the interceptors that send and check proofs are in
-services/proof_interceptors.py.
+services/common/proof_interceptors.py.
 
 A proof is ``v2.<unix_ms>.<nonce>.<target>.<digest>.<mac>``: an HMAC-SHA256, keyed by the
 secret, over the method, the server the caller dials (``target``: HOST:PORT, base64), the time,

@@ -2,7 +2,7 @@
 
 The block manager reports every key it holds computed (``stored``), every key whose block left
 the pool for a KV tier (``tiered``: host RAM or disk hold it, a load rather than a recompute;
-engine/kv_tiers.py), and every key it drops (``removed``: the block was reused or freed
+engine/kv/tiers.py), and every key it drops (``removed``: the block was reused or freed
 uncomputed, or a tier dropped it). The log is a bounded window of those
 events with sequence numbers, read by any number of readers, each with its own cursor: a
 reader that fell out of the window (or a new one) gets a snapshot of every key instead, so

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.settings import setting
-from services.cli.config_flags import config_to_argv, flag
+from pdserve.engine.settings import setting
+from pdserve.services.common.config_flags import config_to_argv, flag
 
 DEFAULT_HOST = "127.0.0.1"        # every process binds loopback unless told otherwise
 ROUTER_PORT = 50051               # the router's public gRPC port
@@ -91,7 +91,7 @@ def otlp_endpoint_setting() -> Any:
 
 
 def otlp_insecure_setting() -> Any:
-    """The flag that lets spans go in clear to a collector off loopback (services/tracing.py)."""
+    """The flag that lets spans go in clear to a collector off loopback (services/common/tracing.py)."""
     return setting(False, "send spans to a non-loopback --otlp-endpoint in plaintext (refused at start without "
                           "it when the process has no TLS)")
 

@@ -1,4 +1,4 @@
-"""The KV hand-off's vocabulary, shared by the engine's connector (engine/kv_connector.py) and the
+"""The KV hand-off's vocabulary, shared by the engine's connector (engine/kv/connector.py) and the
 transports that feed it (services/kv_transfer): the states of a receiving request, the error a
 refused step raises (with the gRPC code the services answer with), the lease policy, what a
 transport says about a block before its bytes, and what a reservation hands the prefill side.

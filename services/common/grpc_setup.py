@@ -15,8 +15,8 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.deployment.ports import reuse_port
-from services.proof_interceptors import ClusterInterceptor
+from pdserve.services.common.ports import reuse_port
+from pdserve.services.common.proof_interceptors import ClusterInterceptor
 
 # A message bigger than this is refused by gRPC before it is buffered (KV frames are 4 MiB by
 # default; the largest frame accepted is MAX_FRAME_BYTES, see kv_transfer.base).
@@ -142,7 +142,7 @@ class Server:
 def check_port_free(host: str, port: int) -> None:
     """Raise OSError naming the address when something already listens on it (before starting
     anything: gRPC alone would report the failure late, and never for a port 0). A port our
-    supervisor reserved for us (services/deployment/ports.py) is ours: nothing to check."""
+    supervisor reserved for us (services/common/ports.py) is ours: nothing to check."""
     if port == 0 or reuse_port(port):
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

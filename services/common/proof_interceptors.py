@@ -1,4 +1,4 @@
-"""The gRPC side of the proofs (services/proofs.py): the server interceptor that checks them
+"""The gRPC side of the proofs (services/common/proofs.py): the server interceptor that checks them
 (and a call's first message against its proof) and proves the server back, the one that checks
 a bearer secret, and the client interceptors that prove every call and check the server's reply."""
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import grpc
 
-from engine.settings import ENV
-from services.proofs import (AUTH_REPLY_HEADER, PROOF_WINDOW_S, REPLAY_CACHE_MAX, CallProof,
+from pdserve.engine.settings import ENV
+from pdserve.services.common.proofs import (AUTH_REPLY_HEADER, PROOF_WINDOW_S, REPLAY_CACHE_MAX, CallProof,
                              ClusterKey, ServerNames, _digest, _Nonces, _text)
 
 if TYPE_CHECKING:
-    from services.security import Credentials
+    from pdserve.services.common.security import Credentials
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 FIRST_MESSAGE_WAIT_S = PROOF_WINDOW_S   # a request stream's first message (the proof's digest) comes within this

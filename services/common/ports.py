@@ -18,8 +18,8 @@ from __future__ import annotations
 import errno
 import socket
 
-from engine.settings import ENV
-from services.deployment.topology import DEFAULT_HOST
+from pdserve.engine.settings import ENV
+from pdserve.services.common.topology import DEFAULT_HOST
 
 RESERVED_PORTS_ENV = ENV.RESERVED_PORTS.name
 

@@ -22,7 +22,7 @@ members of the deployment, and members trust only each other:
   proof of the router's admin token instead (``x-pdserve-admin-auth``, the same scheme under keys
   of its own); members hold only the cluster token, with which a worker joins (itself) and lists.
 - Health checks stay open and carry nothing secret (orchestrators probe them); at most
-  ``MAX_HEALTH_WATCHES`` Watch streams are open at once (services/grpc_setup.py).
+  ``MAX_HEALTH_WATCHES`` Watch streams are open at once (services/common/grpc_setup.py).
 
 A refused call gets UNAUTHENTICATED before any validation or allocation. A role refuses to
 start without a token unless ``--insecure-no-auth`` is given, and then only on a loopback
@@ -44,15 +44,9 @@ from typing import Any, Sequence
 
 import grpc
 
-from engine.settings import ENV
-# The proofs and their interceptors, re-exported: ``services.security`` is where callers find them.
-from services.proof_interceptors import (HANDLER_BEHAVIOR, MAKE_HANDLER, MEMBERSHIP_ADMIN_METHODS,  # noqa: F401
-                                         OPEN_METHOD_PREFIXES, ClusterInterceptor, refusing,
-                                         _SyncProof, checked_call, metadata_interceptors,
-                                         proving_interceptors, unproven_error)
-from services.proofs import (ADMIN_AUTH_HEADER, API_KEY_HEADER, AUTH_HEADER, AUTH_REPLY_HEADER,  # noqa: F401
-                             PROOF_WINDOW_S, CallProof, ClusterKey, ProofCheck, ServerNames, _Nonces, _text, host_of,
-                             is_dial_address, is_host_port, is_loopback, is_wildcard, proof_target)
+from pdserve.engine.settings import ENV
+from pdserve.services.common.proof_interceptors import ClusterInterceptor, _SyncProof, proving_interceptors
+from pdserve.services.common.proofs import CallProof, ClusterKey, _text, host_of, is_loopback, is_wildcard
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +178,7 @@ class Credentials:
     def server_interceptors(self, only: tuple[str, ...] | None = None) -> list[grpc.aio.ServerInterceptor]:
         """The proof checks for a server's methods (only: those under these prefixes). Bind the
         interceptor to the server's names once it is bound (``ClusterInterceptor.serve_at``;
-        services.grpc_setup.start_server does)."""
+        services.common.grpc_setup.start_server does)."""
         if self.key is None and self.admin_key is None:
             return []
         return [ClusterInterceptor(self.key, only=only, admin_key=self.admin_key)]

@@ -1,7 +1,7 @@
 """Conversions between protobuf messages and engine types."""
 from __future__ import annotations
 
-from engine import SamplingParams
+from pdserve.engine import SamplingParams
 from pdserve.v1 import common_pb2, worker_pb2
 
 # A worker's role as the router and the workers name it, and as the wire does (worker.proto WorkerRole).

@@ -11,7 +11,7 @@ hand-off uses them).
   parent hash and token ids a lookup compares, as the pool does against hash collisions).
   Blocks it evicts go to the disk tier when there is one.
 - Disk tier: ``<kv_disk_cache_dir>/<fingerprint>/<keyed hash of the chain hash>.kv``, one file
-  per block (engine/kv_tier_file.py), so engines of other models, dtypes or block sizes sharing a
+  per block (engine/kv/tier_file.py), so engines of other models, dtypes or block sizes sharing a
   directory never see each other's blocks, and engines of the same model and user on one host
   share theirs. Both directories are 0700 and the engine's user's (made so; an existing one that
   is a symlink, another user's or open to group or others is refused, not repaired: the disk tier
@@ -25,7 +25,7 @@ hand-off uses them).
   rebuilt from the directory at start (from the files' headers, by modification time; a hit
   touches its file), so a restarted engine serves its prefixes from disk. A key missing from the
   index is still looked for on disk (another engine may have written it). A file refused (not a
-  private regular file of the expected size, or engine/kv_tier_file.decode's checks) is counted
+  private regular file of the expected size, or engine/kv/tier_file.decode's checks) is counted
   and deleted, unless it is a sound block of another prefix; one vanishing between index and read
   is a miss. OS errors (a full or unwritable disk) are counted and cost recomputation, never an
   exception.
@@ -55,14 +55,14 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from engine.block_manager import Evicted
-from engine.kv_tier_file import (HEADER, RefusedBlock, TierBlock, UnsafePath, block_file_name, check_secret,
+from pdserve.engine.kv.block_manager import Evicted
+from pdserve.engine.kv.tier_file import (HEADER, RefusedBlock, TierBlock, UnsafePath, block_file_name, check_secret,
                                  create_private, decode, encode, file_size, header_key, kv_fingerprint,
                                  open_private_dir, read_checked, tier_secret, unlink)
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class DiskTier:
 
     # ---- the index --------------------------------------------------------------------------
     def file_name(self, key: int) -> str:
-        """The name of the block keyed key in self.dir (a keyed hash: see engine/kv_tier_file.py)."""
+        """The name of the block keyed key in self.dir (a keyed hash: see engine/kv/tier_file.py)."""
         return block_file_name(self._secret, key)
 
     def _scan(self) -> None:
