@@ -31,7 +31,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench import drivers  # noqa: E402
-from bench.slo_goodput import requests, run_setup, up_flags  # noqa: E402
+from bench.slo_goodput import requests, up_flags  # noqa: E402
 
 
 def run_phase(address: str, rate: float, n: int, classes: dict[str, tuple[float, int, str]],

@@ -4,7 +4,7 @@
 Two comparisons (``python bench/vs_vllm.py offline|online ...``):
 
 ``offline``
-    pdserve's engine (``engine.LLM.generate``) and vLLM's ``vllm.LLM.generate`` on the identical
+    pdserve's engine (``pdserve.engine.LLM.generate``) and vLLM's ``vllm.LLM.generate`` on the identical
     workload: 64 prompts of random token ids, input lengths U[64, 512], output lengths U[64, 256],
     temperature 0.6, ignore_eos, seed 0 (the workload of ``pdserve bench offline``). Each side
     runs in its own subprocess (vLLM's through ``--vllm-python``), warms up on two short prompts,

@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from pdserve.engine.settings import pdserve_home
+
 log = logging.getLogger(__name__)
 
 BENCH_FASTER_RATIO = 1.15   # bf16 must beat float32 by this much in the micro-benchmark
@@ -137,7 +139,6 @@ def bf16_gemm_supported() -> bool:
 def measured_bf16_speedup() -> float:
     """float32 / bf16 GEMM time at prefill-like shapes, measured once per machine (CPU, flags,
     torch version, thread count) and cached under ``$PDSERVE_HOME/cpu_profile``."""
-    from pdserve.engine.settings import pdserve_home
 
     threads = torch.get_num_threads()
     key = hashlib.sha256(f"{cpu_identity()}|{torch.__version__}|{threads}".encode()).hexdigest()[:16]

@@ -8,18 +8,29 @@ Only built on CUDA devices; importing this module is free on CPU.
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.layers.attention import AttentionMetadata
+from pdserve.engine.model_config import ModelConfig
 
-if TYPE_CHECKING:
-    from pdserve.engine.model_runner import ModelRunner
+
+class GraphedRunner(Protocol):
+    """What the graphs need from the model runner that replays them."""
+
+    device: torch.device
+    block_size: int
+    num_kv_blocks: int
+    compute_dtype: torch.dtype
+    model_config: ModelConfig
+    config: EngineConfig
+    model: torch.nn.Module
 
 
 class DecodeGraphs:
-    def __init__(self, runner: "ModelRunner", max_batch: int) -> None:
+    def __init__(self, runner: GraphedRunner, max_batch: int) -> None:
         self.runner = runner
         dev, bs = runner.device, runner.block_size
         max_len = runner.config.max_model_len or runner.model_config.max_position_embeddings

@@ -30,7 +30,8 @@ from pdserve.engine.kv.connector import KVConnector
 from pdserve.engine.kv.handoff import LeasePolicy, Reservation
 from pdserve.engine.kv.pool import KVBlockPool
 from pdserve.engine.kv.events import KVEventBatch, KVEventLog
-from pdserve.engine.kv.tiers import no_tier_stats, tiers_for
+from pdserve.engine.kv.tier_file import kv_fingerprint
+from pdserve.engine.kv.tiers import WRITE_QUEUE_BYTES, DiskTier, KVTiers, no_tier_stats
 from pdserve.engine.logprobs import TokenLogprob, logprob_of
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
@@ -381,3 +382,18 @@ def _generation_eos(model_dir: str) -> set[int]:
     if eos is None:
         return set()
     return set(eos) if isinstance(eos, list) else {eos}
+
+
+def tiers_for(config: EngineConfig, runner: ModelRunner) -> KVTiers | None:
+    """The tiers config asks for, over runner's pool; None when there are none (or no prefix cache)."""
+    if not config.enable_prefix_caching or not (config.kv_host_cache_bytes or config.kv_disk_cache_dir):
+        return None
+    disk = None
+    if config.kv_disk_cache_dir:
+        shape = tuple(runner.block_shape)
+        compute = str(runner.compute_dtype).removeprefix("torch.")
+        kernels = f"{runner.device.type}|{runner.backend.name}|batch-invariant={runner.batch_invariant}"
+        fingerprint = kv_fingerprint(config.model, runner.kv_dtype_name, compute, config.quantization, shape, kernels)
+        disk = DiskTier(config.kv_disk_cache_dir, config.kv_disk_cache_bytes, fingerprint, shape, runner.dtype,
+                        queue_blocks=WRITE_QUEUE_BYTES // max(1, runner.kv_bytes_per_block))
+    return KVTiers(runner.read_blocks, runner.write_blocks, config.kv_host_cache_bytes, disk)

@@ -29,7 +29,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 import pytest
 
 from pdserve.engine.model_maker import make_model
-from pdserve.services.planner.cost_model import CostModel, KindFit
+from pdserve.engine.step_cost import KindFit
+from pdserve.services.planner.cost_model import CostModel
 
 ARCHS = ("qwen3", "llama")
 _TESTS = Path(__file__).resolve().parent

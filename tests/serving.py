@@ -77,6 +77,15 @@ def metric(samples: dict[str, float], name: str) -> float:
     return sum(v for k, v in samples.items() if k.split("{", 1)[0] == name)
 
 
+def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.005) -> None:
+    """Until condition() holds (polled every interval), or AssertionError naming what after timeout s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
 class UpOutput(list):
     """The lines a `pdserve up` printed so far; a background thread keeps appending until EOF."""
 

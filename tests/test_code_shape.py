@@ -29,8 +29,9 @@ OPERATIONS = ("cli", "deployment", "ray_deploy", "planner", "loadtest")
 FLOOR_NAMES = ("engine", "shared floor", "serving wing", "operations wing", "pdserve API", "bench")
 # A function-level import of a project module is allowed only when the module it imports brings one
 # of these into a module that does not have it at import time (a light command, a torch-free
-# process); it says why in a comment on its line or the line above.
-HEAVY = ("torch", "transformers", "ray", "fastapi", "uvicorn", "matplotlib")
+# process, an install without an optional extra); it says why in a comment on its line or the line above.
+HEAVY = ("torch", "transformers", "fastapi", "uvicorn",                          # heavy to import
+         "ray", "opentelemetry", "matplotlib", "flash_attn", "lz4", "yaml", "openai")   # optional extras
 
 
 def _module_name(path: Path) -> str:
@@ -102,11 +103,53 @@ def _from_module(node: ast.ImportFrom, module: str, is_package: bool) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def _lazy_exports() -> dict[str, dict[str, str]]:
+    """package -> {name: module} of the packages whose public names load on first use
+    (pdserve.engine.lazy_exports): ``from package import name`` imports that module."""
+    found: dict[str, dict[str, str]] = {}
+    for name, path in project_modules().items():
+        if path.name != "__init__.py" or "lazy_getattr" not in path.read_text():
+            continue
+        for stmt in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Dict):
+                try:
+                    value = ast.literal_eval(_dict_with_fromkeys_expanded(stmt.value))
+                except ValueError:
+                    continue
+                if value and all(isinstance(v, str) and v.startswith("pdserve.") for v in value.values()):
+                    found[name] = value
+    return found
+
+
+def _dict_with_fromkeys_expanded(node: ast.Dict) -> ast.Dict:
+    """{**dict.fromkeys(("a", "b"), "m"), "c": "n"} as a plain dict literal."""
+    keys, values = [], []
+    for k, v in zip(node.keys, node.values):
+        if k is None and isinstance(v, ast.Call) and getattr(v.func, "attr", "") == "fromkeys":
+            for name in ast.literal_eval(v.args[0]):
+                keys.append(ast.Constant(name))
+                values.append(v.args[1])
+        else:
+            keys.append(k)
+            values.append(v)
+    return ast.Dict(keys=keys, values=values)
+
+
+_LAZY: dict[str, dict[str, str]] | None = None
+
+
 def _node_names(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> set[str]:
+    """The dotted names an import statement loads; a lazily exported name counts as its module."""
+    global _LAZY
     if isinstance(node, ast.Import):
         return {alias.name for alias in node.names}
     prefix = _from_module(node, module, is_package)
-    return {prefix} | {f"{prefix}.{alias.name}" for alias in node.names}
+    if _LAZY is None:
+        _LAZY = {}
+        _LAZY = _lazy_exports()
+    lazy = _LAZY.get(prefix, {})
+    return {prefix} | {f"{prefix}.{alias.name}" for alias in node.names} | \
+        {lazy[alias.name] for alias in node.names if alias.name in lazy}
 
 
 def _imported_names(tree: ast.AST, module: str, is_package: bool, typing_too: bool = False) -> set[str]:
@@ -224,8 +267,9 @@ def _top_level_imports(stmt: ast.stmt) -> Iterator[ast.Import | ast.ImportFrom]:
             yield from _top_level_imports(child)
 
 
-def function_level_imports() -> list[tuple[str, int, str, bool]]:
-    """(module, line, imported project module, commented) of each import inside a function or class body."""
+def function_level_imports() -> list[tuple[str, int, frozenset[str], bool]]:
+    """(module, line, the project modules the statement imports, commented) of each import of a
+    project module inside a function or class body."""
     modules = project_modules()
     found = []
     for name, path in modules.items():
@@ -237,9 +281,11 @@ def function_level_imports() -> list[tuple[str, int, str, bool]]:
         for node in _import_nodes(tree):
             if id(node) in top or id(node) in typing:
                 continue
-            targets = {n for n in _node_names(node, name, path.name == "__init__.py") if n in modules}
+            targets = frozenset(n for n in _node_names(node, name, path.name == "__init__.py")
+                                if n in modules and not name.startswith(n + "."))
             commented = "#" in lines[node.lineno - 1] or lines[node.lineno - 2].strip().startswith("#")
-            found.extend((name, node.lineno, t, commented) for t in sorted(targets) if not name.startswith(t + "."))
+            if targets:
+                found.append((name, node.lineno, targets, commented))
     return found
 
 
@@ -249,14 +295,15 @@ def unjustified_function_level_imports() -> list[str]:
     modules = project_modules()
     heavy = _heavy_at_import(modules)
     bad = []
-    for module, line, target, commented in function_level_imports():
+    for module, line, targets, commented in function_level_imports():
         if module.startswith("bench"):
             continue
-        kept_out = heavy[target] - heavy[module]
+        kept_out = set().union(*(heavy[t] for t in targets)) - heavy[module]
+        what = ", ".join(sorted(t for t in targets if "." in t.removeprefix("pdserve.")))
         if not kept_out:
-            bad.append(f"{module}:{line} imports {target} in a function, keeping nothing heavy out")
+            bad.append(f"{module}:{line} imports {what} in a function, keeping nothing heavy out")
         elif not commented:
-            bad.append(f"{module}:{line} imports {target} in a function (keeps {', '.join(sorted(kept_out))} "
+            bad.append(f"{module}:{line} imports {what} in a function (keeps {', '.join(sorted(kept_out))} "
                        f"out) without a comment saying so")
     return sorted(set(bad))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple, Protocol, TYPE_CHECKING
 
 import numpy as np
 
@@ -22,8 +22,6 @@ from pdserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     import torch
-
-    from pdserve.engine.kv.tiers import KVTiers
 
 ROOT_HASH = 0
 
@@ -88,9 +86,23 @@ class NoFreeBlocks(RuntimeError):
     """The pool cannot satisfy an allocation right now."""
 
 
+class TierStore(Protocol):
+    """What the block manager asks of the KV tiers under its prefix cache (engine/kv/tiers.KVTiers)."""
+
+    disk: Any
+
+    def offload(self, victims: list[Evicted]) -> tuple[list[int], list[int]]: ...
+    def write(self, block_ids: list[int], data: Any) -> None: ...
+    def holds_on_disk(self, key: int) -> bool: ...
+    def holds_in_host(self, key: int) -> bool: ...
+    def start_load(self, blocks: list[tuple[int, int, tuple[int, ...]]]) -> Any: ...
+    def fetch(self, key: int, parent: int, token_ids: tuple[int, ...]) -> Any: ...
+    def keys(self) -> list[int]: ...
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: KVEventLog | None = None, tiers: "KVTiers | None" = None) -> None:
+                 events: KVEventLog | None = None, tiers: "TierStore | None" = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         self.block_size = block_size

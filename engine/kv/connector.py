@@ -41,6 +41,12 @@ the producer hooks, "decode" paces its local prompts by the engine's learned ste
 does neither (every role may reserve and receive).
 Blocks are reached only through a :class:`engine.kv.pool.KVBlockPool`.
 
+The worker services use public methods only, never the tables, the pool or the lease: ``subscribe``
+(hand-offs ending, bytes stored), ``state``, ``failure``, ``fail``, ``expire``, ``read_block_pieces``
+and ``pinned_views`` (a finished prefill's blocks), ``bytes_per_block`` and ``max_lease_s``; the
+receiving transports call ``authorize``, ``heartbeat``, ``check_many``, ``accept_many``,
+``claim_run`` / ``finish_run``. ``mark_received`` is for a simulator that moves no bytes.
+
 Thread safety: the public methods take the engine's (re-entrant) lock, which the engine
 thread holds only between forward passes, so transports call in from any thread and never
 wait for a step to end.
@@ -50,12 +56,12 @@ from __future__ import annotations
 import functools
 import hmac
 import secrets
+import threading
 import time
 import warnings
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-import threading
 from typing import Callable
 
 import torch
@@ -132,9 +138,9 @@ class KVConnector:
         self.set_role(role)
         self.failures: OrderedDict[str, Failure] = OrderedDict()
         # Called (under the engine lock) when a handle becomes READY, FAILED or EXPIRED, and for
-        # every run of blocks stored (their bytes): the worker's metrics and waiters hang here.
-        self.on_change: Callable[[str, HandoffState], None] | None = None
-        self.on_block: Callable[[int], None] | None = None
+        # every run of blocks stored (their bytes): the worker's metrics and waiters (subscribe).
+        self._on_change: list[Callable[[str, HandoffState], None]] = []
+        self._on_block: list[Callable[[int], None]] = []
         self._shape: tuple[int, ...] | None = None                 # the pool's block shape, asked once
         self._layouts: dict[int, tuple[str, tuple[int, ...], int]] = {}   # heads -> a block's layout
 
@@ -148,6 +154,28 @@ class KVConnector:
                              f"{len(self.receiving)} reception(s) and {len(self.sending)} send(s)")
         self.exports = role == "prefill"
         self.paces_local_prompts = role == "decode"
+
+    # ---- what the worker services read and watch ------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        """One block's KV bytes in this pool (every layer, every KV head)."""
+        return self.pool.bytes_per_block
+
+    @property
+    def max_lease_s(self) -> float:
+        """The lease cap: no reservation, and no pin of a finished prefill, outlives it."""
+        return self.lease.max_s
+
+    @_locked
+    def subscribe(self, on_change: Callable[[str, HandoffState], None] | None = None,
+                  on_block: Callable[[int], None] | None = None) -> None:
+        """Call on_change(request_id, state) whenever a reception becomes READY, FAILED or EXPIRED,
+        and on_block(nbytes) for every run of received blocks stored; both under the engine lock,
+        from whichever thread made the change, in the order they subscribed."""
+        if on_change is not None:
+            self._on_change.append(on_change)
+        if on_block is not None:
+            self._on_block.append(on_block)
 
     # ---- the engine's hooks ---------------------------------------------------------------
     def owns(self, request_id: str) -> bool:
@@ -229,8 +257,8 @@ class KVConnector:
         self._notify(handle.request_id, state)
 
     def _notify(self, request_id: str, state: HandoffState) -> None:
-        if self.on_change is not None:
-            self.on_change(request_id, state)
+        for on_change in self._on_change:
+            on_change(request_id, state)
 
     # ---- producer (prefill role) --------------------------------------------------------
     def _export(self, seq: Sequence, final: bool) -> list[int]:
@@ -445,8 +473,8 @@ class KVConnector:
                 handle.needed.discard(meta.block_index)
             else:
                 handle.heads[meta.block_index] = got
-        if self.on_block is not None:
-            self.on_block(nbytes)
+        for on_block in self._on_block:
+            on_block(nbytes)
         handle.state = HandoffState.RECEIVING
         handle.expires_at = max(handle.expires_at, min(time.monotonic() + self.lease.idle_s, handle.deadline))
         if not handle.needed:
@@ -512,6 +540,18 @@ class KVConnector:
     def _ready(self, handle: ReceiveHandle) -> None:
         handle.state = HandoffState.READY
         self._notify(handle.request_id, HandoffState.READY)
+
+    @_locked
+    def mark_received(self, request_id: str) -> bool:
+        """Count every block the reservation still needs as received and verified, without their
+        bytes (a simulator, which moves none): the request is READY. False: no such reservation."""
+        handle = self.receiving.get(request_id)
+        if handle is None:
+            return False
+        handle.needed.clear()
+        handle.heads.clear()
+        self._ready(handle)
+        return True
 
     @_locked
     def state(self, request_id: str) -> HandoffState | None:

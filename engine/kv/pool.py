@@ -7,19 +7,33 @@ transfer checks blocks against.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from pdserve.engine.kv.block_manager import BlockManager, salt_root, transfer_block_hashes
 from pdserve.engine.sequence import Sequence
 
-if TYPE_CHECKING:
-    from pdserve.engine.model_runner import ModelRunner
+
+class BlockStorage(Protocol):
+    """Where the blocks' bytes live (the model runner's KV cache tensors): their layout, and
+    reads and writes by block id."""
+
+    block_shape: torch.Size
+    dtype: torch.dtype
+    kv_dtype_name: str
+    kv_bytes_per_block: int
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor: ...
+    def read_block_pieces(self, block_ids: list[int]) -> list[tuple[int, int, torch.Tensor]]: ...
+    def block_views(self, block_ids: list[int]) -> list[torch.Tensor] | None: ...
+    def block_slabs(self, block_ids: list[int]) -> list[memoryview] | None: ...
+    def write_block(self, block_id: int, data: torch.Tensor, head_start: int = 0) -> None: ...
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor, head_start: int = 0) -> None: ...
 
 
 class KVBlockPool:
-    def __init__(self, block_manager: BlockManager, runner: "ModelRunner") -> None:
+    def __init__(self, block_manager: BlockManager, runner: BlockStorage) -> None:
         self._blocks = block_manager
         self._runner = runner
         self.block_size = block_manager.block_size

@@ -51,18 +51,14 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from pdserve.engine.kv.block_manager import Evicted
 from pdserve.engine.kv.tier_file import (HEADER, RefusedBlock, TierBlock, UnsafePath, block_file_name, check_secret,
-                                 create_private, decode, encode, file_size, header_key, kv_fingerprint,
-                                 open_private_dir, read_checked, tier_secret, unlink)
-
-if TYPE_CHECKING:
-    from pdserve.engine.config import EngineConfig
-    from pdserve.engine.model_runner import ModelRunner
+    create_private, decode, encode, file_size, header_key, open_private_dir, read_checked,
+    tier_secret, unlink)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +70,7 @@ _FILE_NAME = re.compile(r"^[0-9a-f]{32}\.kv$")
 STAT_KEYS = ("kv_host_hits", "kv_disk_hits", "kv_offloaded_blocks", "kv_host_blocks", "kv_host_bytes",
              "kv_disk_blocks", "kv_disk_bytes", "kv_disk_writes", "kv_tier_refused", "kv_tier_dropped_writes",
              "kv_tier_write_errors")
+
 
 
 class HostTier:
@@ -578,18 +575,3 @@ class KVTiers:
 
 def no_tier_stats() -> dict[str, int]:
     return dict.fromkeys(STAT_KEYS, 0)
-
-
-def tiers_for(config: "EngineConfig", runner: "ModelRunner") -> KVTiers | None:
-    """The tiers config asks for, over runner's pool; None when there are none (or no prefix cache)."""
-    if not config.enable_prefix_caching or not (config.kv_host_cache_bytes or config.kv_disk_cache_dir):
-        return None
-    disk = None
-    if config.kv_disk_cache_dir:
-        shape = tuple(runner.block_shape)
-        compute = str(runner.compute_dtype).removeprefix("torch.")
-        kernels = f"{runner.device.type}|{runner.backend.name}|batch-invariant={runner.batch_invariant}"
-        fingerprint = kv_fingerprint(config.model, runner.kv_dtype_name, compute, config.quantization, shape, kernels)
-        disk = DiskTier(config.kv_disk_cache_dir, config.kv_disk_cache_bytes, fingerprint, shape, runner.dtype,
-                        queue_blocks=WRITE_QUEUE_BYTES // max(1, runner.kv_bytes_per_block))
-    return KVTiers(runner.read_blocks, runner.write_blocks, config.kv_host_cache_bytes, disk)

@@ -9,7 +9,7 @@ the modules only ever call ``self.backend.<op>``.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol, TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,22 @@ from pdserve.engine.layers.norm import rms_norm
 
 if TYPE_CHECKING:
     from pdserve.engine.layers.attention import Attention
-    from pdserve.engine.models.llama import SelfAttention
+    from pdserve.engine.layers.rotary import RotaryEmbedding
+
+
+class QKVLayer(Protocol):
+    """What a backend reads of an attention layer (a model's self-attention) to split its fused
+    QKV projection, normalise, rotate and store K/V."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_size: int
+    kv_size: int
+    q_norm: torch.nn.Module | None
+    k_norm: torch.nn.Module | None
+    rotary: "RotaryEmbedding"
+    attn: "Attention"
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +57,7 @@ class TorchBackend:
         gate, up = gate_up.split([inter, inter], dim=-1)
         return F.silu(gate).mul_(up)
 
-    def qkv_rope_store(self, layer: "SelfAttention", qkv: torch.Tensor, positions: torch.Tensor,
+    def qkv_rope_store(self, layer: QKVLayer, qkv: torch.Tensor, positions: torch.Tensor,
                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q/k norms and rotary on the fused qkv rows, K/V stored to the cache; returns q, k, v."""
         nq, nkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
@@ -230,7 +245,7 @@ class NativeCpuBackend(TorchBackend):
             return super().silu_mul(gate_up, inter)
         return cpu_kernels.silu_mul(gate_up)
 
-    def qkv_rope_store(self, layer: "SelfAttention", qkv: torch.Tensor, positions: torch.Tensor,
+    def qkv_rope_store(self, layer: QKVLayer, qkv: torch.Tensor, positions: torch.Tensor,
                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rot = layer.rotary
         if not qkv.is_contiguous() or rot.cos.dtype != qkv.dtype:

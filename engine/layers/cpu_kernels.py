@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.cpu_features import detect
+from pdserve.engine.kernel_build import build_library
 from pdserve.engine.settings import ENV
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,6 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def _build() -> ctypes.CDLL | None:
-    from pdserve.engine.kernel_build import build_library
 
     path = build_library("pd_cpu_kernels", [CSRC / s for s in SOURCES], FLAGS)
     if path is None:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.layers import cpu_kernels
+from pdserve.engine.parallel import padded_split
 
 # Row counts up to this use the bf16-weight kernel when it is set up (decode steps); more rows
 # (prefill) use the oneDNN float32 GEMM, which is faster once weights are reused across rows.
@@ -134,7 +135,7 @@ class Linear(nn.Module):
         row count. With bf16 compute the kernel is, where amx (the caller found AMX tiles) and the
         shape allows, cpu_kernels.amx_linear: every 16-row block of any step, a decode row's
         zero-padded block too, runs the same tile products over K in order (5-13x linear_bf16dot's
-        GFLOP/s from 16 rows on a Xeon with AMX: docs/benchmarks.md); else, on AVX512-BF16,
+        GFLOP/s from 16 rows on a Xeon with AMX: docs/benchmarks-history.md); else, on AVX512-BF16,
         cpu_kernels.linear_bf16dot (bf16 rows and weights, k pairs by vdpbf16ps); otherwise
         cpu_kernels.linear_bf16w (float32 math; bf16 weights where their values are bf16, int8
         w8a16 included, else float32). Checked against F.linear before use; returns whether it is
@@ -361,7 +362,6 @@ class ParallelLMHead(Linear):
     are all-gathered and trimmed to the vocabulary."""
 
     def __init__(self, in_features: int, vocab_size: int, group) -> None:
-        from pdserve.engine.parallel import padded_split
         start, end, per = padded_split(vocab_size, group.rank, group.size)
         super().__init__(in_features, per)
         self.vocab_size, self.vocab_range, self.group = vocab_size, (start, end), group

@@ -10,30 +10,36 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, ContextManager
 
 import grpc
 
+from pdserve.engine import SamplingParams
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.tokenizer import load_tokenizer
-from pdserve.v1 import common_pb2, membership_pb2, router_pb2, router_pb2_grpc
-from pdserve.services.router.admission import PendingGate
-from pdserve.services.common.proto_convert import params_from_proto
 from pdserve.services.api.detokenizer import IncrementalDetokenizer
-from pdserve.services.router.errors import RouterError
-from pdserve.services.router.generator import GenerationOptions, Generator
-from pdserve.services.router.generation_state import Generation
-from pdserve.services.common.metrics import RouterMetrics
-from pdserve.services.api.request_limits import InvalidRequest, RequestLimits
-from pdserve.services.api.request_front import FrontRequest, Prompt, RequestFront, ValidatedRequest
-from pdserve.services.common import tracing
-from pdserve.services.common.security import Credentials
-from pdserve.services.common.proofs import API_KEY_HEADER
 from pdserve.services.api.principals import ApiKeys, Principal, bound_to
-from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.membership import SERVICE_PREFIX as MEMBERSHIP_PREFIX, MembershipServicer, MembershipSettings
+from pdserve.services.api.request_front import FrontRequest, Prompt, RequestFront, ValidatedRequest
+from pdserve.services.api.request_limits import InvalidRequest, RequestLimits
+from pdserve.services.api.router_facade import RouterFacade
+from pdserve.services.common import tracing
+from pdserve.services.common.grpc_setup import check_port_free, service_registration, start_server, stop_on_signals
+from pdserve.services.common.metrics import start_metrics_server
+from pdserve.services.common.proofs import API_KEY_HEADER
+from pdserve.services.common.proto_convert import params_from_proto
+from pdserve.services.common.security import Credentials
+from pdserve.services.router.admission import PendingGate
+from pdserve.services.router.config import GenerationOptions, RouterConfig
+from pdserve.services.router.errors import RouterError
+from pdserve.services.router.generation_state import Chunk, Generation
+from pdserve.services.router.generator import Generator
+from pdserve.services.router.membership import (MembershipServicer, MembershipSettings,
+    SERVICE_PREFIX as MEMBERSHIP_PREFIX)
+from pdserve.services.router.router_metrics import RouterMetrics
 from pdserve.services.router.slo import ServiceClass
 from pdserve.services.router.worker_pool import WorkerPool
+from pdserve.services.router.workers_file import WorkersFileWatcher
+from pdserve.v1 import common_pb2, membership_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +176,67 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.metrics.kv_transfer_seconds.observe(gen.timing.kv_transfer_ms / 1e3)
 
 
+class RouterServicerFacade(RouterFacade):
+    """RouterFacade over the gRPC router's servicer: the HTTP API shares its request front, its
+    pending gate, its generator and its metrics, and sees nothing else of it."""
+
+    def __init__(self, servicer: RouterServicer) -> None:
+        self._servicer = servicer
+
+    @property
+    def serving(self) -> bool:
+        return self._servicer.pool.serving and not self._servicer.draining
+
+    @property
+    def draining(self) -> bool:
+        return self._servicer.draining
+
+    @property
+    def max_model_len(self) -> int:
+        return self._servicer.max_model_len
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self._servicer.options.limits
+
+    @property
+    def tokenizer(self):
+        return self._servicer.tokenizer
+
+    @property
+    def metrics_registry(self):
+        return self._servicer.metrics.registry
+
+    def receiving(self) -> ContextManager[None]:
+        return self._servicer.pending.hold()
+
+    async def prepare(self, request: FrontRequest) -> ValidatedRequest:
+        return await self._servicer.front.prepare(request)
+
+    def generate(self, request_id: str, prompt: list[int], params: SamplingParams, service: ServiceClass
+                 ) -> AsyncIterator[tuple[Chunk, Generation]]:
+        return self._servicer.generator.generate(request_id, prompt, params, service=service)
+
+    def observe_tokens(self, gen: Generation, n: int, now: float) -> None:
+        self._servicer.observe_tokens(gen, n, now)
+
+    def observe_finish(self, gen: Generation, prompt_tokens: int, completion_tokens: int, now: float) -> None:
+        usage = router_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                 cached_tokens=gen.timing.cached_tokens)
+        self._servicer.observe_finish(gen, usage, now)
+
+    def request_started(self) -> None:
+        self._servicer.metrics.num_requests_running.inc()
+
+    def request_ended(self, finished: bool) -> None:
+        self._servicer.metrics.num_requests_running.dec()
+        if not finished:
+            self._servicer.metrics.request_failure.inc()
+
+    def request_refused(self) -> None:
+        self._servicer.metrics.request_failure.inc()
+
+
 def front_request(request: router_pb2.GenerateRequest, front: RequestFront) -> FrontRequest:
     """The gRPC request in the front's terms, after the counts it carries (request_id, stop_token_ids)."""
     rid = request.request_id or uuid.uuid4().hex
@@ -223,8 +290,6 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
     WorkerPool; on_start(bound_port) runs once serving; metrics_token: /metrics wants it as a
     bearer token; remote_workers: workers at non-loopback addresses may join without mutual TLS
     (--insecure-internal-plane)."""
-    from pdserve.services.common.metrics import start_metrics_server
-    from pdserve.services.common.grpc_setup import check_port_free, service_registration, start_server, stop_on_signals
 
     credentials = credentials or Credentials()
     keys = api_keys(options.config, api_key)
@@ -242,7 +307,6 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
     try:
         await pool.wait_ready(options.config.ready_timeout_s)
         if options.workers_file:
-            from pdserve.services.router.workers_file import WorkersFileWatcher
             watcher = WorkersFileWatcher(options.workers_file, membership, options.config.drain_timeout_s)
             await watcher.start()
         metrics = RouterMetrics(model_name=options.model)
@@ -251,8 +315,8 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
         log.info("placement: %s", servicer.generator.placement.describe())
         http = None
         if options.config.http_port is not None:   # on this loop, before gRPC says SERVING
-            from pdserve.services.api.http_server import start_http
-            http = await start_http(servicer, host, options.config.http_port,
+            from pdserve.services.api.http_server import start_http   # lazy: fastapi, uvicorn only when this runs
+            http = await start_http(RouterServicerFacade(servicer), host, options.config.http_port,
                                     served_model_names(options.config, options.model), keys,
                                     options.limits.max_http_body_bytes, tls=credentials.tls,
                                     model_aliases=(Path(options.model).name, Path(options.model).resolve().name),

@@ -4,8 +4,8 @@
 It runs in the router's process, on the router's event loop, next to the grpc.aio server, and
 sends every request through the same ``Generator`` (admission queue, disaggregated or
 colocated placement, migration) as the gRPC API, and every prompt through the same request front
-(services/api/request_front.py: limits, tokenizing, chat template, validation); ``RouterServicer``
-supplies them and the metrics. Nothing here knows how tokens are produced. The body is parsed in
+(services/api/request_front.py: limits, tokenizing, chat template, validation); a ``RouterFacade``
+(services/api/router_facade.py) supplies them and the metrics, and is all it sees of the router. Nothing here knows how tokens are produced. The body is parsed in
 services/api/http_request.py, stop strings matched in services/api/stop_strings.py, server-sent
 events framed in services/api/http_stream.py.
 
@@ -64,16 +64,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdserve.engine import SamplingParams
 from pdserve.engine.quoting import quoted
 from pdserve.services.api.detokenizer import IncrementalDetokenizer
+from pdserve.services.api.http_connections import BoundedHttpToolsProtocol, OPEN_PATHS, RequestGuard
+from pdserve.services.api.http_request import HTTPError, ParsedBody, front_requests, parse_body, read_json
+from pdserve.services.api.http_stream import (ClientGone, SSE_DONE, SSEResponse, cancel_all, gather_or_cancel,
+    sse_event, until_disconnect)
 from pdserve.services.api.principals import ApiKeys, bound_to
+from pdserve.services.api.request_limits import InvalidRequest
+from pdserve.services.api.router_facade import RouterFacade
+from pdserve.services.api.stop_strings import StopMatcher
+from pdserve.services.common.ports import reuse_port
 from pdserve.services.router.errors import RouterError
 from pdserve.services.router.slo import ServiceClass
-from pdserve.services.api.http_connections import OPEN_PATHS, BoundedHttpToolsProtocol, RequestGuard
-from pdserve.services.api.http_stream import (SSE_DONE, ClientGone, SSEResponse, cancel_all, gather_or_cancel, sse_event,
-                                  until_disconnect)
-from pdserve.services.api.http_request import HTTPError, ParsedBody, front_requests, parse_body, read_json
-from pdserve.services.common.ports import reuse_port
-from pdserve.services.api.request_limits import InvalidRequest
-from pdserve.services.api.stop_strings import StopMatcher
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +107,13 @@ class Choice:
 # ---- the app -------------------------------------------------------------------------------
 
 class OpenAIServer:
-    def __init__(self, servicer, served_model_name: str | Sequence[str], api_key: ApiKeys | str | None = None,
-                 max_body_bytes: int = 8 << 20, model_aliases: Sequence[str] = (),
+    def __init__(self, router: RouterFacade, served_model_name: str | Sequence[str],
+                 api_key: ApiKeys | str | None = None, max_body_bytes: int = 8 << 20, model_aliases: Sequence[str] = (),
                  allowed_hosts: str | None = None) -> None:
         """served_model_name: one name or several, as vLLM's --served-model-name: the first is the
         one reported, /v1/models lists them all, every one is accepted; model_aliases: accepted
         too, not listed (the checkpoint directory's name); allowed_hosts: see RouterConfig."""
-        self.servicer = servicer
+        self.router = router
         names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
         self.served_model_names = names
         self.served_model_name = names[0]
@@ -140,8 +141,7 @@ class OpenAIServer:
 
         @app.get("/health")
         async def health():
-            serving = self.servicer.pool.serving and not self.servicer.draining
-            return Response(status_code=200 if serving else 503)
+            return Response(status_code=200 if self.router.serving else 503)
 
         @app.get("/version")
         async def version():
@@ -153,7 +153,7 @@ class OpenAIServer:
 
         @app.get("/metrics")
         async def metrics():
-            return Response(generate_latest(self.servicer.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+            return Response(generate_latest(self.router.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
         @app.get("/v1/models")
         async def models():
@@ -189,7 +189,7 @@ class OpenAIServer:
 
     def _model_card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "pdserve",
-                "root": name, "parent": None, "max_model_len": self.servicer.max_model_len}
+                "root": name, "parent": None, "max_model_len": self.router.max_model_len}
 
     def _check_model(self, name: str) -> None:
         if name not in self.accepted_model_names:
@@ -201,12 +201,12 @@ class OpenAIServer:
         started = False   # once generating, each choice counts its own failure (_run_choice)
         base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
-            if self.servicer.draining:
+            if self.router.draining:
                 raise RouterError("UNAVAILABLE", "the router is draining (shutting down)")
-            limits = self.servicer.options.limits
-            with self.servicer.pending.hold():   # received, not yet in the admission queue
+            limits = self.router.limits
+            with self.router.receiving():   # received, not yet in the admission queue
                 body = await read_json(request, self.max_body_bytes, limits.http_body_timeout_s)
-                parsed = parse_body(body, chat, self.served_model_name, limits, self.servicer.max_model_len)
+                parsed = parse_body(body, chat, self.served_model_name, limits, self.router.max_model_len)
                 del body
                 self._check_model(parsed.model)
                 parsed.service = self._bound(request, parsed.service)
@@ -217,7 +217,7 @@ class OpenAIServer:
             return await until_disconnect(request, self._complete(parsed, choices))
         except (RouterError, HTTPError, InvalidRequest) as exc:
             if not started:
-                self.servicer.metrics.request_failure.inc()
+                self.router.request_refused()
             return http_error(exc, base).response()
         except ClientGone:   # nobody to answer; the request was cancelled on its workers
             return Response(status_code=499)
@@ -240,7 +240,7 @@ class OpenAIServer:
         number and sizes); one Choice per (prompt, i < n), with request ids base-k."""
         choices = []
         for p_index, request in enumerate(front_requests(parsed, base)):
-            ready = await self.servicer.front.prepare(request)
+            ready = await self.router.prepare(request)
             for i in range(parsed.n):
                 p = dataclasses.replace(ready.params, stop_token_ids=list(ready.params.stop_token_ids))
                 if p.seed is not None:
@@ -255,7 +255,7 @@ class OpenAIServer:
         As vLLM: the sampled token's logprob is always there, besides the top alternatives."""
         if parsed.params.logprobs is None:
             return None
-        tok = self.servicer.tokenizer
+        tok = self.router.tokenizer
         pairs = list(zip(d.token_ids, d.logprobs or ()))
         if parsed.chat:
             def entry(token_id: int, logprob: float) -> dict:
@@ -278,20 +278,19 @@ class OpenAIServer:
     async def _run_choice(self, choice: Choice, stop: list[str], skip_special: bool) -> AsyncIterator[Delta]:
         """One choice through the Generator: text deltas, stop strings applied; the last Delta
         has finish_reason and usage. Leaving early (stop string, cancel) aborts it on the workers."""
-        servicer = self.servicer
-        detok = IncrementalDetokenizer(servicer.tokenizer, skip_special)
+        router = self.router
+        detok = IncrementalDetokenizer(router.tokenizer, skip_special)
         matcher = StopMatcher(stop)
         completion = 0
-        servicer.metrics.num_requests_running.inc()
+        router.request_started()
         finished = False
-        gen_iter = servicer.generator.generate(choice.request_id, choice.prompt, choice.params,
-                                               service=choice.service)
+        gen_iter = router.generate(choice.request_id, choice.prompt, choice.params, choice.service)
         try:
             async with contextlib.aclosing(gen_iter):
                 async for chunk, gen in gen_iter:
                     now = time.perf_counter()
                     if chunk.token_ids:
-                        servicer.observe_tokens(gen, len(chunk.token_ids), now)
+                        router.observe_tokens(gen, len(chunk.token_ids), now)
                         completion += len(chunk.token_ids)
                     if chunk.finish_reason == "abort":
                         raise RouterError("ABORTED", f"request {choice.request_id} was aborted")
@@ -300,17 +299,14 @@ class OpenAIServer:
                     text, hit = matcher.add(text, final, check=completion >= choice.params.min_tokens)
                     if hit or final:
                         finished = True
-                        usage = _usage_proto(len(choice.prompt), completion, gen.timing.cached_tokens)
-                        servicer.observe_finish(gen, usage, now)
+                        router.observe_finish(gen, len(choice.prompt), completion, now)
                         yield Delta(choice.index, text, list(chunk.token_ids), "stop" if hit else chunk.finish_reason,
                                     len(choice.prompt) if choice.first_of_prompt else 0, completion,
                                     gen.timing.cached_tokens if choice.first_of_prompt else 0, chunk.logprobs)
                         return   # a stop string: aclosing ends the generation, which aborts it on its workers
                     yield Delta(choice.index, text, list(chunk.token_ids), logprobs=chunk.logprobs)
         finally:
-            servicer.metrics.num_requests_running.dec()
-            if not finished:
-                servicer.metrics.request_failure.inc()
+            router.request_ended(finished)
 
     async def _complete(self, parsed: ParsedBody, choices: list[Choice]) -> JSONResponse:
         async def collect(choice: Choice) -> tuple[str, Delta]:
@@ -439,11 +435,6 @@ def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _usage_proto(prompt: int, completion: int, cached: int):
-    from pdserve.v1 import router_pb2
-    return router_pb2.Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
-
-
 # ---- the server ------------------------------------------------------------------------------
 
 # How long an idle keep-alive connection stays open. Longer than the idle timeout of client pools
@@ -480,14 +471,14 @@ class HTTPServer:
             await asyncio.gather(self.task, return_exceptions=True)
 
 
-async def start_http(servicer, host: str, port: int, served_model_name: str | Sequence[str],
+async def start_http(router: RouterFacade, host: str, port: int, served_model_name: str | Sequence[str],
                      api_key: str | None = None, max_body_bytes: int = 8 << 20, tls=None,
                      model_aliases: Sequence[str] = (), allowed_hosts: str | None = None) -> HTTPServer:
     """Serve the OpenAI-compatible API on host:port (0: any free port) on the running loop;
     returns once it accepts connections. Raises OSError if the port is taken. tls (a
     services.common.security.TLSFiles): HTTPS with the router's certificate, as its gRPC API has
     (clients are not asked for a certificate; the API key is what authenticates them)."""
-    api = OpenAIServer(servicer, served_model_name, api_key, max_body_bytes, model_aliases=model_aliases,
+    api = OpenAIServer(router, served_model_name, api_key, max_body_bytes, model_aliases=model_aliases,
                        allowed_hosts=allowed_hosts)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.services.common.config_flags import add_config_args, config_from_args
+from pdserve.services.deployment.certs import CertsConfig, MAX_HOSTS, MAX_NAMES_PER_HOST, make_certs
+
 
 def add_certs_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.services.common.config_flags import add_config_args
-    from pdserve.services.deployment.certs import MAX_HOSTS, MAX_NAMES_PER_HOST, CertsConfig
     add_config_args(p, CertsConfig)
     p.add_argument("--host", action="append", dest="hosts", metavar="IP|NAME[,IP|NAME...]",
                    help=f"a host the deployment runs on, repeatable (at most {MAX_HOSTS}): the IP addresses and DNS "
@@ -18,8 +19,6 @@ def add_certs_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
-    from pdserve.services.common.config_flags import config_from_args
-    from pdserve.services.deployment.certs import CertsConfig, make_certs
     config = config_from_args(CertsConfig, args, hosts=tuple(args.hosts or ()))
     print(make_certs(config).describe(), flush=True)
     return 0

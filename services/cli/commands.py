@@ -12,13 +12,30 @@ import os
 import sys
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.settings import ENV
+from pdserve.engine.presets import ARCHITECTURES, DEFAULT_ARCH, DEFAULT_PRESET, PUBLIC_PRESETS
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.settings import ENV, pdserve_home
+from pdserve.services.api.request_limits import RequestLimits
 from pdserve.services.cli.certs_cmd import add_certs_args
-from pdserve.services.cli.parser import CLIParser, add_engine_args, add_model_arg, add_router_args, model_dir, router_argv
-from pdserve.services.common.config_flags import add_config_args, config_from_args, config_to_argv, field_default, given
-from pdserve.services.common.topology import (DEFAULT_HOST, ENGINE_FIXED, PER_WORKER, ROLES_SHARED, ROUTER_PORT,
-                                         SERVE_HTTP_PORT, UP_OWN, UP_PER_PROCESS, WORKER_THREADS)
+from pdserve.services.cli.parser import (CLIParser, add_engine_args, add_model_arg, add_router_args, model_dir,
+    router_argv)
+from pdserve.services.cli.ray_cmd import add_ray_parser
 from pdserve.services.cli.usage_errors import EXIT_USAGE, RuntimeFailure, UsageError, configure_logging, parse_log_level
+from pdserve.services.cli.workers_cmd import add_workers_args, run_workers
+from pdserve.services.client import Client
+from pdserve.services.common.config_flags import add_config_args, config_from_args, config_to_argv, field_default, given
+from pdserve.services.common.grpc_setup import check_port_free
+from pdserve.services.common.metrics import read_metrics_token
+from pdserve.services.common.security import (API_KEY_ENV, Credentials, read_secret, require_cluster_token,
+    require_secure_internal_plane)
+from pdserve.services.common.topology import (DEFAULT_HOST, ENGINE_FIXED, PER_WORKER, ROLES_SHARED, ROUTER_PORT,
+    SERVE_HTTP_PORT, UP_OWN, UP_PER_PROCESS, WORKER_THREADS)
+from pdserve.services.deployment.launcher import Cluster, Deployment, Stopped, die_with_parent
+from pdserve.services.deployment.progress import Progress
+from pdserve.services.loadtest import offline as offline_bench, serve as serve_bench
+from pdserve.services.planner.profile import ProfileConfig, run_profile
+from pdserve.services.router.config import GenerationOptions, RouterConfig
+from pdserve.services.workers.config import WorkerConfig, WorkerOptions
 
 # Importing this module, and `pdserve --help` or `pdserve generate --router`, must not import torch
 # or transformers (seconds on a small machine): the engine, the router and the workers are imported
@@ -96,7 +113,6 @@ def _credentials(args: argparse.Namespace, role: str | None = None):
     """The process's credentials. For a role of the internal plane (role given) a cluster token is
     required unless --insecure-no-auth, and a plane reaching past loopback (``plane_reach``) needs
     mutual TLS unless --insecure-internal-plane (ValueError: exit code 2, one line naming the flags)."""
-    from pdserve.services.common.security import Credentials, require_cluster_token, require_secure_internal_plane
     admin_file = getattr(args, "admin_token_file", None)   # the admin token: only where the flag is (never a worker)
     creds = Credentials.load(args.cluster_token_file, args.tls_cert, args.tls_key, args.tls_ca,
                              admin=hasattr(args, "admin_token_file"), admin_token_file=admin_file)
@@ -115,14 +131,12 @@ def _plane_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
-    from pdserve.services.common.security import API_KEY_ENV, read_secret
     if args.api_key:
         return args.api_key
     return read_secret(args.api_key_file, API_KEY_ENV, "API key")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.engine.sampling_params import SamplingParams   # torch-free: the one default of every sampling flag
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=field_default(SamplingParams, "max_tokens"),
                    help="tokens to generate at most")
@@ -136,7 +150,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 # ---- commands ---------------------------------------------------------------------
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from pdserve.engine.model_maker import make_model
+    from pdserve.engine.model_maker import make_model   # lazy: torch only when this runs
     print(make_model(args.dir, preset=args.preset, arch=args.arch, seed=args.seed))
     return 0
 
@@ -147,7 +161,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.router:
         import grpc
 
-        from pdserve.services.client import Client
         final = None
         try:
             with Client(args.router, api_key=args.api_key, connect_timeout=CONNECT_TIMEOUT_S) as client:
@@ -164,8 +177,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   f"completion_tokens={final.usage.completion_tokens} ttft_ms={final.timings.ttft_ms:.1f}]",
                   file=sys.stderr)
         return 0
-    from pdserve.engine import LLM, SamplingParams
-    from pdserve.services.cli.progress import Progress
+    from pdserve.engine import LLM   # lazy: the engine (torch) only for an offline generate
     model = model_dir(args)
     with Progress().step(f"loading {model}"):
         llm = LLM(model, **given(args, EngineConfig, ENGINE_FIXED))
@@ -191,16 +203,14 @@ def _router_error(address: str, exc) -> str:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from pdserve.engine.parallel import RankFailure
-    from pdserve.services.workers.worker_process import WorkerOptions, serve_worker
-    from pdserve.services.workers.config import WorkerConfig
+    from pdserve.engine.parallel import RankFailure   # lazy: torch only when this runs
+    from pdserve.services.workers.worker_process import serve_worker   # lazy: torch only when this runs
     engine_kwargs = given(args, EngineConfig, ENGINE_FIXED)
     engine_kwargs.setdefault("num_threads", WORKER_THREADS)
     config = EngineConfig(model=model_dir(args), role=args.role, **engine_kwargs)
     credentials = _credentials(args, f"{args.role} worker")
     print(f"pdserve {args.role} worker {args.worker_id or ''}: loading {config.model}".replace(" :", ":"),
           file=sys.stderr, flush=True)
-    from pdserve.services.common.metrics import read_metrics_token
     options = WorkerOptions(host=args.host, port=args.port, worker_id=args.worker_id, metrics_port=args.metrics_port,
                             metrics_token=read_metrics_token(args.metrics_token_file), credentials=credentials,
                             config=config_from_args(WorkerConfig, args))
@@ -222,7 +232,6 @@ def _served_names(args: argparse.Namespace) -> tuple[str, ...] | None:
 
 def _check_port(host: str, port: int, what: str, flag: str) -> None:
     """A busy port is a usage error (exit 2) that says which flag picks another."""
-    from pdserve.services.common.grpc_setup import check_port_free
     try:
         check_port_free(host, port)
     except OSError as exc:
@@ -231,10 +240,7 @@ def _check_port(host: str, port: int, what: str, flag: str) -> None:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from pdserve.services.router.generator import GenerationOptions
-    from pdserve.services.api.request_limits import RequestLimits
-    from pdserve.services.api.grpc_router import RouterOptions, serve_router
-    from pdserve.services.router.config import RouterConfig
+    from pdserve.services.api.grpc_router import RouterOptions, serve_router   # lazy: transformers only when this runs
     _check_port(args.host, args.port, "the router's port", "--port")
     if args.http_port:
         _check_port(args.host, args.http_port, "the HTTP API's port", "--http-port")
@@ -243,7 +249,6 @@ def cmd_router(args: argparse.Namespace) -> int:
                             limits=config_from_args(RequestLimits, args),
                             config=config_from_args(RouterConfig, args, served_model_name=_served_names(args)),
                             workers_file=args.workers_file)
-    from pdserve.services.common.metrics import read_metrics_token
     asyncio.run(serve_router(options, args.host, args.port, args.metrics_port, credentials=_credentials(args, "router"),
                              api_key=_api_key(args), metrics_token=read_metrics_token(args.metrics_token_file),
                              remote_workers=args.insecure_internal_plane))
@@ -253,11 +258,6 @@ def cmd_router(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     import signal
 
-    from pdserve.engine.settings import pdserve_home
-    from pdserve.services.deployment.launcher import Cluster, Deployment, Stopped
-    from pdserve.services.cli.progress import Progress
-    from pdserve.services.router.config import RouterConfig
-    from pdserve.services.workers.config import WorkerConfig
 
     progress = Progress()
     port_flag = "--grpc-port" if args.command == "serve" else "--port"
@@ -303,7 +303,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"try: pdserve generate --router {cluster.router_address} \"Once upon a time\"", flush=True)
     if args.http_port is not None:
         scheme = "https" if spec.credentials.tls is not None else "http"
-        from pdserve.services.api.grpc_router import served_model_names
+        from pdserve.services.api.grpc_router import served_model_names   # lazy: transformers only when this runs
         name = served_model_names(router, engine.model)[0]
         print(f"OpenAI-compatible HTTP API at {scheme}://{spec.host}:{args.http_port}/v1, model name {name!r}",
               flush=True)
@@ -328,8 +328,6 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from pdserve.engine.settings import pdserve_home
-    from pdserve.services.planner.profile import ProfileConfig, run_profile
     engine_kwargs = given(args, EngineConfig, ENGINE_FIXED)
     engine_kwargs.setdefault("num_threads", WORKER_THREADS)   # as each worker `pdserve up` starts
     engine = EngineConfig(model=model_dir(args), **engine_kwargs)
@@ -346,8 +344,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pdserve.services.planner.plan import PlanConfig, run_plan
-    from pdserve.services.planner.watch import WatchConfig, run_watch
+    from pdserve.services.planner.plan import PlanConfig, run_plan   # lazy: torch only when this runs
+    from pdserve.services.planner.watch import WatchConfig, run_watch   # lazy: torch only when this runs
     plan = config_from_args(PlanConfig, args, slos=tuple(args.slo or ()))
     watch = config_from_args(WatchConfig, args)
     return run_watch(plan, watch, _credentials(args)) if watch.watch else run_plan(plan)
@@ -369,10 +367,7 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
             return 0
         raise UsageError("choose a benchmark: `pdserve bench serve` or `pdserve bench offline` "
                          "(see `pdserve bench --help`)")
-    if args.kind == "offline":
-        from pdserve.services.loadtest.offline import main as bench_main
-    else:
-        from pdserve.services.loadtest.serve import main as bench_main
+    bench_main = offline_bench.main if args.kind == "offline" else serve_bench.main
     try:
         return bench_main(rest) or 0
     except SystemExit as exc:     # argparse's --help (0) and usage errors (2)
@@ -381,7 +376,6 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _p_make_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="directory to write the checkpoint to")
-    from pdserve.engine.presets import ARCHITECTURES, DEFAULT_ARCH, DEFAULT_PRESET, PUBLIC_PRESETS   # torch-free
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=list(PUBLIC_PRESETS),
                    help="model size: " + "; ".join(f"{name}: {about}" for name, about in PUBLIC_PRESETS.items()))
     p.add_argument("--arch", default=None, choices=list(ARCHITECTURES),
@@ -404,8 +398,6 @@ def _p_generate(p: argparse.ArgumentParser) -> None:
 def _add_up_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     """`up`'s flags; `serve` (vLLM's shape) has the model positional, --port for the HTTP API
     (default 8000) and --grpc-port for the router's gRPC API."""
-    from pdserve.services.deployment.launcher import Deployment
-    from pdserve.services.workers.config import WorkerConfig
     if serve:
         p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                        help="local Hugging Face checkpoint directory, served under this name as given "
@@ -426,7 +418,6 @@ def _add_up_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
 
 
 def _p_worker(p: argparse.ArgumentParser, role: str | None) -> None:
-    from pdserve.services.workers.config import WorkerConfig
     add_engine_args(p)
     add_config_args(p.add_argument_group("worker"), WorkerConfig)
     if role is None:
@@ -464,21 +455,19 @@ def _p_health(p: argparse.ArgumentParser) -> None:
 
 
 def _p_workers(p: argparse.ArgumentParser) -> None:
-    from pdserve.services.cli.workers_cmd import add_workers_args, run_workers
     add_workers_args(p, _add_security_args)
     p.set_defaults(func=run_workers)
 
 
 def _p_profile(p: argparse.ArgumentParser) -> None:
-    from pdserve.services.planner.profile import ProfileConfig
     add_engine_args(p)
     add_config_args(p.add_argument_group("profile"), ProfileConfig)
     p.set_defaults(func=cmd_profile)
 
 
 def _p_plan(p: argparse.ArgumentParser) -> None:
-    from pdserve.services.planner.plan import PlanConfig
-    from pdserve.services.planner.watch import WatchConfig
+    from pdserve.services.planner.plan import PlanConfig   # lazy: torch only when this runs
+    from pdserve.services.planner.watch import WatchConfig   # lazy: torch only when this runs
     add_config_args(p.add_argument_group("plan"), PlanConfig)
     add_config_args(p.add_argument_group("watch: re-plan a running deployment"), WatchConfig)
     _add_security_args(p, admin=True)
@@ -539,7 +528,6 @@ def build_parser(command: str | None = ALL) -> argparse.ArgumentParser:
         if command in (ALL, name):
             build(p)
     if command in (ALL, "ray"):
-        from pdserve.services.ray_deploy.cli import add_ray_parser   # `pdserve ray up|down|status` (imports Ray only when run)
         add_ray_parser(sub, parents=[common])
     else:
         sub.add_parser("ray", help="deploy onto a Ray cluster (ray up | ray down | ray scale | ray status)", parents=[common])
@@ -563,7 +551,6 @@ def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 ok, 1 a runtime failure (unreachable router, failed start), 2 a usage error;
     either failure is one `pdserve: error: ...` line on stderr (tracebacks with --log-level DEBUG)."""
     if ENV.PARENT_PID.is_set():
-        from pdserve.services.deployment.launcher import die_with_parent
         die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(_command_of(argv))

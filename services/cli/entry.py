@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import sys
 
+from pdserve.services.cli.commands import main as cli_main
+
 
 def main() -> int:
-    from pdserve.services.cli.commands import main as cli_main
     return cli_main(sys.argv[1:])
 
 

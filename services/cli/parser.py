@@ -7,9 +7,12 @@ import argparse
 from typing import Any, NoReturn
 
 from pdserve.engine.config import EngineConfig
+from pdserve.services.api.request_limits import RequestLimits
+from pdserve.services.cli.usage_errors import EXIT_USAGE, check_model_dir
 from pdserve.services.common.config_flags import add_config_args, config_from_args, config_to_argv
 from pdserve.services.common.topology import ENGINE_FIXED
-from pdserve.services.cli.usage_errors import EXIT_USAGE, check_model_dir
+from pdserve.services.deployment.progress import Progress
+from pdserve.services.router.config import GenerationOptions, RouterConfig
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -63,10 +66,9 @@ def model_dir(args: argparse.Namespace, check: bool = True) -> str:
     """--model, checked (one line saying what is wrong), or the default model, made on first use."""
     if args.model:
         return check_model_dir(args.model) if check else args.model
-    from pdserve.engine.model_maker import default_model_dir, ensure_default_model
+    from pdserve.engine.model_maker import default_model_dir, ensure_default_model   # lazy: torch only when this runs
     if default_model_dir().is_dir():
         return str(default_model_dir())
-    from pdserve.services.cli.progress import Progress
     with Progress().step(f"making the default model in {default_model_dir()} (first run only)"):
         return str(ensure_default_model())
 
@@ -74,9 +76,6 @@ def model_dir(args: argparse.Namespace, check: bool = True) -> str:
 def add_router_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     """The router's generated flags (`pdserve router`, `up`, `ray up`): RouterConfig's (but exclude),
     GenerationOptions' and RequestLimits'."""
-    from pdserve.services.router.generator import GenerationOptions
-    from pdserve.services.api.request_limits import RequestLimits
-    from pdserve.services.router.config import RouterConfig
     add_config_args(p.add_argument_group("router"), RouterConfig, exclude=exclude)
     add_config_args(p.add_argument_group("generation"), GenerationOptions)
     add_config_args(p.add_argument_group("request limits"), RequestLimits)
@@ -85,7 +84,5 @@ def add_router_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -
 def router_argv(args: argparse.Namespace, router: Any) -> list[str]:
     """The router's settings as given on this command line, as the argv of a router child (`up`) or
     actor (`ray up`): generation and request-limit flags, then router's own non-default fields."""
-    from pdserve.services.router.generator import GenerationOptions
-    from pdserve.services.api.request_limits import RequestLimits
     return [*config_to_argv(config_from_args(GenerationOptions, args)),
             *config_to_argv(config_from_args(RequestLimits, args)), *config_to_argv(router)]

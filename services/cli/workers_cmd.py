@@ -11,6 +11,9 @@ import math
 import sys
 
 from pdserve.services.cli.usage_errors import RuntimeFailure
+from pdserve.services.common.proofs import is_dial_address
+from pdserve.services.common.security import (ADMIN_TOKEN_ENV, Credentials, MAX_DRAIN_TIMEOUT_S,
+    require_secure_internal_plane)
 from pdserve.services.common.topology import DEFAULT_HOST, DRAIN_TIMEOUT_S, ROUTER_PORT
 
 ACTIONS = ("list", "add", "drain", "resume", "remove", "switch-role")
@@ -40,7 +43,6 @@ def add_workers_args(p: argparse.ArgumentParser, add_security_args) -> None:
 def run_workers(args: argparse.Namespace) -> int:
     """The command: its credentials (the cluster token, and the admin token: $PDSERVE_ADMIN_TOKEN
     or --admin-token-file), then cmd_workers."""
-    from pdserve.services.common.security import Credentials
     return cmd_workers(args, Credentials.load(args.cluster_token_file, args.tls_cert, args.tls_key, args.tls_ca,
                                               admin=True, admin_token_file=args.admin_token_file))
 
@@ -52,10 +54,6 @@ def cmd_workers(args: argparse.Namespace, credentials) -> int:
     from pdserve.v1 import membership_pb2_grpc
     from pdserve.v1 import worker_pb2
 
-    from pdserve.services.common.security import (ADMIN_TOKEN_ENV,
-        MAX_DRAIN_TIMEOUT_S,
-        require_secure_internal_plane)
-    from pdserve.services.common.proofs import is_dial_address
 
     if args.action != "list" and not args.address:
         raise ValueError(f"`pdserve workers {args.action}` needs the worker's HOST:PORT")

@@ -18,20 +18,14 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-import math
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics import MetricWrapperBase
 
 from pdserve.engine.settings import ENV
 from pdserve.services.common.security import read_secret
 
-if TYPE_CHECKING:
-    from pdserve.engine import LLMEngine, RequestOutput
-    from pdserve.services.workers.async_engine import StepTime
-    from pdserve.services.router.placement import Placement
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -58,7 +52,7 @@ def scrape_by_name(address: str, timeout: float = 10.0, token: str | None = None
     return values
 
 
-class _Metrics:
+class ProcessMetrics:
     """The registry of one process, and the metrics every role publishes under the same names
     (as vLLM does); what each counts there is its class's ``SHARED`` help."""
 
@@ -104,209 +98,6 @@ class _Metrics:
             if isinstance(family, Gauge):
                 family.remove(*old)
             setattr(self, attr, self._child(family))
-
-
-KV_TIER_COUNTERS = {"kv_host_hits": "Prefix blocks served from the host-RAM KV tier",
-                    "kv_disk_hits": "Prefix blocks served from the disk KV tier",
-                    "kv_offloaded_blocks": "Computed blocks the pool evicted into the KV tiers",
-                    "kv_disk_writes": "Block files written to the disk KV tier",
-                    "kv_tier_refused": "Tier blocks refused (corrupt, truncated, another model's)",
-                    "kv_tier_dropped_writes": "Disk tier writes dropped (the write queue was full)",
-                    "kv_tier_write_errors": "Disk tier writes that failed (full disk, I/O error)"}
-KV_TIER_GAUGES = {"kv_host_blocks": "Blocks held in the host-RAM KV tier", "kv_host_bytes": "Bytes held there",
-                  "kv_disk_blocks": "Blocks held in the disk KV tier", "kv_disk_bytes": "Bytes held there"}
-
-
-class KVTierCollector:
-    """The engine's KV tier stats as Prometheus samples, read at scrape time."""
-
-    def __init__(self, engine: "LLMEngine", labels) -> None:
-        self.engine, self.labels = engine, labels
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-        stats = self.engine.kv_tiers.stats()
-        values = self.labels()
-        for kinds, family in ((KV_TIER_COUNTERS, CounterMetricFamily), (KV_TIER_GAUGES, GaugeMetricFamily)):
-            for key, doc in kinds.items():
-                metric = family(f"pdserve:{key}", doc, labels=LABELS)
-                metric.add_metric(values, stats[key])
-                yield metric
-
-
-class WorkerMetrics(_Metrics):
-    """Engine-side metrics: counters and histograms from the engine thread after every step,
-    gauges read from the engine when scraped (see ``attach``)."""
-
-    SHARED = {"num_requests_running": "Sequences in the running batch",
-              "prompt_tokens": "Prompt tokens of requests prefilled here",
-              "generation_tokens": "Tokens sampled here",
-              "request_queue_time_seconds": "Arrival to first scheduled",
-              "kv_transfer_seconds": "Seconds per KV send of a chunk's blocks"}
-
-    def __init__(self, role: str, worker_id: str, model_name: str = "") -> None:
-        super().__init__(role, worker_id, model_name)
-        self.num_requests_waiting = self.gauge("num_requests_waiting", "Sequences waiting to be scheduled")
-        self.kv_cache_usage_perc = self.gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
-        self.prefix_cache_queries = self.counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
-        self.prefix_cache_hits = self.counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
-        self.num_preemptions = self.counter("num_preemptions", "Sequences preempted for recompute")
-        self.kv_transfer_bytes = self.counter("kv_transfer_bytes", "KV bytes sent (prefill) or received (decode)")
-        self.kv_transfer_failures = self.counter("kv_transfer_failures", "KV blocks refused or failed to send")
-        self._kv_raw_bytes = Counter("pdserve:kv_raw_bytes", "Prefill: KV bytes delivered, raw, by wire codec",
-                                     (*LABELS, "codec"), registry=self.registry)
-        self._kv_wire_bytes = Counter("pdserve:kv_wire_bytes", "Prefill: those KV bytes' size on the wire, by wire "
-                                      "codec (raw / wire: the compression ratio)", (*LABELS, "codec"),
-                                      registry=self.registry)
-        self.engine_step_seconds = self.histogram("engine_step_seconds", "Wall time of each engine step")
-        self.engine_step_cpu_seconds = self.counter(
-            "engine_step_cpu_seconds", "CPU time the engine thread spent in steps (the rest of the process's CPU "
-            "time is serving around the engine: RPCs, token delivery, KV receive)")
-        self._last = {"queries": 0, "hits": 0, "preemptions": 0}
-        self._engine: "LLMEngine | None" = None
-        self._tiers_watched = False
-
-    def attach(self, engine: "LLMEngine") -> None:
-        """Read the gauges from engine whenever scraped: admission, cancel, abort and finish show
-        at once, also on an engine that takes no further step."""
-        bm, sched = engine.block_manager, engine.scheduler
-        self.num_requests_running.set_function(lambda: len(sched.running))
-        self.num_requests_waiting.set_function(lambda: len(sched.waiting))
-        self.kv_cache_usage_perc.set_function(bm.usage)
-        self._engine = engine
-        self.watch_kv_tiers(engine)
-
-    def watch_kv_tiers(self, engine: "LLMEngine") -> None:
-        """Publish the engine's KV tier figures (engine/kv/tiers.py), read when scraped: hits per
-        tier, blocks offloaded, refused, writes dropped or failed (counters), blocks and bytes held
-        per tier (gauges). Nothing is published without tiers."""
-        if engine.kv_tiers is None or self._tiers_watched:
-            return
-        self._tiers_watched = True
-        self.registry.register(KVTierCollector(engine, lambda: [self.labels[name] for name in LABELS]))
-
-    def set_role(self, role: str) -> None:
-        """The worker switched roles: later samples carry the new role label (``relabel``); the
-        gauges read the same engine under it."""
-        self.relabel(role=role)
-        if self._engine is not None:
-            self.attach(self._engine)
-
-    def on_step(self, engine: "LLMEngine", outputs: list["RequestOutput"], timing: "StepTime | None" = None) -> None:
-        if timing is not None:
-            self.engine_step_seconds.observe(timing.wall_s)
-            self.engine_step_cpu_seconds.inc(timing.cpu_s)
-        bm = engine.block_manager
-        sched = engine.scheduler
-        if self._engine is None:
-            self.attach(engine)
-        for key, counter, value in (("queries", self.prefix_cache_queries, bm.prefix_cache_queries),
-                                    ("hits", self.prefix_cache_hits, bm.prefix_cache_hits),
-                                    ("preemptions", self.num_preemptions, sched.num_preemptions)):
-            counter.inc(value - self._last[key])
-            self._last[key] = value
-        for out in outputs:
-            self.generation_tokens.inc(len(out.new_token_ids))
-            if out.queue_s is not None:   # first token: the prompt was prefilled here
-                self.prompt_tokens.inc(out.num_prompt_tokens)
-                self.request_queue_time_seconds.observe(out.queue_s)
-
-    def kv_sent(self, nbytes: int, seconds: float, wire_bytes: int = 0, codec: str = "off") -> None:
-        """Prefill role: one request's KV acknowledged: nbytes raw, wire_bytes on the wire under codec."""
-        self.kv_transfer_bytes.inc(nbytes)
-        self.kv_transfer_seconds.observe(seconds)
-        self._kv_raw_bytes.labels(**self.labels, codec=codec).inc(nbytes)
-        self._kv_wire_bytes.labels(**self.labels, codec=codec).inc(wire_bytes or nbytes)
-
-    def kv_received(self, nbytes: int) -> None:
-        self.kv_transfer_bytes.inc(nbytes)
-
-    def kv_failure(self) -> None:
-        self.kv_transfer_failures.inc()
-
-    def kv_handoff_ended(self, state) -> None:
-        """Decode role: a reservation ended; a failed or lapsed one counts as a KV failure."""
-        if state.value in ("failed", "expired"):
-            self.kv_transfer_failures.inc()
-
-
-class RouterMetrics(_Metrics):
-    """Request-level latency metrics, as the client sees them."""
-
-    SHARED = {"num_requests_running": "Requests in flight through the router",
-              "prompt_tokens": "Prompt tokens of finished requests",
-              "generation_tokens": "Tokens streamed to clients",
-              "request_queue_time_seconds": "Time queued before prefill",
-              "kv_transfer_seconds": "Exposed KV transfer time per request"}
-
-    def __init__(self, worker_id: str = "router", model_name: str = "") -> None:
-        super().__init__("router", worker_id, model_name)
-        self.request_success = self.counter("request_success", "Requests finished normally")
-        self.request_failure = self.counter("request_failure", "Requests that ended in an error")
-        self.time_to_first_token_seconds = self.histogram("time_to_first_token_seconds", "Time to first token")
-        self.inter_token_latency_seconds = self.histogram("inter_token_latency_seconds", "Gap between streamed tokens")
-        self.time_per_output_token_seconds = self.histogram(
-            "time_per_output_token_seconds", "Per request: (e2e - TTFT) / (output tokens - 1), requests of 2+ tokens")
-        self.e2e_request_latency_seconds = self.histogram("e2e_request_latency_seconds", "Request latency")
-        self.migrations = self.counter("request_migrations", "Requests moved to another worker after a fault")
-        self.slo_rejected = self.counter("request_slo_rejected", "Requests refused at arrival: predicted to miss "
-                                         "their TTFT target (--slo-admission)")
-        self.slo_shed = self.counter("request_slo_shed", "Requests shed while queued: their TTFT target passed "
-                                     "(--slo-admission)")
-        self.prefix_waits = self.counter("router_prefix_waits", "Requests that waited for their prefix to be computed "
-                                         "or received on their worker by another request routed there before")
-        self._prefill_routes = Counter("pdserve:prefill_route", "Requests by where their prompt was prefilled: "
-                                       "remote (a prefill worker) or local (the decode worker)", (*LABELS, "route"),
-                                       registry=self.registry)
-
-    def count_route(self, route: str) -> None:
-        self._prefill_routes.labels(**self.labels, route=route).inc()
-
-    def attach_routing(self, placement: "Placement") -> None:
-        """The estimates the router routes by, read when scraped: each worker's learned step cost
-        (labelled with that worker's role and id), each decode worker's ITL inflation per locally
-        prefilled token and its local-prefill threshold now (+Inf: local at any length), the KV
-        transfer time per block and each route's overhead."""
-        def worker_gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"pdserve:{name}", doc, LABELS, registry=self.registry)
-        base = worker_gauge("router_est_step_base_ms", "Fixed cost of one step on the worker (learned), ms")
-        per_token = worker_gauge("router_est_step_ms_per_token",
-                                 "Cost of one more token in a step on the worker (learned): prefill time per "
-                                 "uncached token, ms")
-        inflation = worker_gauge("router_est_itl_inflation_ms_per_prompt_token",
-                                 "Decode workers: delay one locally prefilled prompt token adds to the steps of the "
-                                 "sequences decoding there, summed over them, ms")
-        per_seq = worker_gauge("router_est_decode_ms_per_seq",
-                               "Cost one more decoding sequence adds to every step on the worker (learned from its "
-                               "decode-only steps, else its peers'), ms")
-        threshold = worker_gauge("router_local_prefill_threshold_tokens",
-                                 "Decode workers (conditional disaggregation): uncached prompt tokens up to which "
-                                 "prefilling on this worker is cheaper than remotely, now")
-        for w in placement.pool.workers:
-            labels = {"model_name": self.labels["model_name"], "role": w.role,
-                      "worker": w.status.worker_id if w.status is not None and w.status.worker_id else w.address}
-            base.labels(**labels).set_function(lambda w=w: placement.step_cost(w).base_ms)
-            per_token.labels(**labels).set_function(lambda w=w: placement.step_cost(w).ms_per_token)
-            if w.role in ("decode", "both"):
-                per_seq.labels(**labels).set_function(lambda w=w: placement.step_cost(w).ms_per_seq)
-            if w.role == "decode":
-                inflation.labels(**labels).set_function(
-                    lambda w=w: placement.load(w).running * placement.step_cost(w).ms_per_token)
-                threshold.labels(**labels).set_function(
-                    lambda w=w: placement.threshold_now(w) if placement.conditional else math.nan)
-        self.gauge("router_est_kv_transfer_ms_per_block", "KV transfer time per block (learned from the exposed "
-                   "part of each hand-off), ms").set_function(lambda: placement.costs.transfer_ms_per_block)
-        self.gauge("router_est_kv_transfer_base_ms", "Fixed part of a KV hand-off's exposed time (learned), ms"
-                   ).set_function(lambda: placement.costs.transfer_base_ms)
-        overhead = Gauge("pdserve:router_est_route_overhead_ms", "Fixed cost of a route beyond the worker's queue and "
-                         "prefill time (RPC hops; learned), ms", (*LABELS, "route"), registry=self.registry)
-        for route, ewma in placement.costs.overhead_ms.items():
-            overhead.labels(**self.labels, route=route).set_function(lambda e=ewma: e.value)
-
-    def observe_tpot(self, ttft_at: float | None, finished_at: float, output_tokens: int) -> None:
-        """A finished request's time per output token after the first (vLLM's TPOT)."""
-        if ttft_at is not None and output_tokens > 1:
-            self.time_per_output_token_seconds.observe((finished_at - ttft_at) / (output_tokens - 1))
 
 
 def _handler(registry: CollectorRegistry, token: str | None) -> type[BaseHTTPRequestHandler]:

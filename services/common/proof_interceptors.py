@@ -9,16 +9,21 @@ import hmac
 import inspect
 import itertools
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import grpc
 
 from pdserve.engine.settings import ENV
-from pdserve.services.common.proofs import (AUTH_REPLY_HEADER, PROOF_WINDOW_S, REPLAY_CACHE_MAX, CallProof,
-                             ClusterKey, ServerNames, _digest, _Nonces, _text)
+from pdserve.services.common.proofs import (AUTH_REPLY_HEADER, CallProof, ClusterKey, PROOF_WINDOW_S,
+    REPLAY_CACHE_MAX, ServerNames, _digest, _Nonces, _text)
 
-if TYPE_CHECKING:
-    from pdserve.services.common.security import Credentials
+
+class Prover(Protocol):
+    """Who proves a caller's membership (services.common.security.Credentials): a proof per call,
+    bound to the server dialed (target) and the call's first message."""
+
+    def call_proof(self, method: str, target: str, message: bytes) -> CallProof: ...
+    def admin_proof(self, method: str, target: str, message: bytes) -> CallProof: ...
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 FIRST_MESSAGE_WAIT_S = PROOF_WINDOW_S   # a request stream's first message (the proof's digest) comes within this
@@ -285,7 +290,7 @@ class _StreamStream(_Proving, grpc.aio.StreamStreamClientInterceptor):
     intercept_stream_stream = _Proving.intercept_streaming
 
 
-def proving_interceptors(credentials: Credentials, target: str) -> list[grpc.aio.ClientInterceptor]:
+def proving_interceptors(credentials: Prover, target: str) -> list[grpc.aio.ClientInterceptor]:
     """Interceptors that prove membership on every call of an asyncio channel to target (the
     HOST:PORT it dials), each proof bound to its call's first message, and check the server's
     proof before the call's response is read."""
@@ -334,11 +339,11 @@ class _Unproven(grpc.RpcError, grpc.Call):
         return False
 
 
-class _SyncProof(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class SyncProof(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     """A blocking channel's proofs: of the cluster token, and of the admin token when held (the
     server answers the one its method wants), each naming target and the call's message."""
 
-    def __init__(self, credentials: Credentials, target: str) -> None:
+    def __init__(self, credentials: Prover, target: str) -> None:
         self.credentials, self.target = credentials, target
 
     def _proof(self, details, request) -> CallProof:

@@ -45,7 +45,7 @@ from typing import Any, Sequence
 import grpc
 
 from pdserve.engine.settings import ENV
-from pdserve.services.common.proof_interceptors import ClusterInterceptor, _SyncProof, proving_interceptors
+from pdserve.services.common.proof_interceptors import ClusterInterceptor, SyncProof, proving_interceptors
 from pdserve.services.common.proofs import CallProof, ClusterKey, _text, host_of, is_loopback, is_wildcard
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ class Credentials:
         server must prove itself back."""
         channel = self.probe_channel(address, options)
         if self.key is not None or self.admin_key is not None:
-            channel = grpc.intercept_channel(channel, _SyncProof(self, address))
+            channel = grpc.intercept_channel(channel, SyncProof(self, address))
         return channel
 
     # ---- the environment children inherit --------------------------------------------------

@@ -23,21 +23,21 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence, TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.engine.settings import ENV, setting
-from pdserve.services.kv_transfer import shared_memory
+from pdserve.services.common.grpc_setup import check_port_free
 from pdserve.services.common.ports import PortReservations, RESERVED_PORTS_ENV, free_port
 from pdserve.services.common.security import ADMIN_TOKEN_ENV, Credentials, new_token
-from pdserve.services.common.grpc_setup import check_port_free
-from pdserve.services.common.topology import (DEFAULT_HOST, ROUTER_PORT, WORKER_THREADS, Topology, drain_timeout_setting, flags_argv,
-                               role_argv)
+from pdserve.services.common.topology import (DEFAULT_HOST, ROUTER_PORT, Topology, WORKER_THREADS,
+    drain_timeout_setting, flags_argv, role_argv)
+from pdserve.services.kv_transfer import shared_memory
 
 if TYPE_CHECKING:
-    from pdserve.services.cli.progress import Progress
+    from pdserve.services.deployment.progress import Progress
 
 PARENT_PID_ENV = ENV.PARENT_PID.name
 PROBE_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from pdserve.services.client import AsyncClient
 from pdserve.services.loadtest.datasets import SampleRequest
 from pdserve.services.loadtest.metrics import SERVER_TIMINGS
 from pdserve.services.loadtest.results import RequestResult, Sampling, settle
@@ -63,7 +64,6 @@ class GrpcBackend:
     """The router's gRPC API, as the OpenAI backend's interface: send(req, id, sampling, start)."""
 
     def __init__(self, address: str, timeout: float | None) -> None:
-        from pdserve.services.client import AsyncClient
         self.client = AsyncClient(address, timeout=timeout)
 
     async def send(self, req: SampleRequest, request_id: str, sampling: Sampling, bench_start: float):

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.engine.model_config import ModelConfig
+
 MODEL_PRESET, MODEL_ARCH, MODEL_SEED = "small", "qwen3", 0
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -62,7 +64,7 @@ def make_workload(num_prompts: int, vocab_size: int, input_range: tuple[int, int
 
 def ensure_model(model_dir: str | None) -> Path:
     """The benchmark checkpoint: ``model_dir`` if given, else made once in the cache (atomically)."""
-    from pdserve.engine.model_maker import ensure_model as make_once
+    from pdserve.engine.model_maker import ensure_model as make_once   # lazy: torch only when this runs
     return Path(model_dir) if model_dir else make_once(MODEL_PRESET, MODEL_ARCH, MODEL_SEED)
 
 
@@ -70,7 +72,7 @@ def ensure_model(model_dir: str | None) -> Path:
 
 
 def run_pdserve(model_dir: Path, wl: Workload, args: argparse.Namespace, warmup: Workload) -> dict[str, Any]:
-    from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams   # lazy: the engine (torch) only when the benchmark runs
 
     kwargs: dict[str, Any] = {"dtype": args.dtype, "num_threads": args.threads, "device": "cpu"}
     if args.compute_dtype is not None:
@@ -217,7 +219,6 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
     torch.set_num_threads(args.threads)
 
-    from pdserve.engine.model_config import ModelConfig
     model_dir = ensure_model(args.model_dir)
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     if args.quick:

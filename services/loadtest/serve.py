@@ -68,10 +68,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from pdserve.services.loadtest.datasets import DATASETS, DatasetOptions, SampleRequest, sample_requests
+from pdserve.services.client import AsyncClient
+from pdserve.services.loadtest.datasets import DatasetOptions, DATASETS, SampleRequest, sample_requests
 from pdserve.services.loadtest.metrics import METRICS, calculate_metrics, parse_goodput, server_breakdown
+from pdserve.services.loadtest.multi_turn import (MultiTurnOptions, plan_sessions, request_fields, run_sessions,
+    summarise)
 from pdserve.services.loadtest.openai_backend import BACKENDS, OpenAIBackend, prepare_chat_prompts, server_info
-from pdserve.services.loadtest.multi_turn import MultiTurnOptions, plan_sessions, request_fields, run_sessions, summarise
 from pdserve.services.loadtest.plots import plot_itl_over_time, plot_latency_cdfs, plot_sweep
 from pdserve.services.loadtest.report import print_server_breakdown, print_summary, print_sweep_table, print_turn_table
 from pdserve.services.loadtest.results import RequestResult, Sampling
@@ -282,7 +284,6 @@ async def _connect(args: argparse.Namespace):
     if args.backend == "pdserve":
         import grpc
 
-        from pdserve.services.client import AsyncClient
         try:
             async with AsyncClient(args.router, timeout=30) as client:
                 info = await client.model_info()

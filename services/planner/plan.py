@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from pdserve.engine.settings import setting
+from pdserve.services.loadtest.arrivals import arrival_offsets
+from pdserve.services.loadtest.datasets import DatasetOptions, sample_requests
+from pdserve.services.loadtest.metrics import calculate_metrics, parse_slo
 from pdserve.services.planner.cost_model import CostModel
 from pdserve.services.planner.simulator import Candidate, Overheads, Simulation
 
@@ -39,8 +42,6 @@ class Workload:
     seed: int = 0
 
     def requests(self, vocab_size: int, eos_token_id: int | None) -> tuple[list[list[int]], list[int], list[float]]:
-        from pdserve.services.loadtest.arrivals import arrival_offsets
-        from pdserve.services.loadtest.datasets import DatasetOptions, sample_requests
         reqs = sample_requests(DatasetOptions("random", input_len=self.input_len, output_len=self.output_len,
                                               range_ratio=self.range_ratio), self.num_prompts, vocab_size,
                                seed=self.seed, eos_token_id=eos_token_id)
@@ -97,7 +98,6 @@ class PlanConfig:
 def parse_slos(items: Sequence[str]) -> dict[str, float]:
     """["ttft:500", "tpot:50"] or ["ttft:500,tpot:50"] -> {"ttft": 500.0, "tpot": 50.0} (milliseconds,
     bench serve's --goodput keys; each limit > 0)."""
-    from pdserve.services.loadtest.metrics import parse_slo
     return dict(parse_slo(part, "--slo", allow_zero=False) for item in items for part in str(item).split(",")
                 if part.strip())
 
@@ -122,7 +122,6 @@ def candidates(cores: int, chunk_budgets: Sequence[int], policies: Sequence[str]
 def simulate(cost: CostModel, candidate: Candidate, workload: Workload, overheads: Overheads | None = None,
              slos: dict[str, float] | None = None) -> dict[str, Any]:
     """bench serve's metrics of candidate under workload, predicted; plus the simulation itself."""
-    from pdserve.services.loadtest.metrics import calculate_metrics
     mc = cost.model_config
     eos = mc.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos

@@ -26,10 +26,13 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.settings import pdserve_home, setting
+from pdserve.services.common.config_flags import config_to_argv
+from pdserve.services.common.topology import ENGINE_FIXED, UP_PER_PROCESS, WORKER_THREADS, flags_argv
+from pdserve.services.planner import serving_costs
 from pdserve.services.planner.cost_model import CostModel, StepSample, step_features
 from pdserve.services.planner.serving_costs import ServingCosts
-from pdserve.services.common.topology import ENGINE_FIXED, UP_PER_PROCESS, WORKER_THREADS, flags_argv
 
 
 
@@ -90,7 +93,6 @@ class _Recorder:
         return [self._rng.randrange(2, self.vocab) for _ in range(n)]
 
     def add(self, prompt: list[int], max_tokens: int) -> None:
-        from pdserve.engine.sampling_params import SamplingParams
         rid = f"profile-{len(self.seqs)}"
         self.engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         self.seqs[rid] = self.engine.requests[rid]
@@ -129,8 +131,8 @@ def run_profile(engine_config, config: ProfileConfig, say: Callable[[str], None]
 
     import torch
 
-    from pdserve.engine import cpu_features
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine import cpu_features   # lazy: torch only when a profile runs
+    from pdserve.engine.llm_engine import LLMEngine   # lazy: torch only when this runs
 
     t_start = time.perf_counter()
     engine = LLMEngine(dataclasses.replace(engine_config, schedule_policy="mixed"))
@@ -190,8 +192,6 @@ def run_profile(engine_config, config: ProfileConfig, say: Callable[[str], None]
     model_json = json.loads((Path(engine_config.model) / "config.json").read_text())
     serving = ServingCosts()
     if config.serving:
-        from pdserve.services.common.config_flags import config_to_argv
-        from pdserve.services.planner import serving_costs
         up_args = [*config_to_argv(engine_config, exclude=(*ENGINE_FIXED, *UP_PER_PROCESS)),
                    *flags_argv(threads_per_worker=engine_config.num_threads or WORKER_THREADS)]
         log_dir = Path(config.out).parent if config.out else Path(pdserve_home()) / "profiles"

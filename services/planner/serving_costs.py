@@ -24,6 +24,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from pdserve.services.client import AsyncClient
+from pdserve.services.common.metrics import scrape_by_name
+from pdserve.services.deployment.launcher import wait_serving
+
 
 SETUPS = {"colocated": ["--colocated-workers", "1"], "disaggregated": ["--prefill-workers", "1", "--decode-workers", "1"]}
 COUNTERS = ("process_cpu_seconds_total", "pdserve:engine_step_cpu_seconds_total", "pdserve:engine_step_seconds_count",
@@ -81,7 +85,6 @@ def _free_port_base(n: int) -> int:
 
 
 async def _load(address: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> int:
-    from pdserve.services.client import AsyncClient
     gate = asyncio.Semaphore(concurrency)
     async with AsyncClient(address, timeout=300) as client:
         async def one(p: list[int]) -> int:
@@ -94,8 +97,6 @@ async def _load(address: str, prompts: list[list[int]], max_tokens: int, concurr
 def _run_setup(setup: str, model: str, engine_args: list[str], loads: dict[str, list[list[int]]], max_tokens: int,
                concurrency: int, log_path: Path) -> dict[str, dict[str, dict[str, float]]]:
     """Start `pdserve up`, serve each load in turn; per load, each process's counter deltas."""
-    from pdserve.services.deployment.launcher import wait_serving
-    from pdserve.services.common.metrics import scrape_by_name
     names = ["router", *(["both-0"] if setup == "colocated" else ["prefill-0", "decode-0"])]
     port = _free_port_base(len(names) + 1)
     base = port + 1

@@ -1,21 +1,27 @@
 """A discrete-event simulation of a pdserve deployment that runs the real engine code.
 
 Each simulated worker is a real ``LLMEngine`` (scheduler, block manager, KV connector, the
-step's bookkeeping) whose runner prices a step with the cost model instead of computing it:
+step's bookkeeping) whose runner prices a step with the step-cost model (engine/step_cost.py,
+the profile's fits) instead of computing it:
 ``SimRunner.run`` returns the token a real forward would sample (one for every sequence whose
 chunk reaches its last token, as ``ModelRunner.run``) and the step's duration. Time is
 simulated; nothing sleeps. What the services add around the engine is modelled by the same
-rules they follow:
+rules they follow, and the workers are placed by the router's own placement
+(services/router/placement.py, ``Placement`` over a ``WorkerSet`` of the simulated workers, each
+publishing a ``WorkerStatus`` read from its engine as a worker does; the load policy, every prompt
+prefilled on a prefill worker when disaggregated):
 
-* colocated: the router gives a request to the worker with the fewest in-flight requests, then
-  the most free blocks (``WorkerPool.decode_candidates``);
-* disaggregated: requests wait in a FIFO admission queue until a decode worker (same order)
-  reserves blocks for the whole sequence (``LLMEngine.reserve``, real headroom rules); the
-  prefill worker with the fewest queued prompt tokens computes it (``pick_prefill``); after
-  each step its newly finished blocks travel to the decode worker (one stream per request, a
-  profiled time per block); the first token goes back at once; the decode worker admits the
-  request once every block arrived and the Decode call came (``LLMEngine.admit``); the prefill
-  worker's pinned blocks are released when the transfer ends.
+* colocated: a request goes to the best of ``Placement.decode_routes`` (the fewest in-flight
+  requests, then the most free blocks);
+* disaggregated: requests wait in a FIFO admission queue until a decode worker, tried in the
+  order of ``Placement.decode_routes`` among those whose free blocks hold the prompt
+  (``Placement.fits``), reserves blocks for the whole sequence (``LLMEngine.reserve``, real
+  headroom rules); the prefill worker of ``Placement.pick_prefill`` (the fewest queued prompt
+  tokens) computes it; after each step its newly finished blocks travel to the decode worker
+  (one stream per request, a profiled time per block); the first token goes back at once; the
+  decode worker admits the request once every block arrived (``KVConnector.mark_received``: no
+  bytes move) and the Decode call came (``LLMEngine.admit``); the prefill worker's pinned blocks
+  are released when the transfer ends.
 
 A worker's engine steps back to back while it has work; a request that arrives during a step
 joins the next one, as on the engine thread. Workers that outnumber the cores they share
@@ -42,7 +48,13 @@ from pdserve.engine.llm_engine import LLMEngine, NoCapacity, RequestOutput
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, StepTrace
-from pdserve.services.planner.cost_model import CostModel, StepSample, step_features
+from pdserve.engine.step_cost import StepCostModel, StepSample, step_features
+from pdserve.services.loadtest.results import RequestResult
+from pdserve.services.planner.cost_model import CostModel
+from pdserve.services.router.placement import Placement, Route
+from pdserve.services.router.prefix_index import PrefixIndex
+from pdserve.services.router.worker_pool import WorkerSet
+from pdserve.v1 import worker_pb2
 
 SIM_TOKEN = 2   # the token every simulated step samples: never EOS in pdserve's made models (ignore_eos anyway)
 
@@ -129,12 +141,13 @@ class SimRequest:
 
 
 class SimRunner:
-    """Stands in for ModelRunner: samples where the real one would, and prices the step."""
+    """Stands in for ModelRunner: samples where the real one would, and prices the step with the
+    step-cost model (engine/step_cost.py)."""
 
-    def __init__(self, cost: CostModel, num_kv_blocks: int) -> None:
+    def __init__(self, cost: StepCostModel, num_kv_blocks: int, kv_bytes_per_block: int) -> None:
         self.cost = cost
         self.num_kv_blocks = num_kv_blocks
-        self.kv_bytes_per_block = cost.kv_bytes_per_block
+        self.kv_bytes_per_block = kv_bytes_per_block
         self.last: StepSample | None = None
         self.last_seconds = 0.0
 
@@ -154,16 +167,24 @@ class SimStep:
 
 
 class SimWorker:
+    """A simulated worker: its engine, and what the router's placement reads of a worker (the
+    fields of a ``WorkerHandle`` that a ``WorkerSet`` member has; ``status`` as of ``publish``)."""
+
+    healthy = True   # never draining, never lost
+
     def __init__(self, sim: "Simulation", name: str, config: EngineConfig, model_config: ModelConfig,
                  cost: CostModel, num_kv_blocks: int) -> None:
         self.sim = sim
         self.name = name
+        self.address = name
         self.role = config.role
-        self.runner = SimRunner(cost, num_kv_blocks)
+        self.runner = SimRunner(cost, num_kv_blocks, cost.kv_bytes_per_block)
         self.engine = LLMEngine(config, runner=self.runner, model_config=model_config)  # type: ignore[arg-type]
         self.export_s_per_block = cost.export_s_per_block if config.role == "prefill" else 0.0
+        self.status: worker_pb2.WorkerStatus | None = None
+        self.index = PrefixIndex()   # empty: the load policy routes without prefix keys
         self.busy = False
-        self.inflight = 0
+        self.inflight = 0            # requests placed here and not finished (the router's count)
         self.inflight_prompt_tokens = 0
         self.steps: list[SimStep] = []
         self.busy_seconds = 0.0
@@ -180,6 +201,17 @@ class SimWorker:
     @property
     def free_blocks(self) -> int:
         return self.engine.block_manager.num_free_blocks
+
+    def publish(self) -> None:
+        """The status a worker would send now: the part of WorkerInfoServicer.status that placement
+        reads (no learned step costs: the load policy does not price by them), read as cheaply as
+        the engine allows, since the simulation publishes before every placement."""
+        engine = self.engine
+        self.status = worker_pb2.WorkerStatus(
+            num_total_blocks=engine.block_manager.num_blocks, num_free_blocks=self.free_blocks,
+            num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
+            num_queued_prompt_tokens=engine.scheduler.num_queued_prompt_tokens,
+            block_size=engine.config.block_size, max_num_batched_tokens=engine.config.max_num_batched_tokens)
 
     def kick(self) -> None:
         """Start a step now if idle with work (the engine thread wakes on new work)."""
@@ -259,6 +291,8 @@ class Simulation:
             self.colocated = []
             self.prefill = [worker("prefill", i) for i in range(candidate.prefill_workers)]
             self.decode = [worker("decode", i) for i in range(candidate.decode_workers)]
+        # The router's placement over the simulated workers: the load policy, remote prefill always.
+        self.placement = Placement(WorkerSet(self.workers), routing="load", disaggregation="always")
         sv = cost.serving
         on = self.overheads.serving_cpu
         self.worker_s_per_token = sv.worker_s_per_token if on else 0.0
@@ -325,7 +359,6 @@ class Simulation:
                 w.schedule_end()
 
     def run(self, prompts: Sequence[list[int]], output_lens: Sequence[int], offsets: Sequence[float]) -> list[Any]:
-        from pdserve.services.loadtest.results import RequestResult
         for i, (prompt, n_out, t) in enumerate(zip(prompts, output_lens, offsets)):
             req = SimRequest(f"sim-{i}", list(prompt), int(n_out), float(t))
             self.requests[req.request_id] = req
@@ -353,9 +386,19 @@ class Simulation:
     def _params(self, req: SimRequest) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
 
+    def _publish(self) -> None:
+        """Every worker's status as the router would have it now (it streams each change)."""
+        for w in self.workers:
+            w.publish()
+
+    def _routes(self, req: SimRequest) -> list[Route]:
+        """The router's offers for req, best first (Placement.decode_routes)."""
+        self._publish()
+        return self.placement.decode_routes((), len(req.prompt), req.output_len)
+
     def _arrive(self, req: SimRequest) -> None:
         if self.colocated:
-            w = min(self.colocated, key=lambda w: (w.inflight, -w.free_blocks))
+            w = self._routes(req)[0].decode
             w.inflight += 1
             req.decode = w
             w.engine.add_request(req.request_id, req.prompt, self._params(req))
@@ -372,8 +415,9 @@ class Simulation:
         """The head of the admission queue reserves decode blocks when a worker has room."""
         while self.queue:
             req = self.queue[0]
-            for d in sorted(self.decode, key=lambda w: (w.inflight, -w.free_blocks)):
-                if d.free_blocks < d.engine.block_manager.blocks_needed(len(req.prompt)):
+            for route in self._routes(req):
+                d = route.decode
+                if not self.placement.fits(d, len(req.prompt)):
                     continue
                 try:
                     res = d.engine.reserve(req.request_id, req.prompt, self._params(req))
@@ -386,7 +430,7 @@ class Simulation:
             d.inflight += 1
             d.core_debt_s += self.decode_s_per_request
             req.decode, req.needed = d, frozenset(res.needed_block_indices)
-            p = min(self.prefill, key=lambda w: w.inflight_prompt_tokens + w.engine.scheduler.num_queued_prompt_tokens)
+            p, _ = self.placement.pick_prefill((), len(req.prompt))
             p.inflight += 1
             p.core_debt_s += self.prefill_s_per_request
             p.inflight_prompt_tokens += len(req.prompt)
@@ -430,10 +474,7 @@ class Simulation:
         assert p is not None and d is not None
         p.inflight -= 1
         p.engine.release(req.request_id)
-        handle = d.engine.kv.receiving.get(req.request_id)
-        if handle is not None:
-            handle.needed.clear()       # the bytes are not simulated: every block arrived and checked
-            d.engine.kv._ready(handle)
+        d.engine.kv.mark_received(req.request_id)   # no bytes are simulated: every block arrived and checked
         if req.output_len <= 1:
             d.engine.abort(req.request_id)
             self._finish(req)

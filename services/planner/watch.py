@@ -41,11 +41,12 @@ from typing import Any, Callable, TextIO
 import grpc
 
 from pdserve.engine.settings import setting
+from pdserve.services.common.metrics import METRICS_PATH, read_metrics_token
+from pdserve.services.common.proofs import host_of, is_host_port, is_loopback
+from pdserve.services.common.security import require_secure_internal_plane
 from pdserve.services.planner.cost_model import CostModel
 from pdserve.services.planner.plan import PlanConfig, Workload, parse_slos, simulate
 from pdserve.services.planner.simulator import Candidate
-from pdserve.services.common.security import require_secure_internal_plane
-from pdserve.services.common.proofs import host_of, is_host_port, is_loopback
 
 ROUTER_METRICS = ("request_success_total", "request_failure_total", "prompt_tokens_total", "generation_tokens_total",
                   "num_requests_running")   # the last a gauge: requests in flight through the router
@@ -166,7 +167,6 @@ def fetch_metrics(address: str, token: str | None = None, timeout_s: float = SCR
     """The text of http://ADDRESS/metrics: one HTTP/1.0 GET (the server closes the connection after
     its answer), the bearer token when given, at most limit bytes of body, every byte within
     timeout_s of the start. ValueError saying what went wrong otherwise (a refused token too)."""
-    from pdserve.services.common.metrics import METRICS_PATH
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout_s
     auth = f"Authorization: Bearer {token}\r\n" if token else ""
@@ -509,7 +509,6 @@ def check_watch_security(watch: WatchConfig, credentials, metrics_token: str | N
 
 
 def run_watch(plan: PlanConfig, watch: WatchConfig, credentials, out: TextIO | None = None) -> int:
-    from pdserve.services.common.metrics import read_metrics_token
     metrics_token = read_metrics_token(watch.metrics_token_file)
     check_watch_security(watch, credentials, metrics_token)
     if not plan.profile:

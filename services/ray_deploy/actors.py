@@ -36,7 +36,15 @@ from typing import Any, Awaitable, Callable
 
 import ray
 
+from pdserve.engine import EngineConfig
 from pdserve.engine.settings import ENV
+from pdserve.services.api.request_limits import RequestLimits
+from pdserve.services.common.config_flags import configs_from_argv
+from pdserve.services.common.grpc_setup import options as channel_options
+from pdserve.services.common.proofs import ProofCheck
+from pdserve.services.common.security import API_KEY_ENV, Credentials, read_secret
+from pdserve.services.router.config import GenerationOptions, RouterConfig
+from pdserve.services.workers.config import WorkerConfig, WorkerOptions
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +100,6 @@ def _setup_logging() -> None:
 
 def worker_configs(spec: dict[str, Any], model: str):
     """(EngineConfig, WorkerConfig) from the spec's argv, parsed by the CLI's generated flags."""
-    from pdserve.engine import EngineConfig
-    from pdserve.services.common.config_flags import configs_from_argv
-    from pdserve.services.workers.config import WorkerConfig
 
     engine, = configs_from_argv(spec.get("engine_args", []), (EngineConfig, ()), model=model, role=spec["role"])
     worker, = configs_from_argv(spec.get("worker_args", []), (WorkerConfig, ()))
@@ -103,10 +108,6 @@ def worker_configs(spec: dict[str, Any], model: str):
 
 def router_configs(spec: dict[str, Any]):
     """(GenerationOptions, RequestLimits, RouterConfig) from the spec's router argv."""
-    from pdserve.services.common.config_flags import configs_from_argv
-    from pdserve.services.router.generator import GenerationOptions
-    from pdserve.services.api.request_limits import RequestLimits
-    from pdserve.services.router.config import RouterConfig
 
     return configs_from_argv(spec.get("router_args", []), (GenerationOptions, ()), (RequestLimits, ()),
                              (RouterConfig, ()))
@@ -114,7 +115,6 @@ def router_configs(spec: dict[str, Any]):
 
 def load_credentials(spec: dict[str, Any]):
     """The deployment's Credentials from the files the spec names (read on this node)."""
-    from pdserve.services.common.security import Credentials
 
     path = spec.get("cluster_token_file")
     if not path:
@@ -136,7 +136,6 @@ class ControlGate:
     """Control methods answer only a caller proving the cluster token, each proof once."""
 
     def __init__(self, credentials, actor_name: str) -> None:
-        from pdserve.services.common.proofs import ProofCheck
 
         self.actor_name = actor_name
         self.check = ProofCheck(credentials.key) if credentials.key is not None else None
@@ -193,10 +192,11 @@ class WorkerActor(_ServerActor):
     """A prefill or decode worker (grpc Worker service + KVTransfer, and push_blocks for Ray KV)."""
 
     async def __init__(self, spec_json: str) -> None:
+        # lazy: the worker's engine (torch) loads in the actor's process, not in the driver's
         from pdserve.services.kv_transfer import GrpcKVSender
+        # lazy: torch only when this runs
         from pdserve.services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender, ray_kv_address
-        from pdserve.services.common.grpc_setup import options as channel_options
-        from pdserve.services.workers.worker_process import WorkerOptions, serve_worker
+        from pdserve.services.workers.worker_process import serve_worker   # lazy: torch only when this runs
 
         spec = self._load(spec_json)
         self.role, namespace = spec["role"], spec["namespace"]
@@ -224,7 +224,7 @@ class WorkerActor(_ServerActor):
                                                                             on_start=on_start))
         self._address = join_host_port(host, self.running.server.port)
         self.kv_address = kv_address or self._address
-        self.receiver = (RayKVReceiver(self.running.aengine.engine.kv, cluster_token=credentials.cluster_token)
+        self.receiver = (RayKVReceiver(self.running.aengine.connector, cluster_token=credentials.cluster_token)
                          if self.role == "decode" else None)
 
     async def launch_spec(self) -> str:
@@ -308,8 +308,8 @@ class RouterActor(_ServerActor):
     """The router: the client-facing pdserve.v1.Router gRPC API, unchanged."""
 
     async def __init__(self, spec_json: str) -> None:
+        # lazy: transformers only when this runs
         from pdserve.services.api.grpc_router import RouterOptions, serve_router
-        from pdserve.services.common.security import API_KEY_ENV, read_secret
 
         spec = self._load(spec_json)
         generation, limits, config = router_configs(spec)

@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pdserve.engine.settings import ENV
+from pdserve.engine.settings import ENV, pdserve_home
 from pdserve.services.common.ports import free_port
 from pdserve.services.common.process_table import group_running
 
@@ -67,7 +67,6 @@ class LocalCluster:
 
 
 def state_dir() -> Path:
-    from pdserve.engine.settings import pdserve_home
     return pdserve_home() / "ray"
 
 

@@ -43,9 +43,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.settings import ENV, setting
+from pdserve.services.common.config_flags import config_to_argv, configs_from_argv
 from pdserve.services.common.security import new_token
 from pdserve.services.common.topology import DEFAULT_HOST, ROUTER_PORT, Topology
+from pdserve.services.ray_deploy.cluster import state_dir
 
 HEAD_RESOURCE = "node:__internal_head__"
 DEFAULT_PLACEMENT_WAIT_S = 20.0   # placing a deployment that fits the cluster's nodes
@@ -164,7 +167,7 @@ class RayDeployment:
 
     @property
     def loopback_workers(self) -> bool:
-        from pdserve.services.ray_deploy.actors import LOOPBACK_HOSTS
+        from pdserve.services.ray_deploy.actors import LOOPBACK_HOSTS   # lazy: ray only when this runs
         return self.worker_host in LOOPBACK_HOSTS
 
     def actor_names(self) -> dict[str, list[str]]:
@@ -173,8 +176,6 @@ class RayDeployment:
                 "router": [f"{self.name}-router"]}
 
     def _engine_argv(self) -> list[str]:
-        from pdserve.engine.config import EngineConfig
-        from pdserve.services.common.config_flags import config_to_argv
 
         engine = list(self.engine_args)
         if self.engine:
@@ -183,8 +184,6 @@ class RayDeployment:
 
     def engine_config(self):
         """The workers' EngineConfig (model "-", role both) as the actors parse it; a bad setting raises."""
-        from pdserve.engine.config import EngineConfig
-        from pdserve.services.common.config_flags import configs_from_argv
 
         return configs_from_argv(self._engine_argv(), (EngineConfig, ("model", "role")), model="-")[0]
 
@@ -228,7 +227,6 @@ class DeploymentInfo:
 
 def secret_path(name: str, namespace: str, kind: str) -> Path:
     """Where this machine writes a deployment's secret of kind for its actors."""
-    from pdserve.services.ray_deploy.cluster import state_dir
     return state_dir() / "secrets" / f"{namespace}.{name}.{kind}"
 
 
@@ -356,7 +354,7 @@ def _deploy(spec: RayDeployment) -> DeploymentInfo:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from pdserve.services.ray_deploy.actors import RouterActor, WorkerActor
+    from pdserve.services.ray_deploy.actors import RouterActor, WorkerActor   # lazy: ray only when this runs
 
     spec.validate()
     _check_namespace(spec.namespace)

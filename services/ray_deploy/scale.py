@@ -23,6 +23,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.services.common.security import require_secure_internal_plane
+from pdserve.services.common.topology import DRAIN_TIMEOUT_S
+from pdserve.services.ray_deploy.deploy import HEAD_RESOURCE, PIN, admin_token_file, list_actors
+
 ROLES = ("prefill", "decode")
 START_TIMEOUT_S = 180.0
 
@@ -46,7 +50,6 @@ def _index(actor: str) -> int:
 
 def _workers(name: str, namespace: str) -> dict[str, list[str]]:
     """The deployment's worker actor names by role, in index order."""
-    from pdserve.services.ray_deploy.deploy import list_actors
     present = list_actors(name, namespace)
     out: dict[str, list[str]] = {role: [] for role in ROLES}
     for actor in present:
@@ -61,7 +64,6 @@ def _workers(name: str, namespace: str) -> dict[str, list[str]]:
 def check_plane(credentials, router: str, templates: dict[str, dict[str, Any]], insecure_plane: bool) -> None:
     """`ray scale` reaches the router (membership calls) and has new workers bind their role's
     host: past loopback, only with mutual TLS or --insecure-internal-plane (ValueError naming them)."""
-    from pdserve.services.common.security import require_secure_internal_plane
     binds = tuple(sorted({str(t.get("host") or "") for t in templates.values()}))
     require_secure_internal_plane(credentials, "ray scale", binds=binds, dials=(router,),
                                   insecure_plane=insecure_plane)
@@ -74,7 +76,7 @@ def scale(name: str, namespace: str, want: dict[str, int | None], drain_timeout_
     saying what was done until then."""
     import ray
 
-    from pdserve.services.ray_deploy.actors import control_proof, load_credentials
+    from pdserve.services.ray_deploy.actors import control_proof, load_credentials   # lazy: ray only when this runs
 
     for role, count in want.items():
         if count is not None and count < 1:
@@ -86,7 +88,6 @@ def scale(name: str, namespace: str, want: dict[str, int | None], drain_timeout_
     router_info = ray.get(router.info.remote(), timeout=30)
     template = {role: json.loads(ray.get(ray.get_actor(actors[0], namespace=namespace).launch_spec.remote(),
                                          timeout=30)) for role, actors in workers.items() if actors}
-    from pdserve.services.ray_deploy.deploy import admin_token_file   # membership changes want the admin token
     admin_file = admin_token_file(name, namespace)
     credentials = load_credentials({**next(iter(template.values())), "admin_token_file": admin_file})
     check_plane(credentials, router_info["address"], template, insecure_plane)
@@ -131,8 +132,7 @@ def _start_worker(template: dict[str, Any], actor: str, namespace: str, timeout_
     """Start a WorkerActor from template under the name actor; its address once it serves."""
     import ray
 
-    from pdserve.services.ray_deploy.actors import WorkerActor
-    from pdserve.services.ray_deploy.deploy import HEAD_RESOURCE, PIN
+    from pdserve.services.ray_deploy.actors import WorkerActor   # lazy: ray only when this runs
 
     place = template.get("placement") or {}
     env = place.get("log_level_env") or {}
@@ -178,6 +178,5 @@ class _Membership:
 
     def remove(self, address: str, drain_timeout_s: float) -> None:
         from pdserve.v1 import membership_pb2
-        from pdserve.services.common.topology import DRAIN_TIMEOUT_S
         self._call("RemoveWorker", membership_pb2.DrainWorkerRequest(address=address, drain_timeout_s=drain_timeout_s),
                    60 + 2 * (drain_timeout_s or DRAIN_TIMEOUT_S))

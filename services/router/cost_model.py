@@ -4,9 +4,10 @@ Learned, never configured:
 
 * a worker's step cost, ``base + ms_per_token * tokens`` (steps that compute prompt tokens), and
   what one more decoding sequence adds to a step, ``ms_per_seq`` (decode-only steps): fitted by
-  the worker from its own steps (engine/step_cost.py) and published in its status. A worker that
-  has not computed a prompt yet borrows the per-token cost of those that have (same model, same
-  kind of machine), else a small default;
+  the worker from its own steps and published in its status, read here as the step-cost model's
+  ``StepCostView`` (engine/step_cost.py, the model the planner's simulator prices steps with too).
+  A worker that has not computed a prompt yet borrows the per-token cost of those that have
+  (same model, same kind of machine), else a small default;
 * the KV transfer's exposed time: from each remote prefill's ``KVDelivered`` (the blocks sent
   after the token was sampled, and how long they took to be acknowledged), fitted as a fixed
   part (the last send's round trip) plus a part per block;
@@ -14,7 +15,7 @@ Learned, never configured:
   prefill time (RPC hops, Reserve, the first token's relay), a moving average per route.
 
 The prefill of ``u`` uncached prompt tokens on a worker with ``q`` prompt tokens queued ahead,
-step budget ``B`` and ``R`` sequences decoding:
+step budget ``B`` and ``R`` sequences decoding (``StepCostView.prefill_ms``):
 
     prefill_ms = ms_per_token * (q + u) + (base + ms_per_seq * R) * (1 + (q + u) / B)
 
@@ -35,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pdserve.engine.step_cost import StepCost
+from pdserve.engine.step_cost import Load, StepCost, StepCostView
 from pdserve.v1 import worker_pb2
 
 DEFAULT_MS_PER_TOKEN = 0.1       # before any worker has stepped
@@ -55,23 +56,6 @@ class Ewma:
     def observe(self, x: float) -> None:
         self.value = x if not self.samples else self.value + EWMA_ALPHA * (x - self.value)
         self.samples += 1
-
-
-@dataclass(slots=True, frozen=True)
-class StepCostView:
-    base_ms: float
-    ms_per_token: float
-    budget: int          # tokens per step (prefill chunk)
-    learned: bool        # from this worker's own steps
-    ms_per_seq: float    # what one more decoding sequence adds to a step
-
-
-@dataclass(slots=True, frozen=True)
-class Load:
-    """What is ahead of a new prompt on a worker."""
-
-    queued_tokens: int   # prompt tokens waiting or mid-prefill
-    running: int         # sequences decoding (their tokens share every step)
 
 
 class CostModel:
@@ -129,8 +113,7 @@ class CostModel:
 
     @staticmethod
     def prefill_ms(cost: StepCostView, load: Load, uncached: int) -> float:
-        tokens = load.queued_tokens + uncached
-        return cost.ms_per_token * tokens + (cost.base_ms + cost.ms_per_seq * load.running) * (1 + tokens / cost.budget)
+        return cost.prefill_ms(load, uncached)
 
     def itl_inflation_ms(self, cost: StepCostView, load: Load, uncached: int) -> float:
         """Delay a local prefill of uncached tokens adds to the running sequences, weighted."""
@@ -159,7 +142,7 @@ class CostModel:
         """Uncached prompt tokens up to which local prefill on decode is cheaper, when neither
         worker holds the prompt's prefix (math.inf: at any length; 0: never)."""
         def line(cost: StepCostView, load: Load, extra_slope: float, extra_const: float) -> tuple[float, float]:
-            per_step = cost.base_ms + cost.ms_per_seq * load.running
+            per_step = cost.decode_step_ms(load.running)
             slope = cost.ms_per_token + per_step / cost.budget + extra_slope
             const = cost.ms_per_token * load.queued_tokens + per_step * (1 + load.queued_tokens / cost.budget)
             return slope, const + extra_const

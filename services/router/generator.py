@@ -15,98 +15,26 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import AsyncIterator
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.quoting import quoted
-from pdserve.engine.settings import setting
 from pdserve.services.common import tracing
 from pdserve.services.router.admission import AdmissionQueue
+from pdserve.services.router.config import GenerationOptions
 from pdserve.services.router.cost_model import CostModel
 from pdserve.services.router.errors import RouterError
 from pdserve.services.router.generation_state import Chunk, Generation, Timing
-from pdserve.services.router.prefix_index import DEFAULT_MAX_KEYS
-from pdserve.services.common.metrics import RouterMetrics
 from pdserve.services.router.migration import MigrationLoop, WorkerWatch
+from pdserve.services.router.placement import Placement
 from pdserve.services.router.route_colocated import colocated
-from pdserve.services.router.sessions import SessionTable
 from pdserve.services.router.route_context import RouteContext
 from pdserve.services.router.route_disaggregated import DisaggregatedRoute
-from pdserve.services.router.placement import DISAGGREGATION_MODES, ROUTING_POLICIES, Placement
-from pdserve.services.router.slo import MAX_TARGET_MS, ServiceClass, SloPolicy
+from pdserve.services.router.router_metrics import RouterMetrics
+from pdserve.services.router.sessions import SessionTable
+from pdserve.services.router.slo import ServiceClass, SloPolicy
 from pdserve.services.router.worker_pool import WorkerHandle, WorkerPool
-
-
-@dataclass(slots=True)
-class GenerationOptions:
-    migration_limit: int = setting(3, "times one request may move to another worker after a fault before it fails")
-    stall_timeout_s: float = setting(10.0, "a worker stream silent this long is treated as failed (and the request "
-                                           "migrates)")
-    queue_timeout_s: float = setting(60.0, "how long a request may wait for decode capacity")
-    max_queued_requests: int = setting(256, "requests waiting for decode capacity; more are refused at once with a "
-                                            "retry hint")
-    kv_lease_ms: int = setting(0, "idle KV lease asked for each reservation (0: the decode worker's default)")
-    worker_wait_s: float = setting(
-        60.0, "a role with no healthy worker (a restart) holds the requests that need it for at most this long, "
-              "counted from when its last worker was lost, and every waiter by the same time (or its own "
-              "deadline, sooner); then they fail UNAVAILABLE. `pdserve up` sets it from its workers' measured "
-              "restart time", aliases=("--worker-wait",))
-    routing: str = setting(
-        "kv-aware", "how workers are chosen: kv-aware (by estimated cost to serve: uncached prompt tokens, from the "
-                    "workers' prefix-cache events, queue and running load, KV blocks to ship) or load (fewest in "
-                    "flight / queued prompt tokens)", choices=ROUTING_POLICIES)
-    disaggregation: str = setting(
-        "always", "always: every prompt is prefilled on a prefill worker; conditional: on the chosen decode worker "
-                  "instead when the learned costs say it is cheaper (see /metrics and the response timings)",
-        choices=DISAGGREGATION_MODES)
-    itl_weight: float = setting(1.0, "conditional disaggregation: ms of time to first token worth one ms of delay "
-                                     "added to each sequence decoding on the worker that would prefill locally")
-    cache_affinity_weight: float = setting(
-        1.0, "kv-aware routing: ms of cost per ms of prefill time of the prefix blocks another decode worker holds "
-             "and the candidate lacks (0: only the transfer counts; 1: a prefix leaves its worker only when that "
-             "worker's extra decode load costs more than computing the prefix again)")
-    kv_index_max_keys: int = setting(DEFAULT_MAX_KEYS, "kv-aware routing: prefix-cache keys remembered per worker "
-                                                       "(least recently seen dropped)")
-    slo_admission: bool = setting(False, "admit by prediction: refuse at once (429 / RESOURCE_EXHAUSTED, with a "
-                                         "retry hint) a request predicted to miss its TTFT target, offer a decode "
-                                         "worker only requests that keep every TPOT target there, and shed a "
-                                         "request still queued past its TTFT target")
-    slo_ttft_ms: float = setting(0.0, "the deployment's time-to-first-token target in ms (0: none); a request's "
-                                      "own (slo_ttft_ms) wins")
-    slo_tpot_ms: float = setting(0.0, "the deployment's time-per-output-token target in ms (0: none); a request's "
-                                      "own (slo_tpot_ms) wins")
-    slo_shed: bool = setting(True, "with --slo-admission: shed a request still waiting for decode capacity once its "
-                                   "TTFT target has passed, rather than serve it late")
-    session_ttl_s: float = setting(600.0, "multi-turn sessions (session_id, else user): for this long after a turn, "
-                                          "the next turn may prefill on the decode worker that holds the "
-                                          "conversation's KV, computing only its new tokens (0: off)")
-    max_sessions: int = setting(100_000, "sessions remembered (least recently used dropped)")
-
-    def __post_init__(self) -> None:
-        if self.routing not in ROUTING_POLICIES:
-            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
-        if self.disaggregation not in DISAGGREGATION_MODES:
-            raise ValueError(f"disaggregation must be one of {DISAGGREGATION_MODES}, got {self.disaggregation!r}")
-        if self.itl_weight < 0:
-            raise ValueError(f"itl_weight must be >= 0, got {self.itl_weight}")
-        if self.cache_affinity_weight < 0:
-            raise ValueError(f"cache_affinity_weight must be >= 0, got {self.cache_affinity_weight}")
-        if self.kv_index_max_keys < 1:
-            raise ValueError(f"kv_index_max_keys must be >= 1, got {self.kv_index_max_keys}")
-        for name in ("slo_ttft_ms", "slo_tpot_ms"):
-            if not 0 <= getattr(self, name) <= MAX_TARGET_MS:
-                raise ValueError(f"{name} must be in [0, {MAX_TARGET_MS:g}] ms, got {getattr(self, name)}")
-        for name in ("migration_limit", "max_queued_requests", "kv_lease_ms"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.session_ttl_s < 0 or self.max_sessions < 1:
-            raise ValueError(f"session_ttl_s must be >= 0 and max_sessions >= 1, got {self.session_ttl_s}, "
-                             f"{self.max_sessions}")
-        for name in ("stall_timeout_s", "queue_timeout_s", "worker_wait_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-
 
 
 class Generator:

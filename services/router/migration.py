@@ -20,7 +20,7 @@ import grpc
 from pdserve.services.common import tracing
 from pdserve.services.router.errors import RouterError, WorkerFailure
 from pdserve.services.router.generation_state import Chunk, Generation
-from pdserve.services.common.metrics import RouterMetrics
+from pdserve.services.router.router_metrics import RouterMetrics
 from pdserve.services.router.worker_pool import NoWorker, WorkerHandle, WorkerPool
 
 log = logging.getLogger(__name__)

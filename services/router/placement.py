@@ -23,8 +23,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from pdserve.services.router.cost_model import CostModel, Load, StepCostView
-from pdserve.services.router.worker_pool import NoWorker, WorkerHandle, WorkerPool
+from pdserve.engine.step_cost import Load, StepCostView
+from pdserve.services.router.cost_model import CostModel
+from pdserve.services.router.worker_pool import NoWorker, WorkerHandle, WorkerSet
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,11 @@ class Route:
 
 
 class Placement:
-    def __init__(self, pool: WorkerPool, routing: str = "kv-aware", disaggregation: str = "always",
+    def __init__(self, pool: WorkerSet, routing: str = "kv-aware", disaggregation: str = "always",
                  cost_model: CostModel | None = None,
                  tokens_left: Callable[[WorkerHandle], list[int]] = lambda worker: []) -> None:
-        """tokens_left(worker): output tokens still to come of each request this router has placed
+        """pool: the router's WorkerPool, or any WorkerSet (the planner's simulated workers);
+        tokens_left(worker): output tokens still to come of each request this router has placed
         on a decode (or colocated) worker."""
         if routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {routing!r}")
@@ -128,6 +130,14 @@ class Placement:
 
     def uncached(self, worker: WorkerHandle, keys: Sequence[int], n_tokens: int) -> int:
         return max(1, n_tokens - self._matched(worker, keys) * self.block_size)
+
+    @staticmethod
+    def fits(worker: WorkerHandle, n_tokens: int) -> bool:
+        """Whether the worker's free KV blocks, as it last reported them, hold a sequence of n_tokens:
+        a decode worker that cannot is not asked to reserve (one not heard from yet is)."""
+        s = worker.status
+        bs = s.block_size if s is not None and s.block_size else 1
+        return s is None or worker.free_blocks >= -(-n_tokens // bs)
 
     # ---- decode (and the route) -------------------------------------------------------------
     def decode_routes(self, keys: Sequence[int], n_tokens: int, max_tokens: int, exclude: set[str] = frozenset(),

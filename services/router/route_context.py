@@ -7,25 +7,25 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, TYPE_CHECKING
 
 import grpc
 
-from pdserve.v1 import common_pb2, worker_pb2
 from pdserve.services.router.admission import AdmissionQueue
 from pdserve.services.router.errors import RouterError, WorkerFailure
 from pdserve.services.router.generation_state import Chunk, Generation
-from pdserve.services.router.prefix_index import request_keys
-from pdserve.services.router.sessions import SessionTable
-from pdserve.services.common.metrics import RouterMetrics
 from pdserve.services.router.migration import WorkerWatch
 from pdserve.services.router.placement import Placement, Route
+from pdserve.services.router.prefix_index import request_keys
+from pdserve.services.router.router_metrics import RouterMetrics
+from pdserve.services.router.sessions import SessionTable
 from pdserve.services.router.slo import (OverloadShares, SloPolicy, predicted_wait_ms, retry_after_s,
-                                 step_ms_with_one_more)
+    step_ms_with_one_more)
 from pdserve.services.router.worker_pool import NoWorker, WorkerHandle, WorkerPool
+from pdserve.v1 import common_pb2, worker_pb2
 
 if TYPE_CHECKING:
-    from pdserve.services.router.generator import GenerationOptions
+    from pdserve.services.router.config import GenerationOptions
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class RouteContext:
             left = self.placement.tokens_left(worker)
             if left:
                 cost, load = self.placement.step_cost(worker), self.placement.load(worker)
-                waits.append(min(left) * (cost.base_ms + cost.ms_per_seq * max(1, load.running)))
+                waits.append(min(left) * cost.decode_step_ms(max(1, load.running)))
         return min(waits, default=0.0)
 
     def placed_prompt(self, gen: Generation) -> None:

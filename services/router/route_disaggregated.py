@@ -249,8 +249,7 @@ class DisaggregatedRoute:
             own_target_only = False   # some worker would take it, were it not for its own TPOT target
             for route in routes:
                 worker = route.decode
-                bs = worker.status.block_size if worker.status and worker.status.block_size else 1
-                if worker.status is not None and worker.free_blocks < -(-n_tokens // bs):
+                if not ctx.placement.fits(worker, n_tokens):
                     continue   # cannot fit: do not ask
                 if not ctx.keeps_tpot(gen, worker):
                     own_target_only = own_target_only or ctx.keeps_tpot(gen, worker, own=False)

@@ -123,7 +123,42 @@ class MembershipError(ValueError):
     """A membership change the pool refuses (the message says why)."""
 
 
-class WorkerPool:
+class WorkerSet:
+    """The workers placement chooses among (services/router/placement.py) and what it asks of
+    them, without streams or channels: ``WorkerPool`` is the router's, kept by its workers' status
+    streams; the planner's simulator builds one of its simulated workers. A member is anything
+    with ``WorkerHandle``'s fields that placement reads: address, role, status (the worker's last
+    WorkerStatus, None before the first), healthy, inflight, inflight_prompt_tokens, free_blocks
+    and index (its prefix-cache keys)."""
+
+    def __init__(self, workers: list | None = None) -> None:
+        self.workers: list[WorkerHandle] = [] if workers is None else workers
+
+    @property
+    def colocated(self) -> bool:
+        """Every member is colocated (a mixed pool routes as a disaggregated one)."""
+        return bool(self.workers) and all(w.role == "both" for w in self.workers)
+
+    @property
+    def block_size(self) -> int:
+        """The deployment's KV block size, as its workers report it (their EngineConfig's); 0 before any has."""
+        return next((w.status.block_size for w in self.workers if w.status is not None and w.status.block_size), 0)
+
+    def healthy(self, role: str) -> list[WorkerHandle]:
+        """The healthy members that can do role's part (SERVED_BY: for "decode", colocated ones too)."""
+        return [w for w in self.workers if w.role in SERVED_BY[role] and w.healthy]
+
+    def decode_candidates(self, exclude: set[str] = frozenset()) -> list[WorkerHandle]:
+        """Healthy decode (or colocated) workers, least loaded first: fewest in-flight requests,
+        then most free KV blocks."""
+        role = "decode"   # colocated workers included (SERVED_BY)
+        healthy = [w for w in self.healthy(role) if w.address not in exclude] or self.healthy(role)
+        if not healthy:
+            raise NoWorker(role)
+        return sorted(healthy, key=lambda w: (w.inflight, -w.free_blocks))
+
+
+class WorkerPool(WorkerSet):
     def __init__(self, prefill: list[str], decode: list[str], colocated: list[str],
                  credentials: Credentials | None = None, *, stale_s: float = 3.0, retry_s: float = 0.25,
                  resolver: Callable[[WorkerHandle], Awaitable[str | None]] | None = None,
@@ -132,7 +167,7 @@ class WorkerPool:
         one role only."""
         self.credentials = credentials or Credentials()
         self.kv_index_max_keys = kv_index_max_keys
-        self.workers: list[WorkerHandle] = []
+        super().__init__()
         if not (prefill or decode or colocated) and not dynamic:
             raise ValueError("the router needs at least one worker")
         if not dynamic and not colocated and bool(prefill) != bool(decode):
@@ -207,22 +242,8 @@ class WorkerPool:
         """Every open stream of a request on worker fails as a worker fault (its requests migrate)."""
         worker.evicted.set()
 
-    @property
-    def colocated(self) -> bool:
-        """Every member is colocated (a mixed pool routes as a disaggregated one)."""
-        return bool(self.workers) and all(w.role == "both" for w in self.workers)
-
-    @property
-    def block_size(self) -> int:
-        """The deployment's KV block size, as its workers report it (their EngineConfig's); 0 before any has."""
-        return next((w.status.block_size for w in self.workers if w.status is not None and w.status.block_size), 0)
-
     def of_role(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers if w.role == role]
-
-    def healthy(self, role: str) -> list[WorkerHandle]:
-        """The healthy members that can do role's part (SERVED_BY: for "decode", colocated ones too)."""
-        return [w for w in self.workers if w.role in SERVED_BY[role] and w.healthy]
 
     def outage_started(self, role: str) -> float | None:
         """Since when (monotonic) the role has had no healthy worker: when the last of them was
@@ -357,12 +378,3 @@ class WorkerPool:
         finally:
             worker.inflight -= n
             worker.inflight_prompt_tokens -= prompt_tokens
-
-    def decode_candidates(self, exclude: set[str] = frozenset()) -> list[WorkerHandle]:
-        """Healthy decode (or colocated) workers, least loaded first: fewest in-flight requests,
-        then most free KV blocks."""
-        role = "decode"   # colocated workers included (SERVED_BY)
-        healthy = [w for w in self.healthy(role) if w.address not in exclude] or self.healthy(role)
-        if not healthy:
-            raise NoWorker(role)
-        return sorted(healthy, key=lambda w: (w.inflight, -w.free_blocks))

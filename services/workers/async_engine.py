@@ -22,7 +22,8 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from pdserve.engine.kv.handoff import HandoffState, LeasePolicy
+from pdserve.engine.kv.connector import KVConnector
+from pdserve.engine.kv.handoff import HandoffState, LeasePolicy, Reservation
 from pdserve.engine.parallel import RankFailure
 from pdserve.engine.settings import ENV
 from pdserve.services.common.change_signal import ChangeSignal
@@ -97,12 +98,17 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._kv_waiters: dict[str, list[asyncio.Future[HandoffState]]] = {}
         self._status = ChangeSignal()
-        self.engine.kv.on_change = self._on_kv_change
+        self.connector.subscribe(on_change=self._on_kv_change)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         # Monotonic time of the engine loop's last progress: a step completed, or an idle wait
         # (IDLE_WAKE_S) ended with no work. A StallWatchdog (lifecycle.py) reads it.
         self.heartbeat = time.monotonic()
         self._hang_file = hang_file_for_tests()
+
+    @property
+    def connector(self) -> KVConnector:
+        """The engine's KV connector, the hand-off's one owner: services call its public methods only."""
+        return self.engine.kv
 
     # ---- lifecycle --------------------------------------------------------------
     def start(self) -> None:
@@ -151,6 +157,19 @@ class AsyncEngine:
         self.status_changed()
         return stream, reason
 
+    def reserve(self, request_id: str, prompt: Seq[int], params: SamplingParams, output_token_ids: Seq[int] = (),
+                lease_s: float | None = None) -> Reservation:
+        """Decode role: reserve blocks for a sequence whose KV will arrive (LLMEngine.reserve).
+        Raises NoCapacity / ValueError."""
+        reservation = self.engine.reserve(request_id, prompt, params, output_token_ids, lease_s=lease_s)
+        self.status_changed()
+        return reservation
+
+    def release(self, request_id: str) -> bool:
+        """Prefill role: the finished prefill's pinned blocks were delivered (or will not be): they
+        fall back to the prefix cache."""
+        return self.engine.release(request_id)
+
     def _open(self, request_id: str) -> RequestStream:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -195,14 +214,14 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[HandoffState] = loop.create_future()
         with self.engine.lock:
-            state = self.engine.kv.state(request_id)
+            state = self.connector.state(request_id)
             if state not in (HandoffState.RESERVED, HandoffState.RECEIVING):
                 return state
             self._kv_waiters.setdefault(request_id, []).append(fut)
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            return self.engine.kv.state(request_id)
+            return self.connector.state(request_id)
         finally:
             waiters = self._kv_waiters.get(request_id)
             if waiters is not None and fut in waiters:
@@ -238,7 +257,7 @@ class AsyncEngine:
                 self._wake.wait(IDLE_WAKE_S)
                 self._wake.clear()
                 with engine.lock:
-                    if engine.kv.expire():
+                    if self.connector.expire():
                         self._call_soon(self.status_changed)
                 if self.failure is None:
                     try:
@@ -296,14 +315,19 @@ class AsyncEngine:
         release(): more than export_run_bytes of them the caller exports after sending the first
         token (export_blocks), which so never waits for a long copy."""
         results = []
-        per_block = self.engine.kv.pool.bytes_per_block
+        per_block = self.connector.bytes_per_block
         with self.engine.lock:
             for out in outputs:
                 deferred = out.prefill_done and len(out.ready_blocks) * per_block > self.export_run_bytes
                 read = out.ready_blocks and not deferred
-                blocks = self.engine.kv.read_block_pieces(out.request_id, out.ready_blocks) if read else None
+                blocks = self.connector.read_block_pieces(out.request_id, out.ready_blocks) if read else None
                 results.append(StepResult(out, blocks))
         return results
+
+    @property
+    def export_run_blocks(self) -> int:
+        """How many blocks export_run_bytes holds (at least one): a deferred export's run."""
+        return max(1, self.export_run_bytes // self.connector.bytes_per_block)
 
     async def export_blocks(self, request_id: str, block_indices: list[int], views: bool = False
                             ) -> list[tuple[int, int, torch.Tensor]] | None:
@@ -313,13 +337,13 @@ class AsyncEngine:
         the engine lock (never beside a step). None: the request was aborted meanwhile."""
         if views:
             with self.engine.lock:
-                pinned = self.engine.kv.pinned_views(request_id, block_indices)
+                pinned = self.connector.pinned_views(request_id, block_indices)
             if pinned is not None:
                 return pinned
 
         def read() -> list[tuple[int, int, torch.Tensor]] | None:
             with self.engine.lock:
-                return self.engine.kv.read_block_pieces(request_id, block_indices)
+                return self.connector.read_block_pieces(request_id, block_indices)
         return await asyncio.to_thread(read)
 
     def _deliver(self, results: list[StepResult]) -> None:

@@ -6,20 +6,20 @@ import logging
 import ssl
 from typing import TYPE_CHECKING
 
-from pdserve.services.common.security import Credentials
 from pdserve.services.common.proofs import is_wildcard
+from pdserve.services.common.security import Credentials
 
 if TYPE_CHECKING:
     from pdserve.services.kv_transfer.base import KVSink
     from pdserve.services.kv_transfer.tcp_receiver import KVDataListener
     from pdserve.services.kv_transfer.tcp_transport import TcpKVSender
-    from pdserve.services.workers.worker_process import WorkerOptions
+    from pdserve.services.workers.config import WorkerOptions
 
 log = logging.getLogger(__name__)
 
 
 def _tls(credentials: Credentials, server: bool) -> ssl.SSLContext | None:
-    from pdserve.services.kv_transfer import tcp_wire
+    from pdserve.services.kv_transfer import tcp_wire   # lazy: torch only where a data plane runs
     if credentials.tls is None:
         return None
     files = (str(credentials.tls.cert), str(credentials.tls.key), str(credentials.tls.ca))
@@ -30,6 +30,7 @@ def kv_data_listener(sink: "KVSink", options: "WorkerOptions") -> "KVDataListene
     """Decode: the listener on --host:--kv-data-port, or None: --kv-data-plane grpc, a Ray
     deployment, a KV address advertised in place of this worker's own (a relay or a translated
     address: only the gRPC stream goes there), or a wildcard --host with no address to name."""
+    # lazy: torch only when this runs
     from pdserve.services.kv_transfer.tcp_receiver import DataPlaneLimits, KVDataListener
     wc = options.config
     if wc.kv_data_plane != "tcp" or options.kv_address or wc.kv_advertise_address:
@@ -46,7 +47,7 @@ def kv_data_listener(sink: "KVSink", options: "WorkerOptions") -> "KVDataListene
 
 def kv_data_sender(options: "WorkerOptions") -> "TcpKVSender | None":
     """Prefill: the TCP sender used for targets that name a data plane, or None (--kv-data-plane grpc)."""
-    from pdserve.services.kv_transfer.tcp_transport import TcpKVSender
+    from pdserve.services.kv_transfer.tcp_transport import TcpKVSender   # lazy: torch only when this runs
     wc = options.config
     if wc.kv_data_plane != "tcp":
         return None

@@ -10,11 +10,11 @@ import grpc
 
 from pdserve.engine import NoCapacity
 from pdserve.engine.kv.handoff import HandoffError, HandoffState
-from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.services.common.proto_convert import logprobs_to_proto, params_from_proto
 from pdserve.services.workers.async_engine import AsyncEngine
 from pdserve.services.workers.colocated import generate_local
-from pdserve.services.common.proto_convert import logprobs_to_proto, params_from_proto
 from pdserve.services.workers.lifecycle import WorkerState
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
 def status_code(code: str) -> grpc.StatusCode:
@@ -32,14 +32,13 @@ class DecodeHandler(worker_pb2_grpc.DecodeWorkerServicer):
                       ) -> worker_pb2.ReserveResponse:
         await self.state.refuse_if_draining(context)
         try:
-            res = self.aengine.engine.reserve(request.request_id, request.prompt_token_ids,
-                                              params_from_proto(request.params), request.output_token_ids,
-                                              lease_s=request.lease_ms / 1e3 or None)
+            res = self.aengine.reserve(request.request_id, request.prompt_token_ids,
+                                       params_from_proto(request.params), request.output_token_ids,
+                                       lease_s=request.lease_ms / 1e3 or None)
         except NoCapacity as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker is full: {exc}")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self.aengine.status_changed()
         return worker_pb2.ReserveResponse(needed_block_indices=res.needed_block_indices,
                                           held_block_hashes=res.held_block_hashes, num_blocks=res.num_blocks,
                                           transfer_token=res.transfer_token, lease_ms=int(res.lease_s * 1e3),
@@ -47,8 +46,8 @@ class DecodeHandler(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def FailTransfer(self, request: worker_pb2.FailTransferRequest, context: grpc.aio.ServicerContext
                            ) -> common_pb2.AbortResponse:
-        found = self.aengine.engine.kv.fail(request.request_id, "UNAVAILABLE",
-                                             f"the prefill worker could not deliver the KV: {request.reason[:512]}")
+        found = self.aengine.connector.fail(request.request_id, "UNAVAILABLE",
+                                            f"the prefill worker could not deliver the KV: {request.reason[:512]}")
         return common_pb2.AbortResponse(found=found)
 
     async def Generate(self, request: worker_pb2.GenerateLocalRequest, context: grpc.aio.ServicerContext
@@ -61,17 +60,17 @@ class DecodeHandler(worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[worker_pb2.DecodeEvent]:
         rid = request.request_id
-        engine = self.aengine.engine
+        kv = self.aengine.connector
         t0 = time.perf_counter()
-        wait_s = request.kv_wait_ms / 1e3 if request.kv_wait_ms else engine.kv.lease.max_s
+        wait_s = request.kv_wait_ms / 1e3 if request.kv_wait_ms else kv.max_lease_s
         state = await self.aengine.wait_kv(rid, wait_s)
         if state is not HandoffState.READY:
-            failure = engine.kv.failure(rid)
+            failure = kv.failure(rid)
             if failure is not None:
                 await context.abort(status_code(failure.code), f"KV of {rid!r}: {failure.message}")
             if state is None:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no reservation for request {rid!r}")
-            engine.abort(rid)   # still incomplete after kv_wait: give the blocks back
+            self.aengine.abort(rid)   # still incomplete after kv_wait: give the blocks back
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"KV of {rid!r} incomplete after waiting {wait_s:g}s")
         kv_wait_ms = (time.perf_counter() - t0) * 1e3

@@ -6,15 +6,14 @@ them (services/workers/worker_process.py)."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, TYPE_CHECKING
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 
-from pdserve.services.kv_transfer import GrpcKVSender, KVSender, KVTransferServicer
-from pdserve.services.kv_transfer import shared_memory
-from pdserve.services.kv_transfer.grpc_transport import SharedMemoryRoute, grpc_message_limit
 from pdserve.services.common.grpc_setup import options as channel_options
+from pdserve.services.kv_transfer import GrpcKVSender, KVSender, KVTransferServicer, shared_memory
+from pdserve.services.kv_transfer.grpc_transport import SharedMemoryRoute, grpc_message_limit
 from pdserve.services.workers.async_engine import AsyncEngine
 from pdserve.services.workers.colocated import ColocatedHandler
 from pdserve.services.workers.data_plane import kv_data_listener, kv_data_sender
@@ -24,8 +23,8 @@ from pdserve.services.workers.prefill import PrefillHandler
 
 if TYPE_CHECKING:
     from pdserve.services.kv_transfer.tcp_receiver import KVDataListener
-    from pdserve.services.common.metrics import WorkerMetrics
-    from pdserve.services.workers.worker_process import WorkerOptions
+    from pdserve.services.workers.worker_metrics import WorkerMetrics
+    from pdserve.services.workers.config import WorkerOptions
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +69,9 @@ class RoleSides:
         return PrefillHandler(self.aengine, self.sender, self.state, self.metrics, data_sender=self.data_sender)
 
     def _decode(self) -> DecodeHandler:
-        kv = self.aengine.engine.kv
+        kv = self.aengine.connector
         self.listener = kv_data_listener(kv, self.options)
-        kv.on_block = self.metrics.kv_received
-        notify = kv.on_change
-        kv.on_change = lambda rid, st: (self.metrics.kv_handoff_ended(st), notify(rid, st))
+        kv.subscribe(on_change=lambda rid, st: self.metrics.kv_handoff_ended(st), on_block=self.metrics.kv_received)
         return DecodeHandler(self.aengine, self.state, self.listener.address() if self.listener is not None else "")
 
     def _colocated(self) -> ColocatedHandler:

@@ -14,26 +14,24 @@ import sys
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
 
 import grpc
 
 from pdserve.engine import EngineConfig
-from pdserve.v1 import common_pb2, membership_pb2, worker_pb2, worker_pb2_grpc
-from pdserve.services.workers.async_engine import AsyncEngine
-from pdserve.services.kv_transfer import KVSender, register_kv_servicer
 from pdserve.services.common import tracing
-from pdserve.services.common.proto_convert import ROLE_ENUM, ROLE_NAMES
-from pdserve.services.common.security import Credentials
 from pdserve.services.common.grpc_setup import Server, service_registration, start_server, stop_on_signals
-from pdserve.services.workers.config import ENGINE_STALL_EXIT_CODE, WorkerConfig
+from pdserve.services.common.metrics import start_metrics_server
+from pdserve.services.common.proto_convert import ROLE_ENUM, ROLE_NAMES
+from pdserve.services.kv_transfer import KVSender, register_kv_servicer
+from pdserve.services.workers.async_engine import AsyncEngine
+from pdserve.services.workers.config import ENGINE_STALL_EXIT_CODE, WorkerOptions
 from pdserve.services.workers.lifecycle import StallWatchdog, WorkerState
 from pdserve.services.workers.membership_client import keep_joined
 from pdserve.services.workers.roles import GatedKVTransfer, RoleGate, RoleSides
-
-if TYPE_CHECKING:
-    from pdserve.services.common.metrics import WorkerMetrics
+from pdserve.services.workers.worker_metrics import WorkerMetrics
+from pdserve.v1 import common_pb2, membership_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -73,19 +71,6 @@ def _role_name(value: int) -> str:
 def _round3(x: float) -> float:
     """3 significant digits: a published estimate changes the status only when it really moves."""
     return float(f"{x:.3g}")
-
-
-@dataclass(slots=True)
-class WorkerOptions:
-    host: str = "127.0.0.1"
-    port: int = 0
-    worker_id: str = ""
-    metrics_port: int | None = None   # Prometheus /metrics; None: no endpoint
-    metrics_token: str | None = None  # scrapes must send it as a bearer token
-    kv_address: str = ""              # advertised as WorkerStatus.kv_address ("": the Worker address)
-    kv_sender: KVSender | None = None  # prefill: how KV blocks leave (None: gRPC)
-    credentials: Credentials = field(default_factory=Credentials)
-    config: WorkerConfig = field(default_factory=WorkerConfig)
 
 
 class WorkerInfoServicer(worker_pb2_grpc.WorkerServicer):
@@ -219,7 +204,6 @@ async def serve_worker(config: EngineConfig, options: WorkerOptions, stop: async
     """Run one worker until stop is set (or SIGINT/SIGTERM), then drain. on_start runs once serving.
     Raises RankFailure, after draining, when a tensor-parallel rank died: the worker cannot step
     again, and its supervisor (`pdserve up`, Ray) restarts it."""
-    from pdserve.services.common.metrics import WorkerMetrics, start_metrics_server
 
     worker_id = options.worker_id or f"{config.role}-{uuid.uuid4().hex[:8]}"
     metrics = WorkerMetrics(config.role, worker_id, model_name=config.model)
@@ -307,7 +291,7 @@ def role_registrations(info: WorkerInfoServicer, sides: RoleSides, options: Work
     for role, name in (("prefill", "PrefillWorker"), ("decode", "DecodeWorker"), ("both", "ColocatedWorker")):
         registrations.append(service_registration(services[name], RoleGate(services[name], role, state, sides)))
     wc = options.config
-    kv_servicer = GatedKVTransfer(state, sides.aengine.engine.kv, shared_memory=wc.kv_shared_memory,
+    kv_servicer = GatedKVTransfer(state, sides.aengine.connector, shared_memory=wc.kv_shared_memory,
                                   shared_memory_dir=wc.kv_shared_memory_dir,
                                   cluster_token=options.credentials.cluster_token)
     registrations.append((lambda servicer, server: register_kv_servicer(servicer, server), kv_servicer,

@@ -20,7 +20,7 @@ import pytest
 from pdserve.services.cli.commands import build_parser
 from pdserve.services.common.config_flags import config_from_args, config_to_argv
 from pdserve.services.deployment.launcher import free_port
-from tests.services.test_cli_errors import _one_error_line, _run
+from tests.services.cli.test_cli_errors import _one_error_line, _run
 
 ROOT = Path(__file__).resolve().parents[2]
 UP_TIMEOUT_S = 240    # the deployment's start on a loaded 2-core machine
@@ -44,8 +44,8 @@ def test_help_paths_do_not_import_torch(argv: list[str]) -> None:
 def test_cli_and_client_modules_do_not_import_torch() -> None:
     """Importing the CLI, the clients and the generated parser of a client command loads no engine."""
     code = ("import sys\n"
-            "import services.cli, services.cli.entry, services.client, services.loadtest.openai_backend\n"
-            "from services.cli.commands import build_parser, _command_of\n"
+            "import pdserve.services.cli, pdserve.services.cli.entry, pdserve.services.client, pdserve.services.loadtest.openai_backend\n"
+            "from pdserve.services.cli.commands import build_parser, _command_of\n"
             "argv = ['generate', '--router', '127.0.0.1:1', 'hi', '--max-tokens', '3']\n"
             "args = build_parser(_command_of(argv)).parse_args(argv)\n"
             "assert args.router == '127.0.0.1:1' and args.max_tokens == 3\n"

@@ -464,7 +464,10 @@ def test_health_watch_streams_are_capped() -> None:
                     refused = exc.code().name
                 check = await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)   # Check stays open
                 calls[0].cancel()
-                await asyncio.sleep(0.3)
+                deadline = time.monotonic() + 10
+                while server.health.watches >= MAX_HEALTH_WATCHES:   # the server ends the cancelled stream
+                    assert time.monotonic() < deadline, "the cancelled Watch stream still counts"
+                    await asyncio.sleep(0.01)
                 again = stub.Watch(health_pb2.HealthCheckRequest())
                 calls.append(again)
                 reopened = (await asyncio.wait_for(again.read(), 10)).status == health_pb2.HealthCheckResponse.SERVING

@@ -86,7 +86,7 @@ class RayHosts:
 
     def generate(self, router: str, prompts: list[list[int]]) -> list[list[int]]:
         """Greedy tokens of each prompt through the router, from a client in the head's namespace."""
-        script = ("import asyncio, json, sys\nfrom services.client import AsyncClient\n"
+        script = ("import asyncio, json, sys\nfrom pdserve.services.client import AsyncClient\n"
                   "async def main(router, prompts):\n"
                   "    async with AsyncClient(router, timeout=120) as c:\n"
                   f"        outs = await asyncio.gather(*(c.generate(p, max_tokens={MAX_NEW}, temperature=0.0,"

@@ -22,7 +22,7 @@ from pdserve.services.common.security import API_KEY_ENV, Credentials, TLSFiles
 from pdserve.services.common.proofs import AUTH_HEADER
 from tests.certs import make_ca_and_cert
 from tests.conftest import hf_greedy, random_prompts
-from tests.serving import assert_blocks_at_baseline, channel, start_cluster, worker_status, workers
+from tests.serving import assert_blocks_at_baseline, channel, metric, scrape, start_cluster, worker_status, workers
 
 PROMPT = random_prompts(1, 30, 30, seed=5)[0]
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -183,6 +183,7 @@ def _cpu_seconds(pid: int) -> float:
 def test_a_huge_text_prompt_is_refused_fast_without_memory_growth_or_stalls(cluster) -> None:
     router_pid = next(p.popen.pid for p in cluster.processes if p.name == "router")
     gaps: list[float] = []
+    streaming = threading.Event()
 
     def steady_stream() -> None:   # another user, streaming meanwhile
         with Client(cluster.router_address, timeout=60) as client:
@@ -191,10 +192,11 @@ def test_a_huge_text_prompt_is_refused_fast_without_memory_growth_or_stalls(clus
                 now = time.monotonic()
                 gaps.append(now - last)
                 last = now
+                streaming.set()
 
     other = threading.Thread(target=steady_stream)
     other.start()
-    time.sleep(0.3)
+    assert streaming.wait(60), "the other user's stream did not start"
     huge = router_pb2.GenerateRequest(text="word " * (12 << 20))
     before = _rss_kb(router_pid)
     cpu_before = _cpu_seconds(router_pid)
@@ -235,13 +237,18 @@ def test_waiting_requests_cost_nothing_and_a_full_queue_answers_at_once(tiny_qwe
                         break
         prompts = random_prompts(21, 10, 20, seed=9)
         pids = {p.name: p.popen.pid for p in c.processes}
+        router_metrics = next(p.metrics_address for p in c.processes if p.name == "router")
 
         async def scenario():
             async with AsyncClient(c.router_address, timeout=120) as client:
                 tasks = [asyncio.create_task(client.generate(p, max_tokens=6, **GREEDY)) for p in prompts]
-                await asyncio.sleep(1.0)   # all 21 are in: the head and 20 waiting
+                deadline = time.monotonic() + 60
+                while metric(await asyncio.to_thread(scrape, router_metrics),
+                             "pdserve:num_requests_running") < len(prompts):   # all 21 are in: the head and 20 waiting
+                    assert time.monotonic() < deadline, "the requests did not all reach the router"
+                    await asyncio.sleep(0.05)
                 cpu0 = {n: _cpu_seconds(pid) for n, pid in pids.items()}
-                await asyncio.sleep(3.0)
+                await asyncio.sleep(3.0)   # kept: the window whose CPU time is measured
                 cpu = {n: _cpu_seconds(pid) - cpu0[n] for n, pid in pids.items()}
                 assert cpu["router"] < 0.3 and cpu["decode-0"] < 0.3, cpu   # waiting is free: no retries, no polls
                 t0 = time.monotonic()

@@ -168,7 +168,9 @@ def test_a_sessions_next_turn_prefills_only_its_new_tokens_on_the_decode_worker(
         turn1 = client.generate(history, session_id="conversation-1", **kwargs)
         assert turn1.timings["prefill_route"] == "remote"
         prompt2 = history + turn1.token_ids + message
-        time.sleep(0.3)   # the decode worker's KV events of turn 1 reach the router
+        # kept: the decode worker's KV events of turn 1 reach the router; its prefix index has no
+        # outside view (no metric or RPC) to wait on
+        time.sleep(0.3)
         turn2 = client.generate(prompt2, session_id="conversation-1", **kwargs)
         alone = client.generate(prompt2[:-1] + [prompt2[-1] ^ 1], **kwargs)   # no session, another last token
     held = (len(history) + len(turn1.token_ids) - 1) // 8 * 8   # its full blocks, the last token's K/V not yet

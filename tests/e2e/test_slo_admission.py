@@ -22,7 +22,7 @@ from pdserve.v1 import membership_pb2 as m
 from pdserve.v1 import membership_pb2_grpc, worker_pb2
 from pdserve.services.client import Client
 from pdserve.services.deployment.launcher import free_port
-from tests.serving import metric, scrape, start_cluster
+from tests.serving import metric, scrape, start_cluster, wait_for
 
 LONG = dict(max_tokens=400, temperature=0.0, ignore_eos=True)
 SHORT = dict(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -164,11 +164,13 @@ def test_a_higher_priority_is_admitted_before_lower_ones_queued_earlier(cluster)
                 if msg.token_ids and name not in first_token:
                     first_token[name] = time.perf_counter()
     with Occupied(cluster):
+        running = metric(_router_metrics(cluster), "pdserve:num_requests_running")   # the two long ones
         threads = []
         for name, priority in (("low-1", 5), ("low-2", 5), ("low-3", 5), ("high", 0)):
             threads.append(threading.Thread(target=one, args=(name, priority)))
             threads[-1].start()
-            time.sleep(0.1)   # queued in this order
+            wait_for(lambda: metric(_router_metrics(cluster), "pdserve:num_requests_running") >= running + len(threads),
+                     30, f"{name} at the router", interval=0.02)   # queued in this order
         for t in threads:
             t.join(120)
     order = sorted(first_token, key=first_token.get)

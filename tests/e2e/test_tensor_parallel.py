@@ -193,7 +193,8 @@ def test_worker_with_a_killed_rank_fails_and_frees_its_blocks(tiny_qwen3: str) -
     worker drains and raises RankFailure (its supervisor restarts it) instead of hanging."""
     from pdserve.engine import EngineConfig
     from pdserve.engine.kv.handoff import HandoffState
-    from pdserve.services.workers.worker_process import WorkerOptions, serve_worker
+    from pdserve.services.workers.config import WorkerOptions
+    from pdserve.services.workers.worker_process import serve_worker
 
     config = EngineConfig(model=tiny_qwen3, role="decode", dtype="float32", block_size=8, num_kv_blocks=64,
                           tensor_parallel_size=2, tp_collective_timeout_s=TIMEOUT_S)
@@ -233,8 +234,8 @@ def test_rank_dies_with_a_dead_driver(tiny_qwen3: str, tmp_path: Path) -> None:
     script = tmp_path / "driver.py"
     script.write_text(   # only what starts the ranks: the driver need not load the model
         "import time, torch\n"
-        "from engine.config import EngineConfig\n"
-        "from engine.parallel import RankProcesses\n"
+        "from pdserve.engine.config import EngineConfig\n"
+        "from pdserve.engine.parallel import RankProcesses\n"
         f"ranks = RankProcesses(EngineConfig({tiny_qwen3!r}, dtype='float32', num_kv_blocks=16, "
         "tensor_parallel_size=2), torch.device('cpu'))\n"
         "print(ranks.pids[0], flush=True)\n"

@@ -1,4 +1,4 @@
-"""GPU code paths. The import test runs everywhere; the rest need a CUDA device."""
+"""GPU code paths. The fallback test runs where there is no CUDA device; the rest need one."""
 from __future__ import annotations
 
 import importlib
@@ -13,11 +13,32 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 PROMPTS = random_prompts(6, 5, 50, seed=81)
 
 
-def test_gpu_modules_import_cleanly_without_cuda() -> None:
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of a machine without CUDA")
+def test_without_cuda_the_gpu_paths_import_report_off_and_the_engine_runs_on_cpu(tiny_qwen3: str,
+                                                                                 monkeypatch) -> None:
+    """The CUDA-only modules import on a CPU machine and say their kernels are absent; the engine
+    picks the CPU (no CUDA graphs, a CPU backend), and even with flash-attn claimed present at a block
+    size it takes, attention on CPU tensors never goes down the flash path: greedy tokens are HF's."""
     for name in ("pdserve.engine.cuda_graphs", "pdserve.engine.layers.attention", "pdserve.engine.model_runner"):
         importlib.import_module(name)
-    from pdserve.engine.layers import attention
-    assert isinstance(attention.HAS_FLASH_ATTN, bool)
+    from pdserve.engine.layers import attention, cpu_kernels
+    from pdserve.engine.layers.backend import TORCH
+    from pdserve.engine.model_runner import resolve_device
+
+    assert attention.HAS_FLASH_ATTN is False   # flash-attn's kernels need CUDA
+    assert resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(attention, "HAS_FLASH_ATTN", True)
+    monkeypatch.setattr(attention.Attention, "_flash", lambda self, q, meta: pytest.fail("flash-attn path on CPU"))
+    llm = LLM(tiny_qwen3, dtype="float32", block_size=256, num_kv_blocks=8, max_num_seqs=8)   # device "auto"
+    runner = llm.engine.runner
+    assert runner.device == torch.device("cpu") and runner.kv_cache.device.type == "cpu"
+    assert runner.graphs is None   # CUDA graphs only on a CUDA device
+    assert runner.backend.name == ("native-cpu" if cpu_kernels.available() else "torch")
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = hf_greedy(tiny_qwen3, PROMPTS, 16)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == want
+    runner.set_backend(TORCH)   # attention through Attention.attend, where the flash-attn gate is
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == want
 
 
 @requires_cuda

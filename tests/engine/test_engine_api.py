@@ -197,7 +197,7 @@ def test_reservation_lease_lapses_without_progress_and_progress_extends_it(tiny_
         decode.reserve("b", [7] * 40, GREEDY)   # 5 more blocks + 1 kept as headroom, 5 free
     t0 = time.monotonic()
     assert decode.kv.expire(t0 + 0.1) == []
-    time.sleep(0.1)
+    time.sleep(0.1)   # kept: the lease clock must move for progress to extend it (what is tested)
     t1 = time.monotonic()
     decode.kv.heartbeat("a", res.transfer_token)  # progress: lapses 0.2 s after t1 instead of after t0
     assert decode.kv.expire(t1 + 0.15) == []      # t1 + 0.15 > t0 + 0.2: the lease was extended

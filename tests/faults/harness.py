@@ -21,7 +21,7 @@ from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.services.client import Client
 from pdserve.services.deployment.launcher import PROBE_OPTIONS, Cluster
 from tests.conftest import random_prompts
-from tests.serving import catch_holder, channel, start_cluster
+from tests.serving import catch_holder, channel, start_cluster, wait_for
 
 REPORT_ENV = "PDSERVE_FAULT_REPORT"
 STALL_S = 3.0
@@ -79,14 +79,6 @@ def observe(address: str, prompt: list[int], max_tokens: int, timeout: float = 1
 
     threading.Thread(target=run, daemon=True).start()
     return obs
-
-
-def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.005) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
 
 
 @dataclass

@@ -36,7 +36,7 @@ def _stall_prefill(fc: FaultCluster, prompt: list[int], stall_s: float):
     wait_for(lambda: bool(found.append(fc.holding("prefill", "num_running")) or found[-1]), 30, "prefill computing")
     assert not obs.tokens
     fc.signal(found[-1], signal.SIGSTOP)
-    time.sleep(stall_s)
+    time.sleep(stall_s)   # kept: the stall's length is the fault under test
     fc.signal(found[-1], signal.SIGCONT)
     assert obs.done.wait(120)
     return obs

@@ -192,12 +192,16 @@ def test_sigterm_stops_the_router_after_its_streams_finish(tiny_qwen3: str) -> N
     assert not _spawned_by(proc.pid)
 
 
-@pytest.mark.parametrize("delay", [0.5, 3.0])
-def test_sigterm_during_start_up_leaves_nothing_running(tiny_qwen3: str, delay: float) -> None:
+@pytest.mark.parametrize("phase", ["workers-loading", "router-starting"])
+def test_sigterm_during_start_up_leaves_nothing_running(tiny_qwen3: str, phase: str) -> None:
+    """SIGTERM while the first worker loads the model, or once the router (started after every worker
+    serves: services/deployment/launcher.Cluster.start) is starting."""
     proc = _up(tiny_qwen3, free_port())
     seen: dict[int, str] = {}
     wait_for(lambda: bool(seen.update(_children(proc.pid)) or seen), 60, "the first child")
-    time.sleep(delay)   # workers loading (0.5 s), or the router starting (3 s)
+    if phase == "router-starting":
+        wait_for(lambda: "router" in (seen.update(_children(proc.pid)) or seen).values(), 120, "the router child",
+                 interval=0.05)
     assert proc.poll() is None, "still starting"
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=60)
