@@ -24,7 +24,7 @@ def setting(default: Any, help: str, **meta: Any) -> Any:
 # ---- environment variables ---------------------------------------------------------
 # Every environment variable pdserve reads is declared here once, typed, with its default and
 # help (the model: mini-sglang's env.py); readers call ``ENV.X.get()``, never os.environ
-# (tests/services/test_settings_registry.py checks engine/ and services/). Copying the whole
+# (tests/engine/test_settings_registry.py checks engine/ and services/). Copying the whole
 # environment for a child process (``{**os.environ, ...}``) is the one other use.
 
 def _flag(text: str) -> bool:

@@ -12,7 +12,7 @@ Equivalent to running, from the repo root::
         --grpc_python_out=. proto/pdserve/v1/*.proto
 
 The generated modules import each other as ``from pdserve.v1 import ...``.
-``tests/services/test_protos.py`` fails if the committed stubs differ from a fresh run.
+``tests/services/common/test_protos.py`` fails if the committed stubs differ from a fresh run.
 """
 
 from __future__ import annotations

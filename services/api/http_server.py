@@ -6,7 +6,7 @@ sends every request through the same ``Generator`` (admission queue, disaggregat
 colocated placement, migration) as the gRPC API, and every prompt through the same request front
 (services/api/request_front.py: limits, tokenizing, chat template, validation); a ``RouterFacade``
 (services/api/router_facade.py) supplies them and the metrics, and is all it sees of the router. Nothing here knows how tokens are produced. The body is parsed in
-services/api/http_request.py, stop strings matched in services/api/stop_strings.py, server-sent
+services/api/http_request.py, stop strings matched by services/api/detokenizer.StopMatcher, server-sent
 events framed in services/api/http_stream.py.
 
 Why FastAPI + uvicorn: uvicorn is an asyncio ASGI server whose ``Server.serve()`` runs as one
@@ -63,7 +63,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.quoting import quoted
-from pdserve.services.api.detokenizer import IncrementalDetokenizer
+from pdserve.services.api.detokenizer import IncrementalDetokenizer, StopMatcher
 from pdserve.services.api.http_connections import BoundedHttpToolsProtocol, OPEN_PATHS, RequestGuard
 from pdserve.services.api.http_request import HTTPError, ParsedBody, front_requests, parse_body, read_json
 from pdserve.services.api.http_stream import (ClientGone, SSE_DONE, SSEResponse, cancel_all, gather_or_cancel,
@@ -71,7 +71,6 @@ from pdserve.services.api.http_stream import (ClientGone, SSE_DONE, SSEResponse,
 from pdserve.services.api.principals import ApiKeys, bound_to
 from pdserve.services.api.request_limits import InvalidRequest
 from pdserve.services.api.router_facade import RouterFacade
-from pdserve.services.api.stop_strings import StopMatcher
 from pdserve.services.common.ports import reuse_port
 from pdserve.services.router.errors import RouterError
 from pdserve.services.router.slo import ServiceClass

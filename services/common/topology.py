@@ -32,7 +32,7 @@ ROLES_SHARED = ("otlp_endpoint", "otlp_insecure")   # declared by the router's a
 class Topology:
     """A deployment's shape: a router and its workers by role (N prefill + M decode, or K colocated),
     each role's tensor parallelism, and the router's address. `pdserve up` (Deployment.topology),
-    `pdserve ray up` (RayDeployment.topology) and the compose file (tests/services/test_deploy_files.py) are
+    `pdserve ray up` (RayDeployment.topology) and the compose file (tests/services/deployment/test_deploy_files.py) are
     this shape; the names and port layout below are the ones they all use."""
 
     prefill_workers: int = 1

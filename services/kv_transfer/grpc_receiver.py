@@ -16,12 +16,12 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.engine.kv.handoff import HandoffError
-from pdserve.v1 import kv_pb2, kv_pb2_grpc
 from pdserve.services.kv_transfer import shared_memory
 from pdserve.services.kv_transfer.base import KVSink
-from pdserve.services.kv_transfer.frame_intake import Pending, announce, deliver, end, open_or_refuse, take_inline
 from pdserve.services.kv_transfer.frames import Frame, parse_frame
-from pdserve.services.kv_transfer.receive_session import ReceiveSession
+from pdserve.services.kv_transfer.receive_session import (Pending, ReceiveSession, announce, deliver, end,
+    open_or_refuse, take_inline)
+from pdserve.v1 import kv_pb2, kv_pb2_grpc
 
 SERVICE = "pdserve.v1.KVTransfer"
 SHM_PROBE_BYTES = 64                  # the segment that asks a peer whether it shares memory with us

@@ -21,7 +21,7 @@ record's header comes along where it has arrived (tcp_wire.RecordReader). Socket
 (OpenSSL) and any pool copy (torch) release the GIL, so the worker's event loop keeps serving
 while the bytes come in. The connector is lock-protected and hands its state changes to
 the loop itself (AsyncEngine._on_kv_change). The per-frame steps are the gRPC stream's
-(frame_intake.py, receive_session.py): the same checks, the same failure rule.
+(receive_session.py): the same checks, the same failure rule.
 """
 from __future__ import annotations
 
@@ -35,12 +35,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pdserve.engine.kv.handoff import HandoffError, HandoffState
+from pdserve.services.common.proofs import is_loopback
 from pdserve.services.kv_transfer import tcp_wire
 from pdserve.services.kv_transfer.base import KVSink
-from pdserve.services.kv_transfer.frame_intake import Pending, end, take_inline
 from pdserve.services.kv_transfer.frames import parse_frame, parse_head, parse_trailer
-from pdserve.services.kv_transfer.receive_session import ReceiveSession
-from pdserve.services.common.proofs import is_loopback
+from pdserve.services.kv_transfer.receive_session import Pending, ReceiveSession, end, take_inline
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +306,7 @@ def _take_frame(reader: tcp_wire.RecordReader, session: ReceiveSession, pending:
     blocks checked and claimed (ReceiveSession.claim), its payload read straight into them, then
     its MAC checked over what was read, and only then do the blocks count as received (a frame
     that fails fails the request, which frees them). Any other frame is read whole, then taken
-    as any inline frame (frame_intake.take_inline)."""
+    as any inline frame (receive_session.take_inline)."""
     if not (reader.scatters and session.request_id and not pending):
         take_inline(session, pending, parse_frame(reader.body(length, patience)))
         return

@@ -15,11 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from pdserve.engine.step_cost import FEATURES, KindFit, StepCostModel, StepSample, step_features
+from pdserve.engine.step_cost import FEATURES, KindFit, StepCostModel, StepSample
 from pdserve.services.planner.serving_costs import ServingCosts
 
-# step_features and StepSample live in engine/step_cost.py; profile.py still imports them from here.
-__all__ = ["CostModel", "FORMAT_VERSION", "StepSample", "step_features"]
+__all__ = ["CostModel", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 2
 

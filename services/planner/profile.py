@@ -28,10 +28,11 @@ from typing import Any, Callable
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.settings import pdserve_home, setting
+from pdserve.engine.step_cost import StepSample, step_features
 from pdserve.services.common.config_flags import config_to_argv
 from pdserve.services.common.topology import ENGINE_FIXED, UP_PER_PROCESS, WORKER_THREADS, flags_argv
 from pdserve.services.planner import serving_costs
-from pdserve.services.planner.cost_model import CostModel, StepSample, step_features
+from pdserve.services.planner.cost_model import CostModel
 from pdserve.services.planner.serving_costs import ServingCosts
 
 

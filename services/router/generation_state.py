@@ -57,7 +57,7 @@ class Generation:
     service: ServiceClass = field(default_factory=ServiceClass)   # its priority, client and latency targets
     arrived: float = field(default_factory=time.monotonic)
     trace: Any = None                  # its root span (services/common/tracing.py), None when tracing is off
-    unplaced_tokens: int = 0           # admitted by prediction, prompt not yet on a worker (RouteContext)
+    unplaced_tokens: int = 0           # admitted by prediction, prompt not yet on a worker (SloGate)
 
     @property
     def worker_request_id(self) -> str:

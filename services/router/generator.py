@@ -34,6 +34,7 @@ from pdserve.services.router.route_disaggregated import DisaggregatedRoute
 from pdserve.services.router.router_metrics import RouterMetrics
 from pdserve.services.router.sessions import SessionTable
 from pdserve.services.router.slo import ServiceClass, SloPolicy
+from pdserve.services.router.slo_gate import SloGate
 from pdserve.services.router.worker_pool import WorkerHandle, WorkerPool
 
 
@@ -46,10 +47,11 @@ class Generator:
         costs = CostModel(options.itl_weight, options.cache_affinity_weight)
         self.placement = Placement(pool, options.routing, options.disaggregation, costs, self._tokens_left)
         self.active: dict[tuple[str, str], Generation] = {}   # (principal, request id) ->
+        gate = SloGate(pool, self.placement, self.admission, metrics,
+                       SloPolicy(options.slo_admission, options.slo_ttft_ms, options.slo_tpot_ms, options.slo_shed),
+                       self._tpot_targets)
         self.routes = RouteContext(pool, options, metrics, self.placement, self.admission,
-                                   WorkerWatch(pool, options.stall_timeout_s, options.worker_wait_s),
-                                   SloPolicy(options.slo_admission, options.slo_ttft_ms, options.slo_tpot_ms,
-                                             options.slo_shed), self._tpot_targets,
+                                   WorkerWatch(pool, options.stall_timeout_s, options.worker_wait_s), gate,
                                    sessions=SessionTable(options.session_ttl_s, options.max_sessions))
         self.migration = MigrationLoop(options.migration_limit, metrics)
         self._disaggregated = DisaggregatedRoute(self.routes)
@@ -79,7 +81,7 @@ class Generator:
             raise
         finally:
             self.active.pop(key, None)
-            self.routes.placed_prompt(gen)   # refused or failed before its prompt reached a worker
+            self.routes.gate.placed_prompt(gen)   # refused or failed before its prompt reached a worker
             if gen.workers:
                 await self.routes.release(gen)
             tracing.end(gen.trace, error, finish_reason=finish, output_tokens=len(gen.generated),
@@ -99,7 +101,7 @@ class Generator:
 
     def _tpot_targets(self, worker: WorkerHandle) -> list[float]:
         """The TPOT targets of the requests this router has on worker now."""
-        slo = self.routes.slo
+        slo = self.routes.gate.slo
         return [t for gen in self.active.values() if worker in gen.workers
                 if (t := slo.tpot_target_ms(gen.service)) is not None]
 

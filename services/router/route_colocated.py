@@ -22,7 +22,7 @@ async def colocated(ctx: RouteContext, gen: Generation) -> AsyncIterator[Chunk]:
     if sum(w.status.num_waiting for w in ctx.pool.healthy("both") if w.status) > ctx.options.max_queued_requests:
         raise ctx.admission.full_error()
     keys = ctx.keys(gen)
-    ctx.admit_by_prediction(gen, keys)   # --slo-admission: refused now rather than late
+    ctx.gate.admit(gen, lambda: ctx.best_route(gen, keys), keys)   # --slo-admission: refused now rather than late
     route = await ctx.watch.pick(gen, lambda: ctx.best_route(gen, keys))
     if ctx.prefix_in_flight(route, keys):
         ctx.metrics.prefix_waits.inc()
@@ -45,7 +45,7 @@ async def on_one_worker(ctx: RouteContext, gen: Generation, worker: WorkerHandle
                         uncached: int, keys: list[int]) -> AsyncIterator[Chunk]:
     """Prefill and decode on one worker: rpc is its Generate. uncached counts as queued prompt
     tokens there until the first token; then the prompt's blocks (keys) are held there."""
-    ctx.placed_prompt(gen)
+    ctx.gate.placed_prompt(gen)
     with ctx.pool.placed(worker), contextlib.ExitStack() as queued:
         queued.enter_context(ctx.pool.placed(worker, uncached, count=False))
         call = rpc(worker_pb2.GenerateLocalRequest(

@@ -50,7 +50,7 @@ class DisaggregatedRoute:
         if not ctx.placement.conditional and not ctx.pool.healthy("both"):
             await ctx.watch.await_role(gen, "prefill")   # else a decode or colocated worker may prefill it
         keys = ctx.keys(gen)
-        ctx.admit_by_prediction(gen, keys)   # --slo-admission: refused now rather than late
+        ctx.gate.admit(gen, lambda: ctx.best_route(gen, keys), keys)   # --slo-admission: refused now rather than late
         loop = asyncio.get_running_loop()
         wait_until = None   # for a prefix in flight on the chosen worker: at most the stall timeout
         while True:
@@ -90,7 +90,7 @@ class DisaggregatedRoute:
             prefill, _ = await ctx.watch.pick(gen, lambda: ctx.placement.pick_prefill(keys, gen.n_tokens, gen.failed))
             prefill.index.note_routed(keys)
             gen.workers.add(prefill)
-            ctx.placed_prompt(gen)
+            ctx.gate.placed_prompt(gen)
             with ctx.pool.placed(prefill, ctx.placement.uncached(prefill, keys, gen.n_tokens)):
                 call = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
                     request_id=gen.worker_request_id, prompt_token_ids=gen.prompt, output_token_ids=gen.generated,
@@ -207,7 +207,7 @@ class DisaggregatedRoute:
                                             lease_ms=ctx.options.kv_lease_ms)
         now = time.monotonic()
         deadline, own = own_deadline(gen, now + ctx.options.queue_timeout_s)   # the client's deadline bounds the queue too
-        shed_at = ctx.ttft_deadline(gen)   # --slo-admission: shed once its TTFT target has passed
+        shed_at = ctx.gate.ttft_deadline(gen)   # --slo-admission: shed once its TTFT target has passed
         shedding = shed_at is not None and shed_at < deadline
         if shedding:
             deadline = shed_at
@@ -232,7 +232,7 @@ class DisaggregatedRoute:
                 ctx.metrics.slo_shed.inc()
                 waited = (time.monotonic() - gen.arrived) * 1e3
                 raise RouterError("RESOURCE_EXHAUSTED", f"shed: waited {waited:.0f} ms for decode capacity, past its "
-                                  f"TTFT target of {ctx.slo.ttft_target_ms(gen.service):g} ms; retry later",
+                                  f"TTFT target of {ctx.gate.slo.ttft_target_ms(gen.service):g} ms; retry later",
                                   retry_after_s=exc.retry_after_s) from None
             raise
         finally:
@@ -251,8 +251,8 @@ class DisaggregatedRoute:
                 worker = route.decode
                 if not ctx.placement.fits(worker, n_tokens):
                     continue   # cannot fit: do not ask
-                if not ctx.keeps_tpot(gen, worker):
-                    own_target_only = own_target_only or ctx.keeps_tpot(gen, worker, own=False)
+                if not ctx.gate.keeps_tpot(gen, worker):
+                    own_target_only = own_target_only or ctx.gate.keeps_tpot(gen, worker, own=False)
                     continue   # one more sequence there would push a TPOT target past its limit
                 if wait_for_prefix and ctx.prefix_in_flight(route, keys):
                     return None

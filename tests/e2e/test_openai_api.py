@@ -18,16 +18,15 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
-from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from pdserve.services.api.detokenizer import IncrementalDetokenizer
-from pdserve.services.deployment.launcher import Cluster, free_port
+from pdserve.services.api.detokenizer import IncrementalDetokenizer, StopMatcher
 from pdserve.services.api.http_request import HTTPError, parse_body
-from pdserve.services.api.request_limits import InvalidRequest, RequestLimits
 from pdserve.services.api.request_front import RequestFront
-from pdserve.services.api.stop_strings import StopMatcher
+from pdserve.services.api.request_limits import InvalidRequest, RequestLimits
+from pdserve.services.deployment.launcher import Cluster, free_port
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.conftest import random_prompts
 from tests.serving import (TEST_ENGINE_ARGS, assert_blocks_at_baseline, channel, frozen, metric, start_cluster,
-                           wait_for, workers)
+    wait_for, workers)
 
 API_KEY = "openai-test-key-0123456789"
 MAX_NEW = 10

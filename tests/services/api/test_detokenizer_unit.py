@@ -1,4 +1,4 @@
-"""The incremental detokenizer (services/api/detokenizer.py) and stop strings (services/api/stop_strings.py)
+"""The incremental detokenizer (services/api/detokenizer.py) and stop strings (its StopMatcher)
 on a real tokenizer, without servers: multi-byte characters split over tokens are never split in
 the text, the deltas add up to the full decode, stop strings match across token boundaries."""
 from __future__ import annotations
@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.tokenizer import load_tokenizer
-from pdserve.services.api.detokenizer import IncrementalDetokenizer
-from pdserve.services.api.stop_strings import StopMatcher
+from pdserve.services.api.detokenizer import IncrementalDetokenizer, StopMatcher
 
 TEXT = "naïve café — 日本語 🙂 𝕳𝖊𝖑𝖑𝖔 한국어, then plain words at the end"
 

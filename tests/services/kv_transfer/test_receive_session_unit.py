@@ -12,12 +12,11 @@ import torch
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.kv.block_manager import transfer_block_hashes
 from pdserve.engine.kv.handoff import HandoffError, HandoffState
-from pdserve.v1 import kv_pb2
 from pdserve.services.kv_transfer import integrity
 from pdserve.services.kv_transfer.base import KVBlock
-from pdserve.services.kv_transfer.frame_intake import end, take_inline
 from pdserve.services.kv_transfer.frames import encode_wire_frames, parse_frame
-from pdserve.services.kv_transfer.receive_session import ReceiveSession
+from pdserve.services.kv_transfer.receive_session import ReceiveSession, end, take_inline
+from pdserve.v1 import kv_pb2
 from tests.conftest import assert_no_leak, random_prompts
 
 PROMPT = random_prompts(1, 40, 40, seed=5)[0]          # 5 blocks of 8
