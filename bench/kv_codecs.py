@@ -1,7 +1,7 @@
 """KV wire codecs on real KV: ratio, encode/decode MB/s and break-even link rate per codec.
 
 Runs a 1200-token prompt through the small model, reads its KV blocks out of the pool (as the
-prefill worker does), then times the codecs of services/kv_transfer/compression.py and the
+prefill worker does), then times the codecs of services/kv_transfer/wire_codec.py and the
 alternatives they were chosen against (zstd 1/3, lz4, zlib 1, over the raw bytes and over the
 high byte plane only). Prints; not a test.
 
@@ -22,7 +22,7 @@ import torch
 import zstandard
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.services.kv_transfer import compression as kc
+from pdserve.services.kv_transfer import wire_codec as kc
 
 
 def real_kv(model: str, tokens: int, seed: int) -> torch.Tensor:

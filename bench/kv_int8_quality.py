@@ -279,7 +279,7 @@ def codec_ratios(model_dir: Path, prompts: list[list[int]]) -> dict[str, Any]:
     as the prefill worker does, and int8's max |error| relative to each vector's max."""
     import torch
     from pdserve.engine import LLM, SamplingParams
-    from pdserve.services.kv_transfer import compression as kc
+    from pdserve.services.kv_transfer import wire_codec as kc
 
     raw = {c: 0 for c in kc.CODECS}
     wire = dict(raw)
@@ -353,7 +353,7 @@ def _roundtrip(x, variant: str):
     """One KV tensor [batch, kv_heads, tokens, head_dim] through the int8 wire codec, or rounded to a
     16-bit float (the baselines: what storing the cache in bf16 / fp16 would do)."""
     import torch
-    from pdserve.services.kv_transfer import compression as kc
+    from pdserve.services.kv_transfer import wire_codec as kc
 
     if variant in ("bfloat16", "float16"):
         return x.to(getattr(torch, variant)).to(x.dtype)

@@ -36,7 +36,7 @@ origin, prices a prompt token at a whole step per sequence, 5-10x too high).
 
 The router reads these as a ``StepCostView`` (``prefill_ms``: how long a prompt takes to
 prefill there; ``decode_step_ms``: a decode step with so many sequences) and builds its route
-costs on them (services/router/cost_model.py): the inter-token latency inflation of a local
+costs on them (services/router/placement.py): the inter-token latency inflation of a local
 prefill, the KV transfer, cache affinity.
 """
 from __future__ import annotations
@@ -106,7 +106,7 @@ class StepCost:
 # ---- the router's view of a worker: the online fit, in milliseconds ------------------------------
 @dataclass(slots=True, frozen=True)
 class StepCostView:
-    """A worker's step costs as the router reads them from its status (services/router/cost_model.py
+    """A worker's step costs as the router reads them from its status (services/router/placement.py
     fills in what a worker has not learned yet): a step that computes ``n`` prompt tokens beside
     ``r`` decoding sequences costs ``base_ms + ms_per_token * n + ms_per_seq * r``."""
 

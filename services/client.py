@@ -81,7 +81,7 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_toke
     first; within the API key's grant), user (OpenAI's end-user id; the fair-share key is the API
     key's principal) and the latency targets (ms; 0: the deployment's): the request's scheduling
     class (services/router/slo.py); session_id: its multi-turn conversation
-    (services/router/sessions.py)."""
+    (services/router/routes.py, SessionTable)."""
     params = common_pb2.SamplingParams(stop_token_ids=list(stop_token_ids))
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                         ("seed", seed), ("ignore_eos", ignore_eos), ("skip_special_tokens", skip_special_tokens)):

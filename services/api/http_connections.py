@@ -17,7 +17,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from pdserve.services.api.http_request import HTTPError
+from pdserve.services.api.openai_protocol import HTTPError
 from pdserve.services.api.principals import ApiKeys
 
 MAX_HTTP_CONNECTIONS = 1024     # open connections at once (at most a quarter of the fd limit); more are

@@ -5,9 +5,9 @@ It runs in the router's process, on the router's event loop, next to the grpc.ai
 sends every request through the same ``Generator`` (admission queue, disaggregated or
 colocated placement, migration) as the gRPC API, and every prompt through the same request front
 (services/api/request_front.py: limits, tokenizing, chat template, validation); a ``RouterFacade``
-(services/api/router_facade.py) supplies them and the metrics, and is all it sees of the router. Nothing here knows how tokens are produced. The body is parsed in
-services/api/http_request.py, stop strings matched by services/api/detokenizer.StopMatcher, server-sent
-events framed in services/api/http_stream.py.
+(services/api/router_facade.py) supplies them and the metrics, and is all it sees of the router.
+Nothing here knows how tokens are produced. The body is parsed, and server-sent events framed, in
+services/api/openai_protocol.py; stop strings are matched by services/api/detokenizer.StopMatcher.
 
 Why FastAPI + uvicorn: uvicorn is an asyncio ASGI server whose ``Server.serve()`` runs as one
 more task on the router's loop (its signal handling is turned off: the router owns SIGTERM and
@@ -65,9 +65,8 @@ from pdserve.engine import SamplingParams
 from pdserve.engine.quoting import quoted
 from pdserve.services.api.detokenizer import IncrementalDetokenizer, StopMatcher
 from pdserve.services.api.http_connections import BoundedHttpToolsProtocol, OPEN_PATHS, RequestGuard
-from pdserve.services.api.http_request import HTTPError, ParsedBody, front_requests, parse_body, read_json
-from pdserve.services.api.http_stream import (ClientGone, SSE_DONE, SSEResponse, cancel_all, gather_or_cancel,
-    sse_event, until_disconnect)
+from pdserve.services.api.openai_protocol import (ClientGone, HTTPError, ParsedBody, SSE_DONE, SSEResponse, cancel_all,
+    front_requests, gather_or_cancel, parse_body, read_json, sse_event, until_disconnect)
 from pdserve.services.api.principals import ApiKeys, bound_to
 from pdserve.services.api.request_limits import InvalidRequest
 from pdserve.services.api.router_facade import RouterFacade

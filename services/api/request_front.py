@@ -3,7 +3,7 @@ protocol-free terms (a text or token-id prompt, or chat messages; sampling param
 validated, tokenized request for the Generator (services/router/generator.py).
 
 Each door maps its own wire format to a FrontRequest (services/api/grpc_router.py from the proto,
-services/api/http_request.py from the JSON body, each after the counts and sizes it can check on
+services/api/openai_protocol.py from the JSON body, each after the counts and sizes it can check on
 the wire) and maps the InvalidRequest raised here back (gRPC INVALID_ARGUMENT, HTTP 400/413 in
 OpenAI's error shape). Order: the prompt's size, then tokenizing or chat rendering (on one
 thread, off the event loop), then its length against max_model_len, then the engine's own rules

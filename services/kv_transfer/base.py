@@ -75,7 +75,7 @@ class KVBlock:
 
     def encode(self, with_checksum: bool = False) -> tuple[kv_pb2.KVBlockHeader, memoryview]:
         """The block's header and a zero-copy view of its bytes. The transports MAC every frame
-        (services/kv_transfer/integrity.py), which supersedes a per-block CRC-32: with_checksum
+        (services/kv_transfer/frames.py), which supersedes a per-block CRC-32: with_checksum
         adds one anyway (checksum 0 means none)."""
         tensor = self.data.detach()
         if tensor.device.type != "cpu":

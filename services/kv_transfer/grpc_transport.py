@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable, Sequence
 import grpc
 
 from pdserve.v1 import kv_pb2
-from pdserve.services.kv_transfer import integrity, shared_memory
+from pdserve.services.kv_transfer import frames, shared_memory
 from pdserve.services.kv_transfer.frames import (encode_heartbeat,
     encode_open,
     encode_probe,
@@ -159,7 +159,7 @@ class GrpcKVStream(KVStream):
         frame_target: frames hold whole blocks up to this many payload bytes (frames.iter_wire_frames).
         shared: (route, target, method, metadata maker) when sends to this loopback target may go
         through shared memory (None: never).
-        cluster_token: keys every frame's MAC with the transfer token (integrity.py). codecs: the
+        cluster_token: keys every frame's MAC with the transfer token (frames.py). codecs: the
         inline frames' wire codec for target, chosen on the first send, and the link estimate this
         stream's send phase feeds (None: uncompressed)."""
         self._codecs, self._target = codecs, target
@@ -168,7 +168,7 @@ class GrpcKVStream(KVStream):
         self._wire_bytes = self._inline_bytes = 0
         self._busy_s = 0.0                 # the writer's time in writes: the send phase (with the ack wait)
         self._closed_at: float | None = None
-        self._mac = integrity.StreamMac(integrity.mac_key(token, cluster_token), integrity.PREFERRED)
+        self._mac = frames.StreamMac(frames.mac_key(token, cluster_token), frames.PREFERRED)
         self._start_call = start_call
         self._call: grpc.aio.StreamUnaryCall | None = None   # made by the writer (start_call)
         self._proof: Any = None
@@ -349,7 +349,7 @@ class GrpcKVSender(KVSender):
         """frame_target: whole blocks per frame up to this many payload bytes (frames.iter_wire_frames).
         cluster_token: the deployment's (Credentials.cluster_token), which keys every frame's MAC
         with the reservation's transfer token; None (--insecure-no-auth) keys by the transfer token
-        alone, which guards against accidents only (integrity.py). metadata: sent on every stream.
+        alone, which guards against accidents only (frames.py). metadata: sent on every stream.
         proof: (method, target, first frame) -> a fresh services.common.security.CallProof for each
         stream (when the factory's channels do not prove membership themselves); the receiver's
         reply is checked before any KV leaves. shared_memory: payloads to a loopback target that shares our

@@ -5,7 +5,7 @@ Sender (prefill side, ``RayKVSender``): for each ``send`` the blocks are encoded
 per chunk of about 32 MiB: a ``ray.put`` costs a round trip to the store; Ray keeps numpy
 buffers out of band, as raw bytes), and the decode actor's ``push_blocks`` is called with the
 serialized ``KVStreamOpen`` (request id + transfer token + the call's MAC over its headers and
-payloads, keyed as over gRPC: integrity.py), the serialized ``KVBlockHeader``s and the object
+payloads, keyed as over gRPC: frames.py), the serialized ``KVBlockHeader``s and the object
 references. Heartbeats and a cancel are calls of their own. ``finish`` awaits
 every call's ``PushAck``.
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from pdserve.engine.kv.handoff import HandoffError
 from pdserve.v1 import kv_pb2
-from pdserve.services.kv_transfer import integrity
+from pdserve.services.kv_transfer import frames
 from pdserve.services.kv_transfer.base import KVBlock, KVSender, KVSink, KVStream, KVTransferError, SendResult
 from pdserve.services.kv_transfer.receive_session import ReceiveSession
 from pdserve.services.kv_transfer.wire_codec import check_mode, encode_blocks
@@ -82,7 +82,7 @@ class RayKVStream(KVStream):
         """codec: every block's wire codec (wire_codec.py; the call's MAC covers the encoded bytes)."""
         self._actor = actor
         self._request_id, self._token = request_id, token
-        self._key = integrity.mac_key(token, cluster_token)
+        self._key = frames.mac_key(token, cluster_token)
         self._put = put
         self._target = target
         self._open = kv_pb2.KVStreamOpen(request_id=request_id, transfer_token=token).SerializeToString()
@@ -103,7 +103,7 @@ class RayKVStream(KVStream):
             arrays = [np.frombuffer(payload, dtype=np.uint8) for _, payload in encoded]
             ref = await loop.run_in_executor(None, self._put, arrays)   # copies into the store off the loop
             headers = [h.SerializeToString() for h, _ in encoded]
-            mac = integrity.compute(self._key, [*headers, *(p for _, p in encoded)])
+            mac = frames.compute(self._key, [*headers, *(p for _, p in encoded)])
             opened = kv_pb2.KVStreamOpen(request_id=self._request_id, transfer_token=self._token,
                                          mac=mac).SerializeToString()
             self._calls.append(self._actor.push_blocks.remote(opened, headers, [ref]))
@@ -144,7 +144,7 @@ class RayKVSender(KVSender):
     def __init__(self, *, default_namespace: str | None = None, fallback: KVSender | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, put: Callable[[Any], Any] | None = None,
                  cluster_token: str | bytes | None = None, kv_compression: str = "off") -> None:
-        """cluster_token: keys each call's MAC with the transfer token (integrity.py). kv_compression:
+        """cluster_token: keys each call's MAC with the transfer token (frames.py). kv_compression:
         the blocks' wire codec to ``ray://`` targets; ``auto`` sends them raw (no link estimate here:
         the object store moves them)."""
         self.codec = "off" if check_mode(kv_compression) == "auto" else kv_compression

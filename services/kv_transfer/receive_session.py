@@ -4,7 +4,7 @@ payload inline or in shared memory, or Ray's object store).
 A transport parses its own framing and drives the session: ``open`` (the stream proves it holds
 the reservation's token, UNAUTHENTICATED before anything else; its frames' MAC key follows from
 that token and the deployment's cluster token), ``verify`` each frame's MAC before using any of
-its bytes (DATA_LOSS: integrity.py), ``announce`` each header (checked
+its bytes (DATA_LOSS: frames.py), ``announce`` each header (checked
 by the connector before any byte is allocated or fetched), ``accept`` each block's bytes, then
 ``complete`` when the stream ends. A transport that reads a frame's payload straight into the
 pool (the raw TCP plane) ``claim``s its blocks from the frame's headers before the frame's MAC
@@ -31,7 +31,7 @@ from typing import Iterable, Sequence
 
 from pdserve.engine.kv.connector import ClaimedRun
 from pdserve.engine.kv.handoff import BlockMeta, HandoffError, HandoffState
-from pdserve.services.kv_transfer import integrity
+from pdserve.services.kv_transfer import frames
 from pdserve.services.kv_transfer.base import KVSink, MAX_PENDING_HEADERS
 from pdserve.services.kv_transfer.frames import Frame
 from pdserve.services.kv_transfer.wire_codec import WireMeta, decode_payload, wire_meta
@@ -49,10 +49,10 @@ def whole_run(wires: Sequence[WireMeta], payload_len: int) -> bool:
 class ReceiveSession:
     def __init__(self, sink: KVSink, cluster_token: str | bytes | None = None) -> None:
         """cluster_token: the deployment's, which keys the frames' MACs (None: the transfer
-        token alone does; see integrity.py)."""
+        token alone does; see frames.py)."""
         self.sink = sink
         self.cluster_token = cluster_token
-        self.mac: integrity.StreamMac | None = None
+        self.mac: frames.StreamMac | None = None
         self.request_id = ""
         self.token = b""
         self.blocks = 0
@@ -65,7 +65,7 @@ class ReceiveSession:
             raise HandoffError("INVALID_ARGUMENT", "the first KV frame must open the stream")
         self.request_id, self.token = request_id, token
         self.sink.authorize(request_id, token)
-        self.mac = integrity.StreamMac(integrity.mac_key(token, self.cluster_token), mac_algorithm)
+        self.mac = frames.StreamMac(frames.mac_key(token, self.cluster_token), mac_algorithm)
 
     def verify(self, parts: Iterable[bytes | bytearray | memoryview], mac: bytes) -> None:
         """The next frame's MAC (over parts) is right, or DATA_LOSS; nothing of a frame reaches
@@ -78,7 +78,7 @@ class ReceiveSession:
         """One uncounted MAC over parts (a Ray push_blocks call), or DATA_LOSS."""
         if self.mac is None:
             raise HandoffError("INVALID_ARGUMENT", "KV blocks before the stream was opened")
-        integrity.verify_once(self.mac.key, parts, mac, f"KV of {self.request_id!r}")
+        frames.verify_once(self.mac.key, parts, mac, f"KV of {self.request_id!r}")
 
     def heartbeat(self) -> None:
         self.sink.heartbeat(self.request_id, self.token)

@@ -39,7 +39,7 @@ import time
 from typing import Callable, Iterable, Iterator, Sequence
 
 from pdserve.v1 import kv_pb2
-from pdserve.services.kv_transfer import integrity, tcp_wire
+from pdserve.services.kv_transfer import frames, tcp_wire
 from pdserve.services.kv_transfer.base import (
     DEFAULT_FRAME_BYTES, FRAME_TARGET_BYTES, MAX_FRAME_BYTES, KVBlock, KVSender, KVStream, KVTransferError, SendResult,
 )
@@ -205,7 +205,7 @@ class TcpKVStream(KVStream):
         self._held: list[list[KVBlock]] | None = [] if fallback is not None else None   # sent before the choice
         self._choice = threading.Lock()
         self._forwarding: asyncio.Future | None = None    # a send to the fallback stream under way
-        self._mac = integrity.StreamMac(integrity.mac_key(token, sender.cluster_token), integrity.PREFERRED)
+        self._mac = frames.StreamMac(frames.mac_key(token, sender.cluster_token), frames.PREFERRED)
         self._open = encode_open(request_id, token, self._mac)
         self._codecs = sender.codecs if sender.codecs.mode != "off" else None
         self._codec: str | None = None if self._codecs is not None else "off"

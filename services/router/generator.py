@@ -1,10 +1,9 @@
 """The router's generation core, independent of the client protocol (gRPC, HTTP): a thin
 coordinator of one request's attempts.
 
-Each attempt follows a route strategy: disaggregated (services/router/route_disaggregated.py: decode
-blocks reserved, prefill on a prefill worker shipping the KV, decode continuing from the first
-token; or, with conditional disaggregation, prefill on the decode worker itself) or colocated
-(services/router/route_colocated.py: one worker does both). Placement (services/router/placement.py) chooses the
+Each attempt follows a route (services/router/routes.py): disaggregated (decode blocks reserved,
+prefill on a prefill worker shipping the KV, decode continuing from the first token; or, with
+conditional disaggregation, prefill on the decode worker itself) or colocated (one worker does both). Placement (services/router/placement.py) chooses the
 workers and the route by their estimated cost to serve. Faults (services/router/migration.py): every
 worker stream runs under a progress watchdog, a role restarting holds its requests for at most
 ``worker_wait_s``, and a request whose worker dies, stalls or loses the KV migrates: the prompt
@@ -23,16 +22,12 @@ from pdserve.engine.quoting import quoted
 from pdserve.services.common import tracing
 from pdserve.services.router.admission import AdmissionQueue
 from pdserve.services.router.config import GenerationOptions
-from pdserve.services.router.cost_model import CostModel
 from pdserve.services.router.errors import RouterError
 from pdserve.services.router.generation_state import Chunk, Generation, Timing
 from pdserve.services.router.migration import MigrationLoop, WorkerWatch
-from pdserve.services.router.placement import Placement
-from pdserve.services.router.route_colocated import colocated
-from pdserve.services.router.route_context import RouteContext
-from pdserve.services.router.route_disaggregated import DisaggregatedRoute
+from pdserve.services.router.placement import CostModel, Placement
 from pdserve.services.router.router_metrics import RouterMetrics
-from pdserve.services.router.sessions import SessionTable
+from pdserve.services.router.routes import DisaggregatedRoute, RouteContext, SessionTable, colocated
 from pdserve.services.router.slo import ServiceClass, SloPolicy
 from pdserve.services.router.slo_gate import SloGate
 from pdserve.services.router.worker_pool import WorkerHandle, WorkerPool

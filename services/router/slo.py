@@ -5,13 +5,13 @@ grant bounds it, services/api/principals.py), its principal (the API key's name:
 key inside a priority, so a client cannot split itself into many), OpenAI's ``user``, its latency
 targets (TTFT and TPOT in ms; unset: the deployment's ``--slo-ttft-ms`` / ``--slo-tpot-ms``, and
 never tighter than those), and its session (``session_id``, else ``user``, inside its principal;
-services/router/sessions.py).
+services/router/routes.py, SessionTable).
 
 With ``--slo-admission`` the router admits by prediction (``SloPolicy``):
 
 - at arrival it predicts the request's TTFT: the wait in the admission queue (the requests
   ahead of it in its order, at the recent admission rate) plus the best route's estimate (the
-  prefill worker's queue and compute, the KV transfer; services/router/cost_model.py). A request
+  prefill worker's queue and compute, the KV transfer; services/router/placement.py). A request
   predicted to miss its TTFT target is refused at once (RESOURCE_EXHAUSTED / HTTP 429) with a
   retry hint of the predicted excess, never queued to miss it;
 - a request whose TPOT target is below every decode worker's step time with nothing else

@@ -31,7 +31,7 @@ import asyncio, sys
 import grpc
 from pdserve.v1 import kv_pb2
 from pdserve.services.common.grpc_setup import SERVER_OPTIONS, options
-from pdserve.services.kv_transfer import integrity
+from pdserve.services.kv_transfer import frames
 from pdserve.services.kv_transfer.frames import parse_frame
 from pdserve.services.kv_transfer.grpc_transport import METHOD, SERVICE
 
@@ -44,7 +44,7 @@ class Rewrite:
     def __call__(self, raw):
         frame = parse_frame(raw)
         if frame.open is not None and frame.open.request_id:
-            self.mac = integrity.StreamMac(integrity.mac_key(frame.open.transfer_token, None),
+            self.mac = frames.StreamMac(frames.mac_key(frame.open.transfer_token, None),
                                            frame.open.mac_algorithm)
             return raw   # the open frame as sent: its stream's proof names it (the MACs are what is tested)
         if self.mac is None:

@@ -19,7 +19,7 @@ import pytest
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.services.api.detokenizer import IncrementalDetokenizer, StopMatcher
-from pdserve.services.api.http_request import HTTPError, parse_body
+from pdserve.services.api.openai_protocol import HTTPError, parse_body
 from pdserve.services.api.request_front import RequestFront
 from pdserve.services.api.request_limits import InvalidRequest, RequestLimits
 from pdserve.services.deployment.launcher import Cluster, free_port

@@ -12,7 +12,7 @@ from pdserve.engine import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.v1 import common_pb2, router_pb2
 from pdserve.services.common.proto_convert import params_from_proto, params_to_proto
-from pdserve.services.api.http_request import HTTPError, front_requests, parse_body
+from pdserve.services.api.openai_protocol import HTTPError, front_requests, parse_body
 from pdserve.services.api.request_limits import InvalidRequest, RequestLimits
 from pdserve.services.api.request_front import FrontRequest, Prompt, RequestFront, ValidatedRequest
 from pdserve.services.api.grpc_router import front_request

@@ -10,7 +10,7 @@ import torch
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.engine.kv.block_manager import transfer_block_hashes
 from pdserve.engine.kv.handoff import HandoffError, HandoffState
-from pdserve.services.kv_transfer import KVBlock, integrity
+from pdserve.services.kv_transfer import KVBlock, frames
 from pdserve.services.kv_transfer.base import block_meta
 from pdserve.services.kv_transfer.frames import iter_wire_frames, parse_frame
 from tests.conftest import assert_no_leak, random_prompts
@@ -54,14 +54,14 @@ def test_without_a_target_payloads_run_on_across_frames() -> None:
 def test_each_frame_is_sealed_when_it_is_taken() -> None:
     """Frames leave as they are sealed: the MAC counter advances with each frame taken, not
     all at once, and every frame verifies in order."""
-    key = integrity.mac_key(b"token", "cluster")
-    mac = integrity.StreamMac(key, integrity.PREFERRED)
-    frames = iter_wire_frames([b.encode() for b in _raw_blocks([96] * 6)], 1000, mac, target_bytes=200)
-    taken = [next(frames)]
+    key = frames.mac_key(b"token", "cluster")
+    mac = frames.StreamMac(key, frames.PREFERRED)
+    wire = iter_wire_frames([b.encode() for b in _raw_blocks([96] * 6)], 1000, mac, target_bytes=200)
+    taken = [next(wire)]
     assert mac.counter == 1
-    taken += list(frames)
+    taken += list(wire)
     assert mac.counter == len(taken) == 3
-    check = integrity.StreamMac(key, integrity.PREFERRED)
+    check = frames.StreamMac(key, frames.PREFERRED)
     for f in taken:
         p = parse_frame(f)
         check.verify([p.signed], p.mac, "test")
@@ -211,7 +211,7 @@ def test_a_frames_head_is_parsed_from_its_first_bytes() -> None:
     """parse_head: None until the bytes before the payload are in; then the headers and where the
     payload lies; a frame without a payload (the open frame) says so; the trailer is the MAC."""
     from pdserve.services.kv_transfer.frames import encode_open, parse_head, parse_trailer
-    mac = integrity.StreamMac(b"k" * 32, integrity.PREFERRED)
+    mac = frames.StreamMac(b"k" * 32, frames.PREFERRED)
     blocks = _raw_blocks([64] * 100)    # 100 headers: more than one first read of the receiver's
     frame = next(iter_wire_frames([b.encode() for b in blocks], 1 << 20, mac, target_bytes=1 << 20))
     view = memoryview(frame)
@@ -222,7 +222,7 @@ def test_a_frames_head_is_parsed_from_its_first_bytes() -> None:
     assert [h.block_index for h in head.frame.headers] == list(range(100))
     assert (head.payload_at, head.payload_len) == (at, 6400)
     assert parse_trailer(view[at + 6400:]) == parsed.mac
-    opened = encode_open("r", b"t" * 16, integrity.StreamMac(b"k" * 32, integrity.PREFERRED))
+    opened = encode_open("r", b"t" * 16, frames.StreamMac(b"k" * 32, frames.PREFERRED))
     assert parse_head(memoryview(opened), len(opened)).payload_at == -1
     with pytest.raises(ValueError):
         parse_trailer(view[at + 6399:])

@@ -1,4 +1,4 @@
-"""KV wire codecs (services/kv_transfer/compression.py): exact lossless round trips, the int8 error
+"""KV wire codecs (services/kv_transfer/wire_codec.py): exact lossless round trips, the int8 error
 bound, every wire size bounded before allocation, and the per-link choice as plain arithmetic."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import zstandard
 
-from pdserve.services.kv_transfer import compression as kc
+from pdserve.services.kv_transfer import wire_codec as kc
 
 SHAPE = (2, 2, 16, 4, 64)      # [layers, k/v, block, heads, head_dim]
 

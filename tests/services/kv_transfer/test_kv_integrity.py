@@ -21,7 +21,7 @@ from pdserve.engine.kv.block_manager import transfer_block_hashes
 from pdserve.engine.kv.handoff import HandoffState
 from pdserve.v1 import kv_pb2
 from pdserve.services.common.grpc_setup import options as channel_options
-from pdserve.services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError, integrity, shared_memory
+from pdserve.services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError, frames, shared_memory
 from pdserve.services.kv_transfer.grpc_transport import METHOD
 from pdserve.services.kv_transfer.grpc_receiver import SERVICE
 from pdserve.services.kv_transfer.frames import parse_frame
@@ -46,7 +46,7 @@ class Attacker:
 
     def __init__(self, how: str) -> None:
         self.how = how
-        self.mac: integrity.StreamMac | None = None
+        self.mac: frames.StreamMac | None = None
         self.rewritten = 0
         self.algorithm = ""         # the MAC algorithm the stream's open frame names
         self.segments_seen = 0      # frames of the stream whose payload was in shared memory
@@ -54,9 +54,9 @@ class Attacker:
     def __call__(self, raw: bytes) -> bytes:
         frame = parse_frame(raw)
         if frame.open is not None and frame.open.request_id:
-            self.mac = integrity.StreamMac(integrity.mac_key(frame.open.transfer_token, None),
+            self.mac = frames.StreamMac(frames.mac_key(frame.open.transfer_token, None),
                                            frame.open.mac_algorithm)
-            self.algorithm = frame.open.mac_algorithm or integrity.HMAC_SHA256
+            self.algorithm = frame.open.mac_algorithm or frames.HMAC_SHA256
         if self.how == "none" or self.mac is None or (frame.open is not None and not frame.open.request_id):
             return raw                                 # nothing to rewrite, or a shared-memory probe
         body = bytes(frame.signed)
@@ -202,9 +202,9 @@ def test_a_stream_under_an_unknown_mac_algorithm_is_refused(engine: LLMEngine) -
     assert_no_leak(engine)
 
 
-@pytest.mark.parametrize("algorithm", integrity.ALGORITHMS)
+@pytest.mark.parametrize("algorithm", frames.ALGORITHMS)
 def test_every_available_mac_algorithm_carries_a_transfer(engine: LLMEngine, algorithm: str, monkeypatch) -> None:
-    monkeypatch.setattr(integrity, "PREFERRED", algorithm)
+    monkeypatch.setattr(frames, "PREFERRED", algorithm)
     rid = f"algorithm-{algorithm}"
     attacker = Attacker("none")
     assert asyncio.run(_push(engine, rid, attacker, CLUSTER, CLUSTER)) is None

@@ -277,11 +277,11 @@ def test_a_beat_goes_over_an_idle_pooled_connection_when_the_receiver_is_at_its_
     """The receiver serves 2 connections and both are the sender's idle pooled ones (left by two
     transfers that overlapped): the lost beat connection is remade from one of them, not refused,
     so a queued request's lease is still kept."""
-    from pdserve.services.kv_transfer import integrity
+    from pdserve.services.kv_transfer import frames
     from pdserve.services.kv_transfer.frames import encode_open
     rid = "tcp-beat-pooled"
     res = engine.reserve(rid, PROMPT, GREEDY)
-    mac = integrity.StreamMac(integrity.mac_key(res.transfer_token, CLUSTER), integrity.PREFERRED)
+    mac = frames.StreamMac(frames.mac_key(res.transfer_token, CLUSTER), frames.PREFERRED)
     opened = encode_open(rid, res.transfer_token, mac)
     sender = TcpKVSender(cluster_token=CLUSTER)
     with listening(engine, limits=DataPlaneLimits(max_connections=2)) as listener:

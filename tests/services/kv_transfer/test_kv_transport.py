@@ -22,7 +22,7 @@ from pdserve.engine.kv.handoff import HandoffState
 from pdserve.v1 import kv_pb2
 from pdserve.services.common.ports import free_port
 from pdserve.services.kv_transfer import GrpcKVSender, KVBlock, KVSender, KVTransferError, KVTransferServicer
-from pdserve.services.kv_transfer import integrity, shared_memory
+from pdserve.services.kv_transfer import frames, shared_memory
 from pdserve.services.kv_transfer.frames import encode_open
 from pdserve.services.kv_transfer.grpc_receiver import register_kv_servicer
 from pdserve.services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender
@@ -119,7 +119,7 @@ def _sealed(token: bytes, bodies: list[bytes], segments: list[bytes] | None = No
     """Hand-made frames, each with its MAC (keyed without a cluster token, as these receivers are;
     over the body and then its shared-memory segment's bytes, if any) appended as the last field,
     as a sender seals them."""
-    mac = integrity.StreamMac(integrity.mac_key(token, None))
+    mac = frames.StreamMac(frames.mac_key(token, None))
     segments = segments or [b""] * len(bodies)
     return [body + kv_pb2.KVFrame(mac=mac.seal([body, seg])).SerializeToString()
             for body, seg in zip(bodies, segments)]

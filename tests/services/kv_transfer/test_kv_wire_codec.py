@@ -18,7 +18,7 @@ from pdserve.engine import LLMEngine
 from pdserve.engine.kv.handoff import HandoffState
 from pdserve.v1 import kv_pb2
 from pdserve.services.common.grpc_setup import options as channel_options
-from pdserve.services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError, compression, integrity, wire_codec
+from pdserve.services.kv_transfer import GrpcKVSender, KVBlock, KVTransferError, wire_codec, frames
 from pdserve.services.kv_transfer.frames import _HEADER, _PAYLOAD, _field, _sealed, encode_open
 from pdserve.services.kv_transfer.frames import parse_frame
 from pdserve.services.kv_transfer.ray_transport import RayKVReceiver, RayKVSender
@@ -122,7 +122,7 @@ class CorruptCodec(Attacker):
     def __call__(self, raw: bytes) -> bytes:
         frame = parse_frame(raw)
         if frame.open is not None and frame.open.request_id:
-            self.mac = integrity.StreamMac(integrity.mac_key(frame.open.transfer_token, None), frame.open.mac_algorithm)
+            self.mac = frames.StreamMac(frames.mac_key(frame.open.transfer_token, None), frame.open.mac_algorithm)
         body = bytes(frame.signed)
         if not self.rewritten and frame.headers and frame.payload.nbytes:
             payload = bytearray(frame.payload)
@@ -167,14 +167,14 @@ def test_a_declared_size_over_the_limits_is_refused_before_allocation(engine: LL
     assert header.codec == "lossless"
     for key, value in change.items():
         setattr(header, key, value)
-    mac = integrity.StreamMac(integrity.mac_key(res.transfer_token, CLUSTER), integrity.PREFERRED)
-    frames = [encode_open(rid, res.transfer_token, mac)]
+    mac = frames.StreamMac(frames.mac_key(res.transfer_token, CLUSTER), frames.PREFERRED)
+    wire = [encode_open(rid, res.transfer_token, mac)]
     piece = memoryview(payload)[:64]
-    frames.append(_sealed([*_field(_HEADER, header.SerializeToString()), *_field(_PAYLOAD, piece)], mac))
+    wire.append(_sealed([*_field(_HEADER, header.SerializeToString()), *_field(_PAYLOAD, piece)], mac))
 
     async def run():
         async with receiver(engine, CLUSTER) as target:
-            return await refusal_of(target, frames)
+            return await refusal_of(target, wire)
     err = asyncio.run(run())
     assert err.code() == getattr(grpc.StatusCode, code) and names in err.details(), (err.code(), err.details())
     assert engine.kv.state(rid) is HandoffState.FAILED
@@ -257,7 +257,7 @@ def test_the_prefill_worker_counts_wire_and_raw_bytes_by_codec() -> None:
              for l in text.splitlines() if l.startswith("pdserve:kv_") and "_total" in l and "codec=" in l}
     assert lines == {"pdserve:kv_raw_bytes_total:lossless": 3000.0, "pdserve:kv_wire_bytes_total:lossless": 2000.0,
                      "pdserve:kv_raw_bytes_total:off": 500.0, "pdserve:kv_wire_bytes_total:off": 500.0}
-    assert compression.CODECS == wire_codec.MODES[1:]
+    assert wire_codec.CODECS == wire_codec.MODES[1:]
 
 
 def test_ray_push_blocks_carries_encoded_blocks(engine: LLMEngine) -> None:

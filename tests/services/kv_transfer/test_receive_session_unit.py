@@ -12,7 +12,7 @@ import torch
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.kv.block_manager import transfer_block_hashes
 from pdserve.engine.kv.handoff import HandoffError, HandoffState
-from pdserve.services.kv_transfer import integrity
+from pdserve.services.kv_transfer import frames
 from pdserve.services.kv_transfer.base import KVBlock
 from pdserve.services.kv_transfer.frames import encode_wire_frames, parse_frame
 from pdserve.services.kv_transfer.receive_session import ReceiveSession, end, take_inline
@@ -158,8 +158,8 @@ def test_a_frame_of_whole_blocks_costs_one_connector_call_and_a_split_block_take
         res = engine.reserve(rid, PROMPT, GREEDY)
         sink = _CallCounts(engine.kv)
         session = ReceiveSession(sink)
-        session.open(rid, res.transfer_token, integrity.PREFERRED)
-        sender_mac = integrity.StreamMac(session.mac.key, session.mac.name)   # the other end of the stream
+        session.open(rid, res.transfer_token, frames.PREFERRED)
+        sender_mac = frames.StreamMac(session.mac.key, session.mac.name)   # the other end of the stream
         parts = [_encoded(engine, rid, i) for i in res.needed_block_indices]
         pending: deque = deque()
         for raw in encode_wire_frames(parts, frame_bytes, sender_mac):

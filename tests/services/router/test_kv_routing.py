@@ -27,7 +27,7 @@ from pdserve.engine.kv.events import KVEventLog
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_cost import Load, StepCost, StepCostView
 from pdserve.services.client import AsyncClient
-from pdserve.services.router.cost_model import CostModel
+from pdserve.services.router.placement import CostModel
 from pdserve.services.router.prefix_index import PrefixIndex
 from pdserve.v1 import worker_pb2
 from tests.conftest import random_prompts

@@ -11,11 +11,11 @@ import grpc
 import pytest
 
 from pdserve.engine import SamplingParams
-from pdserve.v1 import worker_pb2
 from pdserve.services.router.errors import RouterError, WorkerFailure
 from pdserve.services.router.generation_state import Chunk, Generation, Timing
 from pdserve.services.router.migration import MigrationLoop, WorkerWatch
 from pdserve.services.router.worker_pool import NoWorker, WorkerPool
+from pdserve.v1 import worker_pb2
 
 
 def _gen(rid: str = "r", deadline: float | None = None) -> Generation:

@@ -18,12 +18,12 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.engine.tokenizer import load_tokenizer
-from pdserve.services.router.admission import AdmissionQueue
-from pdserve.services.client import Client
 from pdserve.services.api.detokenizer import IncrementalDetokenizer
-from pdserve.services.deployment.launcher import Process, open_log
-from pdserve.services.common.log_format import escape_controls
+from pdserve.services.client import Client
 from pdserve.services.common.grpc_setup import SERVER_OPTIONS, options as channel_options
+from pdserve.services.common.log_format import escape_controls
+from pdserve.services.deployment.launcher import Process, open_log
+from pdserve.services.router.admission import AdmissionQueue
 from tests.serving import metric, scrape, start_cluster, wait_for
 
 TEXTS = ["naïve café — 日本語 🙂 Ünïcödé ✓", "hello world, once upon a time", "Ω≈ç√∫˜µ≤≥÷ 𝕳𝖊𝖑𝖑𝖔 한국어 ありがとう"]

@@ -9,10 +9,10 @@ import contextlib
 
 import pytest
 
-from pdserve.v1 import worker_pb2
-from pdserve.services.router.prefix_index import request_keys
 from pdserve.services.router.placement import Placement
+from pdserve.services.router.prefix_index import request_keys
 from pdserve.services.router.worker_pool import NoWorker, WorkerPool
+from pdserve.v1 import worker_pb2
 
 PROMPT = list(range(100, 164))   # 8 blocks of 8
 

@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.services.router.placement import Placement
 from pdserve.services.router.prefix_index import request_keys
-from pdserve.services.router.sessions import SessionTable
+from pdserve.services.router.routes import SessionTable
 from pdserve.services.router.slo import MAX_CLIENT_CHARS, ServiceClass
 from tests.services.router.test_routing_unit import PROMPT, _pool
 

@@ -7,13 +7,13 @@ import math
 
 import pytest
 
-from pdserve.v1 import router_pb2
 from pdserve.services.api.grpc_router import service_class
-from pdserve.services.api.http_request import HTTPError, _service_class
+from pdserve.services.api.openai_protocol import HTTPError, _service_class
 from pdserve.services.api.request_limits import InvalidRequest
 from pdserve.services.router.admission import Ticket
-from pdserve.services.router.slo import (MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, ServiceClass, SloPolicy, predicted_wait_ms,
-                                 retry_after_s, step_ms_with_one_more)
+from pdserve.services.router.slo import (MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, ServiceClass, SloPolicy,
+    predicted_wait_ms, retry_after_s, step_ms_with_one_more)
+from pdserve.v1 import router_pb2
 
 
 def test_a_service_class_is_checked_and_gives_its_ticket() -> None:

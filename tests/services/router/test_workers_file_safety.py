@@ -14,8 +14,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.services.client import Client
-from pdserve.services.router.workers_file import MAX_FILE_BYTES, read_workers
 from pdserve.services.common.security import Credentials, new_token
+from pdserve.services.router.workers_file import MAX_FILE_BYTES, read_workers
 from tests.e2e.test_membership import members
 from tests.serving import start_cluster
 

@@ -1,9 +1,26 @@
-"""The disaggregated route: reserve decode blocks (waiting in the admission queue while every
-decode worker is full) → prefill on a prefill worker, which ships the KV chunk by chunk and
-streams the sampled token at once → that token goes to the client (TTFT) while the last blocks
-are still in flight, and the decode worker is asked to continue from it → tokens stream back.
-With conditional disaggregation the chosen route may instead prefill on the decode worker
-itself (route_colocated.on_one_worker)."""
+"""The routes one request's attempt can take, and what they share.
+
+- **Disaggregated** (``DisaggregatedRoute``): reserve decode blocks (waiting in the admission
+  queue while every decode worker is full) → prefill on a prefill worker, which ships the KV chunk
+  by chunk and streams the sampled token at once → that token goes to the client (TTFT) while the
+  last blocks are still in flight, and the decode worker is asked to continue from it → tokens
+  stream back. With conditional disaggregation the chosen route may instead prefill on the decode
+  worker itself (``on_one_worker``).
+- **Colocated** (``colocated``): one worker prefills and decodes, chosen by its cost to serve
+  (services/router/placement.py); a prompt whose prefix is still in flight there waits for it first.
+- **What they share** (``RouteContext``): the pool and its placement, the watchdog, the SLO gate
+  (slo_gate.py), the prefix-in-flight wait, a worker's replies as chunks, and releasing a request
+  on its workers in the background.
+- **Multi-turn sessions** (``SessionTable``): which decode worker holds a conversation's KV. A
+  request's session key is its ``session_id`` (gRPC field, HTTP extension), else its OpenAI
+  ``user``. When a turn finishes on a decode (or colocated) worker, that worker holds the whole
+  turn in its prefix cache — the history, the new message and the answer it generated — so the
+  next turn's prompt (history + answer + new message) is cached there up to its new tokens. The
+  table remembers the worker for ``session_ttl_s`` after the turn; the next turn's placement may
+  then prefill on that worker, computing only what it lacks, wherever the cost model finds that
+  cheaper than a prefill worker recomputing the history, even under ``--disaggregation always``.
+  Bounded: at most ``max_sessions`` entries, least recently used dropped first.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -11,21 +28,184 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import AsyncIterator
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, TYPE_CHECKING
 
 import grpc
 
-from pdserve.v1 import worker_pb2
 from pdserve.services.common import tracing
 from pdserve.services.common.proto_convert import params_to_proto
-from pdserve.services.router.admission import Turn
+from pdserve.services.router.admission import AdmissionQueue, Turn
 from pdserve.services.router.errors import RouterError, WorkerFailure
 from pdserve.services.router.generation_state import Chunk, Generation
-from pdserve.services.router.migration import own_deadline, refused
-from pdserve.services.router.route_colocated import on_one_worker
-from pdserve.services.router.route_context import RPC_TIMEOUT_S, RouteContext
-from pdserve.services.router.placement import Route
-from pdserve.services.router.worker_pool import NoWorker, WorkerHandle
+from pdserve.services.router.migration import WorkerWatch, own_deadline, refused
+from pdserve.services.router.placement import Placement, Route
+from pdserve.services.router.prefix_index import request_keys
+from pdserve.services.router.router_metrics import RouterMetrics
+from pdserve.services.router.slo_gate import SloGate
+from pdserve.services.router.worker_pool import NoWorker, WorkerHandle, WorkerPool
+from pdserve.v1 import common_pb2, worker_pb2
+
+
+if TYPE_CHECKING:
+    from pdserve.services.router.config import GenerationOptions
+
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 10.0           # unary internal calls (Reserve, Abort, FailTransfer)
+
+
+@dataclass(eq=False)
+class RouteContext:
+    pool: WorkerPool
+    options: GenerationOptions
+    metrics: RouterMetrics
+    placement: Placement
+    admission: AdmissionQueue
+    watch: WorkerWatch
+    gate: SloGate
+    sessions: SessionTable = field(default_factory=lambda: SessionTable(0, 1))   # default: off
+    _background: set[asyncio.Task] = field(default_factory=set, repr=False)   # prefill followers, aborts
+
+    def keys(self, gen: Generation) -> list[int]:
+        """The chain keys of the request's full blocks (what the workers' prefix caches hold)."""
+        bs = self.placement.block_size
+        return request_keys([*gen.prompt, *gen.generated], bs, gen.params.cache_salt) \
+            if bs and self.placement.kv_aware else []
+
+    def routes(self, gen: Generation, keys: list[int]) -> list[Route]:
+        """Every decode worker's offer for the request, best first (Placement.decode_routes); the
+        worker its session's last turn ended on may prefill it. Raises NoWorker."""
+        return self.placement.decode_routes(keys, gen.n_tokens, gen.params.max_tokens, gen.failed,
+                                            session_worker=self.sessions.worker(gen.service.session_key))
+
+    def best_route(self, gen: Generation, keys: list[int]) -> Route:
+        return self.routes(gen, keys)[0]
+
+    def prefix_in_flight(self, route: Route, keys: list[int]) -> bool:
+        """The route's worker has this prompt's prefix only in flight: an earlier request routed
+        there is still computing or receiving those blocks, and a sequence cannot share blocks
+        that are not computed yet (they would be shipped or computed a second time, and a burst
+        sharing a new prefix would never hit)."""
+        return bool(keys) and self.placement.kv_aware and bool(self.placement.costs.affinity_weight) \
+            and route.decode.index.pending_blocks(keys) > 0
+
+    async def await_prefix_in_flight(self, gen: Generation, keys: list[int], deadline: float) -> None:
+        """Wait until the best route's worker holds the prefix it has in flight, or the request
+        computing it there has its KV in place or is gone (PrefixIndex.settle), or deadline (loop
+        time). A remote prefill would queue behind that request at the prefill worker anyway."""
+        loop = asyncio.get_running_loop()
+        while loop.time() < deadline:
+            try:
+                route = self.best_route(gen, keys)
+            except NoWorker:
+                return
+            if not self.prefix_in_flight(route, keys):
+                return
+            await self.pool.wait_changed(deadline - loop.time())
+
+    def first_token(self, gen: Generation, first: worker_pb2.FirstToken, route: str, routed_at: float) -> None:
+        """Record the first token's worker-side breakdown, and learn the route's overhead from it."""
+        if gen.generated:
+            return
+        t = gen.timing
+        t.queue_ms, t.prefill_ms, t.cached_tokens = first.queue_ms, first.prefill_ms, first.num_cached_tokens
+        self.placement.costs.observe_overhead(route, (time.perf_counter() - routed_at) * 1e3,
+                                              first.queue_ms + first.prefill_ms)
+
+    @staticmethod
+    def first_chunk(first: worker_pb2.FirstToken, finish: bool) -> Chunk:
+        return Chunk([first.token_id], first.finish_reason if finish else None,
+                     [first.logprob] if first.HasField("logprob") else None)
+
+    def decode_chunk(self, event: worker_pb2.DecodeEvent, worker: WorkerHandle, gen: Generation) -> Chunk:
+        """A decode event as a chunk. A worker ending the request with "abort" that nobody asked
+        for (its engine failed, or it was told by a stale abort) is a fault: the request moves."""
+        if event.finished and event.finish_reason == "abort" and not gen.aborted:
+            raise WorkerFailure(worker.address, "ABORTED", "the worker aborted the request")
+        if event.finished:   # the turn's KV (history, message, answer) is on that worker now
+            self.sessions.turn_ended(gen.service.session_key, worker.address)
+        return Chunk(list(event.token_ids), event.finish_reason if event.finished else None,
+                     list(event.logprobs) or None)
+
+    async def release(self, gen: Generation) -> None:
+        """Free the request on every worker that may hold it (reservations, pins, sequences). The
+        aborts run in the background: a frozen worker must not hold up a migration (it frees the
+        request itself anyway, when its streams break or its lease lapses)."""
+        workers, gen.workers = gen.workers, set()
+        for worker in workers:
+            self.spawn(self._abort_on(worker, gen.worker_request_id))
+
+    def spawn(self, coro) -> asyncio.Task:
+        """A task that outlives its creator: held here until done (the loop keeps only weak
+        references, and a collected task would cancel its call mid-way)."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _abort_on(self, worker: WorkerHandle, request_id: str) -> None:
+        try:
+            await worker.info.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=RPC_TIMEOUT_S / 2)
+        except grpc.aio.AioRpcError as exc:
+            log.info("abort of %s on %s: %s", request_id, worker.address, exc.code().name)
+
+
+async def colocated(ctx: RouteContext, gen: Generation) -> AsyncIterator[Chunk]:
+    """One attempt on a colocated worker."""
+    if sum(w.status.num_waiting for w in ctx.pool.healthy("both") if w.status) > ctx.options.max_queued_requests:
+        raise ctx.admission.full_error()
+    keys = ctx.keys(gen)
+    ctx.gate.admit(gen, lambda: ctx.best_route(gen, keys), keys)   # --slo-admission: refused now rather than late
+    route = await ctx.watch.pick(gen, lambda: ctx.best_route(gen, keys))
+    if ctx.prefix_in_flight(route, keys):
+        ctx.metrics.prefix_waits.inc()
+        await ctx.await_prefix_in_flight(gen, keys, asyncio.get_running_loop().time() + ctx.options.stall_timeout_s)
+        route = await ctx.watch.pick(gen, lambda: ctx.best_route(gen, keys))
+    worker = route.decode
+    gen.workers.add(worker)
+    if not gen.generated:
+        gen.timing.prefill_route = "colocated"
+    worker.index.note_routed(keys)
+    try:
+        async for chunk in on_one_worker(ctx, gen, worker, worker.colocated.Generate, time.perf_counter(),
+                                         ctx.placement.uncached(worker, keys, gen.n_tokens), keys):
+            yield chunk
+    finally:
+        ctx.pool.settle(worker, keys)
+
+
+async def on_one_worker(ctx: RouteContext, gen: Generation, worker: WorkerHandle, rpc, routed_at: float,
+                        uncached: int, keys: list[int]) -> AsyncIterator[Chunk]:
+    """Prefill and decode on one worker: rpc is its Generate. uncached counts as queued prompt
+    tokens there until the first token; then the prompt's blocks (keys) are held there."""
+    ctx.gate.placed_prompt(gen)
+    with ctx.pool.placed(worker), contextlib.ExitStack() as queued:
+        queued.enter_context(ctx.pool.placed(worker, uncached, count=False))
+        call = rpc(worker_pb2.GenerateLocalRequest(
+            request_id=gen.worker_request_id, prompt_token_ids=gen.prompt, output_token_ids=gen.generated,
+            params=params_to_proto(gen.params)), metadata=tracing.metadata(gen.trace))
+        async for event in ctx.watch.events(call, worker, gen):
+            if event.HasField("progress"):   # queued or prefilling there: alive (the watchdog saw it)
+                continue
+            if event.HasField("first_token"):
+                first = event.first_token
+                queued.close()
+                ctx.pool.settle(worker, keys)
+                ctx.first_token(gen, first, "local", routed_at)
+                if not gen.generated and gen.timing.prefill_route == "local":
+                    gen.timing.decode_cached_tokens = first.num_cached_tokens
+                yield ctx.first_chunk(first, first.HasField("finish_reason"))
+                if first.HasField("finish_reason"):
+                    return
+            else:
+                yield ctx.decode_chunk(event.decode, worker, gen)
+                if event.decode.finished:
+                    return
+        if not gen.aborted:
+            raise WorkerFailure(worker.address, "UNAVAILABLE", "worker stream ended early")
+
 
 log = logging.getLogger(__name__)
 
@@ -288,3 +468,44 @@ class DisaggregatedRoute:
                 await turn.step_aside(ctx.pool.wait_changed)
             else:
                 await ctx.pool.wait_changed(remaining)
+
+
+class SessionTable:
+    def __init__(self, ttl_s: float, max_sessions: int, clock: Callable[[], float] = time.monotonic) -> None:
+        """ttl_s 0: sessions off (nothing is remembered)."""
+        if ttl_s < 0:
+            raise ValueError(f"session_ttl_s must be >= 0, got {ttl_s}")
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
+        self.clock = clock
+        self._workers: OrderedDict[str, tuple[str, float]] = OrderedDict()   # key -> (address, expires)
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttl_s > 0
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def worker(self, key: str) -> str | None:
+        """The address of the worker that served the session's last turn, within its TTL."""
+        if not key or not self.enabled:
+            return None
+        entry = self._workers.get(key)
+        if entry is None:
+            return None
+        if entry[1] <= self.clock():
+            del self._workers[key]
+            return None
+        return entry[0]
+
+    def turn_ended(self, key: str, address: str) -> None:
+        """A turn of the session finished on the worker at address: its KV is there now."""
+        if not key or not self.enabled:
+            return
+        self._workers[key] = (address, self.clock() + self.ttl_s)
+        self._workers.move_to_end(key)
+        while len(self._workers) > self.max_sessions:
+            self._workers.popitem(last=False)
