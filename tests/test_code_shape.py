@@ -31,6 +31,7 @@ FLOOR_NAMES = ("engine", "shared floor", "serving wing", "operations wing", "pds
 # of these into a module that does not have it at import time (a light command, a torch-free
 # process, an install without an optional extra); it says why in a comment on its line or the line above.
 HEAVY = ("torch", "transformers", "fastapi", "uvicorn",                          # heavy to import
+         "numpy", "grpc", "cryptography", "prometheus_client",                  # slow for a command that answers at once
          "ray", "opentelemetry", "matplotlib", "flash_attn", "lz4", "yaml", "openai")   # optional extras
 
 

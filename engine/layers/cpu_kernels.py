@@ -94,7 +94,6 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def _build() -> ctypes.CDLL | None:
-
     path = build_library("pd_cpu_kernels", [CSRC / s for s in SOURCES], FLAGS)
     if path is None:
         return None

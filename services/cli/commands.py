@@ -22,20 +22,12 @@ from pdserve.services.cli.parser import (CLIParser, add_engine_args, add_model_a
 from pdserve.services.cli.ray_cmd import add_ray_parser
 from pdserve.services.cli.usage_errors import EXIT_USAGE, RuntimeFailure, UsageError, configure_logging, parse_log_level
 from pdserve.services.cli.workers_cmd import add_workers_args, run_workers
-from pdserve.services.client import Client
 from pdserve.services.common.config_flags import add_config_args, config_from_args, config_to_argv, field_default, given
-from pdserve.services.common.grpc_setup import check_port_free
-from pdserve.services.common.metrics import read_metrics_token
-from pdserve.services.common.security import (API_KEY_ENV, Credentials, read_secret, require_cluster_token,
-    require_secure_internal_plane)
 from pdserve.services.common.topology import (DEFAULT_HOST, ENGINE_FIXED, PER_WORKER, ROLES_SHARED, ROUTER_PORT,
     SERVE_HTTP_PORT, UP_OWN, UP_PER_PROCESS, WORKER_THREADS)
-from pdserve.services.deployment.launcher import Cluster, Deployment, Stopped, die_with_parent
 from pdserve.services.deployment.progress import Progress
-from pdserve.services.loadtest import offline as offline_bench, serve as serve_bench
-from pdserve.services.planner.profile import ProfileConfig, run_profile
 from pdserve.services.router.config import GenerationOptions, RouterConfig
-from pdserve.services.workers.config import WorkerConfig, WorkerOptions
+from pdserve.services.workers.config import WorkerConfig
 
 # Importing this module, and `pdserve --help` or `pdserve generate --router`, must not import torch
 # or transformers (seconds on a small machine): the engine, the router and the workers are imported
@@ -113,6 +105,8 @@ def _credentials(args: argparse.Namespace, role: str | None = None):
     """The process's credentials. For a role of the internal plane (role given) a cluster token is
     required unless --insecure-no-auth, and a plane reaching past loopback (``plane_reach``) needs
     mutual TLS unless --insecure-internal-plane (ValueError: exit code 2, one line naming the flags)."""
+    # lazy: grpc only when this runs
+    from pdserve.services.common.security import Credentials, require_cluster_token, require_secure_internal_plane
     admin_file = getattr(args, "admin_token_file", None)   # the admin token: only where the flag is (never a worker)
     creds = Credentials.load(args.cluster_token_file, args.tls_cert, args.tls_key, args.tls_ca,
                              admin=hasattr(args, "admin_token_file"), admin_token_file=admin_file)
@@ -131,6 +125,7 @@ def _plane_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
+    from pdserve.services.common.security import API_KEY_ENV, read_secret   # lazy: grpc only when this runs
     if args.api_key:
         return args.api_key
     return read_secret(args.api_key_file, API_KEY_ENV, "API key")
@@ -156,6 +151,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve.services.client import Client   # lazy: grpc only when this runs
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
                 "top_k": args.top_k, "seed": args.sampling_seed, "ignore_eos": args.ignore_eos}
     if args.router:
@@ -203,6 +199,8 @@ def _router_error(address: str, exc) -> str:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from pdserve.services.common.metrics import read_metrics_token   # lazy: grpc, prometheus_client only when this runs
+    from pdserve.services.workers.options import WorkerOptions   # lazy: grpc only when this runs
     from pdserve.engine.parallel import RankFailure   # lazy: torch only when this runs
     from pdserve.services.workers.worker_process import serve_worker   # lazy: torch only when this runs
     engine_kwargs = given(args, EngineConfig, ENGINE_FIXED)
@@ -232,6 +230,7 @@ def _served_names(args: argparse.Namespace) -> tuple[str, ...] | None:
 
 def _check_port(host: str, port: int, what: str, flag: str) -> None:
     """A busy port is a usage error (exit 2) that says which flag picks another."""
+    from pdserve.services.common.grpc_setup import check_port_free   # lazy: grpc only when this runs
     try:
         check_port_free(host, port)
     except OSError as exc:
@@ -240,6 +239,7 @@ def _check_port(host: str, port: int, what: str, flag: str) -> None:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    from pdserve.services.common.metrics import read_metrics_token   # lazy: grpc, prometheus_client only when this runs
     from pdserve.services.api.grpc_router import RouterOptions, serve_router   # lazy: transformers only when this runs
     _check_port(args.host, args.port, "the router's port", "--port")
     if args.http_port:
@@ -256,6 +256,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from pdserve.services.deployment.launcher import Cluster, Deployment, Stopped   # lazy: grpc only when this runs
     import signal
 
 
@@ -328,6 +329,8 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    # lazy: grpc, numpy, prometheus_client only when this runs
+    from pdserve.services.planner.profile import ProfileConfig, run_profile
     engine_kwargs = given(args, EngineConfig, ENGINE_FIXED)
     engine_kwargs.setdefault("num_threads", WORKER_THREADS)   # as each worker `pdserve up` starts
     engine = EngineConfig(model=model_dir(args), **engine_kwargs)
@@ -361,6 +364,8 @@ benchmarks:
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    # lazy: grpc, numpy only when this runs
+    from pdserve.services.loadtest import offline as offline_bench, serve as serve_bench
     if args.kind is None:
         if any(a in ("-h", "--help") for a in rest):
             print(BENCH_HELP)
@@ -398,6 +403,7 @@ def _p_generate(p: argparse.ArgumentParser) -> None:
 def _add_up_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     """`up`'s flags; `serve` (vLLM's shape) has the model positional, --port for the HTTP API
     (default 8000) and --grpc-port for the router's gRPC API."""
+    from pdserve.services.deployment.launcher import Deployment   # lazy: grpc only when this runs
     if serve:
         p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                        help="local Hugging Face checkpoint directory, served under this name as given "
@@ -460,6 +466,8 @@ def _p_workers(p: argparse.ArgumentParser) -> None:
 
 
 def _p_profile(p: argparse.ArgumentParser) -> None:
+    # lazy: grpc, numpy, prometheus_client only when this runs
+    from pdserve.services.planner.profile import ProfileConfig
     add_engine_args(p)
     add_config_args(p.add_argument_group("profile"), ProfileConfig)
     p.set_defaults(func=cmd_profile)
@@ -551,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 ok, 1 a runtime failure (unreachable router, failed start), 2 a usage error;
     either failure is one `pdserve: error: ...` line on stderr (tracebacks with --log-level DEBUG)."""
     if ENV.PARENT_PID.is_set():
+        from pdserve.services.deployment.launcher import die_with_parent   # lazy: grpc only for a child of `up`
         die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(_command_of(argv))

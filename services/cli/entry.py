@@ -8,7 +8,9 @@ import sys
 from pdserve.services.cli.commands import main as cli_main
 
 
+
 def main() -> int:
+    # lazy: cryptography, grpc, numpy, prometheus_client only when this runs
     return cli_main(sys.argv[1:])
 
 

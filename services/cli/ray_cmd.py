@@ -11,10 +11,6 @@ from pdserve.services.cli.usage_errors import RuntimeFailure, check_model_dir, l
 from pdserve.services.common.config_flags import add_config_args, config_from_args, config_to_argv, given
 from pdserve.services.common.topology import ENGINE_FIXED, PER_WORKER, ROLES_SHARED, UP_OWN
 from pdserve.services.deployment.progress import Progress
-from pdserve.services.ray_deploy.cluster import AuthError, connect, load_local_cluster, stop_local_cluster
-from pdserve.services.ray_deploy.deploy import (DeploymentError, RayDeployment, deploy, describe, job_runtime_env,
-    list_actors, teardown)
-from pdserve.services.ray_deploy.scale import ScaleError, scale
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.workers.config import WorkerConfig
 
@@ -23,7 +19,7 @@ RAY_UP_FIXED = ("model", "name", "namespace")   # --model, and the flags every r
 
 
 def add_ray_parser(sub, parents: list[argparse.ArgumentParser] | tuple = ()) -> None:
-
+    from pdserve.services.ray_deploy.deploy import RayDeployment   # lazy: grpc only when this runs
     p = sub.add_parser("ray", help="deploy onto a Ray cluster (ray up | ray down | ray scale | ray status)", parents=list(parents))
     rsub = p.add_subparsers(dest="ray_command", required=True, metavar="COMMAND")
 
@@ -83,6 +79,7 @@ def add_ray_parser(sub, parents: list[argparse.ArgumentParser] | tuple = ()) -> 
 
 def ray_spec(args: argparse.Namespace, model: str):
     """The RayDeployment of `pdserve ray up`'s flags; the roles' settings as argv."""
+    from pdserve.services.ray_deploy.deploy import RayDeployment   # lazy: grpc only when this runs
 
     engine = EngineConfig(model=model, **given(args, EngineConfig, ENGINE_FIXED))
     router_args = router_argv(args, config_from_args(RouterConfig, args, exclude=("ready_timeout_s",)))
@@ -94,6 +91,8 @@ def ray_spec(args: argparse.Namespace, model: str):
 
 def _existing(spec, if_exists: str):
     """What to do with a deployment of the same name: its DeploymentInfo to keep, or None to (re)deploy."""
+    # lazy: grpc only when this runs
+    from pdserve.services.ray_deploy.deploy import DeploymentError, describe, list_actors, teardown
     import ray
 
 
@@ -113,6 +112,10 @@ def _existing(spec, if_exists: str):
 
 def cmd_ray_up(args: argparse.Namespace) -> int:
 
+    # lazy: grpc only when this runs
+    from pdserve.services.ray_deploy.cluster import AuthError, connect, stop_local_cluster
+    # lazy: grpc only when this runs
+    from pdserve.services.ray_deploy.deploy import DeploymentError, deploy, job_runtime_env
     if args.model and looks_like_hub_id(args.model):
         check_model_dir(args.model)   # raises: a hub id is never a model directory
     if args.model and (args.address == "local" or args.ship_model):
@@ -166,6 +169,9 @@ def _shutdown_ray() -> None:
 
 def cmd_ray_down(args: argparse.Namespace) -> int:
 
+    # lazy: grpc only when this runs
+    from pdserve.services.ray_deploy.cluster import load_local_cluster, stop_local_cluster
+    from pdserve.services.ray_deploy.deploy import teardown   # lazy: grpc only when this runs
     if args.address == "local":
         saved = load_local_cluster()
         if saved is None or not saved.alive():
@@ -188,6 +194,7 @@ def cmd_ray_down(args: argparse.Namespace) -> int:
 
 
 def _connect(address: str, namespace: str):
+    from pdserve.services.ray_deploy.cluster import AuthError, connect   # lazy: grpc only when this runs
     try:
         return connect(address, namespace)
     except AuthError as exc:
@@ -195,7 +202,7 @@ def _connect(address: str, namespace: str):
 
 
 def cmd_ray_scale(args: argparse.Namespace) -> int:
-
+    from pdserve.services.ray_deploy.scale import ScaleError, scale   # lazy: grpc only when this runs
     if args.prefill_workers is None and args.decode_workers is None:
         raise ValueError("ray scale: give --prefill-workers N and/or --decode-workers M")
     if not args.drain_timeout_s >= 0:
@@ -211,7 +218,8 @@ def cmd_ray_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_ray_status(args: argparse.Namespace) -> int:
-
+    from pdserve.services.ray_deploy.cluster import load_local_cluster   # lazy: grpc only when this runs
+    from pdserve.services.ray_deploy.deploy import describe   # lazy: grpc only when this runs
     if args.address == "local" and (load_local_cluster() is None or not load_local_cluster().alive()):
         print("no local cluster is running", file=sys.stderr)
         return 1

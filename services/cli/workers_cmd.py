@@ -12,8 +12,6 @@ import sys
 
 from pdserve.services.cli.usage_errors import RuntimeFailure
 from pdserve.services.common.proofs import is_dial_address
-from pdserve.services.common.security import (ADMIN_TOKEN_ENV, Credentials, MAX_DRAIN_TIMEOUT_S,
-    require_secure_internal_plane)
 from pdserve.services.common.topology import DEFAULT_HOST, DRAIN_TIMEOUT_S, ROUTER_PORT
 
 ACTIONS = ("list", "add", "drain", "resume", "remove", "switch-role")
@@ -43,11 +41,14 @@ def add_workers_args(p: argparse.ArgumentParser, add_security_args) -> None:
 def run_workers(args: argparse.Namespace) -> int:
     """The command: its credentials (the cluster token, and the admin token: $PDSERVE_ADMIN_TOKEN
     or --admin-token-file), then cmd_workers."""
+    from pdserve.services.common.security import Credentials   # lazy: grpc only when this runs
     return cmd_workers(args, Credentials.load(args.cluster_token_file, args.tls_cert, args.tls_key, args.tls_ca,
                                               admin=True, admin_token_file=args.admin_token_file))
 
 
 def cmd_workers(args: argparse.Namespace, credentials) -> int:
+    # lazy: grpc only when this runs
+    from pdserve.services.common.security import ADMIN_TOKEN_ENV, MAX_DRAIN_TIMEOUT_S, require_secure_internal_plane
     import grpc
 
     from pdserve.v1 import membership_pb2 as m

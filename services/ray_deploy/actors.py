@@ -44,7 +44,8 @@ from pdserve.services.common.grpc_setup import options as channel_options
 from pdserve.services.common.proofs import ProofCheck
 from pdserve.services.common.security import API_KEY_ENV, Credentials, read_secret
 from pdserve.services.router.config import GenerationOptions, RouterConfig
-from pdserve.services.workers.config import WorkerConfig, WorkerOptions
+from pdserve.services.workers.config import WorkerConfig
+from pdserve.services.workers.options import WorkerOptions
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,6 @@ class ControlGate:
     """Control methods answer only a caller proving the cluster token, each proof once."""
 
     def __init__(self, credentials, actor_name: str) -> None:
-
         self.actor_name = actor_name
         self.check = ProofCheck(credentials.key) if credentials.key is not None else None
 

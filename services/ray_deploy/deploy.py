@@ -176,7 +176,6 @@ class RayDeployment:
                 "router": [f"{self.name}-router"]}
 
     def _engine_argv(self) -> list[str]:
-
         engine = list(self.engine_args)
         if self.engine:
             engine = config_to_argv(EngineConfig(model="-", **self.engine), exclude=("model", "role")) + engine

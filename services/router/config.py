@@ -7,9 +7,11 @@ from dataclasses import dataclass
 
 from pdserve.engine.settings import setting
 from pdserve.services.common.topology import drain_timeout_setting, otlp_endpoint_setting, otlp_insecure_setting
-from pdserve.services.router.placement import DISAGGREGATION_MODES, ROUTING_POLICIES
-from pdserve.services.router.prefix_index import DEFAULT_MAX_KEYS
 from pdserve.services.router.slo import MAX_TARGET_MS
+
+ROUTING_POLICIES = ("kv-aware", "load")
+DEFAULT_MAX_KEYS = 1 << 20   # prefix-cache keys per worker: ~100 MB of Python objects at most, far above a real pool's blocks
+DISAGGREGATION_MODES = ("always", "conditional")
 
 
 @dataclass(slots=True)

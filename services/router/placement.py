@@ -57,14 +57,13 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from pdserve.engine.step_cost import Load, StepCost, StepCostView
+from pdserve.services.router.config import DISAGGREGATION_MODES, ROUTING_POLICIES
 from pdserve.services.router.worker_pool import NoWorker, WorkerHandle, WorkerSet
 from pdserve.v1 import worker_pb2
 
 
 log = logging.getLogger(__name__)
 
-ROUTING_POLICIES = ("kv-aware", "load")
-DISAGGREGATION_MODES = ("always", "conditional")
 THRESHOLD_LOG_INTERVAL_S = 5.0
 
 

@@ -19,8 +19,8 @@ from collections import OrderedDict
 from typing import Iterable, Sequence
 
 from pdserve.engine.kv.block_manager import prompt_block_hashes, salt_root
+from pdserve.services.router.config import DEFAULT_MAX_KEYS
 
-DEFAULT_MAX_KEYS = 1 << 20   # per worker: ~100 MB of Python objects at most, far above a real pool's blocks
 
 
 class PrefixIndex:

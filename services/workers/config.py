@@ -2,18 +2,13 @@
 flags without importing the worker (services/workers/worker_process.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from pdserve.engine.kv.handoff import LeasePolicy
 from pdserve.engine.settings import setting
 from pdserve.services.common.proofs import is_host_port
-from pdserve.services.common.security import Credentials
 from pdserve.services.common.topology import drain_timeout_setting, otlp_endpoint_setting, otlp_insecure_setting
 from pdserve.services.kv_transfer import shared_memory
-
-if TYPE_CHECKING:
-    from pdserve.services.kv_transfer.base import KVSender
 
 KV_COMPRESSION_MODES = ("auto", "off", "lossless", "int8")   # services/kv_transfer/wire_codec.MODES
 KV_DATA_PLANES = ("tcp", "grpc")
@@ -98,16 +93,3 @@ class WorkerConfig:
     @property
     def lease(self) -> LeasePolicy:
         return LeasePolicy(self.kv_lease_idle_s, self.kv_lease_max_s)
-
-
-@dataclass(slots=True)
-class WorkerOptions:
-    host: str = "127.0.0.1"
-    port: int = 0
-    worker_id: str = ""
-    metrics_port: int | None = None   # Prometheus /metrics; None: no endpoint
-    metrics_token: str | None = None  # scrapes must send it as a bearer token
-    kv_address: str = ""              # advertised as WorkerStatus.kv_address ("": the Worker address)
-    kv_sender: "KVSender | None" = None  # prefill: how KV blocks leave (None: gRPC)
-    credentials: Credentials = field(default_factory=Credentials)
-    config: WorkerConfig = field(default_factory=WorkerConfig)

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from pdserve.services.kv_transfer.base import KVSink
     from pdserve.services.kv_transfer.tcp_receiver import KVDataListener
     from pdserve.services.kv_transfer.tcp_transport import TcpKVSender
-    from pdserve.services.workers.config import WorkerOptions
+    from pdserve.services.workers.options import WorkerOptions
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from pdserve.services.workers.prefill import PrefillHandler
 if TYPE_CHECKING:
     from pdserve.services.kv_transfer.tcp_receiver import KVDataListener
     from pdserve.services.workers.worker_metrics import WorkerMetrics
-    from pdserve.services.workers.config import WorkerOptions
+    from pdserve.services.workers.options import WorkerOptions
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,10 @@ from pdserve.services.common.metrics import start_metrics_server
 from pdserve.services.common.proto_convert import ROLE_ENUM, ROLE_NAMES
 from pdserve.services.kv_transfer import KVSender, register_kv_servicer
 from pdserve.services.workers.async_engine import AsyncEngine
-from pdserve.services.workers.config import ENGINE_STALL_EXIT_CODE, WorkerOptions
+from pdserve.services.workers.config import ENGINE_STALL_EXIT_CODE
 from pdserve.services.workers.lifecycle import StallWatchdog, WorkerState
 from pdserve.services.workers.membership_client import keep_joined
+from pdserve.services.workers.options import WorkerOptions
 from pdserve.services.workers.roles import GatedKVTransfer, RoleGate, RoleSides
 from pdserve.services.workers.worker_metrics import WorkerMetrics
 from pdserve.v1 import common_pb2, membership_pb2, worker_pb2, worker_pb2_grpc

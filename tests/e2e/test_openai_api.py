@@ -235,7 +235,7 @@ def test_up_forwards_router_settings(monkeypatch, tiny_qwen3: str) -> None:
         def start(self, **kwargs):
             raise pdserve.services.deployment.launcher.Stopped()
 
-    monkeypatch.setattr(pdserve.services.cli.commands, "Cluster", FakeCluster)   # the name cmd_up uses
+    monkeypatch.setattr(pdserve.services.deployment.launcher, "Cluster", FakeCluster)   # cmd_up imports it when it runs
     monkeypatch.setattr(signal, "signal", lambda *a: None)
     assert main(["up", "--model", tiny_qwen3, "--port", str(free_port()), "--http-port", "8123",
                  "--served-model-name", "tiny", "--max-choices", "8", "--drain-timeout-s", "7"]) == 0

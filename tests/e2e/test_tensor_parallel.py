@@ -193,7 +193,7 @@ def test_worker_with_a_killed_rank_fails_and_frees_its_blocks(tiny_qwen3: str) -
     worker drains and raises RankFailure (its supervisor restarts it) instead of hanging."""
     from pdserve.engine import EngineConfig
     from pdserve.engine.kv.handoff import HandoffState
-    from pdserve.services.workers.config import WorkerOptions
+    from pdserve.services.workers.options import WorkerOptions
     from pdserve.services.workers.worker_process import serve_worker
 
     config = EngineConfig(model=tiny_qwen3, role="decode", dtype="float32", block_size=8, num_kv_blocks=64,

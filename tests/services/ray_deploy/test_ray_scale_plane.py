@@ -71,7 +71,7 @@ def test_loopback_needs_no_flag_and_the_cli_flag_reaches_scale(monkeypatch, tmp_
     assert started == ["d-decode-1"]
     seen = {}
     monkeypatch.setattr(cli, "_connect", lambda address, namespace: None)
-    monkeypatch.setattr(cli, "scale", lambda *a, **kw: seen.update(kw) or scale_mod.ScaleResult())
+    monkeypatch.setattr(scale_mod, "scale", lambda *a, **kw: seen.update(kw) or scale_mod.ScaleResult())
     for argv, expected in ((["ray", "scale", "--prefill-workers", "2"], False),
                            (["ray", "scale", "--prefill-workers", "2", "--insecure-internal-plane"], True)):
         args = build_parser("ray").parse_args(argv)

@@ -14,7 +14,7 @@ from pdserve.services.workers.worker_metrics import WorkerMetrics
 from pdserve.services.workers.async_engine import AsyncEngine
 from pdserve.services.workers.lifecycle import WorkerState
 from pdserve.services.workers.roles import RoleGate, RoleSides
-from pdserve.services.workers.config import WorkerOptions
+from pdserve.services.workers.options import WorkerOptions
 from pdserve.services.workers.worker_process import WorkerInfoServicer
 
 KW = dict(dtype="float32", block_size=8, num_kv_blocks=16, max_model_len=128)
