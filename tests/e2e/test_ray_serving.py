@@ -39,7 +39,7 @@ from tests.conftest import random_prompts
 from tests.faults.harness import observe, record, wait_for
 from tests.faults.test_engine_stall import (ENGINE_STALL_S, MAX_TOKENS, PROMPTS as STALL_PROMPTS,  # noqa: F401
                                             RAY_REPLACED_WITHIN_S, RUNNING, STALL_ROUTER, STALL_WORKER, reference)
-from tests.serving import SteadyLoad
+from tests.serving import SteadyLoad, catch_holder
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
 
@@ -608,12 +608,17 @@ def test_a_ray_decode_actor_whose_engine_hangs_is_restarted_and_loses_no_request
     try:
         before = {n: _actor_info(n, 60) for n in decodes}
         running = [observe(info.router_address, p, MAX_TOKENS, timeout=180) for p in STALL_PROMPTS[:RUNNING]]
-        decoding: list[str] = []
-        wait_for(lambda: bool(decoding.extend(n for n in decodes if (_status(before[n]["address"]) or
-                                                                       worker_pb2.WorkerStatus()).num_running)
-                              or decoding), 90, "a decode actor decoding", interval=0.05)
-        victim, old_pid = decoding[0], before[decoding[0]]["pid"]
-        (hang_dir / f"engine-hang-{old_pid}").write_text("")
+        # A decode actor running sequences, caught frozen (tests.serving.catch_holder): asked while it
+        # runs, the tiny model's streams could end between its answer and the hook.
+        victim = None
+        while victim is None and not all(o.done.is_set() for o in running):
+            victim = catch_holder(decodes, lambda n: (_status(before[n]["address"]) or
+                                                      worker_pb2.WorkerStatus()).num_running > 0,
+                                  lambda n: before[n]["pid"], keep_frozen=True)
+        assert victim is not None, "every stream ended before a decode actor was caught running one"
+        old_pid = before[victim]["pid"]
+        (hang_dir / f"engine-hang-{old_pid}").write_text("")   # its engine thread hangs before its next step
+        os.kill(old_pid, signal.SIGCONT)
         t_hang = time.monotonic()
         arriving = [observe(info.router_address, p, MAX_TOKENS, timeout=180) for p in STALL_PROMPTS[RUNNING:]]
         wait_for(lambda: (_actor_info(victim) or {"pid": old_pid})["pid"] != old_pid, RAY_REPLACED_WITHIN_S,
