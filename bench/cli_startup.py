@@ -4,7 +4,8 @@
 * ``pdserve --help`` until it exits;
 * ``pdserve generate --router ADDR PROMPT`` until its first output byte (the first token's text)
   and until it exits, against a running deployment (``--router``; without it this script starts a
-  1P1D deployment of the tiny default model on free ports and stops it afterwards);
+  1P1D deployment of the tiny random-weight model (``--model tiny``) on free ports and stops it
+  afterwards: the client's start-up is measured, not the model's);
 * ``pdserve generate --router`` against an address where nothing listens, until it exits (with
   code 1 and one error line).
 
@@ -92,10 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd = pdserve_command()
     cluster = None
     if args.router is None:
-        from pdserve.engine.model_maker import ensure_default_model
+        from pdserve.engine.checkpoints.resolve import resolve_model
         from pdserve.services.deployment.launcher import Cluster, Deployment
-        cluster = Cluster(Deployment(model=str(ensure_default_model()), port=free_port()))
-        print("starting a 1P1D deployment of the default model ...", file=sys.stderr, flush=True)
+        cluster = Cluster(Deployment(model=resolve_model("tiny"), port=free_port()))
+        print("starting a 1P1D deployment of the tiny model ...", file=sys.stderr, flush=True)
         cluster.start()
         args.router = cluster.router_address
     try:

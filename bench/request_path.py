@@ -72,7 +72,8 @@ def _role(argv: list[str]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: pdserve's default model)")
+    ap.add_argument("--model", default="tiny", help="what `pdserve up --model` takes (default: tiny, the random-weight "
+                    "model the documented counts were measured with)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--window-s", type=float, default=3.0, help="length of the idle and the request windows")
     args = ap.parse_args()
@@ -82,8 +83,8 @@ def main() -> None:
         out.mkdir()
         env = {**os.environ, "PYTHONPATH": tmp, "PDSERVE_PATH_TRACE_DIR": str(out)}
         port, http_port = _free_port(), _free_port()
-        cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--http-port", str(http_port),
-               *(["--model", args.model] if args.model else [])]
+        cmd = [sys.executable, "-m", "pdserve", "up", "--model", args.model, "--port", str(port), "--http-port",
+               str(http_port)]
         up = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             deadline = time.monotonic() + 300

@@ -70,6 +70,8 @@ def model_cost(cfg: ModelConfig) -> ModelCost:
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     layer_linear = h * q + 2 * h * kv + q * h + 3 * h * inter
     layer_norms = 2 * h + (2 * d if cfg.qk_norm else 0)
+    layer_biases = (q + 2 * kv if cfg.qkv_bias else 0) + (h if cfg.attention_bias else 0) + \
+        (2 * inter + h if cfg.mlp_bias else 0)
     lm_head = cfg.vocab_size * h
     if cfg.torch_dtype not in _ITEMSIZE:
         raise ValueError(f"torch_dtype {cfg.torch_dtype!r} is not one of {sorted(_ITEMSIZE)}")
@@ -78,7 +80,7 @@ def model_cost(cfg: ModelConfig) -> ModelCost:
         linear_flops=2 * cfg.num_layers * layer_linear,
         lm_head_flops=2 * lm_head,
         attn_flops_per_key=4 * cfg.num_heads * d * cfg.num_layers,
-        weight_bytes=(cfg.num_layers * (layer_linear + layer_norms) + h + lm_head) * itemsize,
+        weight_bytes=(cfg.num_layers * (layer_linear + layer_norms + layer_biases) + h + lm_head) * itemsize,
         kv_bytes_per_token=2 * cfg.num_layers * kv * itemsize,
     )
 

@@ -1,10 +1,11 @@
-"""Offline batch generation: LLM(model_dir).generate(prompts, params)."""
+"""Offline batch generation: LLM(model).generate(prompts, params)."""
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence as Seq
 
+from pdserve.engine.checkpoints.resolve import resolve_model
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.logprobs import TokenLogprob
@@ -24,8 +25,11 @@ class CompletionOutput:
 
 
 class LLM:
-    def __init__(self, model: str, **kwargs: Any) -> None:
-        self.config = EngineConfig.from_kwargs(str(model), **kwargs)
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """model: a checkpoint directory, a .gguf file, a Hub id, `tiny`, or None (the default
+        model), as the CLI's --model (engine/checkpoints/resolve.py)."""
+        model = resolve_model(None if model is None else str(model))
+        self.config = EngineConfig.from_kwargs(model, **kwargs)
         if self.config.role != "both":
             raise ValueError(f"LLM runs the 'both' role, got role={self.config.role!r}")
         self.engine = LLMEngine(self.config)

@@ -25,8 +25,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,6 +40,7 @@ from pdserve.engine.presets import (ARCHITECTURES,
     PresetName,
     get_preset,
     resolve_arch)
+from pdserve.engine.cache_dir import build_once
 from pdserve.engine.safetensors_stream import write_safetensors
 from pdserve.engine.settings import pdserve_home
 
@@ -53,6 +52,7 @@ SPECIAL_TOKENS = (EOS_TOKEN, BOS_TOKEN)  # trainer assigns ids in this order
 SPECIAL_ROW_SCALE = 0.05  # see weight_chunks
 CHUNK_ELEMENTS = 1 << 22  # elements drawn at a time (16 MiB of float32), see weight_chunks
 RESIDUAL_GAIN = 2.0  # see weight_specs
+QKV_BIAS_STD = 0.2  # qwen2's q/k/v biases, see weight_specs
 
 # Bump when the output of make_model changes, so cached default models are rebuilt.
 # 2: a chat template.
@@ -150,7 +150,7 @@ def _write_tokenizer(out: Path, vocab_size: int, model_max_length: int) -> None:
 
 
 def _write_configs(out: Path, p: Preset, arch: str) -> None:
-    from transformers import GenerationConfig, LlamaConfig, Qwen3Config
+    from transformers import GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         architectures=[ARCHITECTURES[arch]],
@@ -166,13 +166,14 @@ def _write_configs(out: Path, p: Preset, arch: str) -> None:
         rms_norm_eps=p.rms_norm_eps,
         rope_parameters={"rope_type": p.rope_type, "rope_theta": p.rope_theta, **dict(p.rope_scaling)},
         tie_word_embeddings=p.tie_word_embeddings,
-        attention_bias=False,
         bos_token_id=BOS_TOKEN_ID,
         eos_token_id=EOS_TOKEN_ID,
         pad_token_id=EOS_TOKEN_ID,
         dtype=p.dtype,
     )
-    config = Qwen3Config(**common) if arch == "qwen3" else LlamaConfig(**common)
+    if arch != "qwen2":   # Qwen2's config has no such key: its q/k/v always have a bias, o_proj none
+        common["attention_bias"] = False
+    config = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}[arch](**common)
     config.save_pretrained(str(out))
     # Also emit the legacy top-level keys that pre-v5 readers (and simple loaders) expect.
     cfg_path = out / "config.json"
@@ -204,6 +205,9 @@ def weight_specs(p: Preset, arch: str) -> Iterator[tuple[str, tuple[int, ...], f
     (o_proj, down_proj) get an extra gain of RESIDUAL_GAIN * sqrt(hidden):
     otherwise the token's own embedding dominates the final hidden state and a
     tied lm_head keeps predicting the input token (pre-norm keeps this stable).
+    Qwen2's q/k/v biases get std QKV_BIAS_STD: each changes most greedy tokens, yet the v
+    bias (a constant every layer adds to the stream through o_proj) stays small enough that
+    greedy output remains varied.
     """
     h, hd, inter = p.hidden_size, p.head_dim, p.intermediate_size
     q_out, kv_out = p.num_attention_heads * hd, p.num_key_value_heads * hd
@@ -215,6 +219,10 @@ def weight_specs(p: Preset, arch: str) -> Iterator[tuple[str, tuple[int, ...], f
         yield pre + "self_attn.q_proj.weight", (q_out, h), h**-0.5
         yield pre + "self_attn.k_proj.weight", (kv_out, h), h**-0.5
         yield pre + "self_attn.v_proj.weight", (kv_out, h), h**-0.5
+        if arch == "qwen2":
+            yield pre + "self_attn.q_proj.bias", (q_out,), QKV_BIAS_STD
+            yield pre + "self_attn.k_proj.bias", (kv_out,), QKV_BIAS_STD
+            yield pre + "self_attn.v_proj.bias", (kv_out,), QKV_BIAS_STD
         yield pre + "self_attn.o_proj.weight", (h, q_out), gain * q_out**-0.5
         if arch == "qwen3":
             yield pre + "self_attn.q_norm.weight", (hd,), 0.0
@@ -309,34 +317,9 @@ def cached_model_dir(preset: str = DEFAULT_PRESET, arch: str | None = None, seed
     return pdserve_home() / "models" / f"{preset}-{resolve_arch(preset, arch)}-seed{seed}-v{MAKER_VERSION}"
 
 
-def default_model_dir() -> Path:
-    """Cache location of the default (tiny qwen3, seed 0) model."""
-    return cached_model_dir()
-
-
 def ensure_model(preset: str = DEFAULT_PRESET, arch: str | None = None, seed: int = DEFAULT_SEED) -> Path:
     """Make a preset's checkpoint in the cache on first use (atomically) and return its directory."""
-    target = cached_model_dir(preset, arch, seed)
-    if target.is_dir():  # only ever created by the rename below, so it is complete
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        make_model(tmp, preset, arch, seed)
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not target.is_dir():  # lost a race is fine; anything else is not
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def ensure_default_model() -> Path:
-    """Make the default model on first use (atomically) and return its directory."""
-    return ensure_model()
+    return build_once(cached_model_dir(preset, arch, seed), lambda out: make_model(out, preset, arch, seed))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,7 +15,7 @@ from pdserve.engine.layers.attention import AttentionMetadata, PrefillSegment
 from pdserve.engine.layers.backend import TorchBackend, select_backend
 from pdserve.engine.layers.linear import Linear
 from pdserve.engine.layers.sampler import Sampler
-from pdserve.engine.loader import load_weights
+from pdserve.engine.loader import checkpoint_quantization, hold_int8_linears, load_weights
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import MODEL_CLASSES
 from pdserve.engine.parallel import RankProcesses, TPGroup, TPLayout, check_divisible
@@ -53,6 +53,9 @@ class ModelRunner:
             self.device = torch.device("cuda", 0)
         dtype_name = model_config.torch_dtype if config.dtype == "auto" else config.dtype
         self.dtype = TORCH_DTYPES.get(dtype_name, torch.float32)        # checkpoint / KV cache dtype
+        # The weights' quantization: the engine's setting, else the one the checkpoint is stored in (a
+        # pre-quantized W8A16 checkpoint runs as w8a16: its int8 linears as stored, the others as they are).
+        self.quantization = config.quantization or checkpoint_quantization(config.model)
         self.compute_dtype = self._compute_dtype()
         self.ranks = None   # RankProcesses on a tensor-parallel driver
         if group is None and tp_size > 1:   # the ranks compute in the dtype chosen here
@@ -119,6 +122,9 @@ class ModelRunner:
         cls = MODEL_CLASSES[self.model_config.architecture]
         with torch.device(self.device):
             model = cls(self.model_config, self.tp)
+        # The linears a pre-quantized checkpoint holds in int8 take those as stored, their float
+        # weights dropped before any is converted below.
+        hold_int8_linears(model, Path(self.config.model))
         # The parameters take the checkpoint's dtype before any weight is read: loading into float32
         # ones first would hold twice a bf16 model. Their fresh (untouched) float32 pages cost nothing
         # to convert; every weight is then rounded to dtype as it is copied in, as a wider compute
@@ -127,10 +133,11 @@ class ModelRunner:
             if param.dtype != self.dtype:
                 param.data = param.data.to(self.dtype)
         load_weights(model, Path(self.config.model))
-        model.to(dtype=self.compute_dtype)     # buffers (rotary tables) go straight to compute_dtype
-        if self.config.quantization == "w8a16":
+        model.to(dtype=self.compute_dtype)     # buffers (rotary tables, int8 scales) go straight to compute_dtype
+        if self.config.quantization == "w8a16":   # (those already int8 stay as the checkpoint has them)
             for module in model.modules():
-                if isinstance(module, Linear) and module is not getattr(model, "lm_head", None):
+                if (isinstance(module, Linear) and module.qweight is None
+                        and module is not getattr(model, "lm_head", None)):
                     module.quantize_w8a16()
         if self.device.type == "cpu":
             # float32 math on weights that hold bf16 values (a bf16 checkpoint, whatever dtype says):
@@ -140,7 +147,7 @@ class ModelRunner:
             linears = [m for m in model.modules() if isinstance(m, Linear)]
             # Batch-invariant mode needs one GEMM for every row count (or the mode is off); tuned mode
             # runs that GEMM too where it is this CPU's fastest.
-            quantized = self.config.quantization is not None
+            quantized = self.quantization is not None
             tuned_invariant = not self.config.batch_invariant and cpu_features.invariant_kernels_are_fastest(
                 cpu_features.detect(), self.compute_dtype, quantized)
             packed = ((self.config.batch_invariant or tuned_invariant)

@@ -10,12 +10,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-Arch = Literal["qwen3", "llama"]
+Arch = Literal["qwen3", "qwen2", "llama"]
 PresetName = Literal["tiny", "tiny-kv1", "tiny-kv4", "tiny-d64", "small", "qwen3-0.6b-kv", "qwen3-0.6b",
                      "qwen3-0.6b-2l", "llama-3.2-1b"]
 DEFAULT_PRESET: PresetName = "tiny"
 DEFAULT_ARCH: Arch = "qwen3"
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}  # HF class names
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}  # HF classes
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ PRESETS["qwen3-0.6b-2l"] = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden
 
 # What `pdserve make-model --preset` offers (the others are for tests and benchmarks).
 PUBLIC_PRESETS: dict[str, str] = {
-    "tiny": "2 layers, hidden 64, vocab 1024, float32 (0.17M parameters; the default model)",
+    "tiny": "2 layers, hidden 64, vocab 1024, float32 (0.17M parameters; the tests' model, `--model tiny`)",
     "small": "8 layers, hidden 512, vocab 8192, bf16 (29M parameters; the benchmarks' small model)",
     "qwen3-0.6b": "Qwen3-0.6B's shape: 28 layers, hidden 1024, vocab 151936, bf16 (0.6B parameters, 1.2 GB)",
     "llama-3.2-1b": "Llama-3.2-1B's shape: 16 layers, hidden 2048, vocab 128256, bf16 (1.2B parameters, 2.5 GB)",

@@ -103,6 +103,12 @@ class ENV:
     RAY_LOOPBACK = EnvVar("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None, "Ray: 0 keeps a local head on loopback",
                           internal=True)
 
+    # huggingface_hub's own, read when a Hub id is resolved (engine/checkpoints/hub.py), at that time
+    # rather than at huggingface_hub's import.
+    HF_ENDPOINT = EnvVar("HF_ENDPOINT", None, "Hugging Face Hub: its address (a mirror)", internal=True)
+    HF_HOME = EnvVar("HF_HOME", None, "Hugging Face: its cache root", internal=True)
+    HF_HUB_CACHE = EnvVar("HF_HUB_CACHE", None, "Hugging Face Hub: its download cache", internal=True)
+
     @classmethod
     def all(cls) -> list[EnvVar]:
         return [v for v in vars(cls).values() if isinstance(v, EnvVar)]

@@ -1,5 +1,5 @@
-"""Shared fixtures (tiny checkpoints made once per session, HF reference outputs) and the suite's
-markers and parallel layout.
+"""Shared fixtures (tiny checkpoints made once per session, the real default model converted once
+per run, HF reference outputs) and the suite's markers and parallel layout.
 
 Markers set here, from what a test does rather than by hand:
 - ``e2e``: the test (or a fixture or helper of its module it reaches) starts processes: a deployment,
@@ -32,7 +32,7 @@ from pdserve.engine.model_maker import make_model
 from pdserve.engine.step_cost import KindFit
 from pdserve.services.planner.cost_model import CostModel
 
-ARCHS = ("qwen3", "llama")
+ARCHS = ("qwen3", "llama", "qwen2")
 _TESTS = Path(__file__).resolve().parent
 
 # ---- markers and parallel layout ------------------------------------------------------------------
@@ -48,7 +48,7 @@ _GROUPS = {"test_ray_serving": "ray", "test_ray_quickstart": "ray", "test_bench_
            "test_restart_outage": "faults"}
 # Seconds per group (the sum of its tests' durations in a -n 2 run, 2026-12-03; for the order
 # groups are handed out in, the longest first; unknown: 1 s).
-GROUP_SECONDS = {"ray": 420, "faults": 280, "test_tensor_parallel": 94, "test_security": 88, "test_multi_host": 82,
+GROUP_SECONDS = {"ray": 420, "faults": 280, "test_real_model": 90, "test_tensor_parallel": 94, "test_security": 88, "test_multi_host": 82,
                  "test_serving_e2e": 74, "test_batch_invariance": 73, "test_internal_plane": 50,
                  "test_exhaustion_and_shm": 36, "test_openai_api": 36, "test_kv_routing": 32, "test_planner": 31,
                  "test_front_door": 23, "test_cli_vllm_habits": 22, "test_router_runtime": 22, "test_metrics_e2e": 16,
@@ -214,20 +214,40 @@ def served_reference(tiny_qwen3: str):
     return LLM(tiny_qwen3, dtype="float32", block_size=8, num_kv_blocks=512)
 
 
+@pytest.fixture(scope="session")
+def default_model() -> str:
+    """pdserve's default model (the real SmolLM2-135M-Instruct), fetched and converted once into the
+    suite's PDSERVE_HOME (the CI keeps one for the whole run; xdist workers share it: the build
+    holds a file lock, so only one converts). For tests about the default model itself: every
+    other test runs the tiny model (``tiny_qwen3``, ``--model tiny``)."""
+    from pdserve.engine.checkpoints import default_model as packaged
+    from pdserve.engine.settings import pdserve_home
+    return str(packaged.ensure(pdserve_home()))
+
+
 @pytest.fixture
 def user_home(tmp_path: Path) -> Path:
     """A fresh PDSERVE_HOME for a test that runs pdserve as a user would (and finds its processes by
     it), whose ``kernels`` is the suite's: a fresh home compiles the C++ kernels again, about 16 s
-    of both cores each time (first-run builds are test_kernel_build's and the CI's first test's)."""
+    of both cores each time (first-run builds are test_kernel_build's and the CI's first test's).
+    The default model, where the suite's home has it converted, is the suite's too (linked into
+    ``models/``): converting it again costs about 12 s per test."""
+    from pdserve.engine.checkpoints.default_model import default_model_dir
     from pdserve.engine.layers import cpu_kernels
     from pdserve.engine.settings import pdserve_home
 
     cpu_kernels.load()   # built once into the suite's home (a no-op where kernels are off)
     home = tmp_path / "home"
     home.mkdir()
-    shared = pdserve_home() / "kernels"
+    suite = pdserve_home()
+    shared = suite / "kernels"
     if shared.is_dir():
         (home / "kernels").symlink_to(shared, target_is_directory=True)
+    model = default_model_dir(suite)
+    if model.is_dir():
+        mine = default_model_dir(home)
+        mine.parent.mkdir(parents=True, exist_ok=True)
+        mine.symlink_to(model, target_is_directory=True)
     return home
 
 

@@ -19,6 +19,10 @@ BF16_KERNEL_MAX_ROWS = 128
 # more rows (prefill) use oneDNN's prepacked GEMM, which blocks better for large row counts.
 AMX_KERNEL_MAX_ROWS = 64
 CHECK_COLUMNS = 256   # output columns a freshly packed batch-invariant weight is checked on
+# A pre-quantized W8A16 checkpoint (config.json quant_method pdserve_w8a16, as
+# engine/checkpoints/gguf_checkpoint.py writes it) holds <linear>.weight in int8 and this tensor
+# beside it: one float scale per output row.
+W8A16_SCALE = "weight_scale"
 
 
 class TensorSource(Protocol):
@@ -44,8 +48,10 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
-        self.qweight: torch.Tensor | None = None   # int8 [out, in] after quantize_w8a16()
-        self.scale: torch.Tensor | None = None     # [out], one scale per output channel
+        # int8 [out, in] after quantize_w8a16() or hold_int8(), and [out], one scale per output
+        # channel: buffers, so the scale takes the model's dtype with it (model.to)
+        self.register_buffer("qweight", None, persistent=False)
+        self.register_buffer("scale", None, persistent=False)
         self.packed: torch.Tensor | None = None    # oneDNN-blocked copy of weight after pack_for_cpu()
         self.packed_bf16: torch.Tensor | None = None   # cpu_kernels bf16 layout, after pack_for_cpu(bf16_weights=True)
         self.bf16_max_rows = 0                          # rows up to which packed_bf16 is used (any count once
@@ -64,7 +70,12 @@ class Linear(nn.Module):
         return slice(start, start + self.shard_sizes[shard_id])
 
     def load(self, name: str, tensor: TensorSource, shard_id: int | None) -> None:
+        if self.qweight is not None and name in ("weight", W8A16_SCALE):
+            self._load_int8(name, materialize(tensor), self._shard_slice(shard_id))
+            return
         tensor = materialize(tensor)
+        if name == W8A16_SCALE or tensor.dtype == torch.int8:
+            raise ValueError(f"int8 checkpoint tensor {name} for a linear layer not set up for it (hold_int8)")
         target = self.weight if name == "weight" else self.bias
         if target is None:
             raise ValueError(f"checkpoint has a bias the model does not expect: {name}")
@@ -75,11 +86,35 @@ class Linear(nn.Module):
 
     def quantize_w8a16(self) -> None:
         """Replace the weight by int8 values and a per-output-channel scale (symmetric)."""
-        w = self.weight.data.float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        self.qweight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.qweight, scale = _int8_rows(self.weight.data)
         self.scale = scale.to(self.weight.dtype)
         self.weight = None  # type: ignore[assignment]
+
+    def hold_int8(self) -> None:
+        """Take a pre-quantized W8A16 weight as it is stored: load() then copies the checkpoint's
+        int8 rows into qweight and its per-row scales into scale (the layout quantize_w8a16()
+        makes), and the float weight is dropped now, before any weight is read, so neither a
+        float copy of the int8 values nor an unused float weight is ever held. The scale is
+        allocated in the weight's dtype, and follows the model's dtype from there (a buffer)."""
+        if self.qweight is not None:
+            return
+        w = self.weight
+        self.qweight = torch.zeros(self.out_features, self.in_features, dtype=torch.int8, device=w.device)
+        self.scale = torch.zeros(self.out_features, dtype=w.dtype, device=w.device)
+        self.weight = None  # type: ignore[assignment]
+
+    def _load_int8(self, name: str, tensor: torch.Tensor, rows: slice) -> None:
+        dst = self.scale[rows] if name == W8A16_SCALE else self.qweight[rows]
+        if dst.shape != tensor.shape:
+            raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(dst.shape)}")
+        if name == W8A16_SCALE or tensor.dtype == torch.int8:
+            dst.copy_(tensor)
+            return
+        # a float shard packed beside int8 ones (q/k/v, gate/up of mixed types): its rows
+        # quantized as quantize_w8a16() would (per-row scales: the other shards' rows are untouched)
+        values, scale = _int8_rows(tensor)
+        dst.copy_(values)
+        self.scale[rows] = scale.to(self.scale.dtype)
 
     def pack_for_cpu(self, bf16_weights: bool = False, amx: bool = False) -> bool:
         """Set up a faster CPU forward; returns whether one is in use.
@@ -314,6 +349,13 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: the int8 values and the float32 scale of each row."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
 # ---- tensor parallelism (engine/parallel.py) ------------------------------------------------
 class ColumnParallelLinear(Linear):
     """Output rows split over the ranks. ``rows[i]`` is this rank's [start, end) of packed shard
@@ -343,6 +385,9 @@ class RowParallelLinear(Linear):
             if self.group.rank == 0:
                 super().load(name, tensor, shard_id)
             return
+        if name == W8A16_SCALE:   # one scale per output row, the whole row's: every rank's the same
+            super().load(name, tensor, shard_id)
+            return
         super().load(name, tensor[:, self.cols[0]:self.cols[1]], shard_id)
 
     def quantize_w8a16(self) -> None:
@@ -369,7 +414,10 @@ class ParallelLMHead(Linear):
 
     def load(self, name: str, tensor: TensorSource, shard_id: int | None) -> None:
         start, end = self.vocab_range
-        self.weight.data[:end - start].copy_(tensor[start:end])
+        rows = tensor[start:end]
+        if name != "weight" or rows.dtype == torch.int8:
+            raise ValueError(f"lm_head.{name}: the tensor-parallel LM head loads float weights only")
+        self.weight.data[:end - start].copy_(rows)
 
     def gather_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         parts = self.group.all_gather(self(hidden))

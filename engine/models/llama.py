@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen3). Qwen3 differs only by RMS norms on q and k per head.
+"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3). Qwen3 differs only by RMS norms on q and k
+per head, Qwen2 only by a bias on q/k/v (none on o_proj: ModelConfig.qkv_bias).
 
 Everything but the GEMMs goes through ``self.backend`` (engine/layers/backend.py): torch ops by
 default, the fused native CPU kernels where the model runner selects them. The residual stream
@@ -27,14 +28,14 @@ class SelfAttention(nn.Module):
         if tp is None or tp.size == 1:
             self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
             self.qkv_proj = Linear(cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d],
-                                   bias=cfg.attention_bias)
+                                   bias=cfg.qkv_bias)
             self.o_proj = Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.attention_bias)
         else:   # this rank's query heads and the KV heads they read (engine/parallel.py)
             layout = TPLayout(tp.rank, tp.size, cfg.num_heads, cfg.num_kv_heads)
             self.num_heads, self.num_kv_heads = layout.local_heads, layout.local_kv_heads
             (h0, h1), (k0, k1) = layout.head_range, layout.kv_head_range
             self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [(h0 * d, h1 * d), (k0 * d, k1 * d), (k0 * d, k1 * d)],
-                                                 bias=cfg.attention_bias)
+                                                 bias=cfg.qkv_bias)
             self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, (h0 * d, h1 * d), tp,
                                             bias=cfg.attention_bias)
         self.head_dim = d

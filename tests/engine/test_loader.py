@@ -29,6 +29,9 @@ class _Recording:
             def __init__(self, name: str) -> None:
                 self.name, self.inner = name, handle.get_slice(name)
 
+            def get_dtype(self) -> str:   # the header's: no read
+                return self.inner.get_dtype()
+
             def __getitem__(self, index) -> torch.Tensor:
                 out = self.inner[index]
                 read[self.name] = read.get(self.name, 0) + out.numel()

@@ -154,17 +154,17 @@ def test_greedy_output_is_varied_and_well_separated(tiny_dirs: dict[str, Path], 
     assert gap.median() > 0.1
 
 
-def test_ensure_default_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ensure_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_HOME", str(tmp_path / "home"))
-    target = mm.default_model_dir()
+    target = mm.cached_model_dir("tiny")
     assert target.is_relative_to(tmp_path / "home")
     assert not target.exists()
-    path = mm.ensure_default_model()
+    path = mm.ensure_model("tiny")
     assert path == target
     assert {p.name for p in path.iterdir()} == EXPECTED_FILES
-    assert [p.name for p in path.parent.iterdir()] == [path.name]  # temp dir cleaned up
+    assert sorted(p.name for p in path.parent.iterdir()) == [f".{path.name}.lock", path.name]  # temp dir cleaned up
     mtime = (path / "model.safetensors").stat().st_mtime_ns
-    assert mm.ensure_default_model() == path  # second call reuses it
+    assert mm.ensure_model("tiny") == path  # second call reuses it
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
 
 
