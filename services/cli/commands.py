@@ -302,7 +302,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError) as exc:   # a child that could not start
         raise RuntimeFailure(str(exc)) from None
     print(f"pdserve is up: router at {cluster.router_address}\n{cluster.describe()}", flush=True)
-    print(f"try: pdserve generate --router {cluster.router_address} \"Once upon a time\"", flush=True)
+    print(f"try: pdserve chat --router {cluster.router_address}", flush=True)
     if args.http_port is not None:
         scheme = "https" if spec.credentials.tls is not None else "http"
         from pdserve.services.api.grpc_router import served_model_names   # lazy: transformers only when this runs

@@ -154,8 +154,7 @@ def cmd_ray_up(args: argparse.Namespace) -> int:
                           "ray_address": local.address if local else args.address}), flush=True)
     else:
         print(info.describe(), flush=True)
-        print(f"pdserve is up ({info.seconds:.1f}s); try: pdserve generate --router {info.router_address} "
-              f"\"Once upon a time\"", flush=True)
+        print(f"pdserve is up ({info.seconds:.1f}s); try: pdserve chat --router {info.router_address}", flush=True)
     return 0
 
 
