@@ -79,9 +79,12 @@ def _reach_phase(fc: FaultCluster, role: str, phase: str, prompts: list[list[int
             _queue_behind(fc, busy)
         else:
             wait_for(lambda: all(fc.status(n).num_running for n in fc.names("prefill")), 30, "busy prefill workers")
+    if role == "prefill" and phase == "queued":
+        for name in fc.names("prefill"):   # frozen before the request is sent: no queue drains meanwhile
+            fc.signal(name, signal.SIGSTOP)
     obs = observe(fc.router, prompt, MAX_TOKENS)
     if role == "prefill" and phase == "queued":
-        victim = _await_queued(fc, busy, obs)
+        victim = _await_queued(fc, busy, obs, held)
     elif role == "prefill" and phase == "mid-prefill":
         victim = _await_holder(fc, "prefill", "num_running")
     elif role == "prefill" and phase == "mid-transfer":
@@ -122,23 +125,44 @@ def _queue_behind(fc: FaultCluster, busy: list[Busy]) -> None:
     wait_for(registered, 30, "the busy prompts registered at their workers")
 
 
-def _await_queued(fc: FaultCluster, busy: list[Busy], obs) -> str:
-    """The prefill worker at which the request waits: it holds one prompt more than its (held)
-    busy threads have in flight, and, the request being the last in its FIFO, one waits."""
-    def queued_at() -> str | None:
-        for name, b in zip(fc.names("prefill"), busy):
-            in_flight = b.prompts_in_flight()     # read first: after hold() it only shrinks
+def _await_queued(fc: FaultCluster, busy: list[Busy], obs, held: list[str]) -> str:
+    """The prefill worker at which the request waits (it holds one prompt more than its held busy
+    threads have in flight, and, the request being the last in its FIFO, one waits), returned
+    frozen; the other prefill workers stay frozen too (named in held). The caller froze them all
+    before sending the request: each runs only while it is asked, a few milliseconds at a time,
+    so its queue (over a second of prompt work) cannot drain before the request reaches it. With
+    the workers running free, a test process held off the CPU on a loaded machine let both queues
+    drain first, and the request ran at once, never queued (CI under load, once)."""
+    names = fc.names("prefill")
+
+    def queued_at(name: str, b: Busy) -> bool:
+        in_flight = b.prompts_in_flight()     # read first: after hold() it only shrinks
+        try:
             s = fc.status(name)
-            if s.num_running + s.num_waiting > in_flight and s.num_waiting:
-                return name
-        return None
-    found: list[str | None] = []
+        except grpc.RpcError:
+            return False
+        return s.num_running + s.num_waiting > in_flight and s.num_waiting > 0
+
+    deadline = time.monotonic() + 30
     try:
-        wait_for(lambda: bool(found.append(queued_at()) or found[-1]), 30, "the request queued at a prefill worker")
-    except AssertionError as exc:
-        seen = [(n, b.prompts_in_flight(), fc.status(n)) for n, b in zip(fc.names("prefill"), busy)]
-        raise AssertionError(f"{exc}: {obs}; {seen}\n{fc.logs()}") from None
-    return found[-1]
+        while time.monotonic() < deadline and not obs.done.is_set():
+            for name, b in zip(names, busy):
+                fc.signal(name, signal.SIGCONT)
+                found = queued_at(name, b)
+                fc.signal(name, signal.SIGSTOP)
+                if found:
+                    held.extend(n for n in names if n != name)
+                    return name
+            time.sleep(0.005)
+    except BaseException:
+        for name in names:
+            fc.signal(name, signal.SIGCONT)
+        raise
+    seen = []
+    for name, b in zip(names, busy):
+        fc.signal(name, signal.SIGCONT)
+        seen.append((name, b.prompts_in_flight(), fc.status(name)))
+    raise AssertionError(f"the request never showed as queued at a prefill worker: {obs}; {seen}\n{fc.logs()}")
 
 
 def _kv_bytes(fc: FaultCluster, name: str) -> float:
