@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.settings import setting
+from pdserve.engine.spec_decode.config import SpeculativeConfig
 
 ROLES = ("both", "prefill", "decode")
 SCHEDULE_POLICIES = ("prefill_first", "interleave", "mixed")
@@ -66,6 +67,12 @@ class EngineConfig:
     tensor_parallel_size: int = setting(1, "ranks one worker splits the model over (heads, MLP, vocabulary); "
                                       "the engine starts and stops the other ranks' processes (gloo on CPU, "
                                       "NCCL on CUDA: one GPU per rank)")
+    speculative_config: SpeculativeConfig | None = setting(
+        None, "speculative decoding, as vLLM's: a JSON object (a dict in Python), e.g. "
+              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+              "\"prompt_lookup_min\": 2}': each decoding sequence drafts tokens by prompt lookup over its own "
+              "tokens and one forward pass verifies them; greedy requests only (sampled ones decode plainly); "
+              "none: off", metavar="JSON")
     tp_collective_timeout_s: float = setting(60.0, "tensor parallelism: seconds a collective may wait for the other "
                                               "ranks before the worker fails (a rank died or stalled) and frees "
                                               "every request's blocks; must exceed the longest step "
@@ -73,6 +80,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_choice("role", self.role, ROLES)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)   # a dict or JSON: the dataclass
         _check_choice("schedule_policy", self.schedule_policy, ("auto", *SCHEDULE_POLICIES))
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("compute_dtype", self.compute_dtype, DTYPES)

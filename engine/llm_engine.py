@@ -12,6 +12,13 @@ holds it while it schedules and while it applies the results, never during the f
 pass, so add_request, abort, reserve and KV writes from other threads take effect at once
 and new work joins the next step. A request aborted while its step runs has its blocks
 freed when that forward pass ends.
+
+Speculative decoding (config.speculative_config, engine/spec_decode): a decode that verified a
+draft gets the greedy token after each of its rows; the draft's tokens are accepted while they
+equal those, then the model's own token follows, each token through the stop checks in turn
+(nothing is emitted past a stop or max_tokens). Its computed tokens are then the accepted ones
+only, and the blocks of the rejected slots go back to the pool: the prefix cache and the KV
+hand-off only ever see verified tokens.
 """
 from __future__ import annotations
 
@@ -39,6 +46,9 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Claim, ScheduledBatch, Scheduler, StepTrace
 from pdserve.engine.step_cost import DECODE_FIT_DECAY, MIN_SPREAD_SEQS, StepCost
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.spec_decode.metrics import SpecDecodeStats
+from pdserve.engine.spec_decode.proposer import make_proposer
+from pdserve.engine.spec_decode.verify import greedy_verify
 from pdserve.engine.validation import validate_request
 
 
@@ -88,7 +98,11 @@ class LLMEngine:
         self.decode_step_cost = StepCost(decay=DECODE_FIT_DECAY, min_spread=MIN_SPREAD_SEQS)
         self.lock = threading.RLock()
         self.kv = KVConnector(KVBlockPool(self.block_manager, self.runner), self.lock, config.role, lease)
-        self.scheduler = Scheduler(config, self.block_manager, held=self.kv.owns)   # blocks in hand-off: kept
+        spec = config.speculative_config
+        self.scheduler = Scheduler(config, self.block_manager, held=self.kv.owns,   # blocks in hand-off: kept
+                                   proposer=make_proposer(spec) if spec is not None else None,
+                                   max_model_len=self.max_model_len)
+        self.spec_stats = SpecDecodeStats()
         self._learn_prompt_chunk = config.prompt_tokens_with_decodes is None and self.kv.paces_local_prompts
         self.requests: dict[str, Sequence] = {}     # sequences the scheduler holds
         self.trace: deque[StepTrace] = deque(maxlen=trace_limit)
@@ -218,17 +232,22 @@ class LLMEngine:
         with self.lock:
             outputs = self._apply(batch, tokens)
             ms = (time.perf_counter() - t0) * 1e3
-            if batch.num_decode_seqs == len(batch.seqs):   # decodes only: the marginal cost of a sequence
-                self.decode_step_cost.observe(batch.num_decode_seqs, ms)
-            else:
+            if batch.num_decode_seqs < len(batch.seqs):
                 self.step_cost.observe(batch.num_tokens, ms)
+            elif not batch.num_draft_tokens:   # plain decodes: the marginal cost of a sequence
+                self.decode_step_cost.observe(batch.num_decode_seqs, ms)
+            # (decodes verifying drafts fit neither model: not observed)
             return outputs
 
-    def _apply(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:
+    def _apply(self, batch: ScheduledBatch, tokens: list) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
-        for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, tokens):
+        for i, (seq, n, tok) in enumerate(zip(batch.seqs, batch.num_new_tokens, tokens)):
             if seq.status is SequenceStatus.FINISHED:
+                continue
+            draft = batch.draft(i)
+            if draft:
+                outputs.append(self._apply_verified(seq, draft, tok))
                 continue
             seq.num_computed_tokens += n
             self.block_manager.mark_computed(seq)
@@ -259,6 +278,36 @@ class LLMEngine:
                 out.prefill_s = now - (seq.first_scheduled_time or now)
             outputs.append(out)
         return outputs
+
+    def _apply_verified(self, seq: Sequence, draft: list[int], targets: list[int]) -> RequestOutput:
+        """A decode that verified draft: targets[j] is the greedy token after its row j. Emits the
+        accepted draft tokens and the model's next one, stopping at the first stop token,
+        max_tokens or max_model_len; KV stays for the emitted tokens but the last, the rest's
+        blocks go back (BlockManager.trim)."""
+        emitted = greedy_verify(draft, targets)
+        self.spec_stats.observe(len(draft), len(emitted) - 1)
+        new: list[int] = []
+        logprobs = []
+        reason = None
+        for tok in emitted:
+            logprobs.append(logprob_of(tok))
+            new.append(int(tok))
+            seq.token_ids.append(new[-1])
+            reason = self._stop_reason(seq, new[-1])
+            if reason is not None:
+                break
+        # KV is valid for every input row up to the last emitted token's predecessor: the last
+        # token before the step and the accepted draft tokens
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.block_manager.mark_computed(seq)
+        self.block_manager.trim(seq)
+        if reason is not None:
+            self._drop(seq, reason)
+        out = RequestOutput(seq.request_id, new, reason is not None, reason, seq.num_prompt_tokens,
+                            seq.num_cached_tokens)
+        if logprobs[0] is not None:
+            out.logprobs = logprobs
+        return out
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
@@ -371,6 +420,7 @@ class LLMEngine:
                 **self.kv.stats(),
                 "num_queued_prompt_tokens": self.scheduler.num_queued_prompt_tokens,
                 **(self.kv_tiers.stats() if self.kv_tiers is not None else no_tier_stats()),
+                **self.spec_stats.as_dict(),
             }
 
 

@@ -384,9 +384,10 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        """Computes the scheduled tokens; returns the sampled token per sequence, or None
-        where the sequence is still mid-prefill."""
+    def run(self, batch: ScheduledBatch) -> list[int | list[int] | None]:
+        """Computes the scheduled tokens; returns the sampled token per sequence, None where the
+        sequence is still mid-prefill, and for a decode verifying a draft the token sampled after
+        each of its 1 + len(draft) rows (what its last token, then each draft token, is followed by)."""
         plan = StepPlan.from_batch(batch, self.block_size)
         if self.ranks is None:
             logits = self.execute(plan)
@@ -395,12 +396,20 @@ class ModelRunner:
                 self._flush_kv_writes()
                 self.ranks.send(*plan.encode())
                 logits = self.execute(plan)
-        results: list[int | None] = [None] * len(batch.seqs)
+        results: list = [[] if batch.draft(i) else None for i in range(len(batch.seqs))]
         if logits is not None:
             seqs = [batch.seqs[i] for i in plan.sample_seqs]
-            tokens = self.sampler(logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs])
+            # a draft's rows sample the sequence's next output indexes, one each (seeded sampling keys on it)
+            index, rows_before = [], {}
+            for i, seq in zip(plan.sample_seqs, seqs):
+                j = rows_before[i] = rows_before.get(i, -1) + 1
+                index.append(seq.num_output_tokens + j)
+            tokens = self.sampler(logits, [s.params for s in seqs], index)
             for i, tok in zip(plan.sample_seqs, tokens):
-                results[i] = tok
+                if results[i] is None:
+                    results[i] = tok
+                else:
+                    results[i].append(tok)
         return results
 
     @torch.inference_mode()

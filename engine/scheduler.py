@@ -24,6 +24,13 @@ fits.
 A waiting sequence whose cached prefix is being read from the disk KV tier in the background
 (BlockManager.ready) is passed over until its blocks are in; the sequences behind it are
 admitted meanwhile.
+
+Speculative decoding (engine/spec_decode): once every decode has its token, the step's budget
+left goes to drafts, decodes in order: a greedy decoding sequence's proposer drafts up to k
+tokens (fewer where the budget, its max_tokens, the model length or the pool's free blocks
+above the watermark run out; drafts never preempt), scheduled as 1 + k new tokens, its last
+token and the draft at their positions, with blocks for them until the step's results are
+applied (BlockManager.trim). Prompt chunks get what the drafts leave.
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ from typing import Callable
 from pdserve.engine.kv.block_manager import BlockManager, NoFreeBlocks
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.spec_decode.proposer import Proposer
 
 
 class StepKind(str, Enum):
@@ -51,10 +59,21 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]   # tokens computed per sequence this step
     num_decode_seqs: int        # the first num_decode_seqs entries are decodes
+    # Per decode (the first entries; missing ones: none): the draft tokens it verifies this step.
+    # Such a decode computes 1 + len(draft) tokens: its last token, then the draft.
+    drafts: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(map(len, self.drafts))
+
+    def draft(self, i: int) -> list[int]:
+        """The draft tokens seqs[i] verifies this step ([]: none)."""
+        return self.drafts[i] if i < len(self.drafts) else []
 
 
 @dataclass(slots=True)
@@ -70,6 +89,7 @@ class StepTrace:
     blocks_in_use: int
     num_preemptions: int
     preempted: list[str] = field(default_factory=list)
+    num_draft_tokens: int = 0   # speculative tokens verified (in num_tokens, not prompt tokens)
 
 
 POLICIES = ("prefill_first", "interleave", "mixed")
@@ -90,8 +110,11 @@ class Claim:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 held: Callable[[str], bool] | None = None) -> None:
-        """held(request_id): the KV connector holds the request's blocks (never preempted)."""
+                 held: Callable[[str], bool] | None = None, proposer: Proposer | None = None,
+                 max_model_len: int | None = None) -> None:
+        """held(request_id): the KV connector holds the request's blocks (never preempted).
+        proposer: drafts for decoding sequences (speculative decoding; None: off); max_model_len:
+        the longest sequence (drafts stop short of it)."""
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()   # by priority, FIFO within one
@@ -101,6 +124,8 @@ class Scheduler:
         self.num_priority_preemptions = 0     # of those, to admit a waiting sequence of a higher class
         self.claim: Claim | None = None       # a higher-class reservation waiting for room
         self.held = held or (lambda request_id: False)
+        self.proposer = proposer
+        self.max_model_len = max_model_len or config.max_model_len or 1 << 62
         self._preempted_this_step: list[str] = []
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
         # Prompt tokens a step that also decodes may hold (None: the step budget). The engine
@@ -156,11 +181,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         seqs: list[Sequence] = []
         counts: list[int] = []
+        drafts: list[list[int]] = []
         self._preempt_for_claim()
         if prefill:
             self._preempt_for_waiting()
         if decode:
             budget = self._schedule_decodes(seqs, counts, budget)
+            if self.proposer is not None:
+                budget = self._schedule_drafts(seqs, counts, drafts, budget)
         n_decode = len(seqs)
         if prefill:
             if n_decode and self.prompt_tokens_with_decodes is not None:
@@ -174,7 +202,7 @@ class Scheduler:
             kind = StepKind.PREFILL
         else:
             kind = StepKind.MIXED
-        return ScheduledBatch(kind, seqs, counts, n_decode)
+        return ScheduledBatch(kind, seqs, counts, n_decode, drafts)
 
     def _schedule_decodes(self, seqs: list[Sequence], counts: list[int], budget: int) -> int:
         """Schedule each running decoder (seqs comes empty); returns the budget left."""
@@ -188,6 +216,26 @@ class Scheduler:
             seqs.append(seq)
             counts.append(1)
         return budget - len(seqs)
+
+    def _schedule_drafts(self, seqs: list[Sequence], counts: list[int], drafts: list[list[int]],
+                         budget: int) -> int:
+        """A draft for each scheduled decode while the budget lasts (drafts: filled, one entry per
+        decode); returns the budget left. Greedy sequences only: a sampled one decodes plainly
+        (verifying its draft needs rejection sampling, which is not built yet)."""
+        bm = self.block_manager
+        for i, seq in enumerate(seqs):
+            draft: list[int] = []
+            if budget > 0 and seq.params.greedy:
+                # tokens it may still emit, less the one a verification always emits
+                room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+                if room > 0:
+                    draft = self.proposer.propose(seq, min(budget, room))
+                if draft:
+                    draft = draft[:bm.append_lookahead(seq, len(draft), keep_free=self.watermark_blocks)]
+            drafts.append(draft)
+            counts[i] += len(draft)
+            budget -= len(draft)
+        return budget
 
     def _make_room_for(self, seq: Sequence, seqs: list[Sequence], counts: list[int]) -> bool:
         """Ensure seq has a slot for its next token, preempting others if needed (_growth_victim),
@@ -320,9 +368,10 @@ class Scheduler:
             kind=batch.kind,
             request_ids=[s.request_id for s in batch.seqs],
             num_tokens=list(batch.num_new_tokens),
-            num_prefill_tokens=batch.num_tokens - n_decode,
+            num_prefill_tokens=batch.num_tokens - n_decode - batch.num_draft_tokens,
             num_decode_seqs=n_decode,
             blocks_in_use=self.block_manager.num_blocks - self.block_manager.num_free_blocks,
             num_preemptions=len(self._preempted_this_step),
             preempted=list(self._preempted_this_step),
+            num_draft_tokens=batch.num_draft_tokens,
         )

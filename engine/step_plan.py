@@ -4,6 +4,13 @@ then one int64 payload; nothing pickled).
 
 Rows are decodes first (shortest context first), then prefill segments. Every rank builds its
 attention metadata from a plan, so all ranks attend over the same blocks.
+
+A decode that verifies a speculative draft (engine/spec_decode) is one decode row per token it
+computes: its last token, then each draft token, each at its position, attending over the
+context up to itself (SeqView(position, its block table)), and every one sampled. All of a
+step's K/V are stored before any row attends, so each row reads the draft tokens before it;
+and each row runs the very path a plain decode at that position runs (the decode attention
+kernel, the fused decode call, CUDA graphs), so its logits are those plain decoding computes.
 """
 from __future__ import annotations
 
@@ -34,9 +41,9 @@ class StepPlan:
     positions: list[int]
     slots: list[int]
     sample_rows: list[int]          # rows whose hidden state is sampled, in row order
-    seqs: list                      # Sequence or SeqView per scheduled sequence, in row order
-    num_new_tokens: list[int]       # per entry of seqs
-    num_decode: int
+    seqs: list                      # Sequence or SeqView per decode row, then per prefill segment
+    num_new_tokens: list[int]       # per entry of seqs (1 for each decode row)
+    num_decode: int                 # the leading entries: decode rows
     sample_seqs: list[int] | None = None   # driver only: the batch index of each sampled row
 
     @classmethod
@@ -44,15 +51,25 @@ class StepPlan:
         bs = block_size
         seqs, counts, nd = batch.seqs, batch.num_new_tokens, batch.num_decode_seqs
         # Decode rows go shortest context first (any row order is valid: results map back through
-        # sample_seqs), so that rows of similar length form contiguous groups for attention.
-        order = sorted(range(nd), key=lambda i: seqs[i].num_computed_tokens) if nd > 1 else list(range(nd))
-        order.extend(range(nd, len(seqs)))
+        # sample_seqs, a sequence's rows in position order), so that rows of similar length form
+        # contiguous groups for attention.
+        rows = [(i, j) for i in range(nd) for j in range(counts[i])]
+        if len(rows) > 1:
+            rows.sort(key=lambda r: seqs[r[0]].num_computed_tokens + r[1])
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[int] = []
-        for i in order:
+        views: list = []
+        for i, j in rows:
+            seq = seqs[i]
+            p = seq.num_computed_tokens + j
+            ids.append(batch.draft(i)[j - 1] if j else seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            views.append(seq if counts[i] == 1 else SeqView(p, seq.block_table))
+        sample_rows: list[int] = list(range(len(rows)))
+        sample_seqs: list[int] = [i for i, _ in rows]
+        for i in range(nd, len(seqs)):
             seq, n = seqs[i], counts[i]
             start = seq.num_computed_tokens
             table = seq.block_table
@@ -67,7 +84,7 @@ class StepPlan:
             if start + n == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(i)
-        return cls(ids, pos, slots, sample_rows, [seqs[i] for i in order], [counts[i] for i in order], nd,
+        return cls(ids, pos, slots, sample_rows, views + seqs[nd:], [1] * len(rows) + counts[nd:], len(rows),
                    sample_seqs)
 
     # ---- wire form ----------------------------------------------------------------------

@@ -328,6 +328,32 @@ class BlockManager:
         finally:
             self._offload_evicted()
 
+    def append_lookahead(self, seq: Sequence, num_slots: int, keep_free: int = 0) -> int:
+        """Blocks for up to num_slots slots past seq's tokens (a speculative draft verified in the
+        next step), taken only while more than keep_free blocks stay free; returns how many such
+        slots seq now has (at most num_slots). They hold unverified tokens' KV: never keyed, never
+        marked computed (mark_computed stops at num_computed_tokens, which counts accepted tokens
+        only), and trim gives them back once the step's results are applied."""
+        bs = self.block_size
+        wanted = self.blocks_needed(seq.num_tokens + num_slots) - len(seq.block_table)
+        try:
+            for _ in range(max(0, min(wanted, self.num_free_blocks - keep_free))):
+                seq.block_table.append(self._take_free().block_id)
+        finally:
+            self._offload_evicted()
+        return max(0, min(num_slots, len(seq.block_table) * bs - seq.num_tokens))
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back seq's blocks past its tokens (the slots of rejected draft tokens): unkeyed and
+        uncomputed, they go to the front of the free list, the first handed out again, so that
+        prefix-cache blocks are not evicted before them."""
+        keep = self.blocks_needed(seq.num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            self._unref(block)
+            if block.ref_count == 0:
+                self.free_ids.move_to_end(block.block_id, last=False)
+
     def mark_computed(self, seq: Sequence) -> None:
         """After a step: flag full computed blocks and give them keys for the prefix cache."""
         bs = self.block_size

@@ -1,15 +1,17 @@
 """Command-line flags generated from config dataclasses: one source of truth per setting.
 
 Each field of a config dataclass becomes ``--field-name`` with the field's type, its
-``metadata["help"]`` and its default shown. Flags default to "not given", so a config built
-from them keeps the dataclass's own defaults, and ``config_to_argv`` writes back only what
-differs from them: that is how `pdserve up` forwards settings to its children and how Ray
-actors receive theirs (one serialised form: argv).
+``metadata["help"]`` and its default shown; a field typed as a dataclass (EngineConfig's
+speculative_config) takes a JSON object of its fields, as vLLM's ``--speculative-config``.
+Flags default to "not given", so a config built from them keeps the dataclass's own defaults,
+and ``config_to_argv`` writes back only what differs from them: that is how `pdserve up`
+forwards settings to its children and how Ray actors receive theirs (one serialised form: argv).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from typing import Any, Iterable
@@ -66,6 +68,10 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
             parser.add_argument(flag(f.name), *f.metadata.get("aliases", ()), action=argparse.BooleanOptionalAction,
                                 **kwargs)
             continue
+        if dataclasses.is_dataclass(base):   # a JSON object of its fields
+            kwargs.update(type=_json_of(base), metavar=f.metadata.get("metavar", "JSON"))
+            parser.add_argument(flag(f.name), *f.metadata.get("aliases", ()), **kwargs)
+            continue
         item = _item_type(base)
         if item is not None:   # tuple[str, ...]: one or more values after the flag, as vLLM's --served-model-name
             kwargs.update(nargs="+", type=item, metavar=f.metadata.get("metavar", item.__name__.upper()))
@@ -93,6 +99,25 @@ def _none_or(base: type):
     return parse
 
 
+def _json_of(cls: type):
+    """Parse a flag's JSON object into cls ("none": None)."""
+    def parse(text: str):
+        if text.strip().lower() == "none":
+            return None
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+        if not isinstance(fields, dict):
+            raise argparse.ArgumentTypeError(f"a JSON object of {cls.__name__}'s fields, got {text!r}")
+        try:
+            return cls(**fields)
+        except (TypeError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parse.__name__ = cls.__name__
+    return parse
+
+
 def given(args: argparse.Namespace, cls: type, exclude: Iterable[str] = ()) -> dict[str, Any]:
     """The fields of cls that were given on the command line."""
     return {f.name: getattr(args, f.name) for f, _ in config_fields(cls, exclude)
@@ -116,6 +141,8 @@ def config_to_argv(obj: Any, exclude: Iterable[str] = ()) -> list[str]:
             argv.append(flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
         elif _item_type(base) is not None and value is not None:
             argv += [flag(f.name), *map(str, value)]
+        elif dataclasses.is_dataclass(value):
+            argv += [flag(f.name), json.dumps(dataclasses.asdict(value), separators=(",", ":"))]
         else:
             argv += [flag(f.name), "none" if value is None else str(value)]
     return argv

@@ -86,6 +86,25 @@ def test_offline_float32_greedy_equals_hf(default_model: str, prompts, hf_refere
     assert "Paris" in outs[0].text
 
 
+def test_offline_greedy_speculative_decoding_equals_plain_on_copying_prompts(default_model: str, tokenizer) -> None:
+    """n-gram speculative decoding on the real model, bf16 (the default batch-invariant mode): prompts
+    whose answers copy them draft and accept runs of tokens, and the output is plain greedy's."""
+    from pdserve import LLM, SamplingParams
+    asks = ["Repeat this sentence exactly: The quick brown fox jumps over the lazy dog while the farmer "
+            "watches from the porch, drinking his morning coffee.",
+            "Fix the spelling and write the whole text again: Teh quick brown fox jumsp over the lazzy dog."]
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=True)["input_ids"] for a in asks]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = LLM(default_model, dtype="bfloat16").generate(ids, params)
+    spec = LLM(default_model, dtype="bfloat16", speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    assert [o.token_ids for o in spec.generate(ids, params)] == [o.token_ids for o in plain]
+    stats = spec.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > stats["spec_decode_num_drafts"] > 0, stats
+    assert "lazy dog" in plain[0].text
+
+
 def test_disaggregated_float32_greedy_equals_hf(cluster, prompts, hf_reference) -> None:
     with Client(f"127.0.0.1:{cluster.spec.port}", timeout=120) as client:
         got = [client.generate(ids, max_tokens=MAX_TOKENS, temperature=0).token_ids for ids in prompts]

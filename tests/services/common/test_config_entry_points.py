@@ -151,3 +151,27 @@ def test_environment_variables_are_documented() -> None:
     help_text = build_parser().format_help()
     for var in ("PDSERVE_HOME", "PDSERVE_LOG_LEVEL", "PDSERVE_CLUSTER_TOKEN", "PDSERVE_API_KEY"):
         assert var in help_text and var in readme, var
+
+
+def test_speculative_config_is_a_json_flag_that_round_trips() -> None:
+    """`--speculative-config JSON` (vLLM's) on a command that runs an engine, back through the argv
+    children and Ray actors get, and through the JSON a tensor-parallel rank gets."""
+    import json
+
+    from pdserve.engine.spec_decode.config import SpeculativeConfig
+    from pdserve.services.common.config_flags import config_from_args, given
+
+    text = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 1}'
+    args = build_parser().parse_args(["worker", "--role", "decode", "--speculative-config", text])
+    engine = EngineConfig(model="/m", **given(args, EngineConfig, ("model", "role")))
+    want = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=5, prompt_lookup_min=1)
+    assert engine.speculative_config == want
+    argv = config_to_argv(engine, exclude=("model",))
+    assert argv == ["--speculative-config", want.to_json()]
+    (back,) = configs_from_argv(argv, (EngineConfig, ("model",)), model="/m")
+    assert back == engine
+    assert EngineConfig(**json.loads(json.dumps(dataclasses.asdict(engine)))) == engine   # engine/parallel.py's form
+    assert config_from_args(EngineConfig, build_parser().parse_args(["generate", "x"]), ("model",),
+                            model="/m").speculative_config is None
+    with pytest.raises(SystemExit):   # argparse names the flag and the field
+        build_parser().parse_args(["worker", "--speculative-config", '{"num_speculative_tokens": 0}'])
