@@ -111,6 +111,18 @@ def test_disaggregated_float32_greedy_equals_hf(cluster, prompts, hf_reference) 
     assert got == hf_reference
 
 
+def test_colocated_worker_float32_greedy_equals_hf(default_model: str, prompts, hf_reference) -> None:
+    """The baseline deployment: one worker running both roles."""
+    c = start_cluster(default_model, engine_args=ENGINE_ARGS, prefill_workers=0, decode_workers=0,
+                      colocated_workers=1)
+    try:
+        with Client(f"127.0.0.1:{c.spec.port}", timeout=120) as client:
+            got = [client.generate(ids, max_tokens=MAX_TOKENS, temperature=0).token_ids for ids in prompts]
+    finally:
+        c.stop()
+    assert got == hf_reference
+
+
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
