@@ -14,7 +14,7 @@ and new work joins the next step. A request aborted while its step runs has its 
 freed when that forward pass ends.
 
 Speculative decoding (config.speculative_config, engine/spec_decode): a decode that verified a
-draft gets the greedy token after each of its rows; the draft's tokens are accepted while they
+draft gets the token sampled after each of its rows; the draft's tokens are accepted while they
 equal those, then the model's own token follows, each token through the stop checks in turn
 (nothing is emitted past a stop or max_tokens). Its computed tokens are then the accepted ones
 only, and the blocks of the rejected slots go back to the pool: the prefix cache and the KV
@@ -47,8 +47,8 @@ from pdserve.engine.scheduler import Claim, ScheduledBatch, Scheduler, StepTrace
 from pdserve.engine.step_cost import DECODE_FIT_DECAY, MIN_SPREAD_SEQS, StepCost
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.spec_decode.metrics import SpecDecodeStats
-from pdserve.engine.spec_decode.proposer import make_proposer
-from pdserve.engine.spec_decode.verify import greedy_verify
+from pdserve.engine.spec_decode.speculator import Speculator, request_counts
+from pdserve.engine.spec_decode.verify import verify
 from pdserve.engine.validation import validate_request
 
 
@@ -65,6 +65,9 @@ class RequestOutput:
     queue_s: float | None = None            # on the first token: arrival -> first scheduled
     prefill_s: float | None = None          # on the first token: first scheduled -> first token
     logprobs: list[TokenLogprob] | None = None   # per new token, when the request asked (params.logprobs)
+    # on the last output of a request when this engine speculates: its (drafts, draft tokens,
+    # accepted tokens) here (engine/spec_decode/speculator.py request_counts)
+    spec_counts: tuple[int, int, int] | None = None
 
 
 class NoCapacity(RuntimeError):
@@ -99,10 +102,9 @@ class LLMEngine:
         self.lock = threading.RLock()
         self.kv = KVConnector(KVBlockPool(self.block_manager, self.runner), self.lock, config.role, lease)
         spec = config.speculative_config
+        self.speculator = Speculator(spec) if spec is not None else None
         self.scheduler = Scheduler(config, self.block_manager, held=self.kv.owns,   # blocks in hand-off: kept
-                                   proposer=make_proposer(spec) if spec is not None else None,
-                                   max_model_len=self.max_model_len)
-        self.spec_stats = SpecDecodeStats()
+                                   speculator=self.speculator, max_model_len=self.max_model_len)
         self._learn_prompt_chunk = config.prompt_tokens_with_decodes is None and self.kv.paces_local_prompts
         self.requests: dict[str, Sequence] = {}     # sequences the scheduler holds
         self.trace: deque[StepTrace] = deque(maxlen=trace_limit)
@@ -181,6 +183,8 @@ class LLMEngine:
         self.scheduler.remove(seq)
         self.requests.pop(seq.request_id, None)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        if self.speculator is not None:
+            self.speculator.finished(seq)
 
     def prompt_chunk_with_decodes(self) -> int:
         """A decode worker's prompt chunk while sequences decode (a prompt the router had it
@@ -234,9 +238,11 @@ class LLMEngine:
             ms = (time.perf_counter() - t0) * 1e3
             if batch.num_decode_seqs < len(batch.seqs):
                 self.step_cost.observe(batch.num_tokens, ms)
-            elif not batch.num_draft_tokens:   # plain decodes: the marginal cost of a sequence
-                self.decode_step_cost.observe(batch.num_decode_seqs, ms)
-            # (decodes verifying drafts fit neither model: not observed)
+            else:
+                if not batch.num_draft_tokens:   # plain decodes: the marginal cost of a sequence
+                    self.decode_step_cost.observe(batch.num_decode_seqs, ms)
+                if self.speculator is not None:   # any decode step: the marginal cost of a row
+                    self.speculator.observe_step(batch.num_tokens, ms)
             return outputs
 
     def _apply(self, batch: ScheduledBatch, tokens: list) -> list[RequestOutput]:
@@ -276,16 +282,21 @@ class LLMEngine:
                 seq.first_token_time = now
                 out.queue_s = (seq.first_scheduled_time or now) - seq.arrival_time
                 out.prefill_s = now - (seq.first_scheduled_time or now)
-            outputs.append(out)
+            outputs.append(self._with_spec_counts(seq, out))
         return outputs
 
+    def _with_spec_counts(self, seq: Sequence, out: RequestOutput) -> RequestOutput:
+        if out.finished and self.speculator is not None:
+            out.spec_counts = request_counts(seq)
+        return out
+
     def _apply_verified(self, seq: Sequence, draft: list[int], targets: list[int]) -> RequestOutput:
-        """A decode that verified draft: targets[j] is the greedy token after its row j. Emits the
+        """A decode that verified draft: targets[j] is the token sampled after its row j. Emits the
         accepted draft tokens and the model's next one, stopping at the first stop token,
         max_tokens or max_model_len; KV stays for the emitted tokens but the last, the rest's
         blocks go back (BlockManager.trim)."""
-        emitted = greedy_verify(draft, targets)
-        self.spec_stats.observe(len(draft), len(emitted) - 1)
+        emitted = verify(draft, targets)
+        self.speculator.verified(seq, len(draft), len(emitted) - 1)
         new: list[int] = []
         logprobs = []
         reason = None
@@ -307,7 +318,7 @@ class LLMEngine:
                             seq.num_cached_tokens)
         if logprobs[0] is not None:
             out.logprobs = logprobs
-        return out
+        return self._with_spec_counts(seq, out)
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
@@ -420,7 +431,7 @@ class LLMEngine:
                 **self.kv.stats(),
                 "num_queued_prompt_tokens": self.scheduler.num_queued_prompt_tokens,
                 **(self.kv_tiers.stats() if self.kv_tiers is not None else no_tier_stats()),
-                **self.spec_stats.as_dict(),
+                **(self.speculator.stats if self.speculator is not None else SpecDecodeStats()).as_dict(),
             }
 
 

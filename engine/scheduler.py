@@ -26,9 +26,9 @@ A waiting sequence whose cached prefix is being read from the disk KV tier in th
 admitted meanwhile.
 
 Speculative decoding (engine/spec_decode): once every decode has its token, the step's budget
-left goes to drafts, decodes in order: a greedy decoding sequence's proposer drafts up to k
-tokens (fewer where the budget, its max_tokens, the model length or the pool's free blocks
-above the watermark run out; drafts never preempt), scheduled as 1 + k new tokens, its last
+left goes to drafts: the speculator drafts for each decode as deep as it finds it pays
+(engine/spec_decode/depth.py; fewer where the budget, its max_tokens, the model length or the
+pool's free blocks above the watermark run out; drafts never preempt), scheduled as 1 + k new tokens, its last
 token and the draft at their positions, with blocks for them until the step's results are
 applied (BlockManager.trim). Prompt chunks get what the drafts leave.
 """
@@ -44,7 +44,7 @@ from typing import Callable
 from pdserve.engine.kv.block_manager import BlockManager, NoFreeBlocks
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.spec_decode.proposer import Proposer
+from pdserve.engine.spec_decode.speculator import Speculator
 
 
 class StepKind(str, Enum):
@@ -110,10 +110,10 @@ class Claim:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 held: Callable[[str], bool] | None = None, proposer: Proposer | None = None,
+                 held: Callable[[str], bool] | None = None, speculator: Speculator | None = None,
                  max_model_len: int | None = None) -> None:
         """held(request_id): the KV connector holds the request's blocks (never preempted).
-        proposer: drafts for decoding sequences (speculative decoding; None: off); max_model_len:
+        speculator: drafts for decoding sequences (speculative decoding; None: off); max_model_len:
         the longest sequence (drafts stop short of it)."""
         self.config = config
         self.block_manager = block_manager
@@ -124,7 +124,7 @@ class Scheduler:
         self.num_priority_preemptions = 0     # of those, to admit a waiting sequence of a higher class
         self.claim: Claim | None = None       # a higher-class reservation waiting for room
         self.held = held or (lambda request_id: False)
-        self.proposer = proposer
+        self.speculator = speculator
         self.max_model_len = max_model_len or config.max_model_len or 1 << 62
         self._preempted_this_step: list[str] = []
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
@@ -187,7 +187,7 @@ class Scheduler:
             self._preempt_for_waiting()
         if decode:
             budget = self._schedule_decodes(seqs, counts, budget)
-            if self.proposer is not None:
+            if self.speculator is not None:
                 budget = self._schedule_drafts(seqs, counts, drafts, budget)
         n_decode = len(seqs)
         if prefill:
@@ -219,19 +219,15 @@ class Scheduler:
 
     def _schedule_drafts(self, seqs: list[Sequence], counts: list[int], drafts: list[list[int]],
                          budget: int) -> int:
-        """A draft for each scheduled decode while the budget lasts (drafts: filled, one entry per
-        decode); returns the budget left. Greedy sequences only: a sampled one decodes plainly
-        (verifying its draft needs rejection sampling, which is not built yet)."""
+        """A draft for each scheduled decode, as deep as the speculator finds it pays, while the
+        budget lasts (drafts: filled, one entry per decode); returns the budget left."""
         bm = self.block_manager
-        for i, seq in enumerate(seqs):
-            draft: list[int] = []
-            if budget > 0 and seq.params.greedy:
-                # tokens it may still emit, less the one a verification always emits
-                room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-                if room > 0:
-                    draft = self.proposer.propose(seq, min(budget, room))
-                if draft:
-                    draft = draft[:bm.append_lookahead(seq, len(draft), keep_free=self.watermark_blocks)]
+        # tokens each may still emit, less the one a verification always emits
+        rooms = [min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+                 for seq in seqs]
+        for i, (seq, draft) in enumerate(zip(seqs, self.speculator.drafts(seqs, rooms, budget))):
+            if draft:
+                draft = draft[:bm.append_lookahead(seq, len(draft), keep_free=self.watermark_blocks)]
             drafts.append(draft)
             counts[i] += len(draft)
             budget -= len(draft)

@@ -37,8 +37,10 @@ class Sequence:
     # Its prefix blocks' background read from the disk KV tier (engine/kv/tiers.py): None before
     # the scheduler first asked, a Future while it runs, True once done or not needed.
     tier_load: object = None
-    # What a speculative proposer keeps of this sequence between steps (engine/spec_decode).
+    # What a speculative proposer keeps of this sequence between steps, and its acceptance
+    # estimate and counts (engine/spec_decode/depth.py DraftState).
     proposer_state: object = None
+    draft_state: object = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -68,7 +68,17 @@ class Completion:
                             "local_prefill_threshold_tokens": (t.local_prefill_threshold_tokens
                                                                if t.HasField("local_prefill_threshold_tokens") else None),
                             "decode_cached_tokens": t.decode_cached_tokens, "kv_bytes": t.kv_bytes,
-                            "kv_wire_bytes": t.kv_wire_bytes, "kv_streams": t.kv_streams, "kv_codec": t.kv_codec}
+                            "kv_wire_bytes": t.kv_wire_bytes, "kv_streams": t.kv_streams, "kv_codec": t.kv_codec,
+                            **spec_decode_timings(t)}
+
+
+def spec_decode_timings(t: router_pb2.Timings) -> dict[str, int]:
+    """The request's speculative decoding counts, with vLLM's names (empty: no speculation)."""
+    if not t.HasField("spec_decode"):
+        return {}
+    s = t.spec_decode
+    return {"spec_decode_num_drafts": s.num_drafts, "spec_decode_num_draft_tokens": s.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": s.num_accepted_tokens}
 
 
 def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_tokens: int | None = None,

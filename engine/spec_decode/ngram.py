@@ -50,6 +50,9 @@ class NgramProposer:
             seq.proposer_state = TokenMirror()
         return ngram_lookup(seq.proposer_state.sync(seq.token_ids), self.min_n, self.max_n, k)
 
+    def finished(self, seq: Sequence) -> None:
+        """Prompt lookup keeps nothing across requests."""
+
 
 def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """The k tokens after the latest earlier occurrence of tokens' last n, for the largest n in

@@ -46,7 +46,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "kv_transfer_ms", "first_decode_step_ms", "ttft_ms", "e2e_ms", "migrations", "prefill_route", "estimated_local_ms", "estimated_remote_ms", "local_prefill_threshold_tokens", "decode_cached_tokens", "kv_bytes", "kv_wire_bytes", "kv_streams", "kv_codec")
+    __slots__ = ("queue_ms", "prefill_ms", "kv_transfer_ms", "first_decode_step_ms", "ttft_ms", "e2e_ms", "migrations", "prefill_route", "estimated_local_ms", "estimated_remote_ms", "local_prefill_threshold_tokens", "decode_cached_tokens", "kv_bytes", "kv_wire_bytes", "kv_streams", "kv_codec", "spec_decode")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class Timings(_message.Message):
     KV_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_STREAMS_FIELD_NUMBER: _ClassVar[int]
     KV_CODEC_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     kv_transfer_ms: float
@@ -79,7 +80,8 @@ class Timings(_message.Message):
     kv_wire_bytes: int
     kv_streams: int
     kv_codec: str
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., first_decode_step_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., migrations: _Optional[int] = ..., prefill_route: _Optional[str] = ..., estimated_local_ms: _Optional[float] = ..., estimated_remote_ms: _Optional[float] = ..., local_prefill_threshold_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_wire_bytes: _Optional[int] = ..., kv_streams: _Optional[int] = ..., kv_codec: _Optional[str] = ...) -> None: ...
+    spec_decode: _common_pb2.SpecDecodeCounts
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., first_decode_step_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., migrations: _Optional[int] = ..., prefill_route: _Optional[str] = ..., estimated_local_ms: _Optional[float] = ..., estimated_remote_ms: _Optional[float] = ..., local_prefill_threshold_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_wire_bytes: _Optional[int] = ..., kv_streams: _Optional[int] = ..., kv_codec: _Optional[str] = ..., spec_decode: _Optional[_Union[_common_pb2.SpecDecodeCounts, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "finished", "logprobs")

@@ -268,6 +268,8 @@ def timings(gen: Generation, now: float) -> router_pb2.Timings:
                              estimated_local_ms=t.estimated_local_ms, estimated_remote_ms=t.estimated_remote_ms,
                              decode_cached_tokens=t.decode_cached_tokens, kv_bytes=t.kv_bytes,
                              kv_wire_bytes=t.kv_wire_bytes, kv_streams=t.kv_streams, kv_codec=t.kv_codec)
+    if t.spec_decode is not None:
+        out.spec_decode.CopyFrom(t.spec_decode)
     if t.threshold_tokens is not None and math.isfinite(t.threshold_tokens):
         out.local_prefill_threshold_tokens = min(int(t.threshold_tokens), 2**32 - 1)
     return out

@@ -56,3 +56,17 @@ def first_token_proto(out) -> worker_pb2.FirstToken:
     if out.logprobs:
         token.logprob.CopyFrom(logprobs_to_proto(out.logprobs)[0])
     return token
+
+
+def decode_event_proto(out) -> worker_pb2.DecodeEvent:
+    """An engine RequestOutput after the first token: its tokens, logprobs, finish reason and, on
+    the last one of a speculating engine, the request's speculative decoding counts."""
+    event = worker_pb2.DecodeEvent(token_ids=out.new_token_ids, finished=out.finished,
+                                   logprobs=logprobs_to_proto(out.logprobs))
+    if out.finish_reason is not None:
+        event.finish_reason = out.finish_reason
+    if out.spec_counts is not None:
+        drafts, draft_tokens, accepted = out.spec_counts
+        event.spec_decode.CopyFrom(common_pb2.SpecDecodeCounts(num_drafts=drafts, num_draft_tokens=draft_tokens,
+                                                               num_accepted_tokens=accepted))
+    return event

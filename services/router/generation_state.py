@@ -32,6 +32,7 @@ class Timing:
     kv_wire_bytes: int = 0              # kv_bytes' size on the wire (encoded)
     kv_streams: int = 0
     kv_codec: str = ""
+    spec_decode: common_pb2.SpecDecodeCounts | None = None   # from the decode worker that finished it
 
 
 @dataclass(slots=True)

@@ -126,6 +126,8 @@ class RouteContext:
             raise WorkerFailure(worker.address, "ABORTED", "the worker aborted the request")
         if event.finished:   # the turn's KV (history, message, answer) is on that worker now
             self.sessions.turn_ended(gen.service.session_key, worker.address)
+            if event.HasField("spec_decode"):
+                gen.timing.spec_decode = event.spec_decode
         return Chunk(list(event.token_ids), event.finish_reason if event.finished else None,
                      list(event.logprobs) or None)
 

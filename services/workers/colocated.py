@@ -12,7 +12,7 @@ import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.services.workers.async_engine import AsyncEngine
-from pdserve.services.common.proto_convert import first_token_proto, logprobs_to_proto, params_from_proto
+from pdserve.services.common.proto_convert import decode_event_proto, first_token_proto, params_from_proto
 from pdserve.services.workers.prefill import HEARTBEAT_S
 from pdserve.services.workers.lifecycle import WorkerState
 
@@ -60,10 +60,7 @@ async def generate_local(aengine: AsyncEngine, state: WorkerState, request: work
                     if out.finished:
                         return
                     continue
-                event = worker_pb2.DecodeEvent(token_ids=out.new_token_ids, finished=out.finished,
-                                               logprobs=logprobs_to_proto(out.logprobs))
-                if out.finish_reason is not None:
-                    event.finish_reason = out.finish_reason
+                event = decode_event_proto(out)
                 yield worker_pb2.GenerateLocalEvent(decode=event)
                 if out.finished:
                     return

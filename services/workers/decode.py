@@ -10,7 +10,7 @@ import grpc
 
 from pdserve.engine import NoCapacity
 from pdserve.engine.kv.handoff import HandoffError, HandoffState
-from pdserve.services.common.proto_convert import logprobs_to_proto, params_from_proto
+from pdserve.services.common.proto_convert import decode_event_proto, params_from_proto
 from pdserve.services.workers.async_engine import AsyncEngine
 from pdserve.services.workers.colocated import generate_local
 from pdserve.services.workers.lifecycle import WorkerState
@@ -88,10 +88,7 @@ class DecodeHandler(worker_pb2_grpc.DecodeWorkerServicer):
                 t_admit, first = time.perf_counter(), True
                 while True:
                     out = (await stream.get()).output
-                    event = worker_pb2.DecodeEvent(token_ids=out.new_token_ids, finished=out.finished,
-                                                   logprobs=logprobs_to_proto(out.logprobs))
-                    if out.finish_reason is not None:
-                        event.finish_reason = out.finish_reason
+                    event = decode_event_proto(out)
                     if first:
                         event.kv_wait_ms = kv_wait_ms
                         event.first_decode_step_ms = (time.perf_counter() - t_admit) * 1e3

@@ -1,5 +1,6 @@
 """A worker's Prometheus metrics (pdserve.services.common.metrics: the names, the registry and the endpoint):
-the engine's gauges read when scraped, per-step histograms, KV tier counters, hand-off counts."""
+the engine's gauges read when scraped, per-step histograms, KV tier counters, speculative decoding
+counters, hand-off counts."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -41,6 +42,34 @@ class KVTierCollector:
                 yield metric
 
 
+SPEC_DECODE_COUNTERS = {"spec_decode_num_drafts": "Speculative drafts verified",
+                        "spec_decode_num_draft_tokens": "Draft tokens verified",
+                        "spec_decode_num_accepted_tokens": "Draft tokens accepted"}
+
+
+class SpecDecodeCollector:
+    """The engine's speculative decoding counters, with vLLM's names and meanings, read at scrape
+    time: drafts, draft tokens, accepted tokens, and accepted tokens per draft position (label
+    position). Acceptance rate: accepted / draft tokens; mean accepted length: 1 + accepted / drafts."""
+
+    def __init__(self, engine: "LLMEngine", labels) -> None:
+        self.engine, self.labels = engine, labels
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+        stats = self.engine.speculator.stats
+        values = self.labels()
+        for key, doc in SPEC_DECODE_COUNTERS.items():
+            metric = CounterMetricFamily(f"pdserve:{key}", doc, labels=LABELS)
+            metric.add_metric(values, getattr(stats, key.removeprefix("spec_decode_")))
+            yield metric
+        metric = CounterMetricFamily("pdserve:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in their draft", labels=(*LABELS, "position"))
+        for position, n in enumerate(list(stats.accepted_per_position)):
+            metric.add_metric([*values, str(position)], n)
+        yield metric
+
+
 class WorkerMetrics(ProcessMetrics):
     """Engine-side metrics: counters and histograms from the engine thread after every step,
     gauges read from the engine when scraped (see ``attach``)."""
@@ -72,6 +101,7 @@ class WorkerMetrics(ProcessMetrics):
         self._last = {"queries": 0, "hits": 0, "preemptions": 0}
         self._engine: "LLMEngine | None" = None
         self._tiers_watched = False
+        self._spec_watched = False
 
     def attach(self, engine: "LLMEngine") -> None:
         """Read the gauges from engine whenever scraped: admission, cancel, abort and finish show
@@ -82,6 +112,9 @@ class WorkerMetrics(ProcessMetrics):
         self.kv_cache_usage_perc.set_function(bm.usage)
         self._engine = engine
         self.watch_kv_tiers(engine)
+        if engine.speculator is not None and not self._spec_watched:
+            self._spec_watched = True
+            self.registry.register(SpecDecodeCollector(engine, lambda: [self.labels[name] for name in LABELS]))
 
     def watch_kv_tiers(self, engine: "LLMEngine") -> None:
         """Publish the engine's KV tier figures (engine/kv/tiers.py), read when scraped: hits per

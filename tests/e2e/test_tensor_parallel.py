@@ -163,6 +163,20 @@ def test_tp2_w8a16_matches_tp1_w8a16(tiny_qwen3: str) -> None:
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
 
 
+def test_tp2_greedy_speculative_output_equals_hf(tiny_qwen3: str) -> None:
+    """A draft's rows are decode rows of the step plan the ranks execute: TP=2 verifies them as
+    TP=1 does, with mixed steps (a 16-token budget) and the pool's lookahead blocks back after."""
+    from tests.e2e.test_spec_decode_serving import SPEC, copy_prompts
+    prompts, n = copy_prompts(4, 30, seed=47), 24
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    with make_llm(tiny_qwen3, tensor_parallel_size=2, max_num_batched_tokens=16, speculative_config=SPEC) as llm:
+        outs = llm.generate(prompts, params)
+        stats = llm.stats()
+        assert stats["spec_decode_num_accepted_tokens"] > 0, stats
+        assert [o.token_ids for o in outs] == hf_greedy(tiny_qwen3, prompts, n)
+        assert_no_leak(llm)
+
+
 def test_stalled_rank_fails_the_engine_within_the_timeout(tiny_qwen3: str) -> None:
     """A rank that stops answering (SIGSTOP): the step's collective gives up after
     tp_collective_timeout_s, every request fails and frees its blocks, the engine stays failed,

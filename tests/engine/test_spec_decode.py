@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -26,7 +27,9 @@ from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.metrics import SpecDecodeStats
 from pdserve.engine.spec_decode.ngram import NgramProposer, ngram_lookup
-from pdserve.engine.spec_decode.verify import accepted_length, greedy_verify
+from pdserve.engine.spec_decode.depth import PRIOR_ACCEPTANCE, DraftDepth, draft_state
+from pdserve.engine.spec_decode.speculator import Speculator, request_counts
+from pdserve.engine.spec_decode.verify import accepted_length, verify
 from pdserve.engine.step_plan import StepPlan
 from tests.conftest import assert_no_leak
 
@@ -71,9 +74,11 @@ def arch_model(request: pytest.FixtureRequest, model_root) -> str:
     return str(path)
 
 
-def _llm(model: str, spec: bool, **overrides) -> LLM:
+def _llm(model: str, spec: bool | dict, **overrides) -> LLM:
+    """spec: True for SPEC, a dict for SPEC with those fields changed."""
     kwargs = {**ENGINE, **overrides}
-    return LLM(model, speculative_config=SPEC if spec else None, **kwargs)
+    return LLM(model, speculative_config={**SPEC, **(spec if isinstance(spec, dict) else {})} if spec else None,
+               **kwargs)
 
 
 def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list:
@@ -164,10 +169,10 @@ def test_the_token_mirror_follows_appends_and_rebuilds_on_anything_else() -> Non
 
 def test_greedy_acceptance_takes_the_matching_prefix_then_the_models_token() -> None:
     assert accepted_length([5, 6, 7], [5, 6, 7, 8]) == 3
-    assert greedy_verify([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]    # all accepted, and the bonus token
-    assert greedy_verify([5, 6, 7], [5, 9, 7, 8]) == [5, 9]          # the model's token at the first mismatch
-    assert greedy_verify([5, 6, 7], [4, 6, 7, 8]) == [4]
-    assert greedy_verify([], [3]) == [3]
+    assert verify([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]    # all accepted, and the bonus token
+    assert verify([5, 6, 7], [5, 9, 7, 8]) == [5, 9]          # the model's token at the first mismatch
+    assert verify([5, 6, 7], [4, 6, 7, 8]) == [4]
+    assert verify([], [3]) == [3]
 
 
 def test_counters_per_position() -> None:
@@ -207,6 +212,9 @@ class _FixedProposer:
         self.asked.append((seq.request_id, max_tokens))
         return self.draft[:max_tokens] if self.only is None or seq.request_id in self.only else []
 
+    def finished(self, seq: Sequence) -> None:
+        pass
+
 
 def _decoding(rid: str, n: int, params: SamplingParams = GREEDY) -> Sequence:
     seq = Sequence(rid, list(range(1, n + 1)), params, num_prompt_tokens=n - 1)
@@ -216,7 +224,8 @@ def _decoding(rid: str, n: int, params: SamplingParams = GREEDY) -> Sequence:
 
 def _scheduler(budget: int, blocks: int = 64, draft: tuple = (7, 7, 7, 7)) -> Scheduler:
     config = EngineConfig(model="none", block_size=4, max_num_batched_tokens=budget, max_num_seqs=8)
-    return Scheduler(config, BlockManager(blocks, 4), proposer=_FixedProposer(list(draft)), max_model_len=1000)
+    speculator = Speculator(SpeculativeConfig(adaptive_depth=False), _FixedProposer(list(draft)))
+    return Scheduler(config, BlockManager(blocks, 4), speculator=speculator, max_model_len=1000)
 
 
 def _start_decoding(s: Scheduler, *seqs: Sequence) -> None:
@@ -253,12 +262,12 @@ def test_a_draft_stops_short_of_max_tokens_and_the_model_length() -> None:
     assert s.schedule().drafts == [[7]]
 
 
-def test_sampled_requests_decode_plainly() -> None:
+def test_sampled_requests_draft_too() -> None:
     s = _scheduler(budget=64)
     sampled = _decoding("t", 6, SamplingParams(temperature=0.8, max_tokens=20, seed=1))
     _start_decoding(s, sampled, _decoding("g", 6))
     batch = s.schedule()
-    assert batch.drafts == [[], [7, 7, 7, 7]] and [r for r, _ in s.proposer.asked] == ["g"]
+    assert batch.drafts == [[7, 7, 7, 7]] * 2 and [r for r, _ in s.speculator.proposer.asked] == ["t", "g"]
 
 
 def test_drafts_take_free_blocks_only_above_the_watermark_and_never_preempt() -> None:
@@ -275,7 +284,7 @@ def test_drafts_take_free_blocks_only_above_the_watermark_and_never_preempt() ->
 
 def test_the_step_plan_lays_a_draft_out_as_decode_rows_at_their_positions_all_sampled() -> None:
     s = _scheduler(budget=64, draft=(70, 71))
-    s.proposer.only = {"a"}                    # a verifies a draft, b decodes plainly
+    s.speculator.proposer.only = {"a"}                    # a verifies a draft, b decodes plainly
     a, b = _decoding("a", 6), _decoding("b", 3)
     _start_decoding(s, a, b)
     s.add(Sequence("p", [40, 41, 42], GREEDY))
@@ -354,7 +363,9 @@ def _plain_reference(model: str, invariant: bool, dtype: str) -> tuple:
 def test_greedy_speculative_output_is_plain_output_in_mixed_steps(arch_model: str, invariant: bool,
                                                                     dtype: str) -> None:
     alone, batched = _plain_reference(arch_model, invariant, dtype)
-    llm = _llm(arch_model, True, batch_invariant=invariant, **DTYPES[dtype], **({} if invariant else TUNED))
+    # fixed depth: adaptive depth may leave no verification beside a prompt chunk
+    llm = _llm(arch_model, {"adaptive_depth": False}, batch_invariant=invariant, **DTYPES[dtype],
+               **({} if invariant else TUNED))
     fused = _watch_fused_decode(llm)
     got = _keyed(_run(llm, PROMPTS, LOGPROBS))
     if invariant:
@@ -493,13 +504,16 @@ def test_max_tokens_stop_ids_eos_and_model_length_are_applied_token_by_token(tin
     assert_no_leak(short)
 
 
-def test_sampled_requests_beside_speculating_ones_keep_their_seeded_tokens(tiny_qwen3: str) -> None:
-    sampled = [SamplingParams(temperature=0.9, max_tokens=MAX_NEW, ignore_eos=True, seed=100 + i) for i in range(3)]
+def test_seeded_sampled_requests_emit_their_plain_tokens_while_speculating(tiny_qwen3: str) -> None:
+    """Each verified row samples with the uniform plain decoding draws at its output index, so a
+    seeded request's tokens are its plain tokens, top-k / top-p rows and greedy neighbours alike."""
+    sampled = [SamplingParams(temperature=0.9, max_tokens=MAX_NEW, ignore_eos=True, seed=100 + i, **extra)
+               for i, extra in enumerate(({}, {"top_k": 5}, {"top_p": 0.8}))]
     params = sampled + [GREEDY] * 3
     prompts = PROMPTS[:6]
     plain = [o.token_ids for o in _run(_llm(tiny_qwen3, False, dtype="float32"), prompts, params)]
     llm = _llm(tiny_qwen3, True, dtype="float32")
-    proposer = llm.engine.scheduler.proposer
+    proposer = llm.engine.speculator.proposer
     asked: set[float] = set()
     propose = proposer.propose
 
@@ -509,6 +523,177 @@ def test_sampled_requests_beside_speculating_ones_keep_their_seeded_tokens(tiny_
 
     proposer.propose = spy
     assert [o.token_ids for o in _run(llm, prompts, params)] == plain
-    assert asked == {0.0}
+    assert asked == {0.0, 0.9}
     _assert_drafts_accepted_and_rejected(llm)
+    assert_no_leak(llm)
+
+
+# ---- rejection sampling: sampled speculative output follows the plain distribution ---------------
+
+class _GreedyPathProposer:
+    """Drafts the greedy continuation while the output so far is on a known greedy path
+    (paths[first output token]: the greedy tokens after it), nothing off it."""
+
+    def __init__(self, prompt_len: int, paths: dict[int, list[int]]) -> None:
+        self.prompt_len, self.paths = prompt_len, paths
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        out = seq.token_ids[self.prompt_len:]
+        path = self.paths.get(out[0], [])
+        return path[len(out) - 1:][:max_tokens] if out[1:] == path[:len(out) - 1] else []
+
+    def finished(self, seq: Sequence) -> None:
+        pass
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at the normal quantile z (3.09: 0.999), Wilson-Hilferty's approximation."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def _homogeneity(a: dict, b: dict) -> tuple[float, int]:
+    """Pearson's two-sample chi-square statistic (equal sample sizes) and its degrees of freedom."""
+    cells = set(a) | set(b)
+    stat = sum((a.get(c, 0) - b.get(c, 0)) ** 2 / (a.get(c, 0) + b.get(c, 0)) for c in cells)
+    return stat, len(cells) - 1
+
+
+@pytest.mark.parametrize("acceptance", ["rejection-sampling", "greedy-acceptance"])
+def test_sampled_speculative_output_follows_the_plain_distribution(tiny_qwen3: str, monkeypatch,
+                                                                   acceptance: str) -> None:
+    """Unseeded requests, top-k 4: the joint distribution of the first three tokens (64 cells)
+    with every second and third token drafted along the greedy path and verified, against plain
+    sampling: a two-sample chi-square below its 0.999 quantile. The same test with greedy
+    acceptance (a draft token accepted when it is the model's argmax, as every draft here is)
+    must fail it: the control that shows the test can see a wrong distribution."""
+    n = 1500
+    prompt = PROMPTS[0][:10]
+    params = SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True)
+    engine_args = dict(dtype="float32", max_num_seqs=256, max_num_batched_tokens=4096)
+    plain_llm = _llm(tiny_qwen3, False, **engine_args)
+    plain = [tuple(o.token_ids) for o in _run(plain_llm, [prompt] * n, params)]
+    firsts = sorted({t[0] for t in plain})
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    paths = {t: o.token_ids for t, o in zip(firsts, _run(plain_llm, [prompt + [t] for t in firsts], greedy))}
+    llm = LLM(tiny_qwen3, speculative_config={**SPEC, "adaptive_depth": False}, **{**ENGINE, **engine_args})
+    llm.engine.speculator.proposer = _GreedyPathProposer(len(prompt), paths)
+    if acceptance == "greedy-acceptance":
+        monkeypatch.setattr("pdserve.engine.llm_engine.verify", lambda draft, targets: [*draft, targets[len(draft)]])
+    spec = [tuple(o.token_ids) for o in _run(llm, [prompt] * n, params)]
+    st = _spec_counts(llm)
+    assert st["spec_decode_num_drafts"] > n // 4 and st["spec_decode_num_accepted_tokens"] > 0, st
+    stat, df = _homogeneity(Counter(plain), Counter(spec))
+    if acceptance == "rejection-sampling":
+        assert st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"], st
+        assert stat < _chi2_critical(df), (stat, df)
+    else:
+        assert stat > _chi2_critical(df), (stat, df)
+    assert_no_leak(llm)
+
+
+# ---- adaptive depth -------------------------------------------------------------------------------
+
+def _observed(acceptance: list[tuple[int, int]]) -> Sequence:
+    seq = _decoding("s", 6)
+    depth = DraftDepth()
+    for drafted, accepted in acceptance:
+        depth.observe(seq, drafted, accepted)
+    return seq
+
+
+def test_a_sequences_acceptance_estimate_follows_its_verifications() -> None:
+    fresh = _decoding("f", 6)
+    assert draft_state(fresh).acceptance == PRIOR_ACCEPTANCE and request_counts(fresh) == (0, 0, 0)
+    copying, rejecting = _observed([(4, 4)] * 10), _observed([(4, 0)] * 10)
+    assert draft_state(copying).acceptance > 0.9 and draft_state(rejecting).acceptance < 0.15
+    assert request_counts(copying) == (10, 40, 40) and request_counts(rejecting) == (10, 40, 0)
+    recent = _observed([(4, 4)] * 10 + [(4, 0)] * 8)   # recent verifications weigh most
+    assert draft_state(recent).acceptance < 0.5
+
+
+def test_drafts_go_as_deep_as_they_pay_for_their_rows() -> None:
+    depth = DraftDepth()
+    for rows, ms in ((1, 20.0), (5, 36.0), (9, 52.0), (3, 28.0)):   # base 16 ms, 4 ms a row
+        depth.observe_step(rows, ms)
+    assert depth.costs() == pytest.approx((16.0, 4.0))
+    draft = [7] * 40
+    copying, rejecting = _observed([(8, 8)] * 10), _observed([(4, 0)] * 10)
+    alone = depth.choose([copying], [draft], budget=64)[0]
+    assert 8 <= alone < 40                                     # a copy verifies deep, not endlessly
+    assert depth.choose([rejecting], [draft], budget=64) == [0]   # rejected drafts are not verified
+    assert depth.choose([copying], [draft], budget=3) == [3]   # the budget caps it
+    # in a batch of 16 the step is already worth 16 tokens: each row must be worth more
+    batch = [_observed([(8, 8)] * 10) for _ in range(16)]
+    assert max(depth.choose(batch, [draft] * 16, budget=1000)) < alone
+    # expected tokens per millisecond: the chosen rows beat the plain step, and one more row would not
+    a = draft_state(copying).acceptance
+    gain = sum(a ** j for j in range(1, alone + 1))
+    assert (1 + gain) / (16 + 4 * (1 + alone)) > 1 / 20
+    assert a ** (alone + 1) * (16 + 4 * (1 + alone)) <= 4 * (1 + gain)
+
+
+def test_a_passed_over_sequence_drifts_back_to_the_prior_and_is_tried_again() -> None:
+    depth = DraftDepth()
+    depth.observe_step(1, 20.0), depth.observe_step(5, 36.0)
+    seq = _observed([(4, 0)] * 10)
+    tries = [depth.choose([seq], [[7] * 4], budget=64)[0] for _ in range(60)]
+    first = tries.index(1)
+    assert first > 5 and not any(tries[:first]), tries   # passed over for a while, then one token tried
+
+
+def test_fixed_depth_verifies_whole_drafts_while_the_budget_lasts() -> None:
+    depth = DraftDepth(adaptive=False)
+    seqs = [_observed([(4, 0)] * 10), _decoding("b", 6)]
+    assert depth.choose(seqs, [[7] * 4, [7] * 4], budget=6) == [4, 2]
+
+
+def test_drafts_that_never_pay_are_backed_off_and_the_outputs_report_their_counts(tiny_qwen3: str) -> None:
+    """A proposer whose drafts the model rejects (token 1023 four times, where the tiny model
+    never puts it): fixed depth verifies four tokens on every decode step, adaptive depth a
+    fraction of that, with the same output. Every finished output carries its request's counts,
+    which add up to the engine's."""
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompts = PROMPTS[:4]
+    plain = [o.token_ids for o in _run(_llm(tiny_qwen3, False, dtype="float32"), prompts, params)]
+    assert not any(1023 in p for p in plain)
+    drafted = {}
+    for adaptive in (False, True):
+        llm = LLM(tiny_qwen3, speculative_config={**SPEC, "adaptive_depth": adaptive}, **ENGINE, dtype="float32")
+        engine = llm.engine
+        engine.speculator.proposer = _FixedProposer([1023] * 4)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        counts, outs = {}, {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                assert (o.spec_counts is not None) == o.finished
+                if o.finished:
+                    counts[o.request_id] = o.spec_counts
+        assert [outs[f"r{i}"] for i in range(len(prompts))] == plain
+        st = _spec_counts(llm)
+        assert len(counts) == len(prompts) and st["spec_decode_num_accepted_tokens"] == 0
+        assert [sum(c[j] for c in counts.values()) for j in range(3)] == [
+            st["spec_decode_num_drafts"], st["spec_decode_num_draft_tokens"], st["spec_decode_num_accepted_tokens"]]
+        drafted[adaptive] = st["spec_decode_num_draft_tokens"]
+        assert_no_leak(llm)
+    assert drafted[False] >= 4 * 4 * 40 and drafted[True] <= drafted[False] // 10, drafted
+
+
+def test_suffix_decoding_drafts_earlier_outputs_and_keeps_the_greedy_output(tiny_qwen3: str) -> None:
+    """method suffix: the first round drafts from each sequence's own tokens; the same prompts
+    again draft the first round's outputs (the global trie), accepted far more often; greedy
+    output is plain output throughout, and the pool is back at baseline."""
+    plain = [o.token_ids for o in _run(_llm(tiny_qwen3, False, dtype="float32"), PROMPTS, GREEDY)]
+    llm = _llm(tiny_qwen3, {"method": "suffix"}, dtype="float32")
+    rounds = []
+    for _ in range(2):
+        before = _spec_counts(llm)
+        assert [o.token_ids for o in _run(llm, PROMPTS, GREEDY)] == plain
+        after = _spec_counts(llm)
+        rounds.append({k: after[k] - before.get(k, 0) for k in ("spec_decode_num_drafts",
+                                                                 "spec_decode_num_accepted_tokens")})
+    assert rounds[0]["spec_decode_num_accepted_tokens"] > 0
+    assert rounds[1]["spec_decode_num_accepted_tokens"] > 1.5 * rounds[0]["spec_decode_num_accepted_tokens"], rounds
+    assert llm.engine.speculator.proposer.num_cached_requests == 2 * len(PROMPTS)
     assert_no_leak(llm)
