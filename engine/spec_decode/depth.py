@@ -14,7 +14,9 @@ adds more expected tokens per millisecond than the step yields on average so far
 * N, N the expected tokens and T the cost of the rows taken): a deep draft for a sequence that
 copies, none for one whose drafts are rejected, and fewer in a large batch, whose step is already
 worth many tokens. A sequence whose draft is passed over decays its counts (PASSED_OVER_DECAY)
-towards the prior, so text that starts copying later is tried again. Which tokens a sequence emits
+towards the prior, so text that starts copying later is tried again. A step that several
+sequences wait for is lengthened by drafts by at most SHARED_STEP_STRETCH of its plain cost (the
+others' inter-token gap); a lone sequence's drafts only lengthen its own. Which tokens a sequence emits
 never depends on its drafts (engine/spec_decode/verify.py), so the depth changes the speed only.
 
 With adaptive_depth off, drafts are verified whole while the step's budget lasts."""
@@ -31,6 +33,7 @@ ACCEPTANCE_DECAY = 0.8     # per verification: its counts' memory, ~5 verificati
 PASSED_OVER_DECAY = 0.95   # per step its draft is passed over: back towards the prior in ~20 steps
 PRIOR_ROW_SHARE = 0.1      # a row's marginal cost, as a share of an average row, before the fit
 ROW_FIT_DECAY = 0.99       # the step-cost line forgets over ~100 decode steps
+SHARED_STEP_STRETCH = 0.5  # drafts lengthen a step of several decodes by at most this share of its plain cost
 ROW_FIT_SPREAD = 1.0       # rows must spread by this much (standard deviation) to identify the line
 
 
@@ -104,8 +107,10 @@ class DraftDepth:
         candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
         keep = [0] * len(drafts)
         tokens, ms = float(len(seqs)), base_ms + ms_per_row * len(seqs)
+        # a step several sequences wait for is lengthened by drafts by a bounded share only
+        max_ms = ms * (1.0 + SHARED_STEP_STRETCH) if len(seqs) > 1 else float("inf")
         for p, i, j in candidates[:budget]:
-            if p * ms <= ms_per_row * tokens:
+            if p * ms <= ms_per_row * tokens or ms + ms_per_row > max_ms:
                 break
             keep[i] = j   # most probable first: j is keep[i] + 1
             tokens += p

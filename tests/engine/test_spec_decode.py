@@ -27,7 +27,7 @@ from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.metrics import SpecDecodeStats
 from pdserve.engine.spec_decode.ngram import NgramProposer, ngram_lookup
-from pdserve.engine.spec_decode.depth import PRIOR_ACCEPTANCE, DraftDepth, draft_state
+from pdserve.engine.spec_decode.depth import PRIOR_ACCEPTANCE, SHARED_STEP_STRETCH, DraftDepth, draft_state
 from pdserve.engine.spec_decode.speculator import Speculator, request_counts
 from pdserve.engine.spec_decode.verify import accepted_length, verify
 from pdserve.engine.step_plan import StepPlan
@@ -630,6 +630,20 @@ def test_drafts_go_as_deep_as_they_pay_for_their_rows() -> None:
     gain = sum(a ** j for j in range(1, alone + 1))
     assert (1 + gain) / (16 + 4 * (1 + alone)) > 1 / 20
     assert a ** (alone + 1) * (16 + 4 * (1 + alone)) <= 4 * (1 + gain)
+
+
+def test_drafts_lengthen_a_shared_step_by_a_bounded_share_only() -> None:
+    depth = DraftDepth()
+    for rows, ms in ((1, 20.0), (5, 36.0), (9, 52.0)):   # base 16 ms, 4 ms a row
+        depth.observe_step(rows, ms)
+    draft = [7] * 40
+    copying = [_observed([(8, 8)] * 10) for _ in range(2)]
+    alone = depth.choose(copying[:1], [draft], budget=64)[0]
+    shared = depth.choose(copying, [draft] * 2, budget=64)
+    base_ms, ms_per_row = depth.costs()
+    cap_rows = SHARED_STEP_STRETCH * (base_ms + 2 * ms_per_row) / ms_per_row   # 3 here
+    assert alone > 20                                   # a lone sequence's drafts lengthen only its own step
+    assert cap_rows - 1 <= sum(shared) <= cap_rows and min(shared) > 0, shared
 
 
 def test_a_passed_over_sequence_drifts_back_to_the_prior_and_is_tried_again() -> None:
