@@ -1,6 +1,6 @@
 """Speculative decoding on the decode workers of real deployments (issue 44): the router, a
 prefill and decode workers as processes, KV over the raw TCP data plane or over gRPC with
-shared memory, every worker started with --speculative-config. Greedy output equals the plain
+shared memory, or one colocated worker, every worker started with --speculative-config. Greedy output equals the plain
 offline output token for token; the decode worker's /metrics and each request's timings carry
 the speculative counters; blocks return to baseline; a request whose decode worker is killed
 mid-speculation continues on another with exactly the plain tokens."""
@@ -39,7 +39,8 @@ def copy_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 # the shared-memory route carries sends of 1 MiB or more: 1100-token prompts (1 KiB of KV per token)
-PROMPTS = {"tcp": copy_prompts(6, 40, seed=44), "shm": copy_prompts(3, 1100, seed=45)}
+PROMPTS = {"tcp": copy_prompts(6, 40, seed=44), "shm": copy_prompts(3, 1100, seed=45),
+           "colocated": copy_prompts(4, 40, seed=48)}
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +50,13 @@ def reference(tiny_qwen3: str) -> dict[str, list[list[int]]]:
     return {kind: [o.token_ids for o in llm.generate(prompts, params)] for kind, prompts in PROMPTS.items()}
 
 
-@pytest.fixture(scope="module", params=["tcp", "shm"])
+@pytest.fixture(scope="module", params=["tcp", "shm", "colocated"])
 def deployment(request: pytest.FixtureRequest, tiny_qwen3: str):
     kind = request.param
     shm_dir = tempfile.mkdtemp(prefix="pdserve-spec-shm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     worker_args = ["--kv-data-plane", "grpc", "--kv-shared-memory-dir", shm_dir] if kind == "shm" else []
-    cluster = start_cluster(tiny_qwen3, prefill_workers=1, decode_workers=1, engine_args=ENGINE_ARGS + SPEC_ARGS,
-                            worker_args=worker_args)
+    layout = dict(colocated_workers=1) if kind == "colocated" else dict(prefill_workers=1, decode_workers=1)
+    cluster = start_cluster(tiny_qwen3, engine_args=ENGINE_ARGS + SPEC_ARGS, worker_args=worker_args, **layout)
     try:
         yield kind, cluster
     finally:
@@ -70,7 +71,7 @@ async def _generate_all(address: str, prompts: list[list[int]], **kwargs):
         return await asyncio.gather(*(client.generate(p, **kwargs) for p in prompts))
 
 
-def test_disaggregated_greedy_speculative_output_is_plain_output(deployment, reference) -> None:
+def test_served_greedy_speculative_output_is_plain_output(deployment, reference) -> None:
     kind, cluster = deployment
     outs = asyncio.run(_generate_all(cluster.router_address, PROMPTS[kind], max_tokens=MAX_NEW, temperature=0.0,
                                      ignore_eos=True))
@@ -78,14 +79,14 @@ def test_disaggregated_greedy_speculative_output_is_plain_output(deployment, ref
     counts = [(o.timings["spec_decode_num_drafts"], o.timings["spec_decode_num_draft_tokens"],
                o.timings["spec_decode_num_accepted_tokens"]) for o in outs]
     assert all(d <= t and a <= t for d, t, a in counts) and sum(a for _, _, a in counts) > 0, counts
-    decode = next(p for p in cluster.processes if p.name.startswith("decode"))
+    decode = next(p for p in cluster.processes if p.name.startswith(("decode", "both")))
     samples = scrape(decode.metrics_address)
     assert metric(samples, "pdserve:spec_decode_num_drafts_total") == sum(d for d, _, _ in counts)
     assert metric(samples, "pdserve:spec_decode_num_accepted_tokens_total") == sum(a for _, _, a in counts)
     assert metric(samples, "pdserve:spec_decode_num_accepted_tokens_per_pos_total") == sum(a for _, _, a in counts)
     assert samples.get([k for k in samples if k.startswith("pdserve:spec_decode_num_accepted_tokens_per_pos_total")
                         and 'position="0"' in k][0]) > 0
-    assert len(workers(cluster)) == 2
+    assert len(workers(cluster)) == (1 if kind == "colocated" else 2)
     assert_blocks_at_baseline(cluster)
 
 
