@@ -89,6 +89,21 @@ class DraftDepth:
         _, ms_per_row = self.row_cost.coefficients()   # the average row, through the origin
         return (1.0 - PRIOR_ROW_SHARE) * ms_per_row, PRIOR_ROW_SHARE * ms_per_row
 
+    def may_pay(self, seqs: list[Sequence]) -> list[bool]:
+        """Whether a draft of each decoding sequence could pay in this step: its acceptance above
+        what the step's first draft row must be worth. One that cannot is passed over without
+        asking the proposer (whose lookup would run every step for text that copies nothing)."""
+        if not self.adaptive:
+            return [True] * len(seqs)
+        base_ms, ms_per_row = self.costs()
+        floor = ms_per_row * len(seqs) / (base_ms + ms_per_row * len(seqs))
+        out = []
+        for seq in seqs:
+            out.append(draft_state(seq).acceptance > floor)
+            if not out[-1]:
+                _pass_over(seq)
+        return out
+
     def choose(self, seqs: list[Sequence], drafts: list[list[int]], budget: int) -> list[int]:
         """How many tokens of drafts[i] seqs[i] verifies this step (at most budget in all)."""
         if not self.adaptive:
@@ -116,8 +131,13 @@ class DraftDepth:
             tokens += p
             ms += ms_per_row
         for seq, draft, n in zip(seqs, drafts, keep):
-            if draft and not n:   # passed over: drift back towards the prior
-                state = draft_state(seq)
-                state.accepted *= PASSED_OVER_DECAY
-                state.rejected *= PASSED_OVER_DECAY
+            if draft and not n:
+                _pass_over(seq)
         return keep
+
+
+def _pass_over(seq: Sequence) -> None:
+    """seq drafts nothing this step: its estimate drifts back towards the prior."""
+    state = draft_state(seq)
+    state.accepted *= PASSED_OVER_DECAY
+    state.rejected *= PASSED_OVER_DECAY

@@ -22,8 +22,8 @@ class Speculator:
         """A draft for each decoding sequence (rooms[i]: tokens seqs[i] may draft at most; []:
         none), at most budget tokens in all, as deep as each pays (engine/spec_decode/depth.py)."""
         k = self.config.num_speculative_tokens
-        proposed = [self.proposer.propose(seq, min(room, k, budget)) if room > 0 and budget > 0 else []
-                    for seq, room in zip(seqs, rooms)]
+        proposed = [self.proposer.propose(seq, min(room, k, budget)) if room > 0 and budget > 0 and worth else []
+                    for seq, room, worth in zip(seqs, rooms, self.depth.may_pay(seqs))]
         return [draft[:n] for draft, n in zip(proposed, self.depth.choose(seqs, proposed, budget))]
 
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:

@@ -19,7 +19,9 @@ from pdserve.services.client import AsyncClient
 from tests.faults.harness import FAULT_ENGINE, FaultCluster, observe, wait_for
 from tests.serving import assert_blocks_at_baseline, metric, scrape, start_cluster, workers
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# fixed depth: adaptive depth's choice follows measured step times, and these tests count drafts
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+        "adaptive_depth": False}
 SPEC_ARGS = ["--speculative-config", json.dumps(SPEC)]
 ENGINE_ARGS = ["--block-size", "8", "--num-kv-blocks", "1024", "--dtype", "float32", "--max-num-batched-tokens", "1024"]
 MAX_NEW = 32

@@ -33,7 +33,10 @@ from pdserve.engine.spec_decode.verify import accepted_length, verify
 from pdserve.engine.step_plan import StepPlan
 from tests.conftest import assert_no_leak
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# Fixed depth: which drafts adaptive depth verifies depends on measured step times (a loaded
+# machine verifies fewer); the tests of adaptive depth below fix its costs.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+        "adaptive_depth": False}
 MAX_NEW = 40
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 # block_size 8 fills blocks (prefix-cache keys) within a few verifications; a budget of 24 tokens
@@ -189,7 +192,7 @@ def test_counters_per_position() -> None:
 def test_speculative_config_from_a_dict_json_or_nothing() -> None:
     assert EngineConfig(model="m").speculative_config is None
     cfg = EngineConfig(model="m", speculative_config=SPEC).speculative_config
-    assert cfg == SpeculativeConfig() and cfg == SpeculativeConfig.parse(json.dumps(SPEC))
+    assert cfg == SpeculativeConfig(adaptive_depth=False) and cfg == SpeculativeConfig.parse(json.dumps(SPEC))
     assert EngineConfig(model="m", speculative_config='{"num_speculative_tokens": 2}').speculative_config == \
         SpeculativeConfig(num_speculative_tokens=2)
     assert SpeculativeConfig.parse(cfg.to_json()) == cfg and SpeculativeConfig.parse("none") is None
@@ -655,6 +658,20 @@ def test_a_passed_over_sequence_drifts_back_to_the_prior_and_is_tried_again() ->
     assert first > 5 and not any(tries[:first]), tries   # passed over for a while, then one token tried
 
 
+def test_a_sequence_whose_drafts_cannot_pay_is_not_asked_for_one() -> None:
+    proposer = _FixedProposer([7] * 4)
+    speculator = Speculator(SpeculativeConfig(), proposer)
+    for rows, ms in ((1, 20.0), (5, 36.0)):
+        speculator.observe_step(rows, ms)
+    rejecting, fresh = _observed([(4, 0)] * 10), _decoding("fresh", 6)
+    rejecting.request_id = "rejecting"
+    drafts = speculator.drafts([rejecting, fresh], [10, 10], budget=64)
+    assert [rid for rid, _ in proposer.asked] == ["fresh"] and drafts[0] == [] and drafts[1]
+    before = draft_state(rejecting).rejected
+    speculator.drafts([rejecting], [10], budget=64)
+    assert draft_state(rejecting).rejected < before   # passed over: back towards the prior
+
+
 def test_fixed_depth_verifies_whole_drafts_while_the_budget_lasts() -> None:
     depth = DraftDepth(adaptive=False)
     seqs = [_observed([(4, 0)] * 10), _decoding("b", 6)]
@@ -675,6 +692,7 @@ def test_drafts_that_never_pay_are_backed_off_and_the_outputs_report_their_count
         llm = LLM(tiny_qwen3, speculative_config={**SPEC, "adaptive_depth": adaptive}, **ENGINE, dtype="float32")
         engine = llm.engine
         engine.speculator.proposer = _FixedProposer([1023] * 4)
+        engine.speculator.depth.costs = lambda: (16.0, 4.0)   # not the measured steps: the same on a busy machine
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, params)
         counts, outs = {}, {}
