@@ -55,7 +55,7 @@ class DataPlaneLimits:
     max_connections: int = 64         # proved connections served at once; more are refused (RESOURCE_EXHAUSTED)
     handshake_timeout_s: float = 5.0  # the TLS handshake and the token proof together, from the accept
     max_unauthenticated: int = 16     # connections not yet proved, at once; more are closed when accepted
-    max_unauthenticated_per_peer: int = 4   # ... of them from one peer address
+    max_unauthenticated_per_peer: int = tcp_wire.UNPROVED_PER_PEER   # ... of them from one peer address
     idle_timeout_s: float = 120.0     # an idle connection (between transfers) is closed after this
     frame_timeout_s: float = 30.0     # inside a transfer not yet opened, the next bytes must come within
                                       # this; once opened, as long as the reservation lives (its lease)

@@ -106,6 +106,7 @@ class ConnectionPool:
         self._lock = threading.Lock()
         self._beats: dict[str, socket.socket] = {}   # one connection per target carries every stream's beats
         self._beat_locks: dict[str, threading.Lock] = {}
+        self._handshakes: dict[str, threading.BoundedSemaphore] = {}   # per target, tcp_wire.UNPROVED_PER_PEER
         self.connects = 0   # connections made (the rest of the transfers reused one)
 
     def acquire(self, target: str) -> socket.socket:
@@ -131,16 +132,25 @@ class ConnectionPool:
         sock.close()
 
     def _connect(self, target: str) -> socket.socket:
+        """A new proved connection; at most tcp_wire.UNPROVED_PER_PEER handshakes with target at
+        once (the listener's bound on one address), each waiting connect_timeout_s at most for its turn."""
         host, port = split_address(target)
-        sock = socket.create_connection((host, port), timeout=self.connect_timeout_s)
+        with self._lock:
+            turn = self._handshakes.setdefault(target, threading.BoundedSemaphore(tcp_wire.UNPROVED_PER_PEER))
+        if not turn.acquire(timeout=self.connect_timeout_s):
+            raise TimeoutError(f"no handshake turn with {target} within {self.connect_timeout_s:g}s")
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.tls is not None:
-                sock = self.tls.wrap_socket(sock, server_hostname=host)
-            tcp_wire.client_handshake(sock, self.key, target)
-        except BaseException:
-            sock.close()
-            raise
+            sock = socket.create_connection((host, port), timeout=self.connect_timeout_s)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self.tls is not None:
+                    sock = self.tls.wrap_socket(sock, server_hostname=host)
+                tcp_wire.client_handshake(sock, self.key, target)
+            except BaseException:
+                sock.close()
+                raise
+        finally:
+            turn.release()
         self.connects += 1
         return sock
 

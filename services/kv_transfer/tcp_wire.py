@@ -35,6 +35,10 @@ from typing import Callable
 from pdserve.services.kv_transfer.base import MAX_FRAME_BYTES
 
 MAGIC = b"PDKVTCP1"
+# Connections from one peer address that a listener lets prove themselves at once (its default);
+# a sender handshakes with one target at most this many at a time, so a burst of transfers waits
+# for a place instead of being turned away to its fallback.
+UNPROVED_PER_PEER = 4
 NONCE_BYTES = 32
 PROOF_BYTES = 32
 AUTH_CONTEXT = b"pdserve-kv-tcp-auth-v1"

@@ -8,6 +8,7 @@ sender's fallback are also checked on their own, without processes."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import socket
 import threading
 import time
@@ -286,6 +287,23 @@ def test_unproved_connections_are_bounded_per_address_and_in_all_and_hold_no_slo
         assert sum(listener._unproved.values()) == 2   # neither counts as unproved any more
     finally:
         for sock in held:
+            sock.close()
+        listener.close()
+
+
+def test_a_burst_of_transfers_waits_its_turn_to_prove_and_is_never_turned_away() -> None:
+    """A prefill worker starting 16 transfers to one decode worker at once handshakes at most
+    UNPROVED_PER_PEER at a time (the listener's bound per address): every connection is proved,
+    none is turned away to the gRPC fallback."""
+    listener = KVDataListener(_NoSink(), "127.0.0.1", cluster_token=CLUSTER, limits=DataPlaneLimits()).start()
+    pool = TcpKVSender(cluster_token=CLUSTER).pool
+    socks: list[socket.socket] = []
+    try:
+        with concurrent.futures.ThreadPoolExecutor(16) as ex:
+            socks += ex.map(lambda _: pool.acquire(listener.address()), range(16))
+        assert len(socks) == 16 and listener.turned_away == 0 and pool.connects == 16
+    finally:
+        for sock in socks:
             sock.close()
         listener.close()
 
