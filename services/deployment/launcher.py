@@ -44,10 +44,13 @@ PROBE_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnec
                  ("grpc.max_reconnect_backoff_ms", 500)]
 RESTART_BACKOFF_S = (1.0, 30.0)     # first and largest delay before restarting a dead child
 SUPERVISE_POLL_S = 0.2              # how often the supervisor looks for dead children
-# The router holds requests for a restarting worker (its --worker-wait-s) for the first backoff,
-# a poll, and the slowest worker's measured start-up RESTART_SLOWDOWN times over (a restart
-# competes with the serving ones for the cores) plus RESTART_SLACK_S.
-RESTART_SLOWDOWN = 2.0
+# The router holds requests for a restarting worker (its --worker-wait-s) for the backoff of the
+# RESTART_WAIT_ROUNDS-th restart in a row, a poll, and the slowest worker's measured start-up
+# RESTART_SLOWDOWN times over (a restart competes with the serving ones, and on a busy host with
+# everything else, for the cores: twice was too little with two suites on two cores) plus
+# RESTART_SLACK_S.
+RESTART_WAIT_ROUNDS = 3
+RESTART_SLOWDOWN = 3.0
 RESTART_SLACK_S = 5.0
 STABLE_S = 60.0                     # a child up this long has its backoff reset
 
@@ -432,7 +435,8 @@ class Cluster:
         """How long a restart of one of these workers takes at most, as far as the supervisor
         knows: what the router waits for a role that lost its last worker."""
         slowest = max((p.start_s for p in workers), default=0.0)
-        return RESTART_BACKOFF_S[0] + SUPERVISE_POLL_S + RESTART_SLOWDOWN * slowest + RESTART_SLACK_S
+        backoff = min(RESTART_BACKOFF_S[0] * 2 ** (RESTART_WAIT_ROUNDS - 1), RESTART_BACKOFF_S[1])
+        return backoff + SUPERVISE_POLL_S + RESTART_SLOWDOWN * slowest + RESTART_SLACK_S
 
     def describe(self) -> str:
         lines = []
