@@ -12,16 +12,16 @@ from pdserve.engine.lazy_exports import lazy_getattr
 
 _EXPORTS = {"EngineConfig": "pdserve.engine.config", "LLM": "pdserve.engine.llm", "CompletionOutput": "pdserve.engine.llm",
             "LLMEngine": "pdserve.engine.llm_engine", "NoCapacity": "pdserve.engine.llm_engine", "RequestOutput": "pdserve.engine.llm_engine",
-            "SamplingParams": "pdserve.engine.sampling_params", "SpeculativeConfig": "pdserve.engine.spec_decode.config"}
+            "SamplingParams": "pdserve.engine.sampling_params", "StructuredOutputsParams": "pdserve.engine.sampling_params", "SpeculativeConfig": "pdserve.engine.spec_decode.config"}
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "NoCapacity", "RequestOutput", "SamplingParams",
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "NoCapacity", "RequestOutput", "SamplingParams", "StructuredOutputsParams",
            "SpeculativeConfig"]
 
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm import LLM, CompletionOutput
     from pdserve.engine.llm_engine import LLMEngine, NoCapacity, RequestOutput
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
     from pdserve.engine.spec_decode.config import SpeculativeConfig
 
 

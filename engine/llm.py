@@ -48,6 +48,7 @@ class LLM:
         token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         for ids, p in zip(token_lists, params):   # every request is checked before any is queued
             self.engine.validate_request(ids, p)
+            self.engine.compile_grammar(p)
         rids = [f"offline-{next(self._ids)}" for _ in prompts]
         for rid, ids, p in zip(rids, token_lists, params):
             self.engine.add_request(rid, ids, p)

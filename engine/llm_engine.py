@@ -23,6 +23,7 @@ hand-off only ever see verified tokens.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import deque
@@ -44,12 +45,15 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Claim, ScheduledBatch, Scheduler, StepTrace
+from pdserve.engine.structured import Grammars
 from pdserve.engine.step_cost import DECODE_FIT_DECAY, MIN_SPREAD_SEQS, StepCost
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.spec_decode.metrics import SpecDecodeStats
 from pdserve.engine.spec_decode.speculator import Speculator, request_counts
 from pdserve.engine.spec_decode.verify import verify
 from pdserve.engine.validation import validate_request
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -92,6 +96,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.runner = runner if runner is not None else ModelRunner(config, self.model_config)
+        self.grammars = Grammars(config.model, self.model_config.vocab_size, self.eos_token_ids)
         self.kv_events = KVEventLog()
         self.kv_tiers = tiers_for(config, self.runner)   # host RAM / disk under the prefix cache, or None
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
@@ -124,8 +129,18 @@ class LLMEngine:
         if request_id in self.requests or self.kv.owns(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params, output_token_ids)
-        return Sequence(request_id, [*prompt_token_ids, *output_token_ids], params,
-                        num_prompt_tokens=len(prompt_token_ids))
+        seq = Sequence(request_id, [*prompt_token_ids, *output_token_ids], params,
+                       num_prompt_tokens=len(prompt_token_ids))
+        if params.structured_outputs is not None:   # compiled before, off the caller's loop: compile_grammar
+            seq.grammar = self.grammars.state(params.structured_outputs, output_token_ids)
+        return seq
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile params' structured-output constraint into the cache (StructuredError if it does
+        not compile): a caller on an event loop runs this on a thread first, so that adding the
+        request finds it compiled."""
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
 
     # ---- requests -------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
@@ -218,7 +233,7 @@ class LLMEngine:
                 self.kv_tiers.wait_for_loads(LOAD_WAIT_S)
             return []
         try:
-            tokens = self.runner.run(batch)
+            tokens = self.runner.run(batch, self.eos_token_ids)
         except RankFailure:
             # A tensor-parallel rank died: this worker cannot step again. Free every request's
             # blocks (nothing waits on them) and let the caller fail or restart the worker.
@@ -265,7 +280,7 @@ class LLMEngine:
                 continue
             logprob, tok = logprob_of(tok), int(tok)
             seq.token_ids.append(tok)
-            reason = self._stop_reason(seq, tok)
+            reason = self._advance_grammar(seq, tok) or self._stop_reason(seq, tok)
             ready = self.kv.on_first_token(seq)
             if ready is not None:   # the connector holds the blocks now: the sequence ends here
                 self._end(seq, reason)
@@ -304,7 +319,7 @@ class LLMEngine:
             logprobs.append(logprob_of(tok))
             new.append(int(tok))
             seq.token_ids.append(new[-1])
-            reason = self._stop_reason(seq, new[-1])
+            reason = self._advance_grammar(seq, new[-1]) or self._stop_reason(seq, new[-1])
             if reason is not None:
                 break
         # KV is valid for every input row up to the last emitted token's predecessor: the last
@@ -320,8 +335,19 @@ class LLMEngine:
             out.logprobs = logprobs
         return self._with_spec_counts(seq, out)
 
+    @staticmethod
+    def _advance_grammar(seq: Sequence, tok: int) -> str | None:
+        """Its grammar past tok. The sampler only picks allowed tokens; one that is not ends the
+        request ("stop") rather than let it leave its grammar."""
+        if seq.grammar is None or seq.grammar.accept(tok):
+            return None
+        log.error("request %s: token %d is outside its grammar; it ends here", seq.request_id, tok)
+        return "stop"
+
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
+        if seq.grammar is not None and seq.grammar.terminated:   # its grammar took a stop token: complete
+            return "stop"
         if seq.num_output_tokens >= p.min_tokens and (
                 tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)):
             return "stop"
@@ -373,7 +399,7 @@ class LLMEngine:
             self.block_manager.mark_computed(seq)   # verified blocks join the prefix cache now
             seq.token_ids.append(first_token)
             seq.first_token_time = time.monotonic()
-            reason = self._stop_reason(seq, first_token)
+            reason = self._advance_grammar(seq, first_token) or self._stop_reason(seq, first_token)
             if reason is not None:
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
                 self.block_manager.free(seq)

@@ -5,6 +5,7 @@ import dataclasses
 import logging
 import threading
 from pathlib import Path
+from typing import Collection
 
 import torch
 
@@ -15,6 +16,7 @@ from pdserve.engine.layers.attention import AttentionMetadata, PrefillSegment
 from pdserve.engine.layers.backend import TorchBackend, select_backend
 from pdserve.engine.layers.linear import Linear
 from pdserve.engine.layers.sampler import Sampler
+from pdserve.engine.logits_context import logits_context
 from pdserve.engine.loader import checkpoint_quantization, hold_int8_linears, load_weights
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import MODEL_CLASSES
@@ -384,10 +386,11 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | list[int] | None]:
+    def run(self, batch: ScheduledBatch, stop_token_ids: Collection[int] = ()) -> list[int | list[int] | None]:
         """Computes the scheduled tokens; returns the sampled token per sequence, None where the
         sequence is still mid-prefill, and for a decode verifying a draft the token sampled after
-        each of its 1 + len(draft) rows (what its last token, then each draft token, is followed by)."""
+        each of its 1 + len(draft) rows (what its last token, then each draft token, is followed by).
+        stop_token_ids: the model's EOS ids (min_tokens keeps them out)."""
         plan = StepPlan.from_batch(batch, self.block_size)
         if self.ranks is None:
             logits = self.execute(plan)
@@ -400,11 +403,14 @@ class ModelRunner:
         if logits is not None:
             seqs = [batch.seqs[i] for i in plan.sample_seqs]
             # a draft's rows sample the sequence's next output indexes, one each (seeded sampling keys on it)
-            index, rows_before = [], {}
+            index, offsets, rows_before = [], [], {}
             for i, seq in zip(plan.sample_seqs, seqs):
                 j = rows_before[i] = rows_before.get(i, -1) + 1
+                offsets.append(j)
                 index.append(seq.num_output_tokens + j)
-            tokens = self.sampler(logits, [s.params for s in seqs], index)
+            context = logits_context(seqs, offsets, [batch.draft(i) for i in plan.sample_seqs], stop_token_ids,
+                                     self.model_config.vocab_size)
+            tokens = self.sampler(logits, [s.params for s in seqs], index, context)
             for i, tok in zip(plan.sample_seqs, tokens):
                 if results[i] is None:
                     results[i] = tok

@@ -41,6 +41,9 @@ class Sequence:
     # estimate and counts (engine/spec_decode/depth.py DraftState).
     proposer_state: object = None
     draft_state: object = None
+    # Its structured-output constraint's matcher (engine/structured/state.py GrammarState), advanced
+    # by every token it keeps; None without a constraint.
+    grammar: object = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -12,8 +12,10 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     params.validate()
     if not prompt_token_ids:
         raise ValueError("prompt must not be empty")
+    bad_words = [t for word in params.bad_words_token_ids or () for t in word]
     for name, ids in (("prompt", prompt_token_ids), ("output", output_token_ids or ()),
-                      ("stop_token_ids", params.stop_token_ids)):
+                      ("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                      ("bad_words", bad_words)):
         for tok in ids:
             if not isinstance(tok, int) or not 0 <= tok < vocab_size:
                 raise ValueError(f"{name} token id {quoted(tok)} is outside the vocabulary [0, {vocab_size})")

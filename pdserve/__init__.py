@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING
 from pdserve.engine.lazy_exports import lazy_getattr
 
 _EXPORTS = {"LLM": "pdserve.engine.llm", "CompletionOutput": "pdserve.engine.llm",
-            "SamplingParams": "pdserve.engine.sampling_params", "EngineConfig": "pdserve.engine.config",
+            "SamplingParams": "pdserve.engine.sampling_params", "StructuredOutputsParams": "pdserve.engine.sampling_params", "EngineConfig": "pdserve.engine.config",
             "Client": "pdserve.services.client", "AsyncClient": "pdserve.services.client",
             "Completion": "pdserve.services.client"}
 
-__all__ = ["LLM", "SamplingParams", "Client", "AsyncClient", "Completion", "CompletionOutput", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "Client", "AsyncClient", "Completion", "CompletionOutput", "EngineConfig"]
 
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm import LLM, CompletionOutput
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
     from pdserve.services.client import AsyncClient, Client, Completion
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

@@ -14,11 +14,13 @@ from typing import AsyncIterator, Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.engine.sampling_params import StructuredOutputsParams
 from pdserve.engine.settings import ENV
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.services.common.proofs import API_KEY_HEADER
 from pdserve.services.common.proof_interceptors import metadata_interceptors
 from pdserve.services.common.grpc_setup import options as channel_options
+from pdserve.services.common.proto_convert import structured_to_proto
 
 CONNECT_TIMEOUT_S = 5.0
 
@@ -85,18 +87,33 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_toke
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                   seed: int | None = None, stop_token_ids: Sequence[int] = (), ignore_eos: bool | None = None,
                   skip_special_tokens: bool | None = None, priority: int = 0, user: str = "",
-                  slo_ttft_ms: float = 0.0, slo_tpot_ms: float = 0.0, session_id: str = ""
+                  slo_ttft_ms: float = 0.0, slo_tpot_ms: float = 0.0, session_id: str = "",
+                  min_tokens: int | None = None, presence_penalty: float | None = None,
+                  frequency_penalty: float | None = None, repetition_penalty: float | None = None,
+                  min_p: float | None = None, logit_bias: dict[int, float] | None = None,
+                  bad_words: Sequence[str] = (), structured_outputs: StructuredOutputsParams | dict | None = None
                   ) -> router_pb2.GenerateRequest:
     """Only the parameters given are set; the rest take the server's defaults. priority (lower
     first; within the API key's grant), user (OpenAI's end-user id; the fair-share key is the API
     key's principal) and the latency targets (ms; 0: the deployment's): the request's scheduling
     class (services/router/slo.py); session_id: its multi-turn conversation
-    (services/router/routes.py, SessionTable)."""
-    params = common_pb2.SamplingParams(stop_token_ids=list(stop_token_ids))
+    (services/router/routes.py, SessionTable). Penalties, min_p, logit_bias, bad_words (strings,
+    tokenized by the router) and structured_outputs (a StructuredOutputsParams, or a dict of its
+    fields: {"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": ...}) as vLLM's."""
+    params = common_pb2.SamplingParams(stop_token_ids=list(stop_token_ids), bad_words=list(bad_words))
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
-                        ("seed", seed), ("ignore_eos", ignore_eos), ("skip_special_tokens", skip_special_tokens)):
+                        ("seed", seed), ("ignore_eos", ignore_eos), ("skip_special_tokens", skip_special_tokens),
+                        ("min_tokens", min_tokens), ("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty),
+                        ("min_p", min_p)):
         if value is not None:
             setattr(params, name, value)
+    if logit_bias:
+        params.logit_bias.update(logit_bias)
+    if structured_outputs is not None:
+        spec = structured_outputs if isinstance(structured_outputs, StructuredOutputsParams) \
+            else StructuredOutputsParams(**structured_outputs)
+        params.structured_outputs.CopyFrom(structured_to_proto(spec))
     req = router_pb2.GenerateRequest(request_id=request_id, params=params, priority=priority, user=user,
                                      slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, session_id=session_id)
     if isinstance(prompt, str):

@@ -24,6 +24,9 @@ class Speculator:
         k = self.config.num_speculative_tokens
         proposed = [self.proposer.propose(seq, min(room, k, budget)) if room > 0 and budget > 0 and worth else []
                     for seq, room, worth in zip(seqs, rooms, self.depth.may_pay(seqs))]
+        # a constrained sequence drafts only what its grammar allows (engine/structured/state.py)
+        proposed = [seq.grammar.valid_prefix(draft) if draft and seq.grammar is not None else draft
+                    for seq, draft in zip(seqs, proposed)]
         return [draft[:n] for draft, n in zip(proposed, self.depth.choose(seqs, proposed, budget))]
 
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:

@@ -247,7 +247,8 @@ def front_request(request: router_pb2.GenerateRequest, front: RequestFront) -> F
     prompt = None if which is None else Prompt(text=request.text) if which == "text" else \
         Prompt(token_ids=request.token_ids.ids)   # the repeated field itself: measured before it is copied
     skip = msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
-    return FrontRequest(rid, params_from_proto(msg), prompt, skip_special_tokens=skip, service=service_class(request))
+    return FrontRequest(rid, params_from_proto(msg), prompt, skip_special_tokens=skip, service=service_class(request),
+                        bad_words=list(msg.bad_words))
 
 
 def service_class(request: router_pb2.GenerateRequest) -> ServiceClass:

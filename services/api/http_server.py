@@ -63,6 +63,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.quoting import quoted
+from pdserve.services.api.chat_output import ChatOutput, ChatOutputSpec
 from pdserve.services.api.detokenizer import IncrementalDetokenizer, StopMatcher
 from pdserve.services.api.http_connections import BoundedHttpToolsProtocol, OPEN_PATHS, RequestGuard
 from pdserve.services.api.openai_protocol import (ClientGone, HTTPError, ParsedBody, SSE_DONE, SSEResponse, cancel_all,
@@ -70,6 +71,7 @@ from pdserve.services.api.openai_protocol import (ClientGone, HTTPError, ParsedB
 from pdserve.services.api.principals import ApiKeys, bound_to
 from pdserve.services.api.request_limits import InvalidRequest
 from pdserve.services.api.router_facade import RouterFacade
+from pdserve.services.api.tool_parsers import parser_for_template
 from pdserve.services.common.ports import reuse_port
 from pdserve.services.router.errors import RouterError
 from pdserve.services.router.slo import ServiceClass
@@ -100,6 +102,7 @@ class Choice:
     params: SamplingParams
     first_of_prompt: bool      # counts the prompt's tokens in usage (once per prompt, not per n)
     service: ServiceClass = field(default_factory=ServiceClass)
+    output: ChatOutputSpec | None = None   # chat: what its text is parsed for (reasoning, tool calls)
 
 
 # ---- the app -------------------------------------------------------------------------------
@@ -244,8 +247,14 @@ class OpenAIServer:
                 if p.seed is not None:
                     p.seed = (p.seed + i) % 2**63
                 k = p_index * parsed.n + i
-                choices.append(Choice(k, f"{base}-{k}", ready.prompt, p, i == 0, ready.service))
+                choices.append(Choice(k, f"{base}-{k}", ready.prompt, p, i == 0, ready.service,
+                                      self._output_spec(parsed, ready.reasoning_start) if parsed.chat else None))
         return choices
+
+    def _output_spec(self, parsed: ParsedBody, reasoning_start: str | None) -> ChatOutputSpec:
+        template = getattr(self.router.tokenizer, "chat_template", None)
+        return ChatOutputSpec(parsed.tools, parsed.tool_choice,
+                              parser_for_template(template if isinstance(template, str) else None), reasoning_start)
 
     def _logprobs(self, parsed: ParsedBody, d: Delta, text_offset: int = 0) -> dict | None:
         """OpenAI's logprobs object for a Delta's tokens: completions' {tokens, token_logprobs,
@@ -323,10 +332,13 @@ class OpenAIServer:
         usage = _usage(sum(d.prompt_tokens for _, d in results), sum(d.completion_tokens for _, d in results),
                        sum(d.cached_tokens for _, d in results))
         if parsed.chat:
+            def chat_choice(choice: Choice, text: str, d: Delta) -> dict:
+                output = ChatOutput(choice.output)
+                message = output.message(text)
+                return {"index": d.index, "message": message, "logprobs": self._logprobs(parsed, d),
+                        "finish_reason": output.finish_reason(d.finish_reason)}
             body = {"id": rid, "object": "chat.completion", "created": created, "model": self.served_model_name,
-                    "choices": [{"index": d.index, "message": {"role": "assistant", "content": text},
-                                 "logprobs": self._logprobs(parsed, d), "finish_reason": d.finish_reason}
-                                for text, d in results],
+                    "choices": [chat_choice(c, text, d) for c, (text, d) in zip(choices, results)],
                     "usage": usage}
         else:
             body = {"id": rid, "object": "text_completion", "created": created, "model": self.served_model_name,
@@ -372,15 +384,27 @@ class OpenAIServer:
             return sse_event(payload)
 
         offsets = [0] * len(choices)   # text_offset of the next token, per choice
+        outputs = [ChatOutput(c.output) for c in choices] if parsed.chat else []
 
-        def choice_event(d: Delta) -> dict:
+        def choice_events(d: Delta) -> list[dict]:
+            """One event's choice per delta of d (a chat piece may hold content and a tool call);
+            the logprobs go with the first, the finish reason with the last."""
             logprobs = self._logprobs(parsed, d, offsets[d.index])
             if logprobs is not None and not parsed.chat:
                 offsets[d.index] += sum(len(t) for t in logprobs["tokens"])
-            if parsed.chat:
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                return {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
-            return {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+            if not parsed.chat:
+                return [{"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}]
+            output = outputs[d.index]
+            deltas = output.feed(d.text)
+            if d.finish_reason is not None:
+                deltas += output.finish()
+            if not deltas and (logprobs is not None or d.finish_reason is not None):
+                deltas = [{}]
+            events = [{"index": d.index, "delta": delta, "logprobs": logprobs if k == 0 else None,
+                       "finish_reason": None} for k, delta in enumerate(deltas)]
+            if events and d.finish_reason is not None:
+                events[-1]["finish_reason"] = output.finish_reason(d.finish_reason)
+            return events
 
         async def events() -> AsyncIterator[bytes]:
             totals = [0, 0, 0]
@@ -406,7 +430,8 @@ class OpenAIServer:
                             totals[0] += item.prompt_tokens
                             totals[1] += item.completion_tokens
                             totals[2] += item.cached_tokens
-                        yield event([choice_event(item)])
+                        for payload in choice_events(item):
+                            yield event([payload])
                     item = await queue.get()
                 if parsed.include_usage:
                     yield event([], _usage(*totals), with_usage=True)

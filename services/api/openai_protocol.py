@@ -28,9 +28,13 @@ from fastapi.responses import Response
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.quoting import capped, quoted
-from pdserve.engine.sampling_params import MAX_LOGPROBS
+from pdserve.engine.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 from pdserve.services.api.request_front import FrontRequest, Prompt, field_of_message
+from pdserve.services.api.openai_sampling import apply_sampling_fields
 from pdserve.services.api.request_limits import InvalidRequest, RequestLimits, check_count, utf8_size
+from pdserve.services.api.tool_calls import (Tool, ToolChoice, guided_schema, parse_parallel_tool_calls,
+                                             parse_tool_choice, parse_tools)
+from pdserve.services.api.tool_messages import validate_tool_messages
 from pdserve.services.router.errors import RouterError
 from pdserve.services.router.slo import ServiceClass
 
@@ -46,12 +50,14 @@ TYPE_OF_STATUS = {400: "invalid_request_error", 401: "invalid_request_error", 40
                   404: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
                   415: "invalid_request_error", 421: "invalid_request_error", 429: "rate_limit_error",
                   503: "service_unavailable_error"}
-# Sampling fields pdserve does not implement: accepted only at their neutral value.
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "best_of": None,
-           "echo": False, "suffix": None, "logit_bias": None, "tools": None, "functions": None,
-           "response_format": None}
-NEUTRAL_OK = {"best_of": (1,), "logit_bias": ({},), "tools": ([],), "functions": ([],),
-              "response_format": ({"type": "text"},), "suffix": ("",)}
+# Fields pdserve does not implement: accepted only at their neutral value.
+NEUTRAL = {"best_of": None, "echo": False, "suffix": None, "functions": None, "function_call": None,
+           "prompt_logprobs": None}
+NEUTRAL_OK = {"best_of": (1,), "functions": ([],), "suffix": ("",)}
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
+MAX_TEMPLATE_KWARGS = 16
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenize",
+                                      "continue_final_message", "return_dict", "chat_template", "tools_in_user_message"})
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -174,6 +180,11 @@ class ParsedBody:
     messages: list[dict] = field(default_factory=list)
     add_generation_prompt: bool = True
     service: ServiceClass = field(default_factory=ServiceClass)
+    bad_words: list[str] = field(default_factory=list)
+    structured_field: str | None = None   # the body's field the output constraint came from
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
+    template_kwargs: dict = field(default_factory=dict)
 
 
 def _stop_strings(body: dict, limits: RequestLimits) -> list[str]:
@@ -246,7 +257,7 @@ def _chat_messages(body: dict, limits: RequestLimits) -> list[dict]:
     if len(messages) > limits.max_chat_messages:
         raise HTTPError(400, f"messages has {len(messages)} messages; the limit is {limits.max_chat_messages} "
                              f"(max_chat_messages)", "messages")
-    budget = limits.max_prompt_bytes
+    budget = limits.max_prompt_bytes - validate_tool_messages(messages, limits.max_prompt_bytes)
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -270,6 +281,8 @@ def _chat_messages(body: dict, limits: RequestLimits) -> list[dict]:
             if budget < 0:
                 raise HTTPError(413, f"messages have more than {limits.max_prompt_bytes} bytes (max_prompt_bytes)",
                                 "messages", "request_too_large")
+        if m.get("tool_calls"):   # checked and counted by validate_tool_messages
+            kept["tool_calls"] = m["tool_calls"]
         out.append(kept)
     return out
 
@@ -308,6 +321,7 @@ def _parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimit
                             cache_salt=_field(body, "cache_salt", str))
     if max_tokens is not None:   # else SamplingParams' default (a chat request: the rest of the context)
         params.max_tokens = max_tokens
+    bad_words, structured_field = apply_sampling_fields(body, params)
     if chat:   # logprobs: bool, top_logprobs: how many alternatives
         top = _field(body, "top_logprobs", int)
         if _field(body, "logprobs", bool, False):
@@ -331,14 +345,53 @@ def _parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimit
     parsed = ParsedBody(prompts=[], params=params, n=n, stop=_stop_strings(body, limits), stream=stream,
                         include_usage=bool(options and options.get("include_usage")),
                         skip_special_tokens=_field(body, "skip_special_tokens", bool, True), model=model,
-                        max_tokens_given=max_tokens is not None, chat=chat, service=_service_class(body))
+                        max_tokens_given=max_tokens is not None, chat=chat, service=_service_class(body),
+                        bad_words=bad_words, structured_field=structured_field)
     if chat:
         _choices_limit(1, n, limits)
         parsed.messages = _chat_messages(body, limits)
         parsed.add_generation_prompt = _field(body, "add_generation_prompt", bool, True)
+        _chat_tools(body, parsed)
+        parsed.template_kwargs = _template_kwargs(body.get("chat_template_kwargs"), limits)
     else:
+        for name in CHAT_ONLY:
+            if body.get(name) not in (None, [], {}):
+                raise HTTPError(400, f"{name} is for /v1/chat/completions only", name)
         parsed.prompts = _completion_prompts(body, n, limits, max_prompt_tokens)
     return parsed
+
+
+def _chat_tools(body: dict, parsed: ParsedBody) -> None:
+    """tools, tool_choice, parallel_tool_calls; a forced call (tool_choice "required" or a named
+    function) becomes the output's JSON-schema constraint (services/api/tool_calls.py)."""
+    parsed.tools = parse_tools(body.get("tools"))
+    parsed.tool_choice = parse_tool_choice(body.get("tool_choice"), parsed.tools)
+    schema = guided_schema(parsed.tools, parsed.tool_choice, parse_parallel_tool_calls(body.get("parallel_tool_calls")))
+    if schema is None:
+        return
+    if parsed.params.structured_outputs is not None:
+        raise HTTPError(400, f"tool_choice={parsed.tool_choice.mode} forces a tool call's JSON; it cannot be combined "
+                             f"with {parsed.structured_field}", "tool_choice")
+    parsed.params.structured_outputs = StructuredOutputsParams(json=schema)
+    parsed.structured_field = "tools"
+
+
+def _template_kwargs(value: Any, limits: RequestLimits) -> dict:
+    """chat_template_kwargs (enable_thinking=False, ...): at most MAX_TEMPLATE_KWARGS scalar values
+    under identifier names, none that the front sets itself."""
+    if value is None:
+        return {}
+    name = "chat_template_kwargs"
+    if not isinstance(value, dict) or len(value) > MAX_TEMPLATE_KWARGS:
+        raise HTTPError(400, f"{name} must be an object of at most {MAX_TEMPLATE_KWARGS} entries", name)
+    for key, v in value.items():
+        if not isinstance(key, str) or not key.isidentifier() or key in RESERVED_TEMPLATE_KWARGS:
+            raise HTTPError(400, f"{name} may not set {quoted(key)}", name)
+        if v is not None and not isinstance(v, (bool, int, float, str)):
+            raise HTTPError(400, f"{name}.{key} must be a string, number, boolean or null", name)
+        if isinstance(v, str):
+            utf8_size(v, name, limits.max_stop_bytes, "max_stop_bytes")
+    return dict(value)
 
 
 def _service_class(body: dict) -> ServiceClass:
@@ -358,7 +411,9 @@ def front_requests(parsed: ParsedBody, request_id: str) -> list[FrontRequest]:
     """The body's prompts (a chat: its messages) in the request front's terms, one per prompt."""
     def one(prompt: Prompt | None = None, messages: list[dict] | None = None) -> FrontRequest:
         return FrontRequest(request_id, parsed.params, prompt, messages, parsed.add_generation_prompt,
-                            parsed.max_tokens_given, parsed.skip_special_tokens, parsed.service)
+                            parsed.max_tokens_given, parsed.skip_special_tokens, parsed.service,
+                            bad_words=parsed.bad_words, structured_field=parsed.structured_field,
+                            tools=parsed.tools, template_kwargs=parsed.template_kwargs)
     if parsed.chat:
         return [one(messages=parsed.messages)]
     return [one(prompt) for prompt in parsed.prompts]

@@ -21,15 +21,25 @@ from typing import Callable, Sequence
 import jinja2
 
 from pdserve.engine import SamplingParams
+from pdserve.engine.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, StructuredOutputsParams
+from pdserve.engine.structured.grammars import COMPILE_TIMEOUT_S, StructuredError, check_structured
 from pdserve.engine.validation import validate_request
+from pdserve.services.api.reasoning import reasoning_parser_for, start_for_prompt
 from pdserve.services.api.request_limits import InvalidRequest, RequestLimits, check_count, utf8_size
+from pdserve.services.api.tool_calls import Tool
+from pdserve.services.api.tool_messages import messages_for_template, template_supports_tools
 from pdserve.services.router.slo import ServiceClass
 
 log = logging.getLogger(__name__)
 
+MAX_BAD_WORD_BYTES = 256
+MAX_BAD_WORD_STRINGS = MAX_BAD_WORDS // 2   # each becomes two token sequences (with and without a space)
+
 # Fields the engine's validation messages start with (its first word names the field).
 KNOWN_FIELDS = frozenset({"temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "min_tokens",
-                          "prompt", "output", "request_id", "ignore_eos", "logprobs", "cache_salt"})
+                          "prompt", "output", "request_id", "ignore_eos", "logprobs", "cache_salt",
+                          "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
+                          "bad_words", "priority"})
 
 
 def field_of_message(message: str) -> str | None:
@@ -39,6 +49,8 @@ def field_of_message(message: str) -> str | None:
         return word
     if message.startswith("prompt tokens") or message.startswith("prompt has"):
         return "prompt"
+    if word.startswith("structured_outputs"):
+        return "structured_outputs"
     return None
 
 
@@ -64,6 +76,10 @@ class FrontRequest:
     max_tokens_given: bool = True
     skip_special_tokens: bool = True
     service: ServiceClass = dataclasses.field(default_factory=ServiceClass)
+    bad_words: list[str] = dataclasses.field(default_factory=list)   # tokenized into params.bad_words_token_ids
+    structured_field: str | None = None   # the field params.structured_outputs came from (an error's param)
+    tools: list[Tool] = dataclasses.field(default_factory=list)      # chat: rendered by the template
+    template_kwargs: dict = dataclasses.field(default_factory=dict)  # chat: chat_template_kwargs
 
 
 @dataclass(slots=True)
@@ -75,6 +91,7 @@ class ValidatedRequest:
     params: SamplingParams
     skip_special_tokens: bool = True
     service: ServiceClass = dataclasses.field(default_factory=ServiceClass)
+    reasoning_start: str | None = None   # chat with a thinking template: how the output starts (reasoning.py)
 
 
 class RequestFront:
@@ -89,6 +106,7 @@ class RequestFront:
         self.max_model_len = max_model_len
         self.model_name = model_name
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._structured = ThreadPoolExecutor(max_workers=1, thread_name_prefix="structured")
 
     def check_request_id(self, request_id: str) -> None:
         check_count(len(request_id), "request_id", self.limits.max_request_id_chars, "max_request_id_chars",
@@ -100,8 +118,12 @@ class RequestFront:
     async def prepare(self, request: FrontRequest) -> ValidatedRequest:
         """The request tokenized and validated; raises InvalidRequest naming the field."""
         chat = request.messages is not None
+        reasoning_start = None
         if chat:
-            ids = await self.render_chat(request.messages, request.add_generation_prompt)
+            ids, text = await self.render_chat(request.messages, request.add_generation_prompt, request.tools,
+                                               request.template_kwargs)
+            if reasoning_parser_for(self.chat_template) is not None:
+                reasoning_start = start_for_prompt(text, request.template_kwargs.get("enable_thinking"))
         elif request.prompt is not None:
             ids = await self.prompt_ids(request.prompt)
         else:
@@ -110,12 +132,47 @@ class RequestFront:
         params = dataclasses.replace(request.params, stop_token_ids=list(request.params.stop_token_ids))
         if chat and not request.max_tokens_given:   # chat's default: the rest of the context
             params.max_tokens = max(1, max_len - len(ids))
+        if request.bad_words:
+            params.bad_words_token_ids = await self._off_loop(self.bad_word_ids, request.bad_words)
         try:
             validate_request(ids, params, self.vocab_size, max_len)
         except ValueError as exc:
             msg = str(exc)
             raise InvalidRequest(msg, field_of_message(msg) or ("messages" if chat else None)) from None
-        return ValidatedRequest(request.request_id, ids, params, request.skip_special_tokens, request.service)
+        if params.structured_outputs is not None:
+            await self._check_structured(params.structured_outputs, request.structured_field or "structured_outputs")
+        return ValidatedRequest(request.request_id, ids, params, request.skip_special_tokens, request.service,
+                                reasoning_start)
+
+    def bad_word_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """Each word's tokens alone and after a space (as vLLM: a word mid-text is usually the
+        latter), distinct, at most MAX_BAD_WORD_TOKENS each."""
+        check_count(len(words), "bad_words", MAX_BAD_WORD_STRINGS, "MAX_BAD_WORDS / 2", "words")
+        for word in words:
+            if not word.strip():
+                raise InvalidRequest("bad_words must not hold blank words", "bad_words")
+            utf8_size(word, "bad_words", MAX_BAD_WORD_BYTES, "a word's limit")
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise InvalidRequest(f"bad_words has a word of {len(ids)} tokens; the limit is "
+                                         f"{MAX_BAD_WORD_TOKENS}", "bad_words")
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    async def _check_structured(self, spec: StructuredOutputsParams, field: str) -> None:
+        """The constraint parses (no vocabulary needed), on the structured-check thread, within
+        COMPILE_TIMEOUT_S: a runaway check holds back only constrained requests."""
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(self._structured, check_structured, spec), COMPILE_TIMEOUT_S)
+        except StructuredError as exc:
+            raise InvalidRequest(str(exc), field) from None
+        except asyncio.TimeoutError:
+            raise InvalidRequest(f"{field} did not compile within {COMPILE_TIMEOUT_S:g} s", field) from None
 
     async def prompt_ids(self, prompt: Prompt) -> list[int]:
         if prompt.token_ids is not None:
@@ -130,22 +187,32 @@ class RequestFront:
         self._check_length(len(ids), what)
         return ids
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """The messages through the model's chat template, then tokenized (the template adds the
-        special tokens). The caller has counted every string of the messages."""
-        if not getattr(self.tokenizer, "chat_template", None):
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: Sequence[Tool] = (),
+                          template_kwargs: dict | None = None) -> tuple[list[int], str]:
+        """The messages (and tools) through the model's chat template, then tokenized (the
+        template adds the special tokens): (token ids, the rendered text). The caller has counted
+        every string of the messages, the tools and the template's kwargs."""
+        template = self.chat_template
+        if not template:
             raise InvalidRequest(f"model {self.model_name} has no chat template (tokenizer_config.json "
                                  f"chat_template or chat_template.jinja); use /v1/completions", "messages",
                                  "no_chat_template")
+        messages, tools_kwarg = messages_for_template(messages, list(tools), template_supports_tools(template))
         try:
-            text = await self._off_loop(self.tokenizer.apply_chat_template, messages, tokenize=False,
-                                        add_generation_prompt=add_generation_prompt)
+            text = await self._off_loop(self.tokenizer.apply_chat_template, messages, tools=tools_kwarg,
+                                        tokenize=False, add_generation_prompt=add_generation_prompt,
+                                        **(template_kwargs or {}))
         except jinja2.TemplateError as exc:   # the template's own message (raise_exception: roles must alternate)
             raise InvalidRequest(f"chat template failed: {exc}", "messages") from None
         except Exception:  # noqa: BLE001 - the request's, but its text is internal
             log.warning("chat template failed", exc_info=True)
             raise InvalidRequest("chat template failed on these messages", "messages") from None
-        return await self.encode(text, "messages", add_special_tokens=False)
+        return await self.encode(text, "messages", add_special_tokens=False), text
 
     def _check_length(self, n: int, what: str) -> None:
         max_len = self.max_model_len()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pdserve.engine import SamplingParams
+from pdserve.engine.sampling_params import StructuredOutputsParams
 from pdserve.v1 import common_pb2, worker_pb2
 
 # A worker's role as the router and the workers name it, and as the wire does (worker.proto WorkerRole).
@@ -12,7 +13,29 @@ ROLE_NAMES = {value: name for name, value in ROLE_ENUM.items()}
 # The optional fields of common.proto's SamplingParams, with their engine types.
 OPTIONAL_FIELDS = (("temperature", float), ("top_p", float), ("top_k", int), ("max_tokens", int), ("seed", int),
                    ("ignore_eos", bool), ("min_tokens", int), ("logprobs", int), ("cache_salt", str),
-                   ("priority", int))
+                   ("priority", int), ("presence_penalty", float), ("frequency_penalty", float),
+                   ("repetition_penalty", float), ("min_p", float))
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutputs) -> StructuredOutputsParams | None:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return StructuredOutputsParams(choice=list(msg.choice.choices))
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=msg.json_object)
+    return StructuredOutputsParams(**{kind: getattr(msg, kind)})
+
+
+def structured_to_proto(spec: StructuredOutputsParams) -> common_pb2.StructuredOutputs:
+    kind, _ = spec.kind()
+    if kind == "choice":
+        return common_pb2.StructuredOutputs(choice=common_pb2.ChoiceList(choices=spec.choice))
+    if kind == "json_object":
+        return common_pb2.StructuredOutputs(json_object=True)
+    return common_pb2.StructuredOutputs(**{kind: getattr(spec, kind)})
 
 
 def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -21,6 +44,12 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     for name, kind in OPTIONAL_FIELDS:
         if msg.HasField(name):
             setattr(p, name, kind(getattr(msg, name)))
+    if msg.logit_bias:
+        p.logit_bias = dict(msg.logit_bias)
+    if msg.bad_words_token_ids:
+        p.bad_words_token_ids = [list(w.ids) for w in msg.bad_words_token_ids]
+    if msg.HasField("structured_outputs"):
+        p.structured_outputs = structured_from_proto(msg.structured_outputs)
     return p
 
 
@@ -38,6 +67,17 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.cache_salt = p.cache_salt
     if p.priority:
         msg.priority = p.priority
+    for name in ("presence_penalty", "frequency_penalty", "min_p"):
+        if getattr(p, name):
+            setattr(msg, name, getattr(p, name))
+    if p.repetition_penalty != 1.0:
+        msg.repetition_penalty = p.repetition_penalty
+    if p.logit_bias:
+        msg.logit_bias.update(p.logit_bias)
+    if p.bad_words_token_ids:
+        msg.bad_words_token_ids.extend(common_pb2.TokenSequence(ids=w) for w in p.bad_words_token_ids)
+    if p.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(structured_to_proto(p.structured_outputs))
     return msg
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, NoCapacity, RequestOutput
@@ -151,7 +151,7 @@ class SimRunner:
         self.last: StepSample | None = None
         self.last_seconds = 0.0
 
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
+    def run(self, batch: ScheduledBatch, stop_token_ids: Collection[int] = ()) -> list[int | None]:
         contexts = [s.num_computed_tokens for s in batch.seqs]
         self.last = step_features(contexts, batch.num_new_tokens, batch.num_decode_seqs)
         self.last_seconds = self.cost.step_seconds(self.last)

@@ -16,6 +16,7 @@ import os
 import stat
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
@@ -26,6 +27,7 @@ from pdserve.engine.kv.connector import KVConnector
 from pdserve.engine.kv.handoff import HandoffState, LeasePolicy, Reservation
 from pdserve.engine.parallel import RankFailure
 from pdserve.engine.settings import ENV
+from pdserve.engine.structured.grammars import COMPILE_TIMEOUT_S
 from pdserve.services.common.change_signal import ChangeSignal
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,8 @@ class AsyncEngine:
         self._status = ChangeSignal()
         self.connector.subscribe(on_change=self._on_kv_change)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # grammar compiles, one at a time: one that runs away holds only constrained requests back
+        self._compiles = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         # Monotonic time of the engine loop's last progress: a step completed, or an idle wait
         # (IDLE_WAKE_S) ended with no work. A StallWatchdog (lifecycle.py) reads it.
         self.heartbeat = time.monotonic()
@@ -127,8 +131,21 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         self.engine.close()   # the tensor-parallel ranks, if any
+        self._compiles.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests ---------------------------------------------------------------------
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile params' structured-output constraint off the event loop (add and reserve then
+        find it in the cache). Raises ValueError if it does not compile within COMPILE_TIMEOUT_S."""
+        if params.structured_outputs is None:
+            return
+        future = asyncio.get_running_loop().run_in_executor(self._compiles, self.engine.compile_grammar, params)
+        try:
+            await asyncio.wait_for(future, COMPILE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ValueError(f"structured_outputs.{params.structured_outputs.kind()[0]} did not compile within "
+                             f"{COMPILE_TIMEOUT_S:g} s") from None
+
     def add(self, request_id: str, prompt: Seq[int], params: SamplingParams,
             output_token_ids: Seq[int] = ()) -> RequestStream:
         """Queue a request (it joins the next step) and return its output stream.

@@ -37,8 +37,9 @@ async def generate_local(aengine: AsyncEngine, state: WorkerState, request: work
     FirstToken, then DecodeEvents."""
     await state.refuse_if_draining(context)
     try:
-        stream = aengine.add(request.request_id, request.prompt_token_ids, params_from_proto(request.params),
-                             request.output_token_ids)
+        params = params_from_proto(request.params)
+        await aengine.compile_grammar(params)
+        stream = aengine.add(request.request_id, request.prompt_token_ids, params, request.output_token_ids)
     except ValueError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     with state.track():

@@ -32,9 +32,10 @@ class DecodeHandler(worker_pb2_grpc.DecodeWorkerServicer):
                       ) -> worker_pb2.ReserveResponse:
         await self.state.refuse_if_draining(context)
         try:
-            res = self.aengine.reserve(request.request_id, request.prompt_token_ids,
-                                       params_from_proto(request.params), request.output_token_ids,
-                                       lease_s=request.lease_ms / 1e3 or None)
+            params = params_from_proto(request.params)
+            await self.aengine.compile_grammar(params)
+            res = self.aengine.reserve(request.request_id, request.prompt_token_ids, params,
+                                       request.output_token_ids, lease_s=request.lease_ms / 1e3 or None)
         except NoCapacity as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker is full: {exc}")
         except ValueError as exc:

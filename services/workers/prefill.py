@@ -87,8 +87,9 @@ class PrefillHandler(worker_pb2_grpc.PrefillWorkerServicer):
                      ) -> RequestStream:
         await self.state.refuse_if_draining(context)
         try:
-            return self.aengine.add(request.request_id, request.prompt_token_ids, params_from_proto(request.params),
-                                    request.output_token_ids)
+            params = params_from_proto(request.params)
+            await self.aengine.compile_grammar(params)
+            return self.aengine.add(request.request_id, request.prompt_token_ids, params, request.output_token_ids)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise   # not reached: abort raises

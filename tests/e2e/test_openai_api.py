@@ -80,7 +80,13 @@ def test_parse_body_names_the_field() -> None:
              ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"prompt": "x", "stop": [""]}, "stop"),
              ({}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
              ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-             ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"), ({"prompt": "x", "seed": True}, "seed"),
+             ({"prompt": "x", "presence_penalty": "lots"}, "presence_penalty"), ({"prompt": "x", "seed": True}, "seed"),
+             ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+             ({"prompt": "x", "tools": [{"type": "function"}]}, "tools"),
+             ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format"),
+             ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+             ({"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+             ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
              ({"prompt": "x", "logprobs": 21}, "logprobs"), ({"prompt": "x", "logprobs": True}, "logprobs")]
     for body, param in cases:
         with pytest.raises(HTTPError) as info:
@@ -120,7 +126,7 @@ def test_detokenizer_never_splits_a_multibyte_character(tiny_qwen3: str) -> None
     assert "".join(deltas) == text
 
 
-def test_min_tokens_ignores_stop_ids_until_reached(tiny_qwen3: str) -> None:
+def test_min_tokens_keeps_stop_ids_out_until_reached(tiny_qwen3: str) -> None:
     llm = LLM(tiny_qwen3, dtype="float32", block_size=8, num_kv_blocks=128)
     prompt = PROMPTS[0]
     greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
@@ -128,9 +134,11 @@ def test_min_tokens_ignores_stop_ids_until_reached(tiny_qwen3: str) -> None:
     first = greedy.index(stop)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop]))[0]
     assert (out.token_ids, out.finish_reason) == (greedy[:first + 1], "stop")
+    # as vLLM: stop ids (and EOS) cannot be sampled before min_tokens; before that, nothing changes
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop], min_tokens=first + 2))[0]
-    later = [j for j, t in enumerate(greedy) if t == stop and j + 1 >= first + 2]
-    assert out.token_ids == greedy[:later[0] + 1] if later else greedy
+    assert out.token_ids[:first] == greedy[:first] and out.token_ids[first] != stop
+    assert stop not in out.token_ids[:first + 2]
+    assert out.finish_reason == "length" or (out.token_ids[-1] == stop and len(out.token_ids) > first + 2)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=3, min_tokens=4).validate()
 
@@ -441,8 +449,9 @@ def test_stop_token_ids_and_min_tokens(served: Served, offline: LLM) -> None:
     first = greedy.index(stop)
     out = served.client().completions.create(model=served.model, prompt=PROMPTS[0], max_tokens=20, temperature=0,
                                              extra_body={"stop_token_ids": [stop], "min_tokens": first + 2})
-    later = [j for j, t in enumerate(greedy) if t == stop and j + 1 >= first + 2]
-    assert out.usage.completion_tokens == (later[0] + 1 if later else 20)
+    ref = offline.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop],
+                                                        min_tokens=first + 2))[0]   # stop ids masked until then
+    assert out.usage.completion_tokens == len(ref.token_ids) and out.choices[0].finish_reason == ref.finish_reason
 
 
 def test_logprobs(served: Served, offline: LLM) -> None:

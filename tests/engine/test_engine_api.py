@@ -218,10 +218,10 @@ def test_abort_during_a_step_frees_blocks_after_it(tiny_qwen3: str) -> None:
     started, release = threading.Event(), threading.Event()
     run = engine.runner.run
 
-    def slow_run(batch):
+    def slow_run(batch, *args):
         started.set()
         release.wait(10)
-        return run(batch)
+        return run(batch, *args)
 
     engine.runner.run = slow_run
     worker = threading.Thread(target=engine.step)

@@ -330,9 +330,9 @@ def _watch_fused_decode(llm: LLM) -> list[tuple[bool, bool]]:
     backend, run = runner.backend, runner.run
     drafts = [False]
 
-    def run_noting_drafts(batch):
+    def run_noting_drafts(batch, *args):
         drafts[0] = batch.num_draft_tokens > 0
-        return run(batch)
+        return run(batch, *args)
 
     def decode_model(model, input_ids, positions, meta):
         hidden = type(backend).decode_model(backend, model, input_ids, positions, meta)
@@ -435,12 +435,12 @@ def test_an_abort_mid_generation_and_during_a_verification_leaves_the_pool_at_ba
     run = engine.runner.run
     aborted_in_flight: list[int] = []
 
-    def run_and_abort(batch):   # aborts r1 while the forward pass that verifies its draft runs
+    def run_and_abort(batch, *args):   # aborts r1 while the forward pass that verifies its draft runs
         i = next((i for i, s in enumerate(batch.seqs) if s.request_id == "r1" and batch.draft(i)), None)
         if i is not None and not aborted_in_flight:
             aborted_in_flight.append(len(batch.seqs[i].block_table))
             assert engine.abort("r1")
-        return run(batch)
+        return run(batch, *args)
 
     engine.runner.run = run_and_abort
     outs: dict[str, list[int]] = {}
@@ -458,7 +458,8 @@ def test_an_abort_mid_generation_and_during_a_verification_leaves_the_pool_at_ba
 
 def test_max_tokens_stop_ids_eos_and_model_length_are_applied_token_by_token(tiny_qwen3: str) -> None:
     prompts = PROMPTS[:4]
-    plain = [o.token_ids for o in _run(_llm(tiny_qwen3, False, dtype="float32"), prompts, GREEDY)]
+    plain_llm = _llm(tiny_qwen3, False, dtype="float32")
+    plain = [o.token_ids for o in _run(plain_llm, prompts, GREEDY)]
     llm = _llm(tiny_qwen3, True, dtype="float32")
     # where verifications emitted several tokens at once (the stops below fall inside those runs)
     engine = llm.engine
@@ -494,11 +495,12 @@ def test_max_tokens_stop_ids_eos_and_model_length_are_applied_token_by_token(tin
         out = _run(llm, [prompts[i]], SamplingParams(temperature=0.0, max_tokens=MAX_NEW))[0]
         engine.eos_token_ids = eos
         assert (out.token_ids, out.finish_reason) == (plain[i][:at + 1], "stop")
-        # min_tokens past it: the stop is passed over until then
-        out = _run(llm, [prompts[i]], SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=[tok],
-                                                     ignore_eos=True, min_tokens=at + 2))[0]
-        first_after = next((j for j in range(at + 1, MAX_NEW) if plain[i][j] == tok), None)
-        assert out.token_ids == plain[i][:MAX_NEW if first_after is None else first_after + 1]
+        # min_tokens past it: the stop id cannot be sampled until then (vLLM's rule), in every row
+        # of a verification as in plain decoding
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=[tok], ignore_eos=True,
+                                min_tokens=at + 2)
+        out = _run(llm, [prompts[i]], params)[0]
+        assert tok not in out.token_ids[:at + 2] and out.token_ids == _run(plain_llm, [prompts[i]], params)[0].token_ids
     # the model length (validation keeps max_tokens within it): drafts stop short of it too
     short = _llm(tiny_qwen3, True, dtype="float32", max_model_len=len(prompts[1]) + 9)
     out = _run(short, [prompts[1]], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))[0]

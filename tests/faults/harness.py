@@ -53,16 +53,18 @@ class Observed:
 
 
 def observe(address: str, prompt: list[int], max_tokens: int, timeout: float = 120.0,
-            on_message: Callable[[Observed], None] | None = None) -> Observed:
+            on_message: Callable[[Observed], None] | None = None, **params) -> Observed:
     """Start a greedy request in a thread and record every token's arrival; on_message, if given,
-    runs in that thread after each message is recorded (to act at an exact token, with no lag)."""
+    runs in that thread after each message is recorded (to act at an exact token, with no lag);
+    params: more of the client's sampling parameters (structured_outputs=...)."""
     obs = Observed()
 
     def run() -> None:
         obs.started = time.monotonic()
         try:
             with Client(address, timeout=timeout) as client:
-                for msg in client.generate_stream(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+                for msg in client.generate_stream(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                                  **params):
                     now = time.monotonic()
                     obs.tokens.extend(msg.token_ids)
                     obs.arrivals.extend([now] * len(msg.token_ids))
