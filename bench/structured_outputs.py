@@ -177,12 +177,13 @@ def generate_requests(tokenizer, cases: list[Case], n: int) -> tuple[list[dict],
 
 
 def pdserve_generate(llm, cases: list[Case], warmup: list[dict], timed: list[dict],
-                     max_tokens: int) -> dict[str, Any]:
+                     max_tokens: int, constrained: bool = True) -> dict[str, Any]:
     from pdserve import SamplingParams, StructuredOutputsParams
 
     def run(reqs: list[dict]):
         params = [SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                  structured_outputs=StructuredOutputsParams(json=cases[r["schema"]].schema))
+                  if constrained else SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
                   for r in reqs]
         t0 = time.perf_counter()
         outs = llm.generate([r["ids"] for r in reqs], params)
@@ -195,12 +196,13 @@ def pdserve_generate(llm, cases: list[Case], warmup: list[dict], timed: list[dic
 
 
 def vllm_generate(args, model: str, dtype: str, cases: list[Case], warmup: list[dict],
-                  timed: list[dict]) -> dict[str, Any]:
+                  timed: list[dict], constrained: bool = True) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="pdserve-so-bench-") as tmp:
         out, job_file = Path(tmp) / "vllm.json", Path(tmp) / "job.json"
         job_file.write_text(json.dumps({"model": model, "dtype": dtype, "schemas": [c.schema for c in cases],
                                         "warmup": warmup, "prompts": timed, "max_tokens": args.max_tokens,
-                                        "compact": args.vllm_compact, "out": str(out)}))
+                                        "compact": args.vllm_compact, "constrained": constrained,
+                                        "out": str(out)}))
         env = {**os.environ, **vllm_env(4, default_omp_bind(args.threads)), "OMP_NUM_THREADS": str(args.threads)}
         print("generate: vLLM ...", file=sys.stderr, flush=True)
         done = subprocess.run([args.vllm_python, str(REPO_ROOT / "bench" / "structured_outputs_vllm.py"),
@@ -272,12 +274,18 @@ def print_report(args, steps_rows: list[dict], gen: dict[str, dict], facts: dict
         for label, g in gen.items():
             print(f"| {label} | {g['output_tokens']} | {g['wall_s']:.2f} | {g['tok_s']:.1f} | {g['stopped']:.0%} | "
                   f"{g['parsed']:.0%} | {g['valid']:.0%} |")
-        if len(gen) == 2:
-            p, v = gen["pdserve"], gen[next(k for k in gen if k != "pdserve")]
+        vllm_keys = [k for k in gen if k.startswith("vLLM") and not k.endswith("no constraint")]
+        if vllm_keys:
+            p, v = gen["pdserve"], gen[vllm_keys[0]]
             ratio = p["tok_s"] / v["tok_s"] if v["tok_s"] else 0.0
             same = sum(a == b for a, b in zip(p["texts"], v["texts"]))
             print(f"\npdserve / vLLM output tok/s: {ratio:.2f}x (goal >= {VLLM_GOAL}x: "
                   f"{'met' if ratio >= VLLM_GOAL else 'NOT met'}); outputs identical: {same} / {p['requests']}")
+            free = [gen.get("pdserve, no constraint"), gen.get(f"{vllm_keys[0]}, no constraint")]
+            if all(free) and free[1]["tok_s"]:
+                print(f"without a constraint (ignore_eos, {args.max_tokens} tokens each): pdserve / vLLM "
+                      f"{free[0]['tok_s'] / free[1]['tok_s']:.2f}x; the constraint's cost: pdserve "
+                      f"{p['tok_s'] / free[0]['tok_s']:.2f}x, vLLM {v['tok_s'] / free[1]['tok_s']:.2f}x its free tok/s")
         print()
     print(f"pdserve: dtype {args.dtype}, compute dtype {args.compute_dtype}, {args.threads} thread(s), "
           f"schemas {', '.join(facts['cases'])}")
@@ -296,6 +304,9 @@ def main() -> int:
                       steps=64, repeats=5, requests=32, max_tokens=256, cases=",".join(c.name for c in CASES),
                       vllm_python=os.environ.get("PDSERVE_VLLM_PYTHON"), vllm_dtype="auto", json_out=None)
     p.add_argument("--skip-vllm", action="store_true", help="the generate part on pdserve only")
+    p.add_argument("--unconstrained-too", action="store_true",
+                   help="also generate the same prompts without a constraint (ignore_eos, max_tokens each) on both "
+                        "engines: what the engines' speed alone gives")
     p.add_argument("--vllm-compact", action="store_true",
                    help="vLLM's xgrammar backend with disable_any_whitespace (default: its default config)")
     args = p.parse_args()
@@ -318,6 +329,9 @@ def main() -> int:
         warmup, timed = generate_requests(tokenizer, cases, args.requests)
         print(f"generate: pdserve, {args.requests} requests ...", file=sys.stderr, flush=True)
         gen["pdserve"] = judge(tokenizer, cases, timed, pdserve_generate(llm, cases, warmup, timed, args.max_tokens))
+        if args.unconstrained_too:
+            gen["pdserve, no constraint"] = judge(tokenizer, cases, timed, pdserve_generate(
+                llm, cases, warmup, timed, args.max_tokens, constrained=False))
     llm.close()
     del llm
     if args.requests and not args.skip_vllm:
@@ -325,6 +339,9 @@ def main() -> int:
         got = vllm_generate(args, model, dtype, cases, warmup, timed)
         facts["vllm"] = {"version": got["vllm"], "dtype": dtype, "config": got["config"]}
         gen[f"vLLM {got['vllm']}"] = judge(tokenizer, cases, timed, got)
+        if args.unconstrained_too:
+            gen[f"vLLM {got['vllm']}, no constraint"] = judge(tokenizer, cases, timed, vllm_generate(
+                args, model, dtype, cases, warmup, timed, constrained=False))
     print_report(args, steps_rows, gen, facts)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({

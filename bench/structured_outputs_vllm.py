@@ -5,7 +5,8 @@ Reads a job (--job FILE, JSON: model, dtype, schemas (JSON texts), warmup and pr
 builds vLLM's offline LLM (compact: the xgrammar backend with disable_any_whitespace, else vLLM's
 default structured-outputs config, what an OpenAI response_format request gets), generates the
 warm-up prompts (which compiles every schema's grammar), then times one generate call of all the
-prompts, greedy, each under StructuredOutputsParams(json=its schema). Writes JSON there: vLLM's
+prompts, greedy, each under StructuredOutputsParams(json=its schema) (constrained false: none, and
+ignore_eos, every request max_tokens long). Writes JSON there: vLLM's
 version, the timed call's wall seconds and, per prompt, the output token ids and finish reason."""
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def main() -> int:
     def run(prompts: list[dict]) -> tuple[float, list]:
         params = [SamplingParams(temperature=0.0, max_tokens=job["max_tokens"],
                                  structured_outputs=StructuredOutputsParams(json=job["schemas"][p["schema"]]))
+                  if job.get("constrained", True) else
+                  SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
                   for p in prompts]
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p["ids"]} for p in prompts], params, use_tqdm=False)
