@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pdserve.services.api.stream_text import partial_suffix
+
 START, END = "<think>", "</think>"
 Start = Literal["thinking", "content", "detect"]
 _WS = " \t\r\n"
@@ -48,17 +50,6 @@ def start_for_prompt(prompt: str | None, enable_thinking: bool | None = None) ->
     if tail.endswith(START):
         return "thinking"
     return "detect"
-
-
-def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest end of text that is a proper beginning of one of tags."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:n]):
-                best = n
-                break
-    return best
 
 
 class StreamingReasoningParser:
@@ -118,7 +109,7 @@ class StreamingReasoningParser:
                 self._emit("content", rest)
                 return
             tags = (END,) if self._start_seen else (START, END)
-            keep = 0 if final else _partial_suffix(self._buf, tags)
+            keep = 0 if final else partial_suffix(self._buf, tags)
             self._emit("reasoning_content", self._buf[:len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             return

@@ -118,7 +118,9 @@ def parse_tools(value: Any, max_tools: int = MAX_TOOLS, max_bytes: int = MAX_TOO
     return tools
 
 
-def _parse_tool(item: Any, where: str) -> Tool:
+def function_of(item: Any, where: str) -> tuple[dict, str]:
+    """(its "function" object, the function's name) of a tool or a tool call: ``{"type":
+    "function" (the default), "function": {"name": N, ...}}``; InvalidRequest naming the path."""
     if not isinstance(item, dict):
         raise InvalidRequest(f"{where} must be an object, got {quoted(item)}", where)
     if item.get("type", "function") != "function":
@@ -130,6 +132,11 @@ def _parse_tool(item: Any, where: str) -> Tool:
     if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise InvalidRequest(f"{where}.function.name must be 1 to 64 of a-z, A-Z, 0-9, _ and -, got {quoted(name)}",
                              f"{where}.function.name")
+    return function, name
+
+
+def _parse_tool(item: Any, where: str) -> Tool:
+    function, name = function_of(item, where)
     description = function.get("description")
     if description is not None and not isinstance(description, str):
         raise InvalidRequest(f"{where}.function.description must be a string, got {quoted(description)}",

@@ -8,7 +8,7 @@ from typing import Any
 
 from pdserve.engine.quoting import quoted
 from pdserve.services.api.request_limits import InvalidRequest, check_count, utf8_size
-from pdserve.services.api.tool_calls import MAX_TOOLS, TOOL_NAME, Tool
+from pdserve.services.api.tool_calls import MAX_TOOLS, Tool, function_of
 from pdserve.services.api.tool_parsers import WHITESPACE, json_or_none
 
 MAX_HISTORY_BYTES = 1 << 20       # every string of the messages' tool calls together
@@ -71,15 +71,7 @@ def _check_call(call: Any, where: str, size) -> None:
     if not isinstance(call.get("id"), str):
         raise InvalidRequest(f"{where}.id must be a string, got {quoted(call.get('id'))}", f"{where}.id")
     size(call["id"], f"{where}.id")
-    if call.get("type", "function") != "function":
-        raise InvalidRequest(f"{where}.type must be 'function', got {quoted(call.get('type'))}", f"{where}.type")
-    function = call.get("function")
-    if not isinstance(function, dict):
-        raise InvalidRequest(f"{where}.function must be an object, got {quoted(function)}", f"{where}.function")
-    name = function.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-        raise InvalidRequest(f"{where}.function.name must be 1 to 64 of a-z, A-Z, 0-9, _ and -, got {quoted(name)}",
-                             f"{where}.function.name")
+    function, name = function_of(call, where)
     size(name, f"{where}.function.name")
     args = function.get("arguments")
     if not isinstance(args, str):

@@ -21,6 +21,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.services.api.stream_text import partial_suffix
 from pdserve.services.api.tool_calls import Tool, ToolChoice
 
 WHITESPACE = " \t\r\n"   # JSON's
@@ -108,17 +109,6 @@ class _JsonEnd:
                     if self.depth <= 0:
                         return i
         return None
-
-
-def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest end of text that is a proper beginning of one of tags."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:n]):
-                best = n
-                break
-    return best
 
 
 class StreamingToolParser:
@@ -216,7 +206,7 @@ class HermesToolParser(StreamingToolParser):
             if not self._in_call:
                 k = self._buf.find(self.START)
                 if k < 0:
-                    keep = 0 if final else _partial_suffix(self._buf, (self.START,))
+                    keep = 0 if final else partial_suffix(self._buf, (self.START,))
                     self._text(self._buf[:len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep:]
                     return

@@ -141,7 +141,11 @@ def test_speculative_decoding_verifies_under_the_mask_with_the_same_output(tiny_
     prompts = [prefix + p for p in random_prompts(3, 3, 8, seed=4)]
     params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=SPECS[0]),
               SamplingParams(temperature=0.9, seed=11, max_tokens=80, structured_outputs=SPECS[0]),
-              SamplingParams(temperature=0.0, max_tokens=30)]
+              SamplingParams(temperature=0.0, max_tokens=30),
+              # penalties see row j's draft prefix as output: the same tokens as plain decoding
+              SamplingParams(temperature=0.0, max_tokens=40, presence_penalty=0.3, frequency_penalty=0.2,
+                             repetition_penalty=1.2, ignore_eos=True)]
+    prompts.append(prefix + random_prompts(1, 3, 8, seed=5)[0])
     plain = llm.generate(prompts, params)
     fast = spec_llm.generate(prompts, params)
     assert [o.token_ids for o in fast] == [o.token_ids for o in plain]
