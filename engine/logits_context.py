@@ -42,7 +42,4 @@ def logits_context(seqs: list[Sequence], offsets: list[int], drafts: list[list[i
         for key, rows in rows_of.items():
             r = first[key]
             seqs[r].grammar.fill(mask, rows, drafts[r][:len(rows) - 1])
-        keep = seqs[mask_rows[0]].grammar.keep   # one engine, one vocabulary: the same row for all
-        if keep is not None:
-            mask &= keep
     return LogitsContext(prompt_ids, output_ids, frozenset(stop_token_ids), mask, mask_rows)

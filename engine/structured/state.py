@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+import torch
+
 if TYPE_CHECKING:
-    import torch
     import xgrammar
 
 
 class GrammarState:
     def __init__(self, compiled: "xgrammar.CompiledGrammar", keep: "torch.Tensor | None" = None) -> None:
-        """keep: a bitmask row ANDed into every row this fills (the special tokens a grammar must
-        not emit: grammars.special_tokens_cleared)."""
+        """keep: a bitmask row ANDed into every row this fills (the tokens this grammar must not
+        emit whatever it says: grammars.special_tokens_cleared, control_tokens_cleared)."""
         import xgrammar as xgr
         self._matcher = xgr.GrammarMatcher(compiled)   # rollback is unbounded (xgrammar >= 0.2)
         self.keep = keep
@@ -68,3 +69,6 @@ class GrammarState:
         m.fill_next_token_bitmask(bitmask, rows[len(draft)])
         if draft:
             m.rollback(len(draft))
+        if self.keep is not None:   # this state's own: a JSON grammar keeps out more than others
+            index = torch.tensor(rows, dtype=torch.long)
+            bitmask[index] &= self.keep

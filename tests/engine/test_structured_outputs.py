@@ -84,6 +84,20 @@ def test_json_strings_never_hold_a_raw_control_character(llm: LLM) -> None:
         assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict), out.text
 
 
+def test_each_constrained_row_keeps_out_only_what_its_own_grammar_does(llm: LLM) -> None:
+    """A JSON row and a regex row that needs a newline, in one batch, either first: the JSON row's
+    control-character exclusion does not reach the regex row (nor the other way round)."""
+    json_spec = StructuredOutputsParams(json={"type": "object", "properties": {"b": {"type": "string", "maxLength": 30}},
+                                              "required": ["b"]})
+    lines = StructuredOutputsParams(regex=r"[a-c]\n[a-c]")
+    short, long = random_prompts(2, 4, 4, seed=7)[0], random_prompts(1, 30, 30, seed=8)[0]
+    for prompts, params in (([short, long], [json_spec, lines]), ([long, short], [json_spec, lines])):
+        outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=p)
+                                      for p in params])
+        assert isinstance(json.loads(outs[0].text), dict), outs[0].text
+        assert re.fullmatch(r"[a-c]\n[a-c]", outs[1].text), outs[1].text
+
+
 def test_special_tokens_are_kept_out_of_every_grammar_but_the_stop_tokens(llm: LLM) -> None:
     tok = load_tokenizer(llm.config.model)
     vocab = llm.engine.model_config.vocab_size
