@@ -189,7 +189,8 @@ def test_dripping_strangers_neither_hold_the_kv_data_plane_nor_slow_requests(clu
     assert max(lives) <= HANDSHAKE_S + SLACK_S, sorted(lives)[-5:]
     assert any(d.closed_at is not None and d.closed_at - d.opened_at >= HANDSHAKE_S - 0.5 for d in drips), \
         "no dripper lived to the deadline: nothing was measured"
-    turned = [d.closed_at - d.opened_at for d in drips if d.turned_away]
+    # one turned away just before the lanes stopped may not have seen its close yet: count it open till then
+    turned = _lifetimes([d for d in drips if d.turned_away], lanes.stopped_at)
     assert turned and max(turned) < SLACK_S, turned   # closed at accept, not at a deadline
     for (seconds, out), (_, reference) in zip(attacked, after):
         assert out.finish_reason == "length" and list(out.token_ids) == list(reference.token_ids)
