@@ -22,6 +22,8 @@ class CompletionOutput:
     finish_reason: str
     num_cached_tokens: int
     logprobs: list[TokenLogprob] | None = None   # per generated token, when params.logprobs is set
+    # per prompt token (the first None), when params.prompt_logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -54,6 +56,7 @@ class LLM:
             self.engine.add_request(rid, ids, p)
         generated: dict[str, list[int]] = {rid: [] for rid in rids}
         logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid, p in zip(rids, params) if p.logprobs is not None}
+        prompt_logprobs: dict[str, list] = {}
         reasons: dict[str, str] = {}
         cached: dict[str, int] = {}
         while self.engine.has_unfinished_requests():
@@ -61,11 +64,13 @@ class LLM:
                 generated[out.request_id].extend(out.new_token_ids)
                 if out.logprobs:
                     logprobs[out.request_id].extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 cached[out.request_id] = out.num_cached_tokens
                 if out.finished:
                     reasons[out.request_id] = out.finish_reason or "stop"
         return [CompletionOutput(rid, ids, generated[rid], self.tokenizer.decode(generated[rid], skip_special_tokens=True),
-                                 reasons[rid], cached.get(rid, 0), logprobs.get(rid))
+                                 reasons[rid], cached.get(rid, 0), logprobs.get(rid), prompt_logprobs.get(rid))
                 for rid, ids in zip(rids, token_lists)]
 
     def stats(self) -> dict[str, int]:

@@ -69,6 +69,9 @@ class RequestOutput:
     queue_s: float | None = None            # on the first token: arrival -> first scheduled
     prefill_s: float | None = None          # on the first token: first scheduled -> first token
     logprobs: list[TokenLogprob] | None = None   # per new token, when the request asked (params.logprobs)
+    # with the first token, when the request asked (params.prompt_logprobs) and this engine computed
+    # its prompt: one per prompt token, the first None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # on the last output of a request when this engine speculates: its (drafts, draft tokens,
     # accepted tokens) here (engine/spec_decode/speculator.py request_counts)
     spec_counts: tuple[int, int, int] | None = None
@@ -131,6 +134,8 @@ class LLMEngine:
         self.validate_request(prompt_token_ids, params, output_token_ids)
         seq = Sequence(request_id, [*prompt_token_ids, *output_token_ids], params,
                        num_prompt_tokens=len(prompt_token_ids))
+        if params.prompt_logprobs is not None and not output_token_ids:
+            seq.prompt_logprobs = [None]   # a migrated request's prompt was scored where it began
         if params.structured_outputs is not None:   # compiled before, off the caller's loop: compile_grammar
             seq.grammar = self.grammars.state(params.structured_outputs, output_token_ids)
         return seq
@@ -233,7 +238,7 @@ class LLMEngine:
                 self.kv_tiers.wait_for_loads(LOAD_WAIT_S)
             return []
         try:
-            tokens = self.runner.run(batch, self.eos_token_ids)
+            result = self.runner.run(batch, self.eos_token_ids)
         except RankFailure:
             # A tensor-parallel rank died: this worker cannot step again. Free every request's
             # blocks (nothing waits on them) and let the caller fail or restart the worker.
@@ -249,7 +254,7 @@ class LLMEngine:
                     if seq.status is SequenceStatus.FINISHED:   # dropped while its step ran
                         self.block_manager.free(seq)
         with self.lock:
-            outputs = self._apply(batch, tokens)
+            outputs = self._apply(batch, result.tokens, result.prompt_logprobs)
             ms = (time.perf_counter() - t0) * 1e3
             if batch.num_decode_seqs < len(batch.seqs):
                 self.step_cost.observe(batch.num_tokens, ms)
@@ -260,12 +265,15 @@ class LLMEngine:
                     self.speculator.observe_step(batch.num_tokens, ms)
             return outputs
 
-    def _apply(self, batch: ScheduledBatch, tokens: list) -> list[RequestOutput]:
+    def _apply(self, batch: ScheduledBatch, tokens: list,
+               prompt_logprobs: dict[int, list[TokenLogprob]]) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
         for i, (seq, n, tok) in enumerate(zip(batch.seqs, batch.num_new_tokens, tokens)):
             if seq.status is SequenceStatus.FINISHED:
                 continue
+            if i in prompt_logprobs:
+                seq.prompt_logprobs.extend(prompt_logprobs[i])
             draft = batch.draft(i)
             if draft:
                 outputs.append(self._apply_verified(seq, draft, tok))
@@ -293,6 +301,8 @@ class LLMEngine:
                                     seq.num_prompt_tokens, seq.num_cached_tokens)
             if logprob is not None:
                 out.logprobs = [logprob]
+            if seq.prompt_logprobs is not None and seq.next_prompt_score is None:   # reported once
+                out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 out.queue_s = (seq.first_scheduled_time or now) - seq.arrival_time

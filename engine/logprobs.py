@@ -1,4 +1,5 @@
-"""Log-probabilities of sampled tokens, for requests that ask (SamplingParams.logprobs).
+"""Log-probabilities of sampled tokens, for requests that ask (SamplingParams.logprobs), and of
+prompt tokens (SamplingParams.prompt_logprobs: each prompt token's, given the tokens before it).
 
 As vLLM reports them by default ("raw_logprobs"): log_softmax of the model's raw logits, before
 temperature, top-k or top-p; the sampled token's logprob plus the ``logprobs`` most likely
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+SCORE_ROWS = 256   # prompt rows turned into float32 log-probabilities at a time (memory)
 
 
 @dataclass(slots=True)
@@ -19,6 +21,7 @@ class TokenLogprob:
     logprob: float                                         # of the sampled token
     top_ids: list[int] = field(default_factory=list)       # the most likely tokens, most likely first
     top_logprobs: list[float] = field(default_factory=list)
+    rank: int = 0     # the token's rank in the distribution, 1 for the most likely (prompt tokens; 0: not computed)
 
 
 class SampledToken(int):
@@ -51,3 +54,18 @@ def attach_logprobs(logits: torch.Tensor, tokens: list[int], params: list) -> li
 
 def logprob_of(token: int) -> TokenLogprob | None:
     return getattr(token, "logprob", None)
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+    """Row i of logits is the model's prediction after a prompt position; targets[i] the prompt
+    token that followed it. Its logprob, rank and the k most likely tokens, per row."""
+    out: list[TokenLogprob] = []
+    for at in range(0, len(targets), SCORE_ROWS):
+        logprobs = torch.log_softmax(logits[at:at + SCORE_ROWS].float(), dim=-1)
+        target = torch.tensor(targets[at:at + SCORE_ROWS], device=logprobs.device)
+        chosen = logprobs.gather(1, target[:, None])
+        ranks = (logprobs > chosen).sum(dim=-1) + 1
+        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        for lp, rank, ids, vals in zip(chosen[:, 0].tolist(), ranks.tolist(), top_ids.tolist(), top_vals.tolist()):
+            out.append(TokenLogprob(lp, ids, vals, rank))
+    return out

@@ -5,7 +5,7 @@ import dataclasses
 import logging
 import threading
 from pathlib import Path
-from typing import Collection
+from typing import Collection, NamedTuple
 
 import torch
 
@@ -17,6 +17,7 @@ from pdserve.engine.layers.backend import TorchBackend, select_backend
 from pdserve.engine.layers.linear import Linear
 from pdserve.engine.layers.sampler import Sampler
 from pdserve.engine.logits_context import logits_context
+from pdserve.engine.logprobs import TokenLogprob, prompt_token_logprobs
 from pdserve.engine.loader import checkpoint_quantization, hold_int8_linears, load_weights
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import MODEL_CLASSES
@@ -28,6 +29,14 @@ log = logging.getLogger(__name__)
 
 TRIM_EVERY_BYTES = 64 << 20   # while packing, freed weights go back to the system every this many bytes
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class StepResult(NamedTuple):
+    """What a step computed: per sequence of the batch its token(s) or None (ModelRunner.run), and
+    the prompt logprobs scored this step, by batch index."""
+
+    tokens: list
+    prompt_logprobs: dict[int, list[TokenLogprob]]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -386,10 +395,11 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, stop_token_ids: Collection[int] = ()) -> list[int | list[int] | None]:
+    def run(self, batch: ScheduledBatch, stop_token_ids: Collection[int] = ()) -> StepResult:
         """Computes the scheduled tokens; returns the sampled token per sequence, None where the
         sequence is still mid-prefill, and for a decode verifying a draft the token sampled after
-        each of its 1 + len(draft) rows (what its last token, then each draft token, is followed by).
+        each of its 1 + len(draft) rows (what its last token, then each draft token, is followed by);
+        and the prompt logprobs scored for the sequences that asked (SamplingParams.prompt_logprobs).
         stop_token_ids: the model's EOS ids (min_tokens keeps them out)."""
         plan = StepPlan.from_batch(batch, self.block_size)
         if self.ranks is None:
@@ -400,7 +410,10 @@ class ModelRunner:
                 self.ranks.send(*plan.encode())
                 logits = self.execute(plan)
         results: list = [[] if batch.draft(i) else None for i in range(len(batch.seqs))]
-        if logits is not None:
+        scores: dict[int, list[TokenLogprob]] = {}
+        if logits is not None and plan.scored:
+            logits, scores = self._score_prompts(batch, plan, logits)
+        if logits is not None and plan.sample_seqs:
             seqs = [batch.seqs[i] for i in plan.sample_seqs]
             # a draft's rows sample the sequence's next output indexes, one each (seeded sampling keys on it)
             index, offsets, rows_before = [], [], {}
@@ -416,7 +429,20 @@ class ModelRunner:
                     results[i] = tok
                 else:
                     results[i].append(tok)
-        return results
+        return StepResult(results, scores)
+
+    @staticmethod
+    def _score_prompts(batch: ScheduledBatch, plan: StepPlan,
+                       logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, list[TokenLogprob]]]:
+        """The sampled rows' logits, and each scored segment's prompt logprobs by batch index."""
+        at = len(plan.sample_seqs)
+        scores = {}
+        for i, first, rows in plan.scored:
+            seq = batch.seqs[i]
+            targets = seq.token_ids[first + 1:first + 1 + rows]
+            scores[i] = prompt_token_logprobs(logits[at:at + rows], targets, seq.params.prompt_logprobs)
+            at += rows
+        return logits[:len(plan.sample_seqs)], scores
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
@@ -430,7 +456,9 @@ class ModelRunner:
         rows = plan.sample_rows
         if not rows:
             return None
-        if len(rows) == hidden.shape[0]:   # every row samples (decode steps): rows are in order
+        # every row samples (decode steps): in order. (A rank's plan has no scored list: its rows may
+        # be out of order, which only the driver, which keeps the logits, must mind.)
+        if len(rows) == hidden.shape[0] and not plan.scored:
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
 

@@ -92,6 +92,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0          # EOS and stop_token_ids do not end the request before this many tokens
     logprobs: int | None = None  # report the sampled token's logprob and this many top alternatives
+    # report each prompt token's logprob (after the first) and this many top alternatives (vLLM's);
+    # such a prompt is computed in full where it is prefilled: the prefix cache serves none of it
+    prompt_logprobs: int | None = None
     cache_salt: str | None = None  # prefix-cache namespace: blocks are shared only within one salt
     priority: int = 0            # lower is served first (vLLM's); a higher class may preempt a lower one
     # Logits processing (engine/layers/logits_processors.py), vLLM's semantics: presence and
@@ -122,6 +125,10 @@ class SamplingParams:
                              f"got {quoted(self.min_tokens)}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {quoted(self.logprobs)}")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
+                self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                             f"got {quoted(self.prompt_logprobs)}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt.isprintable()
                                             or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
             raise ValueError(f"cache_salt must be a non-empty printable string of at most {MAX_CACHE_SALT_CHARS} "

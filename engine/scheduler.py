@@ -342,7 +342,8 @@ class Scheduler:
             if self.running and bm.num_free_blocks - bm.blocks_needed(seq.num_tokens) < self.watermark_blocks:
                 break
             try:
-                seq.num_computed_tokens = self.block_manager.allocate(seq)
+                # a prompt being scored is computed from its first unscored position on
+                seq.num_computed_tokens = self.block_manager.allocate(seq, seq.next_prompt_score)
             except NoFreeBlocks:
                 break
             if seq.first_scheduled_time is None:

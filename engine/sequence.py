@@ -44,6 +44,9 @@ class Sequence:
     # Its structured-output constraint's matcher (engine/structured/state.py GrammarState), advanced
     # by every token it keeps; None without a constraint.
     grammar: object = None
+    # SamplingParams.prompt_logprobs: entry k is prompt token k's TokenLogprob (entry 0 None: nothing
+    # precedes it), filled as the prompt is computed; None when not asked, or once reported
+    prompt_logprobs: list | None = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -70,6 +73,13 @@ class Sequence:
     def num_pending_tokens(self) -> int:
         """Tokens whose KV is still to be computed; 1 means the sequence is decoding."""
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def next_prompt_score(self) -> int | None:
+        """The first position whose prompt logprob row is still to be computed (position p scores
+        prompt token p + 1); None when no prompt token waits for one."""
+        scores = self.prompt_logprobs
+        return None if scores is None or len(scores) >= self.num_prompt_tokens else len(scores) - 1
 
     @property
     def is_prefilling(self) -> bool:

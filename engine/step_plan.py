@@ -40,11 +40,16 @@ class StepPlan:
     input_ids: list[int]
     positions: list[int]
     slots: list[int]
-    sample_rows: list[int]          # rows whose hidden state is sampled, in row order
+    # rows whose logits are computed: those sampled, in row order, then prompt rows scored for
+    # their next prompt token (SamplingParams.prompt_logprobs)
+    sample_rows: list[int]
     seqs: list                      # Sequence or SeqView per decode row, then per prefill segment
     num_new_tokens: list[int]       # per entry of seqs (1 for each decode row)
     num_decode: int                 # the leading entries: decode rows
     sample_seqs: list[int] | None = None   # driver only: the batch index of each sampled row
+    # driver only: (batch index, first position, rows) of each prefill segment's scored prompt rows,
+    # which follow the sampled rows in sample_rows in this order
+    scored: list[tuple[int, int, int]] | None = None
 
     @classmethod
     def from_batch(cls, batch, block_size: int) -> "StepPlan":
@@ -69,6 +74,8 @@ class StepPlan:
             views.append(seq if counts[i] == 1 else SeqView(p, seq.block_table))
         sample_rows: list[int] = list(range(len(rows)))
         sample_seqs: list[int] = [i for i, _ in rows]
+        scored_rows: list[int] = []
+        scored: list[tuple[int, int, int]] = []
         for i in range(nd, len(seqs)):
             seq, n = seqs[i], counts[i]
             start = seq.num_computed_tokens
@@ -81,11 +88,18 @@ class StepPlan:
                 ids.extend(seq.token_ids[start:start + n])
                 pos.extend(range(start, start + n))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            first = seq.next_prompt_score
+            if first is not None:   # positions up to the last but one prompt token score the next one
+                end = min(start + n, seq.num_prompt_tokens - 1)
+                if end > max(first, start):
+                    row0 = len(ids) - n
+                    scored_rows.extend(range(row0 + max(first, start) - start, row0 + end - start))
+                    scored.append((i, max(first, start), end - max(first, start)))
             if start + n == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(i)
-        return cls(ids, pos, slots, sample_rows, views + seqs[nd:], [1] * len(rows) + counts[nd:], len(rows),
-                   sample_seqs)
+        return cls(ids, pos, slots, sample_rows + scored_rows, views + seqs[nd:], [1] * len(rows) + counts[nd:],
+                   len(rows), sample_seqs, scored)
 
     # ---- wire form ----------------------------------------------------------------------
     def encode(self) -> tuple[list[int], torch.Tensor]:

@@ -53,11 +53,16 @@ class Completion:
     finish_reason: str | None = None
     usage: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float | str | None] = field(default_factory=dict)   # the router's Timings
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)   # per token, when asked
+    # per prompt token after the first, when asked (prompt_logprobs)
+    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
 
     def add(self, msg: router_pb2.GenerateResponse) -> None:
         self.request_id = msg.request_id
         self.token_ids.extend(msg.token_ids)
         self.text += msg.text
+        self.logprobs.extend(msg.logprobs)
+        self.prompt_logprobs.extend(msg.prompt_logprobs)
         if msg.finished:
             self.finish_reason = msg.finish_reason
             self.usage = {"prompt_tokens": msg.usage.prompt_tokens, "completion_tokens": msg.usage.completion_tokens,
@@ -91,21 +96,23 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_toke
                   min_tokens: int | None = None, presence_penalty: float | None = None,
                   frequency_penalty: float | None = None, repetition_penalty: float | None = None,
                   min_p: float | None = None, logit_bias: dict[int, float] | None = None,
-                  bad_words: Sequence[str] = (), structured_outputs: StructuredOutputsParams | dict | None = None
-                  ) -> router_pb2.GenerateRequest:
+                  bad_words: Sequence[str] = (), structured_outputs: StructuredOutputsParams | dict | None = None,
+                  logprobs: int | None = None, prompt_logprobs: int | None = None) -> router_pb2.GenerateRequest:
     """Only the parameters given are set; the rest take the server's defaults. priority (lower
     first; within the API key's grant), user (OpenAI's end-user id; the fair-share key is the API
     key's principal) and the latency targets (ms; 0: the deployment's): the request's scheduling
     class (services/router/slo.py); session_id: its multi-turn conversation
     (services/router/routes.py, SessionTable). Penalties, min_p, logit_bias, bad_words (strings,
     tokenized by the router) and structured_outputs (a StructuredOutputsParams, or a dict of its
-    fields: {"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": ...}) as vLLM's."""
+    fields: {"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": ...}) as vLLM's;
+    logprobs and prompt_logprobs: how many top alternatives to report with each generated and
+    each prompt token's logprob."""
     params = common_pb2.SamplingParams(stop_token_ids=list(stop_token_ids), bad_words=list(bad_words))
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                         ("seed", seed), ("ignore_eos", ignore_eos), ("skip_special_tokens", skip_special_tokens),
                         ("min_tokens", min_tokens), ("presence_penalty", presence_penalty),
                         ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty),
-                        ("min_p", min_p)):
+                        ("min_p", min_p), ("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None:
             setattr(params, name, value)
     if logit_bias:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\x83\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x17\n\nignore_eos\x18\x07 \x01(\x08H\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x08 \x01(\x08H\x06\x88\x01\x01\x12\x17\n\nmin_tokens\x18\t \x01(\rH\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x08\x88\x01\x01\x12\x17\n\ncache_salt\x18\x0b \x01(\tH\t\x88\x01\x01\x12\x15\n\x08priority\x18\x0c \x01(\x05H\n\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x02H\x0b\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x02H\x0c\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\r\x88\x01\x01\x12\x12\n\x05min_p\x18\x10 \x01(\x02H\x0e\x88\x01\x01\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x11\n\tbad_words\x18\x12 \x03(\t\x12\x36\n\x13\x62\x61\x64_words_token_ids\x18\x13 \x03(\x0b\x32\x19.pdserve.v1.TokenSequence\x12\x39\n\x12structured_outputs\x18\x14 \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x16\n\x14_skip_special_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\r\n\x0b_cache_saltB\x0b\n\t_priorityB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_p\"\x1c\n\rTokenSequence\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x90\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"]\n\x10SpecDecodeCounts\x12\x12\n\nnum_drafts\x18\x01 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xb5\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x17\n\nignore_eos\x18\x07 \x01(\x08H\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x08 \x01(\x08H\x06\x88\x01\x01\x12\x17\n\nmin_tokens\x18\t \x01(\rH\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x08\x88\x01\x01\x12\x17\n\ncache_salt\x18\x0b \x01(\tH\t\x88\x01\x01\x12\x15\n\x08priority\x18\x0c \x01(\x05H\n\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x02H\x0b\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x02H\x0c\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\r\x88\x01\x01\x12\x12\n\x05min_p\x18\x10 \x01(\x02H\x0e\x88\x01\x01\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x11\n\tbad_words\x18\x12 \x03(\t\x12\x36\n\x13\x62\x61\x64_words_token_ids\x18\x13 \x03(\x0b\x32\x19.pdserve.v1.TokenSequence\x12\x39\n\x12structured_outputs\x18\x14 \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x16\n\x14_skip_special_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\r\n\x0b_cache_saltB\x0b\n\t_priorityB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x12\n\x10_prompt_logprobs\"\x1c\n\rTokenSequence\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x90\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"]\n\x10SpecDecodeCounts\x12\x12\n\nnum_drafts\x18\x01 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\"Z\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=939
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=660
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=708
-  _globals['_TOKENSEQUENCE']._serialized_start=941
-  _globals['_TOKENSEQUENCE']._serialized_end=969
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=972
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1116
-  _globals['_CHOICELIST']._serialized_start=1118
-  _globals['_CHOICELIST']._serialized_end=1147
-  _globals['_SPECDECODECOUNTS']._serialized_start=1149
-  _globals['_SPECDECODECOUNTS']._serialized_end=1242
-  _globals['_TOKENLOGPROB']._serialized_start=1244
-  _globals['_TOKENLOGPROB']._serialized_end=1320
-  _globals['_ABORTREQUEST']._serialized_start=1322
-  _globals['_ABORTREQUEST']._serialized_end=1356
-  _globals['_ABORTRESPONSE']._serialized_start=1358
-  _globals['_ABORTRESPONSE']._serialized_end=1388
+  _globals['_SAMPLINGPARAMS']._serialized_end=989
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=690
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=738
+  _globals['_TOKENSEQUENCE']._serialized_start=991
+  _globals['_TOKENSEQUENCE']._serialized_end=1019
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1022
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1166
+  _globals['_CHOICELIST']._serialized_start=1168
+  _globals['_CHOICELIST']._serialized_end=1197
+  _globals['_SPECDECODECOUNTS']._serialized_start=1199
+  _globals['_SPECDECODECOUNTS']._serialized_end=1292
+  _globals['_TOKENLOGPROB']._serialized_start=1294
+  _globals['_TOKENLOGPROB']._serialized_end=1384
+  _globals['_ABORTREQUEST']._serialized_start=1386
+  _globals['_ABORTREQUEST']._serialized_end=1420
+  _globals['_ABORTRESPONSE']._serialized_start=1422
+  _globals['_ABORTRESPONSE']._serialized_end=1452
 # @@protoc_insertion_point(module_scope)

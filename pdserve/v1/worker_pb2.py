@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x0f\n\rStatusRequest\"6\n\x0eSetRoleRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\"\xb3\x04\n\x0cWorkerStatus\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x12\n\nkv_address\x18\x04 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x13\n\x0bnum_running\x18\x07 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x14\n\x0cnum_reserved\x18\t \x01(\r\x12 \n\x18num_queued_prompt_tokens\x18\n \x01(\x04\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\x12\n\nnum_layers\x18\x0c \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\r \x01(\r\x12\x10\n\x08head_dim\x18\x0e \x01(\r\x12\x10\n\x08kv_dtype\x18\x0f \x01(\t\x12\x15\n\rmax_model_len\x18\x10 \x01(\r\x12\x10\n\x08\x64raining\x18\x11 \x01(\x08\x12\x13\n\x0bnum_sending\x18\x12 \x01(\r\x12\x14\n\x0cstep_base_ms\x18\x13 \x01(\x01\x12\x19\n\x11step_ms_per_token\x18\x14 \x01(\x01\x12\x1e\n\x16max_num_batched_tokens\x18\x15 \x01(\r\x12\x19\n\x11\x64\x65\x63ode_ms_per_seq\x18\x16 \x01(\x01\x12!\n\x19kv_tier_load_ms_per_block\x18\x17 \x01(\x01\"J\n\x08KVEvents\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x06\x12\x0f\n\x07removed\x18\x03 \x03(\x06\x12\x0e\n\x06tiered\x18\x04 \x03(\x06\"g\n\x08KVTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\x12\x1c\n\x14needed_block_indices\x18\x03 \x03(\r\x12\x14\n\x0c\x64\x61ta_address\x18\x04 \x01(\t\"\xaa\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\"\xb8\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x1a\n\rfinish_reason\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12)\n\x07logprob\x18\x06 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprobB\x10\n\x0e_finish_reason\"\x8c\x01\n\x0bKVDelivered\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x12\n\nexposed_ms\x18\x03 \x01(\x01\x12\x16\n\x0e\x65xposed_blocks\x18\x04 \x01(\r\x12\x12\n\nwire_bytes\x18\x05 \x01(\x04\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x0f\n\x07streams\x18\x07 \x01(\r\"#\n\x08Progress\x12\x17\n\x0f\x63omputed_tokens\x18\x01 \x01(\r\"\xa1\x01\n\x0cPrefillEvent\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12/\n\x0ckv_delivered\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.KVDeliveredH\x00\x12(\n\x08progress\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.ProgressH\x00\x42\x07\n\x05\x65vent\"\x96\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\"\x9e\x01\n\x0fReserveResponse\x12\x1c\n\x14needed_block_indices\x18\x01 \x03(\r\x12\x19\n\x11held_block_hashes\x18\x02 \x03(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x16\n\x0etransfer_token\x18\x04 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x14\n\x0c\x64\x61ta_address\x18\x06 \x01(\t\"O\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x12\n\nkv_wait_ms\x18\x03 \x01(\r\"9\n\x13\x46\x61ilTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xf1\x01\n\x0b\x44\x65\x63odeEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1a\n\rfinish_reason\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x12\n\nkv_wait_ms\x18\x04 \x01(\x01\x12\x1c\n\x14\x66irst_decode_step_ms\x18\x05 \x01(\x01\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0bspec_decode\x18\x07 \x01(\x0b\x32\x1c.pdserve.v1.SpecDecodeCountsB\x10\n\x0e_finish_reason\"\x8a\x01\n\x14GenerateLocalRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xa1\x01\n\x12GenerateLocalEvent\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12)\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.DecodeEventH\x00\x12(\n\x08progress\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.ProgressH\x00\x42\x07\n\x05\x65vent*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03\x32\xd3\x02\n\x06Worker\x12@\n\tGetStatus\x12\x19.pdserve.v1.StatusRequest\x1a\x18.pdserve.v1.WorkerStatus\x12\x44\n\x0bWatchStatus\x12\x19.pdserve.v1.StatusRequest\x1a\x18.pdserve.v1.WorkerStatus0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x42\n\rWatchKVEvents\x12\x19.pdserve.v1.StatusRequest\x1a\x14.pdserve.v1.KVEvents0\x01\x12?\n\x07SetRole\x12\x1a.pdserve.v1.SetRoleRequest\x1a\x18.pdserve.v1.WorkerStatus2R\n\rPrefillWorker\x12\x41\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillEvent0\x01\x32\xae\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12J\n\x0c\x46\x61ilTransfer\x12\x1f.pdserve.v1.FailTransferRequest\x1a\x19.pdserve.v1.AbortResponse\x12N\n\x08Generate\x12 .pdserve.v1.GenerateLocalRequest\x1a\x1e.pdserve.v1.GenerateLocalEvent0\x01\x32\x61\n\x0f\x43olocatedWorker\x12N\n\x08Generate\x12 .pdserve.v1.GenerateLocalRequest\x1a\x1e.pdserve.v1.GenerateLocalEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x0f\n\rStatusRequest\"6\n\x0eSetRoleRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\"\xb3\x04\n\x0cWorkerStatus\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x12\n\nkv_address\x18\x04 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x13\n\x0bnum_running\x18\x07 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x14\n\x0cnum_reserved\x18\t \x01(\r\x12 \n\x18num_queued_prompt_tokens\x18\n \x01(\x04\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\x12\n\nnum_layers\x18\x0c \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\r \x01(\r\x12\x10\n\x08head_dim\x18\x0e \x01(\r\x12\x10\n\x08kv_dtype\x18\x0f \x01(\t\x12\x15\n\rmax_model_len\x18\x10 \x01(\r\x12\x10\n\x08\x64raining\x18\x11 \x01(\x08\x12\x13\n\x0bnum_sending\x18\x12 \x01(\r\x12\x14\n\x0cstep_base_ms\x18\x13 \x01(\x01\x12\x19\n\x11step_ms_per_token\x18\x14 \x01(\x01\x12\x1e\n\x16max_num_batched_tokens\x18\x15 \x01(\r\x12\x19\n\x11\x64\x65\x63ode_ms_per_seq\x18\x16 \x01(\x01\x12!\n\x19kv_tier_load_ms_per_block\x18\x17 \x01(\x01\"J\n\x08KVEvents\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x06\x12\x0f\n\x07removed\x18\x03 \x03(\x06\x12\x0e\n\x06tiered\x18\x04 \x03(\x06\"g\n\x08KVTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\x0c\x12\x1c\n\x14needed_block_indices\x18\x03 \x03(\r\x12\x14\n\x0c\x64\x61ta_address\x18\x04 \x01(\t\"\xaa\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\"\xeb\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x1a\n\rfinish_reason\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12)\n\x07logprob\x18\x06 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprobB\x10\n\x0e_finish_reason\"\x8c\x01\n\x0bKVDelivered\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x12\n\nexposed_ms\x18\x03 \x01(\x01\x12\x16\n\x0e\x65xposed_blocks\x18\x04 \x01(\r\x12\x12\n\nwire_bytes\x18\x05 \x01(\x04\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x0f\n\x07streams\x18\x07 \x01(\r\"#\n\x08Progress\x12\x17\n\x0f\x63omputed_tokens\x18\x01 \x01(\r\"\xa1\x01\n\x0cPrefillEvent\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12/\n\x0ckv_delivered\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.KVDeliveredH\x00\x12(\n\x08progress\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.ProgressH\x00\x42\x07\n\x05\x65vent\"\x96\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\"\x9e\x01\n\x0fReserveResponse\x12\x1c\n\x14needed_block_indices\x18\x01 \x03(\r\x12\x19\n\x11held_block_hashes\x18\x02 \x03(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x16\n\x0etransfer_token\x18\x04 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x14\n\x0c\x64\x61ta_address\x18\x06 \x01(\t\"O\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x12\n\nkv_wait_ms\x18\x03 \x01(\r\"9\n\x13\x46\x61ilTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xf1\x01\n\x0b\x44\x65\x63odeEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1a\n\rfinish_reason\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x12\n\nkv_wait_ms\x18\x04 \x01(\x01\x12\x1c\n\x14\x66irst_decode_step_ms\x18\x05 \x01(\x01\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0bspec_decode\x18\x07 \x01(\x0b\x32\x1c.pdserve.v1.SpecDecodeCountsB\x10\n\x0e_finish_reason\"\x8a\x01\n\x14GenerateLocalRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xa1\x01\n\x12GenerateLocalEvent\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12)\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.DecodeEventH\x00\x12(\n\x08progress\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.ProgressH\x00\x42\x07\n\x05\x65vent*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03\x32\xd3\x02\n\x06Worker\x12@\n\tGetStatus\x12\x19.pdserve.v1.StatusRequest\x1a\x18.pdserve.v1.WorkerStatus\x12\x44\n\x0bWatchStatus\x12\x19.pdserve.v1.StatusRequest\x1a\x18.pdserve.v1.WorkerStatus0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x42\n\rWatchKVEvents\x12\x19.pdserve.v1.StatusRequest\x1a\x14.pdserve.v1.KVEvents0\x01\x12?\n\x07SetRole\x12\x1a.pdserve.v1.SetRoleRequest\x1a\x18.pdserve.v1.WorkerStatus2R\n\rPrefillWorker\x12\x41\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillEvent0\x01\x32\xae\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12J\n\x0c\x46\x61ilTransfer\x12\x1f.pdserve.v1.FailTransferRequest\x1a\x19.pdserve.v1.AbortResponse\x12N\n\x08Generate\x12 .pdserve.v1.GenerateLocalRequest\x1a\x1e.pdserve.v1.GenerateLocalEvent0\x01\x32\x61\n\x0f\x43olocatedWorker\x12N\n\x08Generate\x12 .pdserve.v1.GenerateLocalRequest\x1a\x1e.pdserve.v1.GenerateLocalEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=2591
-  _globals['_WORKERROLE']._serialized_end=2703
+  _globals['_WORKERROLE']._serialized_start=2642
+  _globals['_WORKERROLE']._serialized_end=2754
   _globals['_STATUSREQUEST']._serialized_start=64
   _globals['_STATUSREQUEST']._serialized_end=79
   _globals['_SETROLEREQUEST']._serialized_start=81
@@ -47,33 +47,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=885
   _globals['_PREFILLREQUEST']._serialized_end=1055
   _globals['_FIRSTTOKEN']._serialized_start=1058
-  _globals['_FIRSTTOKEN']._serialized_end=1242
-  _globals['_KVDELIVERED']._serialized_start=1245
-  _globals['_KVDELIVERED']._serialized_end=1385
-  _globals['_PROGRESS']._serialized_start=1387
-  _globals['_PROGRESS']._serialized_end=1422
-  _globals['_PREFILLEVENT']._serialized_start=1425
-  _globals['_PREFILLEVENT']._serialized_end=1586
-  _globals['_RESERVEREQUEST']._serialized_start=1589
-  _globals['_RESERVEREQUEST']._serialized_end=1739
-  _globals['_RESERVERESPONSE']._serialized_start=1742
-  _globals['_RESERVERESPONSE']._serialized_end=1900
-  _globals['_DECODEREQUEST']._serialized_start=1902
-  _globals['_DECODEREQUEST']._serialized_end=1981
-  _globals['_FAILTRANSFERREQUEST']._serialized_start=1983
-  _globals['_FAILTRANSFERREQUEST']._serialized_end=2040
-  _globals['_DECODEEVENT']._serialized_start=2043
-  _globals['_DECODEEVENT']._serialized_end=2284
-  _globals['_GENERATELOCALREQUEST']._serialized_start=2287
-  _globals['_GENERATELOCALREQUEST']._serialized_end=2425
-  _globals['_GENERATELOCALEVENT']._serialized_start=2428
-  _globals['_GENERATELOCALEVENT']._serialized_end=2589
-  _globals['_WORKER']._serialized_start=2706
-  _globals['_WORKER']._serialized_end=3045
-  _globals['_PREFILLWORKER']._serialized_start=3047
-  _globals['_PREFILLWORKER']._serialized_end=3129
-  _globals['_DECODEWORKER']._serialized_start=3132
-  _globals['_DECODEWORKER']._serialized_end=3434
-  _globals['_COLOCATEDWORKER']._serialized_start=3436
-  _globals['_COLOCATEDWORKER']._serialized_end=3533
+  _globals['_FIRSTTOKEN']._serialized_end=1293
+  _globals['_KVDELIVERED']._serialized_start=1296
+  _globals['_KVDELIVERED']._serialized_end=1436
+  _globals['_PROGRESS']._serialized_start=1438
+  _globals['_PROGRESS']._serialized_end=1473
+  _globals['_PREFILLEVENT']._serialized_start=1476
+  _globals['_PREFILLEVENT']._serialized_end=1637
+  _globals['_RESERVEREQUEST']._serialized_start=1640
+  _globals['_RESERVEREQUEST']._serialized_end=1790
+  _globals['_RESERVERESPONSE']._serialized_start=1793
+  _globals['_RESERVERESPONSE']._serialized_end=1951
+  _globals['_DECODEREQUEST']._serialized_start=1953
+  _globals['_DECODEREQUEST']._serialized_end=2032
+  _globals['_FAILTRANSFERREQUEST']._serialized_start=2034
+  _globals['_FAILTRANSFERREQUEST']._serialized_end=2091
+  _globals['_DECODEEVENT']._serialized_start=2094
+  _globals['_DECODEEVENT']._serialized_end=2335
+  _globals['_GENERATELOCALREQUEST']._serialized_start=2338
+  _globals['_GENERATELOCALREQUEST']._serialized_end=2476
+  _globals['_GENERATELOCALEVENT']._serialized_start=2479
+  _globals['_GENERATELOCALEVENT']._serialized_end=2640
+  _globals['_WORKER']._serialized_start=2757
+  _globals['_WORKER']._serialized_end=3096
+  _globals['_PREFILLWORKER']._serialized_start=3098
+  _globals['_PREFILLWORKER']._serialized_end=3180
+  _globals['_DECODEWORKER']._serialized_start=3183
+  _globals['_DECODEWORKER']._serialized_end=3485
+  _globals['_COLOCATEDWORKER']._serialized_start=3487
+  _globals['_COLOCATEDWORKER']._serialized_end=3584
 # @@protoc_insertion_point(module_scope)

@@ -116,7 +116,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     usage.completion_tokens += len(chunk.token_ids)
                 msg = router_pb2.GenerateResponse(request_id=parsed.request_id, token_ids=chunk.token_ids,
                                                   text=detok.add(chunk.token_ids, final=chunk.finish_reason is not None),
-                                                  logprobs=chunk.logprobs or ())
+                                                  logprobs=chunk.logprobs or (),
+                                                  prompt_logprobs=chunk.prompt_logprobs or ())
                 if chunk.finish_reason is not None:
                     finished = True
                     msg.finished = True

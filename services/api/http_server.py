@@ -63,6 +63,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.quoting import quoted
+from pdserve.services.api import prompt_scores
 from pdserve.services.api.chat_output import ChatOutput, ChatOutputSpec
 from pdserve.services.api.detokenizer import IncrementalDetokenizer, StopMatcher
 from pdserve.services.api.http_connections import BoundedHttpToolsProtocol, OPEN_PATHS, RequestGuard
@@ -92,6 +93,7 @@ class Delta:
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list | None = None      # common_pb2.TokenLogprob per token, when asked
+    prompt_logprobs: list | None = None   # on a choice's first Delta: per prompt token after the first, when asked
 
 
 @dataclass(slots=True)
@@ -103,6 +105,8 @@ class Choice:
     first_of_prompt: bool      # counts the prompt's tokens in usage (once per prompt, not per n)
     service: ServiceClass = field(default_factory=ServiceClass)
     output: ChatOutputSpec | None = None   # chat: what its text is parsed for (reasoning, tool calls)
+    echo_text: str = ""        # completions with echo: the prompt's text, which leads its text
+    echo_only: bool = False    # echo with max_tokens=0: the prompt alone
 
 
 # ---- the app -------------------------------------------------------------------------------
@@ -248,34 +252,48 @@ class OpenAIServer:
                     p.seed = (p.seed + i) % 2**63
                 k = p_index * parsed.n + i
                 choices.append(Choice(k, f"{base}-{k}", ready.prompt, p, i == 0, ready.service,
-                                      self._output_spec(parsed, ready.reasoning_start) if parsed.chat else None))
+                                      self._output_spec(parsed, ready.reasoning_start) if parsed.chat else None,
+                                      self._echo_text(parsed, request, ready.prompt), parsed.echo_only))
         return choices
+
+    def _echo_text(self, parsed: ParsedBody, request, prompt: list[int]) -> str:
+        if not parsed.echo:
+            return ""
+        if request.prompt is not None and request.prompt.text is not None:
+            return request.prompt.text
+        return self.router.tokenizer.decode(prompt, skip_special_tokens=False)
 
     def _output_spec(self, parsed: ParsedBody, reasoning_start: str | None) -> ChatOutputSpec:
         template = getattr(self.router.tokenizer, "chat_template", None)
         return ChatOutputSpec(parsed.tools, parsed.tool_choice,
                               parser_for_template(template if isinstance(template, str) else None), reasoning_start)
 
-    def _logprobs(self, parsed: ParsedBody, d: Delta, text_offset: int = 0) -> dict | None:
+    def _logprobs(self, parsed: ParsedBody, d: Delta, text_offset: int = 0, prompt: list[int] | None = None
+                  ) -> dict | None:
         """OpenAI's logprobs object for a Delta's tokens: completions' {tokens, token_logprobs,
         top_logprobs, text_offset} or chat's {content: [{token, logprob, bytes, top_logprobs}]}.
-        As vLLM: the sampled token's logprob is always there, besides the top alternatives."""
+        As vLLM: the sampled token's logprob is always there, besides the top alternatives.
+        prompt: with echo, the prompt whose logprobs (d.prompt_logprobs) lead, from text_offset."""
         if parsed.params.logprobs is None:
             return None
         tok = self.router.tokenizer
+        if prompt is not None:
+            lead = prompt_scores.echo_logprobs(tok, prompt, d.prompt_logprobs or (), parsed.params.logprobs)
+            lead["text_offset"] = [text_offset + at for at in lead["text_offset"]]
+            return prompt_scores.joined(lead, self._logprobs(parsed, d, text_offset + prompt_scores.text_length(lead)))
         pairs = list(zip(d.token_ids, d.logprobs or ()))
         if parsed.chat:
             def entry(token_id: int, logprob: float) -> dict:
-                text = _token_text(tok, token_id)
+                text = prompt_scores.token_text(tok, token_id)
                 return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
             return {"content": [{**entry(t, lp.logprob), "top_logprobs": [
                 entry(i, v) for i, v in zip(lp.top_token_ids, lp.top_logprobs)]} for t, lp in pairs]}
-        tokens = [_token_text(tok, t) for t, _ in pairs]
+        tokens = [prompt_scores.token_text(tok, t) for t, _ in pairs]
         offsets, top = [], []
         for (t, lp), text in zip(pairs, tokens):
             offsets.append(text_offset)
             text_offset += len(text)
-            alternatives = {_token_text(tok, i): v for i, v in zip(lp.top_token_ids, lp.top_logprobs)}
+            alternatives = {prompt_scores.token_text(tok, i): v for i, v in zip(lp.top_token_ids, lp.top_logprobs)}
             alternatives.setdefault(text, lp.logprob)
             top.append(alternatives)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp in pairs], "top_logprobs": top,
@@ -289,6 +307,7 @@ class OpenAIServer:
         detok = IncrementalDetokenizer(router.tokenizer, skip_special)
         matcher = StopMatcher(stop)
         completion = 0
+        prompt_lp = None
         router.request_started()
         finished = False
         gen_iter = router.generate(choice.request_id, choice.prompt, choice.params, choice.service)
@@ -304,26 +323,34 @@ class OpenAIServer:
                     final = chunk.finish_reason is not None
                     text = detok.add(chunk.token_ids, final=final)
                     text, hit = matcher.add(text, final, check=completion >= choice.params.min_tokens)
+                    prompt_lp = prompt_lp or chunk.prompt_logprobs
+                    ids, logprobs = list(chunk.token_ids), chunk.logprobs
+                    if choice.echo_only:   # the prompt scored; the token generated to score it is not shown
+                        text, ids, logprobs, hit = "", [], None, False
                     if hit or final:
                         finished = True
                         router.observe_finish(gen, len(choice.prompt), completion, now)
-                        yield Delta(choice.index, text, list(chunk.token_ids), "stop" if hit else chunk.finish_reason,
-                                    len(choice.prompt) if choice.first_of_prompt else 0, completion,
-                                    gen.timing.cached_tokens if choice.first_of_prompt else 0, chunk.logprobs)
+                        yield Delta(choice.index, text, ids, "stop" if hit else chunk.finish_reason,
+                                    len(choice.prompt) if choice.first_of_prompt else 0,
+                                    0 if choice.echo_only else completion,
+                                    gen.timing.cached_tokens if choice.first_of_prompt else 0, logprobs, prompt_lp)
                         return   # a stop string: aclosing ends the generation, which aborts it on its workers
-                    yield Delta(choice.index, text, list(chunk.token_ids), logprobs=chunk.logprobs)
+                    if not choice.echo_only:
+                        yield Delta(choice.index, text, ids, logprobs=logprobs, prompt_logprobs=prompt_lp)
+                        prompt_lp = None   # sent with the first Delta
         finally:
             router.request_ended(finished)
 
     async def _complete(self, parsed: ParsedBody, choices: list[Choice]) -> JSONResponse:
         async def collect(choice: Choice) -> tuple[str, Delta]:
-            texts, last, token_ids, logprobs = [], None, [], []
+            texts, last, token_ids, logprobs, prompt_lp = [choice.echo_text], None, [], [], None
             async for delta in self._run_choice(choice, parsed.stop, parsed.skip_special_tokens):
                 texts.append(delta.text)
                 token_ids += delta.token_ids
                 logprobs += delta.logprobs or ()
+                prompt_lp = prompt_lp or delta.prompt_logprobs
                 last = delta
-            last.token_ids, last.logprobs = token_ids, logprobs
+            last.token_ids, last.logprobs, last.prompt_logprobs = token_ids, logprobs, prompt_lp
             return "".join(texts), last
 
         results = await gather_or_cancel([collect(c) for c in choices])
@@ -340,12 +367,23 @@ class OpenAIServer:
             body = {"id": rid, "object": "chat.completion", "created": created, "model": self.served_model_name,
                     "choices": [chat_choice(c, text, d) for c, (text, d) in zip(choices, results)],
                     "usage": usage}
+            if parsed.prompt_logprobs is not None:   # vLLM's: the response's, as its one prompt's
+                body["prompt_logprobs"] = self._prompt_logprobs(parsed, choices[0], results[0][1])
         else:
+            def completion_choice(choice: Choice, text: str, d: Delta) -> dict:
+                out = {"index": d.index, "text": text, "finish_reason": d.finish_reason,
+                       "logprobs": self._logprobs(parsed, d, prompt=choice.prompt if parsed.echo else None)}
+                if parsed.prompt_logprobs is not None:
+                    out["prompt_logprobs"] = self._prompt_logprobs(parsed, choice, d)
+                return out
             body = {"id": rid, "object": "text_completion", "created": created, "model": self.served_model_name,
-                    "choices": [{"index": d.index, "text": text, "logprobs": self._logprobs(parsed, d),
-                                 "finish_reason": d.finish_reason} for text, d in results],
+                    "choices": [completion_choice(c, text, d) for c, (text, d) in zip(choices, results)],
                     "usage": usage}
         return JSONResponse(body)
+
+    def _prompt_logprobs(self, parsed: ParsedBody, choice: Choice, d: Delta) -> list:
+        return prompt_scores.vllm_prompt_logprobs(self.router.tokenizer, choice.prompt, d.prompt_logprobs or (),
+                                                  parsed.prompt_logprobs)
 
     async def _stream(self, request: Request, parsed: ParsedBody, choices: list[Choice]) -> Response:
         """Server-sent events. The status is decided by the first event: an error before any
@@ -386,14 +424,19 @@ class OpenAIServer:
         offsets = [0] * len(choices)   # text_offset of the next token, per choice
         outputs = [ChatOutput(c.output) for c in choices] if parsed.chat else []
 
+        echoed = [False] * len(choices)   # completions with echo: the prompt leads a choice's first event
+
         def choice_events(d: Delta) -> list[dict]:
             """One event's choice per delta of d (a chat piece may hold content and a tool call);
             the logprobs go with the first, the finish reason with the last."""
-            logprobs = self._logprobs(parsed, d, offsets[d.index])
+            echo = parsed.echo and not echoed[d.index]
+            logprobs = self._logprobs(parsed, d, offsets[d.index], prompt=choices[d.index].prompt if echo else None)
             if logprobs is not None and not parsed.chat:
                 offsets[d.index] += sum(len(t) for t in logprobs["tokens"])
             if not parsed.chat:
-                return [{"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}]
+                text = choices[d.index].echo_text + d.text if echo else d.text
+                echoed[d.index] = True
+                return [{"index": d.index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}]
             output = outputs[d.index]
             deltas = output.feed(d.text)
             if d.finish_reason is not None:
@@ -447,10 +490,6 @@ def http_error(exc: RouterError | HTTPError | InvalidRequest, request_id: str) -
     if isinstance(exc, RouterError):
         return HTTPError.from_router(exc, request_id)
     return HTTPError.from_invalid(exc) if isinstance(exc, InvalidRequest) else exc
-
-
-def _token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:

@@ -51,8 +51,7 @@ TYPE_OF_STATUS = {400: "invalid_request_error", 401: "invalid_request_error", 40
                   415: "invalid_request_error", 421: "invalid_request_error", 429: "rate_limit_error",
                   503: "service_unavailable_error"}
 # Fields pdserve does not implement: accepted only at their neutral value.
-NEUTRAL = {"best_of": None, "echo": False, "suffix": None, "functions": None, "function_call": None,
-           "prompt_logprobs": None}
+NEUTRAL = {"best_of": None, "suffix": None, "functions": None, "function_call": None}
 NEUTRAL_OK = {"best_of": (1,), "functions": ([],), "suffix": ("",)}
 CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
 MAX_TEMPLATE_KWARGS = 16
@@ -185,6 +184,9 @@ class ParsedBody:
     tools: list[Tool] = field(default_factory=list)
     tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
     template_kwargs: dict = field(default_factory=dict)
+    echo: bool = False                    # completions: the prompt leads the text (and logprobs)
+    echo_only: bool = False               # echo with max_tokens=0: the prompt alone, nothing generated
+    prompt_logprobs: int | None = None    # vLLM's prompt_logprobs field: reported in its shape
 
 
 def _stop_strings(body: dict, limits: RequestLimits) -> list[str]:
@@ -333,6 +335,7 @@ def _parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimit
     if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
         name = "top_logprobs" if chat else "logprobs"
         raise HTTPError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {params.logprobs}", name)
+    echo, echo_only, prompt_logprobs = _prompt_scoring(body, chat, params, max_tokens)
     if params.top_k < 0:   # vLLM's -1: disabled
         params.top_k = 0 if params.top_k == -1 else params.top_k
     n = _field(body, "n", int, 1)
@@ -346,7 +349,8 @@ def _parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimit
                         include_usage=bool(options and options.get("include_usage")),
                         skip_special_tokens=_field(body, "skip_special_tokens", bool, True), model=model,
                         max_tokens_given=max_tokens is not None, chat=chat, service=_service_class(body),
-                        bad_words=bad_words, structured_field=structured_field)
+                        bad_words=bad_words, structured_field=structured_field, echo=echo, echo_only=echo_only,
+                        prompt_logprobs=prompt_logprobs)
     if chat:
         _choices_limit(1, n, limits)
         parsed.messages = _chat_messages(body, limits)
@@ -359,6 +363,29 @@ def _parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimit
                 raise HTTPError(400, f"{name} is for /v1/chat/completions only", name)
         parsed.prompts = _completion_prompts(body, n, limits, max_prompt_tokens)
     return parsed
+
+
+def _prompt_scoring(body: dict, chat: bool, params: SamplingParams,
+                    max_tokens: int | None) -> tuple[bool, bool, int | None]:
+    """echo (completions), vLLM's prompt_logprobs (not streamed, as vLLM), and what they ask of
+    the workers: the prompt's logprobs with as many alternatives as either shows. echo with
+    max_tokens=0 scores the prompt alone (one token is generated and dropped, as vLLM does)."""
+    echo = _field(body, "echo", bool, False)
+    if echo and chat:
+        raise HTTPError(400, "echo is for /v1/completions only", "echo")
+    shown = _field(body, "prompt_logprobs", int)
+    if shown is not None:
+        if not 0 <= shown <= MAX_LOGPROBS:
+            raise HTTPError(400, f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {shown}", "prompt_logprobs")
+        if body.get("stream"):
+            raise HTTPError(400, "prompt_logprobs is not available with stream=true", "prompt_logprobs")
+    asked = [k for k in (shown, params.logprobs if echo else None) if k is not None]
+    if asked:
+        params.prompt_logprobs = max(asked)
+    echo_only = echo and max_tokens == 0
+    if echo_only:
+        params.max_tokens = 1
+    return echo, echo_only, shown
 
 
 def _chat_tools(body: dict, parsed: ParsedBody) -> None:

@@ -39,7 +39,7 @@ MAX_BAD_WORD_STRINGS = MAX_BAD_WORDS // 2   # each becomes two token sequences (
 KNOWN_FIELDS = frozenset({"temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "min_tokens",
                           "prompt", "output", "request_id", "ignore_eos", "logprobs", "cache_salt",
                           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
-                          "bad_words", "priority"})
+                          "bad_words", "priority", "prompt_logprobs"})
 
 
 def field_of_message(message: str) -> str | None:

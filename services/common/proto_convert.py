@@ -12,7 +12,8 @@ ROLE_NAMES = {value: name for name, value in ROLE_ENUM.items()}
 
 # The optional fields of common.proto's SamplingParams, with their engine types.
 OPTIONAL_FIELDS = (("temperature", float), ("top_p", float), ("top_k", int), ("max_tokens", int), ("seed", int),
-                   ("ignore_eos", bool), ("min_tokens", int), ("logprobs", int), ("cache_salt", str),
+                   ("ignore_eos", bool), ("min_tokens", int), ("logprobs", int), ("prompt_logprobs", int),
+                   ("cache_salt", str),
                    ("priority", int), ("presence_penalty", float), ("frequency_penalty", float),
                    ("repetition_penalty", float), ("min_p", float))
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -61,6 +62,8 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.min_tokens = p.min_tokens
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     if p.seed is not None:
         msg.seed = p.seed
     if p.cache_salt is not None:
@@ -83,7 +86,8 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
 
 def logprobs_to_proto(logprobs) -> list[common_pb2.TokenLogprob]:
     """engine TokenLogprobs (or None) -> proto messages."""
-    return [common_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+    return [common_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs,
+                                    rank=lp.rank)
             for lp in logprobs or ()]
 
 
@@ -95,6 +99,7 @@ def first_token_proto(out) -> worker_pb2.FirstToken:
         token.finish_reason = out.finish_reason
     if out.logprobs:
         token.logprob.CopyFrom(logprobs_to_proto(out.logprobs)[0])
+    token.prompt_logprobs.extend(logprobs_to_proto((out.prompt_logprobs or [None])[1:]))   # the first is None
     return token
 
 

@@ -46,6 +46,7 @@ from typing import Any, Callable, Collection, Sequence
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, NoCapacity, RequestOutput
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_runner import StepResult
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, StepTrace
 from pdserve.engine.step_cost import StepCostModel, StepSample, step_features
@@ -151,12 +152,12 @@ class SimRunner:
         self.last: StepSample | None = None
         self.last_seconds = 0.0
 
-    def run(self, batch: ScheduledBatch, stop_token_ids: Collection[int] = ()) -> list[int | None]:
+    def run(self, batch: ScheduledBatch, stop_token_ids: Collection[int] = ()) -> StepResult:
         contexts = [s.num_computed_tokens for s in batch.seqs]
         self.last = step_features(contexts, batch.num_new_tokens, batch.num_decode_seqs)
         self.last_seconds = self.cost.step_seconds(self.last)
-        return [SIM_TOKEN if s.num_computed_tokens + n >= s.num_tokens else None
-                for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        return StepResult([SIM_TOKEN if s.num_computed_tokens + n >= s.num_tokens else None
+                           for s, n in zip(batch.seqs, batch.num_new_tokens)], {})
 
 
 @dataclass(slots=True)

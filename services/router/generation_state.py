@@ -40,6 +40,8 @@ class Chunk:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[common_pb2.TokenLogprob] | None = None   # one per token, when params.logprobs is set
+    # on the first chunk, when params.prompt_logprobs is set: one per prompt token after the first
+    prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
 
 
 @dataclass(eq=False)

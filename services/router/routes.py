@@ -117,7 +117,7 @@ class RouteContext:
     @staticmethod
     def first_chunk(first: worker_pb2.FirstToken, finish: bool) -> Chunk:
         return Chunk([first.token_id], first.finish_reason if finish else None,
-                     [first.logprob] if first.HasField("logprob") else None)
+                     [first.logprob] if first.HasField("logprob") else None, list(first.prompt_logprobs) or None)
 
     def decode_chunk(self, event: worker_pb2.DecodeEvent, worker: WorkerHandle, gen: Generation) -> Chunk:
         """A decode event as a chunk. A worker ending the request with "abort" that nobody asked

@@ -81,7 +81,9 @@ def test_parse_body_names_the_field() -> None:
              ({}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
              ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
              ({"prompt": "x", "presence_penalty": "lots"}, "presence_penalty"), ({"prompt": "x", "seed": True}, "seed"),
-             ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+             ({"prompt": "x", "echo": "yes"}, "echo"), ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+             ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+             ({"prompt": "x", "best_of": 2}, "best_of"), ({"prompt": "x", "suffix": "y"}, "suffix"),
              ({"prompt": "x", "tools": [{"type": "function"}]}, "tools"),
              ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format"),
              ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
@@ -108,6 +110,18 @@ def test_parse_body_names_the_field() -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     assert parse_body({**chat, "logprobs": True, "top_logprobs": 2}, chat=True, default_model="m").params.logprobs == 2
     assert parse_body({**chat, "logprobs": True}, chat=True, default_model="m").params.logprobs == 0
+    with pytest.raises(HTTPError) as info:
+        parse_body({**chat, "echo": True}, chat=True, default_model="m")
+    assert (info.value.status, info.value.param) == (400, "echo")
+    # echo scores the prompt with logprobs' alternatives; max_tokens=0 generates one token, not shown
+    scored = parse_body({"prompt": [1, 2, 3], "echo": True, "logprobs": 2, "max_tokens": 0}, chat=False,
+                        default_model="m")
+    assert (scored.echo, scored.echo_only, scored.params.max_tokens, scored.params.prompt_logprobs,
+            scored.prompt_logprobs) == (True, True, 1, 2, None)
+    both = parse_body({"prompt": "x", "echo": True, "logprobs": 1, "prompt_logprobs": 4}, chat=False, default_model="m")
+    assert (both.echo_only, both.params.max_tokens, both.params.prompt_logprobs, both.prompt_logprobs) == \
+        (False, 16, 4, 4)
+    assert parse_body({"prompt": "x", "echo": True}, chat=False, default_model="m").params.prompt_logprobs is None
     assert parse_body({"prompt": "x", "logprobs": 0}, chat=False, default_model="m").params.logprobs == 0
     for body in ({**chat, "top_logprobs": 2}, {**chat, "logprobs": True, "top_logprobs": 21}):
         with pytest.raises(HTTPError) as info:

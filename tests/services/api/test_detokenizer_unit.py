@@ -59,7 +59,7 @@ def test_ids_past_the_tokenizer_add_no_text(tokenizer) -> None:
     """A model's vocabulary may be larger than its tokenizer's (Qwen3's padding rows; pdserve's
     qwen3-0.6b and llama-3.2-1b presets have 8192 tokenizer ids for 151936 / 128256 model ids):
     such ids decode to nothing, in the stream and in a logprobs entry's token text."""
-    from pdserve.services.api.http_server import _token_text
+    from pdserve.services.api.prompt_scores import token_text as _token_text
 
     past = [len(tokenizer), len(tokenizer) + 1, 151_935]
     ids = tokenizer.encode("hello", add_special_tokens=False)
