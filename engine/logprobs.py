@@ -69,3 +69,28 @@ def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> l
         for lp, rank, ids, vals in zip(chosen[:, 0].tolist(), ranks.tolist(), top_ids.tolist(), top_vals.tolist()):
             out.append(TokenLogprob(lp, ids, vals, rank))
     return out
+
+
+class PromptScorer:
+    """Turns a step's scored prompt rows (StepPlan.scored: per prefill segment, its batch index,
+    first position and row count; they follow the sampled rows) into prompt logprobs, fed their
+    logits in row order, a slice at a time."""
+
+    def __init__(self, seqs: list, plan) -> None:
+        self.num_sampled = len(plan.sample_seqs)
+        self.scores: dict[int, list[TokenLogprob]] = {}
+        self._segments = [(i, seqs[i].token_ids[first + 1:first + 1 + rows], seqs[i].params.prompt_logprobs)
+                          for i, first, rows in plan.scored]
+        self._segment, self._done = 0, 0   # the segment being fed, and its rows already scored
+
+    def add(self, logits: torch.Tensor) -> None:
+        at = 0
+        while at < len(logits):
+            i, targets, k = self._segments[self._segment]
+            n = min(len(targets) - self._done, len(logits) - at)
+            self.scores.setdefault(i, []).extend(
+                prompt_token_logprobs(logits[at:at + n], targets[self._done:self._done + n], k))
+            at += n
+            self._done += n
+            if self._done == len(targets):
+                self._segment, self._done = self._segment + 1, 0

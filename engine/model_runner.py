@@ -17,7 +17,7 @@ from pdserve.engine.layers.backend import TorchBackend, select_backend
 from pdserve.engine.layers.linear import Linear
 from pdserve.engine.layers.sampler import Sampler
 from pdserve.engine.logits_context import logits_context
-from pdserve.engine.logprobs import TokenLogprob, prompt_token_logprobs
+from pdserve.engine.logprobs import PromptScorer, TokenLogprob
 from pdserve.engine.loader import checkpoint_quantization, hold_int8_linears, load_weights
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import MODEL_CLASSES
@@ -27,6 +27,7 @@ from pdserve.engine.step_plan import OP_READ_KV, OP_WRITE_KV, StepPlan
 
 log = logging.getLogger(__name__)
 
+LOGIT_ROWS = 512   # vocabulary-wide logit rows computed at once (scored prompts can have thousands)
 TRIM_EVERY_BYTES = 64 << 20   # while packing, freed weights go back to the system every this many bytes
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -402,17 +403,15 @@ class ModelRunner:
         and the prompt logprobs scored for the sequences that asked (SamplingParams.prompt_logprobs).
         stop_token_ids: the model's EOS ids (min_tokens keeps them out)."""
         plan = StepPlan.from_batch(batch, self.block_size)
+        scorer = PromptScorer(batch.seqs, plan) if plan.scored else None
         if self.ranks is None:
-            logits = self.execute(plan)
+            logits = self.execute(plan, scorer)
         else:
             with self.ranks.lock:
                 self._flush_kv_writes()
                 self.ranks.send(*plan.encode())
-                logits = self.execute(plan)
+                logits = self.execute(plan, scorer)
         results: list = [[] if batch.draft(i) else None for i in range(len(batch.seqs))]
-        scores: dict[int, list[TokenLogprob]] = {}
-        if logits is not None and plan.scored:
-            logits, scores = self._score_prompts(batch, plan, logits)
         if logits is not None and plan.sample_seqs:
             seqs = [batch.seqs[i] for i in plan.sample_seqs]
             # a draft's rows sample the sequence's next output indexes, one each (seeded sampling keys on it)
@@ -429,25 +428,13 @@ class ModelRunner:
                     results[i] = tok
                 else:
                     results[i].append(tok)
-        return StepResult(results, scores)
-
-    @staticmethod
-    def _score_prompts(batch: ScheduledBatch, plan: StepPlan,
-                       logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, list[TokenLogprob]]]:
-        """The sampled rows' logits, and each scored segment's prompt logprobs by batch index."""
-        at = len(plan.sample_seqs)
-        scores = {}
-        for i, first, rows in plan.scored:
-            seq = batch.seqs[i]
-            targets = seq.token_ids[first + 1:first + 1 + rows]
-            scores[i] = prompt_token_logprobs(logits[at:at + rows], targets, seq.params.prompt_logprobs)
-            at += rows
-        return logits[:len(plan.sample_seqs)], scores
+        return StepResult(results, scorer.scores if scorer is not None else {})
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+    def execute(self, plan: StepPlan, scorer: PromptScorer | None = None) -> torch.Tensor | None:
         """This rank's forward pass over the plan; the sampled rows' full-vocabulary logits (None
-        when no row samples). Under tensor parallelism every rank runs it, with the same plan."""
+        when no row samples), the scored prompt rows' handed to scorer. Under tensor parallelism
+        every rank runs it, with the same plan."""
         input_ids, positions, meta = self.prepare(plan)
         if self.graphs is not None and plan.num_decode == len(plan.seqs) and self.graphs.can_run(len(plan.seqs)):
             hidden = self.graphs.run(input_ids, positions, meta)
@@ -458,9 +445,22 @@ class ModelRunner:
             return None
         # every row samples (decode steps): in order. (A rank's plan has no scored list: its rows may
         # be out of order, which only the driver, which keeps the logits, must mind.)
-        if len(rows) == hidden.shape[0] and not plan.scored:
+        if len(rows) == hidden.shape[0] and not plan.scored and len(rows) <= LOGIT_ROWS:
             return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        index = torch.tensor(rows, device=self.device)
+        keep = scorer.num_sampled if scorer is not None else len(rows)
+        kept = []
+        # at most LOGIT_ROWS vocabulary-wide rows at a time (a long scored prompt); the slicing
+        # depends on the row count alone, so that every rank gathers the same slices
+        for at in range(0, len(rows), LOGIT_ROWS):
+            logits = self.model.compute_logits(hidden[index[at:at + LOGIT_ROWS]])
+            if at < keep:
+                kept.append(logits[:keep - at])
+            if scorer is not None and at + len(logits) > keep:
+                scorer.add(logits[max(0, keep - at):])
+        if not kept:
+            return None
+        return kept[0] if len(kept) == 1 else torch.cat(kept)
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev, nd = self.device, plan.num_decode

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams, model_runner
 from tests.conftest import assert_no_leak, random_prompts
 
 PROMPTS = random_prompts(4, 9, 70, seed=45)
@@ -41,8 +41,11 @@ def _check(prompt: list[int], scores: list, reference: torch.Tensor) -> None:
         assert lp.top_ids == ids.tolist() or sorted(values.tolist()) != values.tolist(), k
 
 
-@pytest.mark.parametrize("budget", [2048, 16], ids=["whole", "chunked"])
-def test_prompt_logprobs_equal_hf_float32(tiny_model: str, references: list[torch.Tensor], budget: int) -> None:
+@pytest.mark.parametrize("budget,logit_rows", [(2048, 512), (16, 512), (2048, 3)], ids=["whole", "chunked", "sliced"])
+def test_prompt_logprobs_equal_hf_float32(tiny_model: str, references: list[torch.Tensor], budget: int,
+                                          logit_rows: int, monkeypatch) -> None:
+    """sliced: logits computed 3 rows at a time: slices across the sampled rows (4 decodes), the prompts' segments and between them."""
+    monkeypatch.setattr(model_runner, "LOGIT_ROWS", logit_rows)
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=TOP)
     with LLM(tiny_model, dtype="float32", max_num_batched_tokens=budget, max_num_seqs=4) as llm:
         outs = llm.generate(PROMPTS, params)
@@ -97,3 +100,24 @@ def test_prompt_logprobs_out_of_range_is_refused_naming_the_field() -> None:
     for bad in (-1, 21, True, 1.5):
         with pytest.raises(ValueError, match="prompt_logprobs must be an integer in"):
             SamplingParams(prompt_logprobs=bad).validate()
+
+
+def test_prompt_logprobs_under_tensor_parallelism_sliced(tiny_qwen3: str) -> None:
+    """Two ranks gather the logits of the same slices (the slicing follows the row count alone):
+    two long prompts make one step of more than 2 x LOGIT_ROWS scored rows."""
+    prompts = random_prompts(2, model_runner.LOGIT_ROWS + 100, model_runner.LOGIT_ROWS + 200, seed=46) + PROMPTS
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=TOP)
+    with LLM(tiny_qwen3, dtype="float32") as llm:
+        alone = llm.generate(prompts, params)
+    threads = torch.get_num_threads()   # a TP driver runs on one torch thread (process-wide)
+    try:
+        with LLM(tiny_qwen3, dtype="float32", tensor_parallel_size=2) as llm:
+            split = llm.generate(prompts, params)
+            assert_no_leak(llm)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(alone, split):
+        assert a.token_ids == b.token_ids
+        assert [lp.logprob for lp in a.prompt_logprobs[1:]] == pytest.approx([lp.logprob for lp in b.prompt_logprobs[1:]],
+                                                                             abs=1e-4)
+        assert [lp.top_ids for lp in a.prompt_logprobs[1:]] == [lp.top_ids for lp in b.prompt_logprobs[1:]]
