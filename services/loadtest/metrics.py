@@ -65,6 +65,8 @@ def calculate_metrics(results: Sequence[RequestResult], duration: float, percent
         "total_output_tokens": total_output,
         "request_throughput": completed / duration,
         "request_goodput": good / duration if goodput else None,
+        # the share of all requests sent (failed ones included) that met every SLO
+        "slo_attainment": good / len(results) if goodput and results else None,
         "output_throughput": total_output / duration,
         "total_token_throughput": (total_input + total_output) / duration,
     }

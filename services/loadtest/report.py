@@ -19,6 +19,7 @@ def print_summary(metrics: dict[str, Any], *, max_concurrency: int | None, perce
     print("{:<40} {:<10.2f}".format("Request throughput (req/s):", metrics["request_throughput"]))
     if metrics.get("request_goodput") is not None:
         print("{:<40} {:<10.2f}".format("Request goodput (req/s):", metrics["request_goodput"]))
+        print("{:<40} {:<10.1%}".format("SLO attainment (of requests sent):", metrics["slo_attainment"]))
     print("{:<40} {:<10.2f}".format("Output token throughput (tok/s):", metrics["output_throughput"]))
     print("{:<40} {:<10.2f}".format("Total Token throughput (tok/s):", metrics["total_token_throughput"]))
     for m in percentile_metrics:
@@ -42,14 +43,16 @@ def print_server_breakdown(breakdown: dict[str, float]) -> None:
 
 def print_sweep_table(rows: Sequence[dict[str, Any]], percentiles: Sequence[float]) -> None:
     pk = percentile_key(percentiles[-1])
-    head = (f"{'rate':>6} {'req/s':>7} {'tok/s':>8} {'ok':>5} {'fail':>4} "
+    slo = any(r.get("slo_attainment") is not None for r in rows)
+    head = (f"{'rate':>6} {'req/s':>7} {'tok/s':>8} {'ok':>5} {'fail':>4} " + ("  SLO% goodput " if slo else "")
             + " ".join(f"{m + ' p50/' + pk:>17}" for m in METRICS))
     print("{s:{c}^{n}}".format(s=" Sweep ", n=len(head), c="="))
     print(head)
     for r in rows:
         cells = " ".join(f"{r[f'median_{m}_ms']:>8.1f}/{r[f'{pk}_{m}_ms']:<8.1f}" for m in METRICS)
+        attained = f"{100 * (r.get('slo_attainment') or 0):>6.1f} {r.get('request_goodput') or 0:>7.2f} " if slo else ""
         print(f"{str(r['request_rate']):>6} {r['request_throughput']:>7.2f} {r['output_throughput']:>8.1f} "
-              f"{r['completed']:>5} {r['failed']:>4} {cells}")
+              f"{r['completed']:>5} {r['failed']:>4} {attained}{cells}")
     print("(latencies in ms)", flush=True)
 
 

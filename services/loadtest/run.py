@@ -59,12 +59,14 @@ async def not_closed(backend):
 async def run_load(address: str, requests: Sequence[SampleRequest], *, rate: float, burstiness: float = 1.0,
                    max_concurrency: int | None = None, seed: int = 0, sampling: Sampling | None = None,
                    timeout: float | None = 600.0, tag: str = "bench",
-                   progress: LoadProgress | None = None, backend=None) -> tuple[list[RequestResult], float]:
+                   progress: LoadProgress | None = None, backend=None,
+                   offsets: Sequence[float] | None = None) -> tuple[list[RequestResult], float]:
     """Send requests at the arrival schedule; returns (results in request order, duration s).
     progress: told as each request ends. backend: an OpenAIBackend (openai_backend.py);
-    None: the router's gRPC API at address."""
+    None: the router's gRPC API at address. offsets: the send times (s after the start; a
+    trace's), instead of a schedule drawn at rate."""
     sampling = sampling or Sampling()
-    offsets = arrival_offsets(len(requests), rate, burstiness, seed)
+    offsets = list(offsets) if offsets is not None else arrival_offsets(len(requests), rate, burstiness, seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     run_id = uuid.uuid4().hex[:8]
     async with (GrpcBackend(address, timeout) if backend is None else not_closed(backend)) as client:

@@ -44,6 +44,12 @@ Plots (PNG, matplotlib; made with ``--save-result`` unless ``--no-plot``, or wit
 prefix cache does not carry over) and ``<stem>_sweep.png`` plots latency percentiles against
 the achieved request throughput; ``<stem>_sweep.json`` holds the summary rows.
 
+``--dataset-name mooncake_trace`` / ``azure_trace`` (services/loadtest/traces.py): a production
+trace's rows from ``--trace-start``, sent at the trace's times (``--trace-time-scale``, or
+rescaled to ``--request-rate``), lengths scaled by ``--trace-token-scale`` /
+``--trace-output-scale``, the trace's shared blocks as shared tokens. With ``--goodput`` every
+run reports ``slo_attainment`` (requests meeting every target / requests sent).
+
 ``--dataset-name multi-turn`` (services/loadtest/multi_turn.py): ``--num-prompts`` sessions of
 ``--multi-turn-turns`` turns arrive at ``--request-rate`` sessions/s; turn 1 has
 ``--multi-turn-first-input-len`` random tokens, each later turn the history so far, the previous
@@ -78,6 +84,7 @@ from pdserve.services.loadtest.plots import plot_itl_over_time, plot_latency_cdf
 from pdserve.services.loadtest.report import print_server_breakdown, print_summary, print_sweep_table, print_turn_table
 from pdserve.services.loadtest.results import RequestResult, Sampling
 from pdserve.services.loadtest.run import LoadProgress, run_load
+from pdserve.services.loadtest.traces import MOONCAKE_BLOCK, TRACES, TraceOptions, load_trace
 
 WARMUP_SEED_OFFSET = 1_000_003
 
@@ -178,9 +185,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--backend openai/openai-chat: sent as Bearer (default: $OPENAI_API_KEY, else "
                         "$PDSERVE_API_KEY)")
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset-name", default="random", choices=DATASETS)
+    d.add_argument("--dataset-name", default="random", choices=(*DATASETS, *TRACES))
     d.add_argument("--dataset-path", default=None, help="jsonl: one {\"prompt\" | \"prompt_token_ids\", "
-                                                       "\"output_len\"?} per line")
+                                                       "\"output_len\"?} per line; mooncake_trace: a Mooncake / "
+                                                       "AIPerf trace (JSON lines); azure_trace: an Azure LLM "
+                                                       "inference trace (CSV)")
+    d.add_argument("--trace-start", type=int, default=0, help="traces: rows skipped before the slice")
+    d.add_argument("--trace-token-scale", type=float, default=1.0,
+                   help="traces: input lengths (and a block's tokens) x this (default: %(default)s)")
+    d.add_argument("--trace-output-scale", type=float, default=1.0,
+                   help="traces: output lengths x this (default: %(default)s)")
+    d.add_argument("--trace-time-scale", type=float, default=1.0,
+                   help="traces: gaps between arrivals x this, unless --request-rate rescales them to a mean "
+                        "rate (default: %(default)s)")
+    d.add_argument("--trace-block-size", type=int, default=MOONCAKE_BLOCK,
+                   help="mooncake_trace: tokens per hash id before scaling (default: %(default)s)")
     d.add_argument("--num-prompts", type=int, default=1000)
     d.add_argument("--random-input-len", type=int, default=1024)
     d.add_argument("--random-output-len", type=int, default=128)
@@ -242,6 +261,13 @@ def _dataset_options(args: argparse.Namespace) -> DatasetOptions:
                           num_prefixes=args.shared_prefix_num_prefixes)
 
 
+def _trace_options(args: argparse.Namespace, rate: float) -> TraceOptions:
+    return TraceOptions(path=args.dataset_path, name=args.dataset_name, start=args.trace_start,
+                        token_scale=args.trace_token_scale, output_scale=args.trace_output_scale,
+                        time_scale=args.trace_time_scale, block_size=args.trace_block_size,
+                        rate=rate if rate < math.inf else None)
+
+
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.num_prompts < 1:
         p.error("--num-prompts must be >= 1")
@@ -259,6 +285,15 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             _multi_turn_options(args)
     except ValueError as exc:
         p.error(str(exc))
+    if args.dataset_name in TRACES:
+        if not args.dataset_path:
+            p.error(f"--dataset-name {args.dataset_name} needs --dataset-path")
+        try:
+            _trace_options(args, args.request_rate).validate()
+        except ValueError as exc:
+            p.error(str(exc))
+        if args.burstiness != 1.0:
+            p.error("--burstiness does not apply to a trace: its arrivals are the trace's")
     if args.dataset_name == "multi-turn" and (args.sweep or args.backend == "openai-chat"):
         p.error("--dataset-name multi-turn runs one rate (no --sweep) over token ids (not openai-chat)")
 
@@ -311,6 +346,7 @@ async def _bench(args: argparse.Namespace) -> int:
     info, backend, tokenizer, server = connected
     opts = _dataset_options(args)
     sampling = Sampling(args.temperature, args.top_p, args.top_k, args.ignore_eos)
+    trace = args.dataset_name in TRACES
     rates = args.sweep or [args.request_rate]
     plot = args.plot if args.plot is not None else args.save_result
     out_dir = Path(args.result_dir)
@@ -318,20 +354,30 @@ async def _bench(args: argparse.Namespace) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
     eos = info.eos_token_id
 
-    def workload(seed: int, n: int) -> list[SampleRequest]:
-        warm_opts = DatasetOptions(input_len=args.multi_turn_first_input_len, output_len=args.random_output_len)
-        reqs = sample_requests(warm_opts if args.dataset_name == "multi-turn" else opts, n, info.vocab_size,
-                               seed=seed, eos_token_id=eos)
+    def workload(seed: int, n: int, rate: float = math.inf) -> tuple[list[SampleRequest], list[float] | None]:
+        """The requests, and their send times when they come from a trace (at rate's mean, if finite)."""
+        offsets = None
+        if trace and seed < WARMUP_SEED_OFFSET:
+            replay = load_trace(_trace_options(args, rate), n, info.vocab_size, seed=args.seed, eos_token_id=eos)
+            reqs, offsets = replay.requests, replay.offsets
+            print(f"trace {args.dataset_path}: rows {args.trace_start}-{args.trace_start + len(reqs) - 1}, "
+                  f"{sum(r.prompt_len for r in reqs)} prompt tokens, {replay.shared_blocks} blocks shared between "
+                  f"prompts, {len(reqs) / max(offsets[-1], 1e-9):.2f} req/s over {offsets[-1]:.1f}s", flush=True)
+        else:
+            warm_opts = DatasetOptions(input_len=args.multi_turn_first_input_len if args.dataset_name == "multi-turn"
+                                       else args.random_input_len, output_len=args.random_output_len)
+            reqs = sample_requests(opts if args.dataset_name not in (*TRACES, "multi-turn") else warm_opts, n,
+                                   info.vocab_size, seed=seed, eos_token_id=eos)
         too_long = sum(1 for r in reqs if r.prompt_len >= 0 and r.prompt_len + r.expected_output_len > info.max_model_len)
         if too_long:
             print(f"warning: {too_long} request(s) exceed max_model_len {info.max_model_len} and will fail",
                   file=sys.stderr)
-        return prepare_chat_prompts(reqs, tokenizer) if args.backend == "openai-chat" else reqs
+        return (prepare_chat_prompts(reqs, tokenizer) if args.backend == "openai-chat" else reqs), offsets
 
     print(f"pdserve bench serve: {server}, dataset {args.dataset_name}, {args.num_prompts} prompts, "
           f"rate(s) {', '.join(map(_rate_name, rates))}", flush=True)
     if args.num_warmups:
-        warm = workload(args.seed + WARMUP_SEED_OFFSET, args.num_warmups)
+        warm, _ = workload(args.seed + WARMUP_SEED_OFFSET, args.num_warmups)
         wres, _ = await run_load(args.router, warm, rate=math.inf, max_concurrency=args.max_concurrency,
                                  sampling=sampling, timeout=args.request_timeout, tag="warmup",
                                  progress=LoadProgress(len(warm), "warmup", args.progress), backend=backend)
@@ -344,12 +390,12 @@ async def _bench(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for i, rate in enumerate(rates):
         seed = args.seed + i
-        requests = workload(seed, args.num_prompts)
+        requests, offsets = workload(seed, args.num_prompts, rate)
         results, duration = await run_load(args.router, requests, rate=rate, burstiness=args.burstiness,
                                            max_concurrency=args.max_concurrency, seed=seed, sampling=sampling,
                                            timeout=args.request_timeout,
                                            progress=LoadProgress(len(requests), f"rate {_rate_name(rate)}",
-                                                                 args.progress), backend=backend)
+                                                                 args.progress), backend=backend, offsets=offsets)
         metrics = calculate_metrics(results, duration, args.metric_percentiles, args.goodput)
         title = " Serving Benchmark Result " if len(rates) == 1 else f" Serving Benchmark Result @ {_rate_name(rate)} req/s "
         print_summary(metrics, max_concurrency=args.max_concurrency, percentile_metrics=args.percentile_metrics,

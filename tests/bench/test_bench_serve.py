@@ -280,6 +280,36 @@ def test_bench_serve_cli_against_cluster(cluster, tmp_path: Path) -> None:
     _assert_pngs(tmp_path / "run_latency_cdf.png", tmp_path / "run_itl_over_time.png")
 
 
+def test_bench_serve_replays_a_mooncake_trace_with_slo_attainment(cluster, tmp_path: Path) -> None:
+    """A Mooncake-format trace scaled 1/32 in tokens, arrivals as written (x0.5): prompts sharing
+    block ids share their leading tokens (the server's prefix cache sees them), send times follow
+    the trace, and SLO attainment counts every request sent; a sweep rescales to each rate."""
+    from pdserve.services.loadtest.serve import main
+    rows = [{"timestamp": 400 * i, "input_length": 512 * (2 + i % 3), "output_length": 16,
+             "hash_ids": [0, 1 + i % 2, *range(10 + 4 * i, 10 + 4 * i + i % 3)]} for i in range(6)]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--router", cluster.router_address, "--dataset-name", "mooncake_trace", "--dataset-path", str(trace),
+            "--trace-token-scale", str(1 / 32), "--trace-output-scale", "0.25", "--trace-time-scale", "0.5",
+            "--trace-start", "1", "--num-prompts", "5", "--ignore-eos", "--goodput", "ttft:60000", "tpot:60000",
+            "--save-result", "--result-dir", str(tmp_path), "--no-plot"]
+    assert main([*args, "--result-filename", "trace.json"]) == 0
+    res = json.loads((tmp_path / "trace.json").read_text())
+    assert res["completed"] == 5 and res["failed"] == 0 and res["dataset_name"] == "mooncake_trace"
+    assert res["input_lens"] == [16 * (2 + i % 3) for i in range(1, 6)] and res["output_lens"] == [4] * 5
+    assert res["slo_attainment"] == 1.0 and res["request_goodput"] == pytest.approx(res["request_throughput"])
+    starts = res["start_times"]
+    assert starts[-1] - starts[0] == pytest.approx(0.8, abs=0.3), starts   # 4 gaps of 400 ms x 0.5
+    assert all(b - a > 0.05 for a, b in zip(starts, starts[1:])), starts
+    # a tight TTFT target: attainment is the share of requests sent that kept it
+    assert main([*args, "--result-filename", "tight.json", "--goodput", "ttft:0.001"]) == 0
+    assert json.loads((tmp_path / "tight.json").read_text())["slo_attainment"] == 0.0
+    assert main([*args, "--result-filename", "sw.json", "--sweep", "5,20"]) == 0
+    sweep = json.loads((tmp_path / "sw_sweep.json").read_text())
+    assert [r["request_rate"] for r in sweep] == [5.0, 20.0] and all(r["slo_attainment"] == 1.0 for r in sweep)
+    assert all(r["completed"] == 5 for r in sweep)
+
+
 def test_bench_serve_records_failures_and_sweeps(cluster, tmp_path: Path) -> None:
     from pdserve.services.loadtest.serve import main
     data = tmp_path / "p.jsonl"
