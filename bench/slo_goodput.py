@@ -121,13 +121,15 @@ def point(target: Target, rate: float, args: argparse.Namespace, seed: int, voca
 
 
 @contextlib.contextmanager
-def pdserve_target(setup: str, args: argparse.Namespace, model: str, logs: Path) -> Iterator[Target]:
-    """`pdserve up` for setup, serving; stopped (its router and workers) on leaving."""
+def pdserve_target(setup: str, args: argparse.Namespace, model: str, logs: Path,
+                   flags: list[str] | None = None) -> Iterator[Target]:
+    """`pdserve up` for setup (its flags: up_flags', unless given), serving; stopped (its router and
+    workers) on leaving."""
     from pdserve.services.deployment.launcher import free_port as free_router_port
     from pdserve.services.deployment.launcher import wait_serving
     port = free_router_port()
     cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-           "--threads", "1", *up_flags(setup, args.ttft_ms, args.tpot_ms)]
+           "--threads", "1", *(flags if flags is not None else up_flags(setup, args.ttft_ms, args.tpot_ms))]
     popen = drivers.start_up(cmd, logs / f"{setup}-up.log", f"[{setup}]")
     try:
         wait_serving(f"127.0.0.1:{port}", popen, timeout=300)

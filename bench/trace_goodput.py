@@ -1,0 +1,191 @@
+#!/usr/bin/env python
+"""SLO attainment and goodput on a production trace, pdserve against vLLM-CPU, side by side in one
+run (DistServe's and Mooncake's measure: the share of requests within a TTFT and a TPOT target).
+
+The trace (``--trace``: a Mooncake / AIPerf JSON-lines trace, e.g. ``FAST25-release/traces/
+conversation_trace.jsonl`` from github.com/kvcache-ai/Mooncake) is replayed as ``pdserve bench
+serve --dataset-name mooncake_trace`` replays it (services/loadtest/traces.py): a slice of
+``--num-prompts`` rows from ``--trace-start``, each 512-token block -> ``--token-scale`` x 512
+tokens with the same content wherever its hash id appears, outputs x ``--output-scale``, arrivals
+rescaled to each rate of ``--rates`` (req/s), greedy. One load generator measures every setup:
+
+* ``disagg``:       ``pdserve up`` with 1 prefill + 1 decode worker (``pdserve serve``'s shape)
+* ``conditional``:  the same with ``--disaggregation conditional`` (short prompts prefilled on the
+  decode worker when that is cheaper)
+* ``colocated``:    ``pdserve up`` with 1 colocated worker
+* ``vllm``:         vLLM-CPU's OpenAI server, started as ``bench/slo_goodput.py`` starts it
+  (``--vllm-python``, default ``$PDSERVE_VLLM_PYTHON``) but with ``--max-model-len 4096`` (the
+  small model's, pdserve's default), over ``/v1/completions``
+
+pdserve is loaded over its router's gRPC API, vLLM over HTTP (the same token-id prompts,
+streamed). Per point: attainment (requests within both targets / requests sent), goodput (those
+per second of the run), TTFT p50/p90/p99, TPOT p50/p90, failures; the table to stdout, the rows to
+``trace_goodput.json`` and attainment against rate to ``trace_goodput.png`` in ``--out``::
+
+    PYTHONPATH=. python bench/trace_goodput.py --trace conversation_trace.jsonl --num-prompts 240 \\
+        --rates 2,3,4 --vllm-python /work/vllm-venv/bin/python
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench import drivers  # noqa: E402
+from bench.slo_goodput import Target, pdserve_target  # noqa: E402
+from bench.vs_vllm_server import (add_vllm_args, check_vllm_setup, run_stopping_servers, vllm_command,  # noqa: E402
+                                  vllm_server)
+from bench.vs_vllm_commands import format_command, machine_info  # noqa: E402
+
+SETUPS = ("disagg", "conditional", "colocated", "vllm")
+MAX_MODEL_LEN = 4096   # the trace's longest prompts scaled 1/32 and their outputs pass 2048 (the small model: 4096)
+UP_FLAGS = {"disagg": ["--prefill-workers", "1", "--decode-workers", "1"],
+            "conditional": ["--prefill-workers", "1", "--decode-workers", "1", "--disaggregation", "conditional"],
+            "colocated": ["--colocated-workers", "1"]}
+
+
+def workload(args: argparse.Namespace, rate: float, vocab: int):
+    from pdserve.services.loadtest.traces import TraceOptions, load_trace
+    opts = TraceOptions(args.trace, start=args.trace_start, token_scale=args.token_scale,
+                        output_scale=args.output_scale, rate=rate)
+    return load_trace(opts, args.num_prompts, vocab, seed=args.seed)
+
+
+def point(target, rate: float, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    import numpy as np
+
+    from pdserve.services.loadtest.results import Sampling
+    from pdserve.services.loadtest.run import run_load
+    replay = workload(args, rate, vocab)
+    backend = target.backend() if target.backend is not None else None
+    results, duration = asyncio.run(run_load(target.address, replay.requests, rate=rate, offsets=replay.offsets,
+                                             backend=backend, sampling=Sampling(temperature=0.0, ignore_eos=True),
+                                             tag="trace"))
+    done = [r for r in results if r.success]
+    good = [r for r in done if r.ttft * 1e3 <= args.ttft_ms and (r.tpot or 0.0) * 1e3 <= args.tpot_ms]
+
+    def pct(values: list[float], q: float) -> float | None:
+        return float(np.percentile(values, q)) if values else None
+    ttft = [r.ttft * 1e3 for r in done]
+    tpot = [r.tpot * 1e3 for r in done if r.tpot is not None]
+    return {"rate": rate, "duration_s": duration, "sent": len(results), "completed": len(done),
+            "failed": len(results) - len(done), "attainment": len(good) / len(results),
+            "goodput": len(good) / duration, "throughput": len(done) / duration,
+            "ttft_p50_ms": pct(ttft, 50), "ttft_p90_ms": pct(ttft, 90), "ttft_p99_ms": pct(ttft, 99),
+            "tpot_p50_ms": pct(tpot, 50), "tpot_p90_ms": pct(tpot, 90),
+            "prompt_tokens": sum(r.prompt_len for r in replay.requests), "shared_blocks": replay.shared_blocks,
+            "errors": sorted({r.error.split(";")[0][:80] for r in results if not r.success})[:3]}
+
+
+@contextlib.contextmanager
+def vllm_target(args: argparse.Namespace, model: str, logs: Path) -> Iterator[Target]:
+    """vLLM-CPU's OpenAI server at MAX_MODEL_LEN (pdserve's default: the model's own), over /v1/completions."""
+    from pdserve.services.loadtest.openai_backend import OpenAIBackend
+    with vllm_server(args, model, logs, max_model_len=MAX_MODEL_LEN) as base:
+        yield Target(base, lambda: OpenAIBackend(base, model=model))
+
+
+def run_setup(setup: str, args: argparse.Namespace, model: str, logs: Path, rates: list[float]) -> list[dict]:
+    from pdserve.engine.model_config import ModelConfig
+    vocab = ModelConfig.from_dir(model).vocab_size
+    serve = (vllm_target(args, model, logs) if setup == "vllm"
+             else pdserve_target(setup, args, model, logs, UP_FLAGS[setup]))
+    rows = []
+    with serve as target:
+        warm = argparse.Namespace(**{**vars(args), "num_prompts": 4, "trace_start": args.trace_start + args.num_prompts})
+        point(target, 2.0, warm, vocab)   # rows after the slice: nothing of the slice is cached by the warm-up
+        for rate in rates:
+            row = {"setup": setup, **point(target, rate, args, vocab)}
+            print(f"[{setup}] {rate:g} req/s: attainment {row['attainment']:.1%}, goodput {row['goodput']:.2f}, "
+                  f"TTFT p50/p90/p99 {row['ttft_p50_ms'] or 0:.0f}/{row['ttft_p90_ms'] or 0:.0f}/"
+                  f"{row['ttft_p99_ms'] or 0:.0f} ms, TPOT p50/p90 {row['tpot_p50_ms'] or 0:.1f}/"
+                  f"{row['tpot_p90_ms'] or 0:.1f} ms, failed {row['failed']}"
+                  f"{' ' + str(row['errors']) if row['errors'] else ''}", flush=True)
+            rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    base = {r["rate"]: r["goodput"] for r in rows if r["setup"] == "vllm"}
+    lines = ["| setup | rate (req/s) | within SLO | goodput (req/s) | vs vLLM | TTFT p50 / p90 / p99 (ms) | "
+             "TPOT p50 / p90 (ms) | failed |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = f"{r['goodput'] / base[r['rate']]:.2f}x" if base.get(r["rate"]) else "-"
+        ttft = "/".join(f"{r[k]:.0f}" for k in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms")) if r["completed"] else "-"
+        tpot = "/".join(f"{r[k]:.1f}" for k in ("tpot_p50_ms", "tpot_p90_ms")) if r["tpot_p50_ms"] else "-"
+        lines.append(f"| {r['setup']} | {r['rate']:g} | {r['attainment']:.1%} | {r['goodput']:.2f} | {ratio} | "
+                     f"{ttft} | {tpot} | {r['failed']} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, args: argparse.Namespace) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for setup in SETUPS:
+        pts = [r for r in rows if r["setup"] == setup]
+        if pts:
+            ax.plot([r["rate"] for r in pts], [100 * r["attainment"] for r in pts], marker="o",
+                    label="vLLM-CPU" if setup == "vllm" else f"pdserve {setup}",
+                    **({"color": "black", "linestyle": "--"} if setup == "vllm" else {}))
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel(f"% within TTFT <= {args.ttft_ms:g} ms and TPOT <= {args.tpot_ms:g} ms")
+    ax.set_title(f"{Path(args.trace).name}, rows {args.trace_start}-{args.trace_start + args.num_prompts - 1}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", required=True, help="a Mooncake / AIPerf trace (JSON lines)")
+    p.add_argument("--model", default=None, help="checkpoint (default: the small model, made once)")
+    p.add_argument("--setups", default=None,
+                   help=f"comma list of {', '.join(SETUPS)} (default: all; vllm only when a vLLM python is given)")
+    p.add_argument("--rates", default="3", help="comma list of request rates (req/s) the slice is rescaled to")
+    p.add_argument("--num-prompts", type=int, default=240)
+    p.add_argument("--trace-start", type=int, default=0)
+    p.add_argument("--token-scale", type=float, default=16 / 512)
+    p.add_argument("--output-scale", type=float, default=0.25)
+    p.add_argument("--ttft-ms", type=float, default=2000.0)
+    p.add_argument("--tpot-ms", type=float, default=100.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(REPO_ROOT / "docs" / "images"))
+    add_vllm_args(p)
+    args = p.parse_args()
+    setups = drivers.names(args.setups or ",".join(SETUPS), SETUPS, "setup")
+    check_vllm_setup(p, args, setups)
+    return run_stopping_servers(lambda: measure(args, setups))
+
+
+def measure(args: argparse.Namespace, setups: list[str]) -> int:
+    model = drivers.model_dir(args.model)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logs = drivers.result_dir(None, "trace-goodput")
+    print(f"servers' logs in {logs}", flush=True)
+    rates = [float(r) for r in args.rates.split(",")]
+    rows = [row for setup in setups for row in run_setup(setup, args, model, logs, rates)]
+    print(table(rows))
+    record: dict[str, Any] = {"args": vars(args), "setups": setups, "rows": rows, "cpu": machine_info()["cpu_model"]}
+    if "vllm" in setups:
+        cmd, env = vllm_command(args, model, 0, MAX_MODEL_LEN)
+        record["vllm_server"] = format_command(cmd, env).replace("--port 0", "--port PORT")
+    (out / "trace_goodput.json").write_text(json.dumps(record, indent=1))
+    plot(rows, out / "trace_goodput.png", args)
+    print(f"wrote {out / 'trace_goodput.json'} and {out / 'trace_goodput.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
