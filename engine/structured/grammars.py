@@ -10,8 +10,6 @@ before either runs; both run off the event loop, under a deadline, in their call
 """
 from __future__ import annotations
 
-import json
-import re
 import threading
 from typing import TYPE_CHECKING, Sequence
 
@@ -19,16 +17,16 @@ import torch
 
 from pdserve.engine.sampling_params import StructuredOutputsParams
 from pdserve.engine.structured import bitmask
+from pdserve.engine.structured.constraints import StructuredError, choice_ebnf, field_name, reason
 from pdserve.engine.structured.state import GrammarState
+from pdserve.engine.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     import xgrammar
 
 JSON_KINDS = ("json", "json_object")
-COMPILE_TIMEOUT_S = 10.0    # a caller waits this long for a check or a compile, then refuses the request
 CACHE_BYTES = 256 << 20     # compiled grammars kept per engine (xgrammar's own cache)
 COMPILE_THREADS = 1         # one core's worth: a compile must not take the engine thread's core too
-_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")   # xgrammar's "[17:02:27] /project/cpp/x.cc:94: " prefix
 
 
 def special_tokens_cleared(tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> torch.Tensor:
@@ -63,56 +61,6 @@ def _clear(row: torch.Tensor, tok: int) -> None:
     row[0, tok // 32] &= ~(1 << (tok % 32)) if tok % 32 != 31 else 0x7FFFFFFF
 
 
-class StructuredError(ValueError):
-    """A constraint that does not compile; the message names the field (structured_outputs.KIND)."""
-
-
-def _field(kind: str) -> str:
-    return f"structured_outputs.{kind}"
-
-
-def _message(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return _LOCATION.sub("", text)[:200]
-
-
-def choice_ebnf(choices: Sequence[str]) -> str:
-    """root ::= "a" | "b" ...: each choice as an EBNF string literal (JSON's escapes)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-def _grammar(spec: StructuredOutputsParams) -> "xgrammar.Grammar":
-    import xgrammar as xgr
-    kind, _ = spec.kind()
-    if kind == "json":
-        return xgr.Grammar.from_json_schema(spec.json, any_whitespace=False, strict_mode=True)
-    if kind == "json_object":
-        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-    if kind == "regex":
-        return xgr.Grammar.from_regex(spec.regex)
-    if kind == "choice":
-        return xgr.Grammar.from_ebnf(choice_ebnf(spec.choice))
-    return xgr.Grammar.from_ebnf(spec.grammar)
-
-
-def check_structured(spec: StructuredOutputsParams) -> None:
-    """Raise StructuredError naming the field if the constraint does not parse (no vocabulary
-    needed: the router's check). JSON schema text must be a JSON object."""
-    spec.validate()
-    kind, text = spec.kind()
-    if kind == "json":
-        try:
-            schema = json.loads(text)
-        except ValueError as exc:
-            raise StructuredError(f"{_field(kind)} is not valid JSON: {exc.msg} at {exc.pos}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise StructuredError(f"{_field(kind)} must be a JSON schema (an object)")
-    try:
-        _grammar(spec)
-    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError (or ValueError) with the reason
-        raise StructuredError(f"{_field(kind)} does not compile: {_message(exc)}") from None
-
-
 class Grammars:
     """Compiles constraints for one model's vocabulary. The tokenizer is read on first use (an
     engine that never sees a constraint never loads it). Thread-safe."""
@@ -131,9 +79,7 @@ class Grammars:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                # transformers: loaded only by an engine that sees a constraint
-                from pdserve.engine.tokenizer import load_tokenizer
-                tokenizer = load_tokenizer(self.tokenizer_dir)
+                tokenizer = load_tokenizer(self.tokenizer_dir)   # read only by an engine that sees a constraint
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids)
                 self._keep = special_tokens_cleared(tokenizer, self.vocab_size, self.stop_token_ids)
@@ -164,4 +110,4 @@ class Grammars:
                 return compiler.compile_grammar(choice_ebnf(spec.choice))
             return compiler.compile_grammar(text)
         except Exception as exc:  # noqa: BLE001
-            raise StructuredError(f"{_field(kind)} does not compile: {_message(exc)}") from None
+            raise StructuredError(f"{field_name(kind)} does not compile: {reason(exc)}") from None

@@ -6,7 +6,7 @@ vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``j
 its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; two at
 once are refused. A ``json_schema`` is enforced whether or not ``strict`` is set (as vLLM does).
 Every value is checked for type and size here; whether it compiles is the request front's check
-(engine/structured/grammars.py check_structured, off the event loop, under a deadline).
+(engine/structured/constraints.py check_structured, off the event loop, under a deadline).
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import jinja2
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, StructuredOutputsParams
-from pdserve.engine.structured.grammars import COMPILE_TIMEOUT_S, StructuredError, check_structured
+from pdserve.engine.structured.constraints import COMPILE_TIMEOUT_S, StructuredError, check_structured
 from pdserve.engine.validation import validate_request
 from pdserve.services.api.reasoning import reasoning_parser_for, start_for_prompt
 from pdserve.services.api.request_limits import InvalidRequest, RequestLimits, check_count, utf8_size

@@ -24,6 +24,7 @@ from typing import Callable, Iterator, TextIO
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.services.cli.parser import add_engine_args, model_dir
 from pdserve.services.cli.usage_errors import RuntimeFailure, UsageError
 from pdserve.services.common.config_flags import given
@@ -254,7 +255,6 @@ def run_chat(backend, tokenizer, conversation: Conversation, max_tokens: int, st
 
 
 def cmd_chat(args: argparse.Namespace, router_error: Callable[[str, object], str]) -> int:
-    from pdserve.engine.tokenizer import load_tokenizer   # lazy: transformers only when this runs
     sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
                                   ("seed", args.sampling_seed)) if v is not None}
     if args.max_tokens < 1:

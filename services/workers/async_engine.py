@@ -27,7 +27,7 @@ from pdserve.engine.kv.connector import KVConnector
 from pdserve.engine.kv.handoff import HandoffState, LeasePolicy, Reservation
 from pdserve.engine.parallel import RankFailure
 from pdserve.engine.settings import ENV
-from pdserve.engine.structured.grammars import COMPILE_TIMEOUT_S
+from pdserve.engine.structured.constraints import COMPILE_TIMEOUT_S
 from pdserve.services.common.change_signal import ChangeSignal
 
 log = logging.getLogger(__name__)

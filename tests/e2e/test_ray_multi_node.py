@@ -71,9 +71,12 @@ class RayHosts:
     def close(self) -> None:
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
-    def pdserve(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        """`pdserve ARGS` in the head's namespace."""
-        return self.head.run([sys.executable, "-m", "pdserve.services.cli", *args], timeout=timeout, env=self.env,
+    def pdserve(self, *args: str, timeout: float = 300, env: dict[str, str] | None = None
+                ) -> subprocess.CompletedProcess:
+        """`pdserve ARGS` in the head's namespace, as a user's shell runs it: the cluster's token in
+        RAY_AUTH_TOKEN is all it needs (no RAY_AUTH_MODE, which only `ray start` reads)."""
+        env = env if env is not None else {k: v for k, v in self.env.items() if k != "RAY_AUTH_MODE"}
+        return self.head.run([sys.executable, "-m", "pdserve.services.cli", *args], timeout=timeout, env=env,
                              capture_output=True, text=True, cwd=REPO_ROOT)
 
     def up(self, name: str, model: str, *extra: str) -> dict:
@@ -82,6 +85,7 @@ class RayHosts:
                             "--worker-cpus", "1", "--router-cpus", "0.5", "--timeout", "240", "--json",
                             *ENGINE_FLAGS, *extra)
         assert done.returncode == 0, done.stderr[-4000:]
+        self.last_stderr = done.stderr
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     def generate(self, router: str, prompts: list[list[int]]) -> list[list[int]]:
@@ -96,6 +100,7 @@ class RayHosts:
         done = self.head.run([sys.executable, "-c", script, router, json.dumps(prompts)], timeout=180, env=self.env,
                              capture_output=True, text=True, cwd=REPO_ROOT)
         assert done.returncode == 0, done.stderr[-4000:]
+        self.last_stderr = done.stderr
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     def node_of(self, worker: dict) -> int:
@@ -231,13 +236,31 @@ def test_kv_over_grpc_across_nodes_and_a_lost_node(hosts, tiny_qwen3, reference)
     assert hosts.net[lost].address not in status.stdout.split("router at")[1], status.stdout
 
 
+def test_ray_up_without_the_clusters_token_says_what_to_set(hosts, tiny_qwen3) -> None:
+    env = {k: v for k, v in hosts.env.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    res = hosts.pdserve("ray", "up", "--address", hosts.address, "--namespace", NAMESPACE, "--name", "no-token",
+                        "--model", tiny_qwen3, timeout=120, env=env)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"pdserve: error: the Ray cluster at {hosts.address} requires token authentication, but no token is "
+        f"configured here: set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to its token (`ray get-auth-token` "
+        f"on one of its nodes prints it)")
+
+
 def test_a_plain_cluster_without_ray_authentication_serves_exact_tokens(tiny_qwen3, reference, tmp_path) -> None:
+    """`ray start` without authentication: `pdserve ray up` works, with a warning; run again as the
+    KubeRay submitter runs it (--if-exists keep), it keeps the SERVING deployment."""
     with netns.HostNetwork(2) as net:
         cluster = RayHosts(net, tmp_path, token=None)
         try:
             cluster.start()
             info = cluster.up("plain", tiny_qwen3, "--kv-transport", "ray")
+            assert f"pdserve: warning: the Ray cluster at {cluster.address} has no authentication" in \
+                cluster.last_stderr, cluster.last_stderr[-2000:]
             assert cluster.generate(info["router_address"], PROMPTS) == reference
+            again = cluster.pdserve("ray", "up", "--address", cluster.address, "--namespace", NAMESPACE, "--name",
+                                    "plain", "--model", tiny_qwen3, "--if-exists", "keep", timeout=120)
+            assert again.returncode == 0 and "deployment 'plain' is already up" in again.stderr, again.stderr[-2000:]
         finally:
             net.close()
             cluster.close()
