@@ -380,6 +380,7 @@ class LLMEngine:
         next steps preempt those (engine/scheduler.py), and the reservation asked again fits."""
         with self.lock:
             seq = self._new_sequence(request_id, prompt_token_ids, params, output_token_ids)
+            seq.prompt_logprobs = None   # its prompt is computed, and scored, where its KV comes from
             headroom = max(self.scheduler.watermark_blocks, len(self.scheduler.running))
             scheduler = self.scheduler
             try:
