@@ -22,9 +22,10 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 
 import numpy as np
 
@@ -129,15 +130,24 @@ def _block_tokens(hash_id: int, n: int, vocab_size: int, seed: int, eos: int | N
     return _tokens(np.random.default_rng([seed, hash_id, 0]), n, vocab_size, eos)
 
 
+def _open(path: str):
+    """The trace, opened without following a last-component link or blocking on a FIFO, then
+    checked (a regular file, at most MAX_TRACE_BYTES) before a byte is read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(f"--dataset-path {path!r}: {exc.strerror}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_TRACE_BYTES:
+        os.close(fd)
+        raise ValueError(f"--dataset-path {path!r} is not a regular file of at most {MAX_TRACE_BYTES >> 20} MiB")
+    return open(fd, encoding="utf-8", newline="")
+
+
 def _read(opts: TraceOptions, num_prompts: int) -> list[TraceRow]:
-    path = Path(opts.path)
-    if not path.is_file():
-        raise ValueError(f"--dataset-path {opts.path!r} is not a regular file")
-    if path.stat().st_size > MAX_TRACE_BYTES:
-        raise ValueError(f"--dataset-path {opts.path!r} is over {MAX_TRACE_BYTES >> 20} MiB")
     reader = _mooncake_rows if opts.name == "mooncake_trace" else _azure_rows
     rows = []
-    with path.open(encoding="utf-8", newline="") as f:
+    with _open(opts.path) as f:
         for i, row in enumerate(reader(f, opts.path)):
             if i >= opts.start:
                 rows.append(row)

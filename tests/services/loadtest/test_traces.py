@@ -4,6 +4,7 @@ scaled in tokens and time; a malformed trace is refused naming the line."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,13 @@ def test_bad_options_and_files_are_refused(tmp_path: Path) -> None:
             load_trace(TraceOptions(path, **bad), 4, VOCAB)
     with pytest.raises(ValueError, match="is not a regular file"):
         load_trace(TraceOptions(str(tmp_path)), 4, VOCAB)
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)   # opened without blocking, then refused
+    with pytest.raises(ValueError, match="is not a regular file"):
+        load_trace(TraceOptions(str(fifo)), 4, VOCAB)
+    (tmp_path / "link.jsonl").symlink_to(path)
+    with pytest.raises(ValueError, match="Too many levels of symbolic links"):
+        load_trace(TraceOptions(str(tmp_path / "link.jsonl")), 4, VOCAB)
     (tmp_path / "a.csv").write_text("time,tokens\n1,2\n")
     with pytest.raises(ValueError, match="needs the columns ContextTokens, GeneratedTokens, TIMESTAMP"):
         load_trace(TraceOptions(str(tmp_path / "a.csv"), name="azure_trace"), 4, VOCAB)
