@@ -52,19 +52,21 @@ UP_FLAGS = {"disagg": ["--prefill-workers", "1", "--decode-workers", "1"],
             "colocated": ["--colocated-workers", "1"]}
 
 
-def workload(args: argparse.Namespace, rate: float, vocab: int):
+def workload(args: argparse.Namespace, rate: float, vocab: int, seed: int):
+    """The slice at rate; seed draws the blocks' tokens: a fresh one per point, so that no point
+    finds the previous one's prompts in a server's prefix cache (the trace's own sharing stays)."""
     from pdserve.services.loadtest.traces import TraceOptions, load_trace
     opts = TraceOptions(args.trace, start=args.trace_start, token_scale=args.token_scale,
                         output_scale=args.output_scale, rate=rate)
-    return load_trace(opts, args.num_prompts, vocab, seed=args.seed)
+    return load_trace(opts, args.num_prompts, vocab, seed=seed)
 
 
-def point(target, rate: float, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+def point(target, rate: float, args: argparse.Namespace, vocab: int, seed: int) -> dict[str, Any]:
     import numpy as np
 
     from pdserve.services.loadtest.results import Sampling
     from pdserve.services.loadtest.run import run_load
-    replay = workload(args, rate, vocab)
+    replay = workload(args, rate, vocab, seed)
     backend = target.backend() if target.backend is not None else None
     results, duration = asyncio.run(run_load(target.address, replay.requests, rate=rate, offsets=replay.offsets,
                                              backend=backend, sampling=Sampling(temperature=0.0, ignore_eos=True),
@@ -101,9 +103,9 @@ def run_setup(setup: str, args: argparse.Namespace, model: str, logs: Path, rate
     rows = []
     with serve as target:
         warm = argparse.Namespace(**{**vars(args), "num_prompts": 4, "trace_start": args.trace_start + args.num_prompts})
-        point(target, 2.0, warm, vocab)   # rows after the slice: nothing of the slice is cached by the warm-up
-        for rate in rates:
-            row = {"setup": setup, **point(target, rate, args, vocab)}
+        point(target, 2.0, warm, vocab, args.seed)   # other rows and tokens: nothing of a point is cached by it
+        for i, rate in enumerate(rates):
+            row = {"setup": setup, **point(target, rate, args, vocab, args.seed + 1 + i)}
             print(f"[{setup}] {rate:g} req/s: attainment {row['attainment']:.1%}, goodput {row['goodput']:.2f}, "
                   f"TTFT p50/p90/p99 {row['ttft_p50_ms'] or 0:.0f}/{row['ttft_p90_ms'] or 0:.0f}/"
                   f"{row['ttft_p99_ms'] or 0:.0f} ms, TPOT p50/p90 {row['tpot_p50_ms'] or 0:.1f}/"
