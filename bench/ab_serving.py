@@ -39,7 +39,7 @@ def one_run(tree: Path, args: argparse.Namespace, model: str, logs: Path, tag: s
     from pdserve.services.loadtest.results import Sampling
     from pdserve.services.loadtest.run import run_load
     port = free_port()
-    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--http-port", "none", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--threads", "1", "--prefill-workers", "1", "--decode-workers", "1"]
     print(f"[{tag}] {tree}: {' '.join(cmd)}", flush=True)
     popen = subprocess.Popen(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},

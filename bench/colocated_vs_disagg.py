@@ -47,7 +47,7 @@ PERCENTILES = (50, 90, 99)
 
 def start_up(model: str, setup: str, port: int, threads: int, engine_args: list[str], log_path: Path
              ) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--http-port", "none", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--threads", str(threads), *SETUPS[setup], *engine_args]
     return drivers.start_up(cmd, log_path, f"[{setup}]")
 

@@ -189,7 +189,7 @@ def up_deployment(name: str, model: str, flags: list[str], threads: int, logs: P
     """`pdserve up` with flags on a free port; its router's address; stopped (router and workers) after."""
     from pdserve.services.deployment.launcher import free_port, wait_serving
     port = free_port()
-    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", model, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--http-port", "none", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), "--threads", str(threads), "--drain-timeout-s", "5", "--no-restart",
            "--log-dir", str(logs / name), *flags]
     popen = drivers.start_up(cmd, logs / f"{name}-up.log", f"[{name}]")

@@ -141,13 +141,9 @@ def mixed_row(name: str, out: Outcome) -> dict[str, Any]:
     ok = [r for r in out.results if r.success]
     short = [r.ttft for r in ok if r.kind == "short"]
     gaps = [g for r in ok for g in r.itl]
-    sampled = [t for t in out.thresholds if not np.isnan(t)]   # NaN: not conditional
-    finite = [t for t in sampled if np.isfinite(t)]
-    thr = "-"
-    if sampled:
-        inf_share = 1 - len(finite) / len(sampled)
-        thr = (f"{min(finite):.0f}/{np.median(finite):.0f}/{max(finite):.0f}" if finite else "-") + \
-              (f" (+inf {inf_share:.0%})" if inf_share else "")
+    # -1: not conditional; the decode worker's max_model_len: local at any length
+    sampled = [t for t in out.thresholds if t >= 0]
+    thr = f"{min(sampled):.0f}/{np.median(sampled):.0f}/{max(sampled):.0f}" if sampled else "-"
     return {"setup": name, "ok": f"{len(ok)}/{len(out.results)}", "local": sum(r.prefill_route == "local" for r in ok),
             "short TTFT p50 ms": f"{_pct(short, 50):.0f}", "short TTFT p99 ms": f"{_pct(short, 99):.0f}",
             "ITL p50 ms": f"{_pct(gaps, 50):.1f}", "ITL p99 ms": f"{_pct(gaps, 99):.1f}",

@@ -85,7 +85,7 @@ def main() -> int:
     vocab = ModelConfig.from_dir(model).vocab_size
     logs = drivers.result_dir(None, "slo-classes")
     port = free_port()
-    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--http-port", "none", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--threads", "1", *up_flags("disagg-slo", args.ttft_ms, args.tpot_ms)]
     popen = drivers.start_up(cmd, logs / "up.log", "[disagg-slo]")
     address = f"127.0.0.1:{port}"

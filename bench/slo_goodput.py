@@ -128,7 +128,7 @@ def pdserve_target(setup: str, args: argparse.Namespace, model: str, logs: Path,
     from pdserve.services.deployment.launcher import free_port as free_router_port
     from pdserve.services.deployment.launcher import wait_serving
     port = free_router_port()
-    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--http-port", "none", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--threads", "1", *(flags if flags is not None else up_flags(setup, args.ttft_ms, args.tpot_ms))]
     popen = drivers.start_up(cmd, logs / f"{setup}-up.log", f"[{setup}]")
     try:

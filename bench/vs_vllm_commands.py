@@ -61,8 +61,7 @@ def pdserve_up_command(python: str, model: str, port: int, setup: str, threads: 
         raise ValueError(f"unknown pdserve setup {setup!r}; choose from {', '.join(PDSERVE_SETUPS)}")
     cmd = [python, "-m", "pdserve.services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--threads", str(threads), *PDSERVE_SETUPS[setup]]
-    if http_port is not None:
-        cmd += ["--http-port", str(http_port)]
+    cmd += ["--http-port", "none" if http_port is None else str(http_port)]
     return cmd + list(extra)
 
 

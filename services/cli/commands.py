@@ -23,7 +23,8 @@ from pdserve.services.cli.parser import (CLIParser, add_engine_args, add_model_a
 from pdserve.services.cli.ray_cmd import add_ray_parser
 from pdserve.services.cli.usage_errors import EXIT_USAGE, RuntimeFailure, UsageError, configure_logging, parse_log_level
 from pdserve.services.cli.workers_cmd import add_workers_args, run_workers
-from pdserve.services.common.config_flags import add_config_args, config_from_args, config_to_argv, field_default, given
+from pdserve.services.common.config_flags import (add_config_args, config_from_args, config_to_argv, field_default,
+                                                  given, none_or)
 from pdserve.services.common.topology import (DEFAULT_HOST, ENGINE_FIXED, PER_WORKER, ROLES_SHARED, ROUTER_PORT,
     SERVE_HTTP_PORT, UP_OWN, UP_PER_PROCESS, WORKER_THREADS)
 from pdserve.services.deployment.progress import Progress
@@ -221,12 +222,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _served_names(args: argparse.Namespace) -> tuple[str, ...] | None:
-    """The HTTP API's model names, as vLLM's: --served-model-name, else the --model argument exactly
-    as given (what `vllm bench serve --model PATH` and the openai client send); none without --model
-    (the router then names the default model by its directory)."""
+    """The HTTP API's model names, as vLLM's: --served-model-name, else --model exactly as given (what
+    `vllm bench serve` and openai clients send), else the default model's name (not its cache dir's)."""
+    from pdserve.engine.checkpoints.default_model import DEFAULT_MODEL   # lazy: torch only when this runs
     if args.served_model_name:
         return tuple(args.served_model_name)
-    return (args.model,) if args.model else None
+    return (args.model,) if args.model else (DEFAULT_MODEL.name,)
 
 
 def _check_port(host: str, port: int, what: str, flag: str) -> None:
@@ -259,7 +260,6 @@ def cmd_router(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from pdserve.services.deployment.launcher import Cluster, Deployment, Stopped   # lazy: grpc only when this runs
     import signal
-
 
     progress = Progress()
     port_flag = "--grpc-port" if args.command == "serve" else "--port"
@@ -415,11 +415,13 @@ def _add_up_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
                        help=f"the router's gRPC port (default: {ROUTER_PORT})")
     else:
         add_model_arg(p)
+        p.add_argument("--http-port", type=none_or(int), default=SERVE_HTTP_PORT, metavar="PORT",
+                       help=f"the OpenAI-compatible HTTP API's port (default: {SERVE_HTTP_PORT}; none: no HTTP API)")
     dep_exclude = ("model", "port") if serve else ("model",)
     add_config_args(p.add_argument_group("deployment"), Deployment, exclude=dep_exclude)
     add_config_args(p.add_argument_group("engine"), EngineConfig, exclude=(*ENGINE_FIXED, *UP_PER_PROCESS))
     add_config_args(p.add_argument_group("workers"), WorkerConfig, exclude=(*UP_OWN, *PER_WORKER, *ROLES_SHARED))
-    add_router_args(p, exclude=(*UP_OWN, "http_port") if serve else UP_OWN)
+    add_router_args(p, exclude=(*UP_OWN, "http_port"))
     _add_security_args(p, router=True, binds=True)
     p.set_defaults(func=cmd_up)
 
@@ -498,9 +500,10 @@ COMMANDS: dict[str, tuple[str, object, dict]] = {
     "chat": ("chat with the model interactively (as `ollama run`), offline or through a running router with --router",
              lambda p: add_chat_args(p, _router_error), {}),
     "serve": (f"serve MODEL with the OpenAI-compatible HTTP API on port {SERVE_HTTP_PORT}, as `vllm serve MODEL` "
-              f"(`pdserve up --http-port {SERVE_HTTP_PORT}`: 1 prefill + 1 decode worker and a router)",
+              f"(`pdserve up` with the model positional: 1 prefill + 1 decode worker and a router)",
               lambda p: _add_up_args(p, serve=True), {}),
-    "up": ("start router + workers as local processes, supervised", _add_up_args, {}),
+    "up": (f"start router + workers as local processes, supervised (gRPC on {ROUTER_PORT}, HTTP on {SERVE_HTTP_PORT})",
+           _add_up_args, {}),
     "worker": ("run one engine worker", lambda p: _p_worker(p, None), {}),
     "prefill": ("run one prefill worker", lambda p: _p_worker(p, "prefill"), {}),
     "decode": ("run one decode worker", lambda p: _p_worker(p, "decode"), {}),

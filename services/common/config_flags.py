@@ -78,7 +78,7 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
             parser.add_argument(flag(f.name), *f.metadata.get("aliases", ()), **kwargs)
             continue
         if base in (int, float, str):
-            kwargs["type"] = _none_or(base) if optional else base
+            kwargs["type"] = none_or(base) if optional else base
             if "choices" not in kwargs:
                 kwargs["metavar"] = f.metadata.get("metavar", base.__name__.upper())
         parser.add_argument(flag(f.name), *f.metadata.get("aliases", ()), **kwargs)
@@ -92,7 +92,8 @@ def _item_type(tp: Any) -> type | None:
     return None
 
 
-def _none_or(base: type):
+def none_or(base: type):
+    """An argparse type: base's value, or None for "none"."""
     def parse(text: str):
         return None if text.lower() == "none" else base(text)
     parse.__name__ = base.__name__

@@ -100,7 +100,7 @@ def _run_setup(setup: str, model: str, engine_args: list[str], loads: dict[str, 
     names = ["router", *(["both-0"] if setup == "colocated" else ["prefill-0", "decode-0"])]
     port = _free_port_base(len(names) + 1)
     base = port + 1
-    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--http-port", "none", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--metrics-port-base", str(base), *SETUPS[setup], *engine_args]
     with open(log_path, "w") as log:
         popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,

@@ -2,7 +2,6 @@
 requests, routes, migrations, and the estimates it routes by."""
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge
@@ -11,6 +10,10 @@ from pdserve.services.common.metrics import LABELS, ProcessMetrics
 
 if TYPE_CHECKING:
     from pdserve.services.router.placement import Placement
+    from pdserve.services.router.worker_pool import WorkerHandle
+
+THRESHOLD_OFF = -1.0    # the threshold gauge while the router does not disaggregate conditionally
+UINT32_MAX = 2**32 - 1  # its cap while the worker has not said its max_model_len (as the gRPC timings')
 
 
 class RouterMetrics(ProcessMetrics):
@@ -48,8 +51,8 @@ class RouterMetrics(ProcessMetrics):
     def attach_routing(self, placement: "Placement") -> None:
         """The estimates the router routes by, read when scraped: each worker's learned step cost
         (labelled with that worker's role and id), each decode worker's ITL inflation per locally
-        prefilled token and its local-prefill threshold now (+Inf: local at any length), the KV
-        transfer time per block and each route's overhead."""
+        prefilled token and its local-prefill threshold now (``local_prefill_threshold``), the KV
+        transfer time per block and each route's overhead. Every sample is finite."""
         def worker_gauge(name: str, doc: str) -> Gauge:
             return Gauge(f"pdserve:{name}", doc, LABELS, registry=self.registry)
         base = worker_gauge("router_est_step_base_ms", "Fixed cost of one step on the worker (learned), ms")
@@ -64,7 +67,9 @@ class RouterMetrics(ProcessMetrics):
                                "decode-only steps, else its peers'), ms")
         threshold = worker_gauge("router_local_prefill_threshold_tokens",
                                  "Decode workers (conditional disaggregation): uncached prompt tokens up to which "
-                                 "prefilling on this worker is cheaper than remotely, now")
+                                 "prefilling on this worker is cheaper than remotely, now, capped at the worker's "
+                                 "max_model_len (max_model_len: local at any length; 0: never local; -1: "
+                                 "conditional disaggregation off)")
         for w in placement.pool.workers:
             labels = {"model_name": self.labels["model_name"], "role": w.role,
                       "worker": w.status.worker_id if w.status is not None and w.status.worker_id else w.address}
@@ -75,8 +80,7 @@ class RouterMetrics(ProcessMetrics):
             if w.role == "decode":
                 inflation.labels(**labels).set_function(
                     lambda w=w: placement.load(w).running * placement.step_cost(w).ms_per_token)
-                threshold.labels(**labels).set_function(
-                    lambda w=w: placement.threshold_now(w) if placement.conditional else math.nan)
+                threshold.labels(**labels).set_function(lambda w=w: local_prefill_threshold(placement, w))
         self.gauge("router_est_kv_transfer_ms_per_block", "KV transfer time per block (learned from the exposed "
                    "part of each hand-off), ms").set_function(lambda: placement.costs.transfer_ms_per_block)
         self.gauge("router_est_kv_transfer_base_ms", "Fixed part of a KV hand-off's exposed time (learned), ms"
@@ -90,3 +94,15 @@ class RouterMetrics(ProcessMetrics):
         """A finished request's time per output token after the first (vLLM's TPOT)."""
         if ttft_at is not None and output_tokens > 1:
             self.time_per_output_token_seconds.observe((finished_at - ttft_at) / (output_tokens - 1))
+
+
+def local_prefill_threshold(placement: "Placement", decode: "WorkerHandle") -> float:
+    """The decode worker's local-prefill threshold as /metrics shows it, always finite (exporters
+    such as aiperf drop NaN and infinite samples): THRESHOLD_OFF when not conditional, else the
+    threshold in tokens up to the worker's max_model_len, which then means local at any length (an
+    idle decode worker, or no healthy prefill worker)."""
+    if not placement.conditional:
+        return THRESHOLD_OFF
+    status = decode.status
+    longest = status.max_model_len if status is not None and status.max_model_len else UINT32_MAX
+    return float(min(placement.threshold_now(decode), longest))

@@ -231,7 +231,8 @@ def test_server_commands():
     assert vs_cmd.default_omp_bind(1) == "0" and vs_cmd.default_omp_bind(2) == "0-1"
     up = vs_cmd.pdserve_up_command("py", "/m", 50, "1p1d", 1, ["--max-num-seqs", "8"])
     assert up == ["py", "-m", "pdserve.services.cli", "up", "--model", "/m", "--host", "127.0.0.1", "--port", "50",
-                  "--threads", "1", "--prefill-workers", "1", "--decode-workers", "1", "--max-num-seqs", "8"]
+                  "--threads", "1", "--prefill-workers", "1", "--decode-workers", "1", "--http-port", "none",
+                  "--max-num-seqs", "8"]
     up = vs_cmd.pdserve_up_command("py", "/m", 50, "colocated", 2, http_port=8080)
     assert "--colocated-workers" in up and up[up.index("--http-port") + 1] == "8080" and "--prefill-workers" not in up
     with pytest.raises(ValueError):

@@ -20,6 +20,7 @@ import pytest
 from pdserve.services.cli.commands import build_parser
 from pdserve.services.common.config_flags import config_from_args, config_to_argv
 from pdserve.services.deployment.launcher import free_port
+from pdserve.services.router.config import RouterConfig
 from tests.services.cli.test_cli_errors import _one_error_line, _run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,11 +99,14 @@ def test_busy_port_is_a_usage_error_naming_the_flag(argv: list[str], flag: str, 
 # ---------------------------------------------------------------- served model names, as vLLM's
 
 
-def test_serve_is_up_with_the_http_api_on_8000() -> None:
+def test_serve_and_up_are_up_with_the_http_api_on_8000() -> None:
     serve = build_parser().parse_args(["serve", "/m"])
-    up = build_parser().parse_args(["up", "--model", "/m", "--http-port", "8000"])
+    up = build_parser().parse_args(["up", "--model", "/m"])
     assert serve.func is up.func and serve.model == up.model == "/m"
     assert serve.http_port == up.http_port == 8000 and serve.port is up.port is None
+    assert config_from_args(RouterConfig, up).http_port == 8000
+    no_http = build_parser().parse_args(["up", "--http-port", "none"])
+    assert no_http.http_port is None and config_from_args(RouterConfig, no_http).http_port is None
     assert (serve.prefill_workers, serve.decode_workers, serve.colocated_workers) == (None, None, None)
     serve = build_parser().parse_args(["serve", "/m", "--port", "9000", "--grpc-port", "9001"])
     assert (serve.http_port, serve.port) == (9000, 9001)
@@ -110,7 +114,6 @@ def test_serve_is_up_with_the_http_api_on_8000() -> None:
 
 def test_served_model_name_takes_several_names() -> None:
     from pdserve.services.api.grpc_router import served_model_names
-    from pdserve.services.router.config import RouterConfig
     args = build_parser().parse_args(["up", "--served-model-name", "a", "org/b", "--http-port", "1"])
     config = config_from_args(RouterConfig, args)
     assert config.served_model_name == ("a", "org/b")

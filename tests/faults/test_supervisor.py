@@ -27,7 +27,7 @@ ENGINE = ["--dtype", "float32", "--block-size", "8", "--num-kv-blocks", "256"]
 
 
 def _up(model: str, port: int, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--model", model, "--port", str(port), *ENGINE, *extra]
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--http-port", "none", "--model", model, "--port", str(port), *ENGINE, *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -241,3 +241,14 @@ def test_compose_is_the_default_topology() -> None:
     for role, _ in topology.roles():
         assert flag_value(router, f"--{role}") == f"{role}:{grpc[f'{role}-0']}"
     assert int(flag_value(router, "--http-port")) == SERVE_HTTP_PORT
+
+
+def test_every_service_runs_under_an_init_and_grafana_is_an_optional_profile() -> None:
+    """A Python PID 1 ignores SIGTERM (`down` would wait out each service's stop timeout); Grafana
+    has no package here, so `docker compose up` starts it only with --profile grafana."""
+    services = _compose()["services"]
+    assert [name for name, svc in services.items() if svc.get("init") is not True] == []
+    assert [name for name, svc in services.items() if svc.get("profiles")] == ["grafana"]
+    assert services["grafana"]["profiles"] == ["grafana"]
+    prom = services["prometheus"]
+    assert prom["entrypoint"] == ["prometheus"] and "--storage.tsdb.path=/prometheus" in prom["command"]
