@@ -56,7 +56,8 @@ GROUP_SECONDS = {"ray": 420, "faults": 280, "test_real_model": 130, "test_readme
                  "test_code_shape": 16, "test_bench_serve": 15, "test_cli_up": 14, "test_topology_argv": 12,
                  "test_serving_large_kv": 11, "test_kv_tamper_across_hosts": 10, "test_membership": 75,
                  "test_worker_set_role": 6, "test_ray_multi_node": 110,
-                 "test_slo_admission": 40, "test_tracing": 12, "test_spec_decode_serving": 45}
+                 "test_slo_admission": 40, "test_tracing": 12, "test_spec_decode_serving": 45,
+                 "test_compose": 150}
 EXCLUSIVE = {"test_request_queued_longer_than_the_stall_timeout_is_not_migrated",
              "test_a_huge_text_prompt_is_refused_fast_without_memory_growth_or_stalls",
              # a 31 s freeze: a deployment beside it must not stretch it (its lease is 45 s)
