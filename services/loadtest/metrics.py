@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pdserve.services.loadtest.results import RequestResult
+from pdserve.services.loadtest.results import RequestResult, error_counts
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
@@ -60,6 +60,7 @@ def calculate_metrics(results: Sequence[RequestResult], duration: float, percent
     metrics: dict[str, Any] = {
         "completed": completed,
         "failed": failed,
+        "error_counts": error_counts(r.error or "unknown error" for r in results if not r.success),
         "duration": duration,
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,

@@ -1,5 +1,5 @@
-"""The console output of ``pdserve bench serve``: vLLM's summary table, the router's timing
-breakdown, the sweep table, the multi-turn table by turn number."""
+"""The console output of ``pdserve bench serve``: vLLM's summary table, the failed requests by kind
+of error, the router's timing breakdown, the sweep table, the multi-turn table by turn number."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -32,6 +32,18 @@ def print_summary(metrics: dict[str, Any], *, max_concurrency: int | None, perce
             key = percentile_key(p)
             print("{:<40} {:<10.2f}".format(f"{key.upper()} {name} (ms):", metrics[f"{key}_{m}_ms"]))
     print("=" * 50, flush=True)
+
+
+def error_lines(counts: dict[str, int]) -> list[str]:
+    """``errors: 944 x HTTP 429: ...``, then one line per further kind, counts aligned."""
+    width = max((len(str(n)) for n in counts.values()), default=0)
+    return [f"{'errors:' if i == 0 else '':<8}{n:>{width}} x {kind}" for i, (kind, n) in enumerate(counts.items())]
+
+
+def print_errors(counts: dict[str, int]) -> None:
+    """Failed requests by kind of error (results.error_counts); nothing when none failed."""
+    if counts:
+        print("\n".join(error_lines(counts)), flush=True)
 
 
 def print_server_breakdown(breakdown: dict[str, float]) -> None:

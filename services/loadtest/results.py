@@ -1,9 +1,17 @@
 """What the load generator records of one request, and the sampling settings it sends: shared by
-its gRPC client (grpc_backend.py) and its OpenAI HTTP client (openai_backend.py)."""
+its gRPC client (grpc_backend.py) and its OpenAI HTTP client (openai_backend.py); and the failed
+requests counted by kind of error (``error_counts``)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
+
+MAX_ERROR_KIND_CHARS = 160   # of a normalized message: longer ones that agree this far count together
+_REQUEST_ID = re.compile(r" ?\(request id [^)]*\)")   # pdserve's "(request id X; the router's log has ...)"
+_HEX_ID = re.compile(r"\b(?=[0-9a-fA-F-]*\d)(?=[0-9a-fA-F-]*[a-fA-F])[0-9a-fA-F]{8,}(?:-[0-9a-fA-F]+)*\b")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+_SLOT = "\0"
 
 
 @dataclass(slots=True)
@@ -65,3 +73,24 @@ def settle(res: RequestResult, finished: bool, unfinished: str) -> RequestResult
     else:
         res.success = True
     return res
+
+
+def error_counts(errors: Iterable[str]) -> dict[str, int]:
+    """Failed requests by kind, most frequent first: {kind: count}. A kind is the error's status
+    (``HTTP 429``, a gRPC code, an exception type, as the backends write it) and its message with
+    request ids taken out; numbers that differ between its requests read N (``within Ns``), numbers
+    they all share stay (``max_queued_requests=4096``). "" (a success) is not counted."""
+    groups: dict[str, list[list[str]]] = {}   # the message with numbers as slots -> each one's numbers
+    for error in errors:
+        if not error:
+            continue
+        text = _HEX_ID.sub("ID", _REQUEST_ID.sub("", error.replace(_SLOT, ""))).strip()
+        shape = _NUMBER.sub(_SLOT, text)
+        if len(shape) > MAX_ERROR_KIND_CHARS:
+            shape = shape[:MAX_ERROR_KIND_CHARS - 3] + "..."
+        groups.setdefault(shape, []).append(_NUMBER.findall(text)[:shape.count(_SLOT)])
+    counts: dict[str, int] = {}
+    for shape, numbers in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        slots = iter([values[0] if len(set(values)) == 1 else "N" for values in zip(*numbers)])
+        counts[re.sub(re.escape(_SLOT), lambda _: next(slots), shape)] = len(numbers)
+    return counts

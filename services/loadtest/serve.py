@@ -23,16 +23,18 @@ Metrics (per successful request; times measured on this client with ``time.perf_
   request (warmups excluded) to the end of the last one.
 * A request fails when its RPC raised (its gRPC status and details are recorded in
   ``errors``), when the stream ended without a final message, or when it finished with reason
-  ``abort``. Failed requests count in ``failed`` and are left out of every latency metric.
+  ``abort``. Failed requests count in ``failed`` and are left out of every latency metric. The
+  report counts them by kind of error (``errors: 944 x HTTP 429: no decode capacity ...``, one
+  line per kind, most frequent first; results.error_counts), as does the JSON's ``error_counts``.
 
-The JSON result (``--save-result``) has vLLM's keys: ``completed``, ``failed``, ``duration``,
-``total_input_tokens``, ``total_output_tokens``, ``request_throughput``, ``request_goodput``
-(null without ``--goodput``), ``output_throughput``, ``total_token_throughput``,
-``{mean,median,std,pNN}_{ttft,tpot,itl,e2el}_ms`` (all four metrics are always in the JSON;
-``--percentile-metrics`` picks what the console shows, default ttft,tpot,itl), and
-per-request arrays over all prompts in order (failed ones hold 0 / empty): ``input_lens``,
-``output_lens``, ``ttfts``, ``itls`` (list of gaps), ``e2els`` (these in seconds, as vLLM),
-``errors`` ("" on success), plus ``start_times`` (seconds after the benchmark start),
+The JSON result (``--save-result``) has vLLM's keys: ``completed``, ``failed`` (and pdserve's
+``error_counts``: {kind: requests}), ``duration``, ``total_input_tokens``, ``total_output_tokens``,
+``request_throughput``, ``request_goodput`` (null without ``--goodput``), ``output_throughput``,
+``total_token_throughput``, ``{mean,median,std,pNN}_{ttft,tpot,itl,e2el}_ms`` (all four metrics
+are always in the JSON; ``--percentile-metrics`` picks what the console shows, default
+ttft,tpot,itl), and per-request arrays over all prompts in order (failed ones hold 0 / empty):
+``input_lens``, ``output_lens``, ``ttfts``, ``itls`` (list of gaps), ``e2els`` (these in seconds,
+as vLLM), ``errors`` ("" on success), plus ``start_times`` (seconds after the benchmark start),
 ``finish_reasons``, and the router's own per-request breakdown from the final message
 (``server_timings``: queue, prefill, exposed KV transfer, first decode step, TTFT and e2e as the
 router measured them, ms) with its mean over requests (``server_timings_mean_ms``).
@@ -81,8 +83,9 @@ from pdserve.services.loadtest.multi_turn import (MultiTurnOptions, plan_session
     summarise)
 from pdserve.services.loadtest.openai_backend import BACKENDS, OpenAIBackend, prepare_chat_prompts, server_info
 from pdserve.services.loadtest.plots import plot_itl_over_time, plot_latency_cdfs, plot_sweep
-from pdserve.services.loadtest.report import print_server_breakdown, print_summary, print_sweep_table, print_turn_table
-from pdserve.services.loadtest.results import RequestResult, Sampling
+from pdserve.services.loadtest.report import (error_lines, print_errors, print_server_breakdown, print_summary,
+    print_sweep_table, print_turn_table)
+from pdserve.services.loadtest.results import RequestResult, Sampling, error_counts
 from pdserve.services.loadtest.run import LoadProgress, run_load
 from pdserve.services.loadtest.traces import MOONCAKE_BLOCK, TRACES, TraceOptions, load_trace
 
@@ -381,8 +384,8 @@ async def _bench(args: argparse.Namespace) -> int:
         wres, _ = await run_load(args.router, warm, rate=math.inf, max_concurrency=args.max_concurrency,
                                  sampling=sampling, timeout=args.request_timeout, tag="warmup",
                                  progress=LoadProgress(len(warm), "warmup", args.progress), backend=backend)
-        bad = [r.error for r in wres if not r.success]
-        print(f"warmup: {len(wres) - len(bad)}/{len(wres)} requests ok" + (f" (first error: {bad[0]})" if bad else ""),
+        bad = error_counts(r.error or "unknown error" for r in wres if not r.success)
+        print(f"warmup: {len(wres) - sum(bad.values())}/{len(wres)} requests ok", *error_lines(bad), sep="\n",
               flush=True)
 
     if args.dataset_name == "multi-turn":
@@ -401,9 +404,7 @@ async def _bench(args: argparse.Namespace) -> int:
         print_summary(metrics, max_concurrency=args.max_concurrency, percentile_metrics=args.percentile_metrics,
                       percentiles=args.metric_percentiles, title=title)
         print_server_breakdown(server_breakdown(results))
-        errors = [r.error for r in results if r.error]
-        if errors:
-            print(f"{len(errors)} failed request(s); first error: {errors[0]}", flush=True)
+        print_errors(metrics["error_counts"])
         result = build_result(args, info, rate, metrics, results)
         rows.append({k: v for k, v in result.items() if not isinstance(v, list) or k in ("percentile_metrics",
                                                                                           "metric_percentiles")})
@@ -451,6 +452,7 @@ async def _bench_multi_turn(args: argparse.Namespace, info, backend, sampling: S
     print_summary(metrics, max_concurrency=args.max_concurrency, percentile_metrics=args.percentile_metrics,
                   percentiles=args.metric_percentiles)
     print_server_breakdown(server_breakdown(results))
+    print_errors(metrics["error_counts"])
     summary = summarise(run)
     print_turn_table(summary)
     result = {**build_result(args, info, args.request_rate, metrics, results), **request_fields(run.turns),

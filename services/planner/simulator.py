@@ -16,9 +16,10 @@ prefilled on a prefill worker when disaggregated):
 * disaggregated: requests wait in a FIFO admission queue until a decode worker, tried in the
   order of ``Placement.decode_routes`` among those whose free blocks hold the prompt
   (``Placement.fits``), reserves blocks for the whole sequence (``LLMEngine.reserve``, real
-  headroom rules); the prefill worker of ``Placement.pick_prefill`` (the fewest queued prompt
-  tokens) computes it; after each step its newly finished blocks travel to the decode worker
-  (one stream per request, a profiled time per block); the first token goes back at once; the
+  headroom rules) unless the prefill worker is backlogged (``Placement.prefill_backlogged``);
+  the prefill worker of ``Placement.pick_prefill`` (the fewest queued prompt tokens) computes
+  it; after each step its newly finished blocks travel to the decode worker (one stream per
+  request, a profiled time per block); the first token goes back at once; the
   decode worker admits the request once every block arrived (``KVConnector.mark_received``: no
   bytes move) and the Decode call came (``LLMEngine.admit``); the prefill worker's pinned blocks
   are released when the transfer ends.
@@ -413,9 +414,12 @@ class Simulation:
             self._admit_queue()
 
     def _admit_queue(self) -> None:
-        """The head of the admission queue reserves decode blocks when a worker has room."""
+        """The head of the admission queue reserves decode blocks when a worker has room and the
+        prefill worker is not backlogged (``Placement.prefill_backlogged``, as the router)."""
         while self.queue:
             req = self.queue[0]
+            if self.placement.prefill_backlogged((), len(req.prompt)):
+                return
             for route in self._routes(req):
                 d = route.decode
                 if not self.placement.fits(d, len(req.prompt)):

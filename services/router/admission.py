@@ -3,8 +3,11 @@ and within a priority, in fair shares between clients.
 
 Only the request at the head of the queue looks for capacity, and only when a worker's status
 changes (the pool's status streams wake it); the others wait on an event. Waiting therefore
-costs no CPU and sends no RPCs. A full queue refuses at once with a retry hint, unless the newcomer
-outranks the lowest waiter, which is then refused in its place.
+costs no CPU and sends no RPCs, and a waiter holds no decode slot and no KV: only its request.
+The bound is a count (``max_queued_requests``): a full queue refuses at once with a retry hint,
+naming the limit, unless the newcomer outranks the lowest waiter, which is then refused in its
+place. A wait has no deadline of its own unless the caller gives one (``queue_timeout_s``, the
+client's deadline); a waiter whose client goes away is cancelled and leaves no hole.
 
 A request that moves (a migration after a worker fault or an eviction) was admitted once: it
 waits ahead of its class's newcomers, is never refused by a full queue (nor pushed out by a
@@ -32,6 +35,7 @@ import collections
 import contextlib
 import heapq
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
@@ -61,6 +65,7 @@ class _Waiter:
     ticket: Ticket = field(compare=False)
     evicted: bool = field(default=False, compare=False)
     gone: bool = field(default=False, compare=False)
+    held: bool = field(default=False, compare=False)   # counted in the queue: waiting or aside, not gone
 
 
 class AdmissionQueue:
@@ -77,15 +82,27 @@ class AdmissionQueue:
         self._last_tag: dict[int, dict[str, int]] = collections.defaultdict(dict)   # class -> client -> tag
         self._in_class: collections.Counter[int] = collections.Counter()   # class -> its requests in the queue
         self._admitted: collections.deque[float] = collections.deque()   # recent admission times
+        # Counts kept as waiters come and go (a burst of thousands costs O(1) each, not a scan):
+        self._held = 0       # waiting or aside (the heap keeps gone ones until they surface: not counted)
+        self._held_new = 0   # those of them that are newcomers (not moving): what max_waiting bounds
 
     def __len__(self) -> int:
         """Requests in the queue, the head and those aside included."""
-        return len(self._waiting) + len(self._aside) + (self._head is not None)
+        return self._held + (self._head is not None)
 
     def ahead_of(self, ticket: Ticket) -> int:
         """Requests that would be served before a newcomer with ticket (the head included)."""
         tag = self._tag(ticket, commit=False)
-        return (self._head is not None) + sum(1 for w in self._waiting if (w.priority, w.tag) <= (ticket.priority, tag))
+        return (self._head is not None) + sum(1 for w in self._waiting
+                                              if not w.gone and (w.priority, w.tag) <= (ticket.priority, tag))
+
+    def _hold(self, w: _Waiter, held: bool) -> None:
+        """w is waiting or aside (held), or not (the head, or gone): keep the counts."""
+        if w.held != held:
+            step = 1 if held else -1
+            self._held += step
+            self._held_new += 0 if w.ticket.moved else step
+            w.held = held
 
     # ---- rates ------------------------------------------------------------------------------
     def _prune(self, now: float) -> None:
@@ -104,9 +121,12 @@ class AdmissionQueue:
         return min(60.0, max(1.0, ahead / rate if rate else 5.0))
 
     def full_error(self) -> RouterError:
-        return RouterError("RESOURCE_EXHAUSTED",
-                           f"admission queue is full ({self.max_waiting} requests waiting for decode capacity); "
-                           f"retry later", retry_after_s=self.retry_after_s())
+        return RouterError("RESOURCE_EXHAUSTED", f"admission queue is full: {self.max_waiting} requests wait for "
+                           f"decode capacity ({self.limit_text}); retry later", retry_after_s=self.retry_after_s())
+
+    @property
+    def limit_text(self) -> str:
+        return f"max_queued_requests={self.max_waiting}, set by --max-queued-requests"
 
     # ---- order ------------------------------------------------------------------------------
     def _tag(self, ticket: Ticket, commit: bool = True) -> int:
@@ -129,12 +149,15 @@ class AdmissionQueue:
             w = heapq.heappop(self._waiting)
             if w.gone:
                 continue
+            self._hold(w, False)
             self._head = w
             self._vtime[w.priority] = max(self._vtime[w.priority], w.tag)
             w.event.set()
 
     def _evict_lowest(self, ticket: Ticket) -> bool:
         """Make room for ticket by refusing the lowest waiter of a lower class (True if one was)."""
+        if max(self._in_class, default=ticket.priority) <= ticket.priority:
+            return False   # no lower class in the queue: nobody to refuse (and no scan of it)
         live = [w for w in self._waiting if not w.gone and not w.ticket.moved]
         if not live:
             return False
@@ -142,26 +165,29 @@ class AdmissionQueue:
         if worst.priority <= ticket.priority:
             return False
         worst.evicted, worst.gone = True, True
+        self._hold(worst, False)
         worst.event.set()
         return True
 
     def _live(self) -> int:
         """Newcomers held now (towards max_waiting): waiting, or aside."""
-        return sum(1 for w in (*self._waiting, *self._aside) if not w.gone and not w.ticket.moved)
+        return self._held_new
 
     @contextlib.asynccontextmanager
-    async def turn(self, timeout: float, ticket: Ticket = Ticket()) -> AsyncIterator["Turn"]:
-        """Wait (up to timeout) to be the head of the queue; the block runs as the head.
-        RouterError RESOURCE_EXHAUSTED when the queue is full, when the wait times out, or when a
-        request of a higher class took this one's place."""
+    async def turn(self, timeout: float | None, ticket: Ticket = Ticket(), bound: str = "") -> AsyncIterator["Turn"]:
+        """Wait (up to timeout; None or inf: no limit) to be the head of the queue; the block runs
+        as the head. bound: what set the timeout, for the error. RouterError RESOURCE_EXHAUSTED
+        when the queue is full, when the wait times out, or when a request of a higher class took
+        this one's place. A caller cancelled while it waits (its client went away) leaves the queue."""
         if (not ticket.moved and self._live() >= self.max_waiting and self._head is not None
                 and not self._evict_lowest(ticket)):
             raise self.full_error()
         me = _Waiter(ticket.priority, self._tag(ticket), next(self._seq), asyncio.Event(), ticket)
         self._in_class[ticket.priority] += 1
         heapq.heappush(self._waiting, me)
+        self._hold(me, True)
         self._promote()
-        turn = Turn(self, me, timeout)
+        turn = Turn(self, me, timeout, bound)
         try:
             await turn.wait()
             yield turn
@@ -170,6 +196,7 @@ class AdmissionQueue:
             self._admitted.append(now)
         finally:
             me.gone = True
+            self._hold(me, False)
             if me in self._aside:
                 self._aside.remove(me)
             self._in_class[me.priority] -= 1
@@ -184,24 +211,31 @@ class AdmissionQueue:
 class Turn:
     """A request's place in the admission queue while it is (or waits to be) the head."""
 
-    def __init__(self, queue: AdmissionQueue, me: _Waiter, timeout: float) -> None:
-        self.queue, self.me, self.timeout = queue, me, timeout
-        self.deadline = time.monotonic() + timeout
+    def __init__(self, queue: AdmissionQueue, me: _Waiter, timeout: float | None, bound: str = "") -> None:
+        self.queue, self.me, self.bound = queue, me, bound
+        self.timeout = math.inf if timeout is None else timeout
+        self.deadline = time.monotonic() + self.timeout   # inf: none
+
+    def remaining(self) -> float | None:
+        """Seconds left until the deadline (at least 0); None: no deadline."""
+        return None if self.deadline == math.inf else max(0.0, self.deadline - time.monotonic())
 
     async def wait(self) -> None:
         """Until this request is the head; RouterError when the deadline passes or it was evicted."""
         queue, me = self.queue, self.me
         try:
-            await asyncio.wait_for(me.event.wait(), max(0.0, self.deadline - time.monotonic()))
+            await asyncio.wait_for(me.event.wait(), self.remaining())
         except asyncio.TimeoutError:
+            why = f"{self.bound}; " if self.bound else ""
             raise RouterError("RESOURCE_EXHAUSTED", f"no decode capacity within {self.timeout:.3g}s "
-                              f"({queue.ahead_of(me.ticket)} requests ahead)",
+                              f"({why}{queue.ahead_of(me.ticket)} requests ahead)",
                               retry_after_s=queue.retry_after_s()) from None
         if me.evicted:
-            raise RouterError("RESOURCE_EXHAUSTED", "admission queue is full and a request of a higher priority "
-                              "took this one's place; retry later", retry_after_s=queue.retry_after_s())
+            raise RouterError("RESOURCE_EXHAUSTED", f"admission queue is full ({queue.limit_text}) and a request "
+                              f"of a higher priority took this one's place; retry later",
+                              retry_after_s=queue.retry_after_s())
 
-    async def step_aside(self, changed: Callable[[float], Awaitable[object]]) -> None:
+    async def step_aside(self, changed: Callable[[float | None], Awaitable[object]]) -> None:
         """The head lets the next waiter be the head until changed(timeout) returns (the workers'
         state changed, or the deadline passed), then waits for its turn again, in its old place."""
         queue, me = self.queue, self.me
@@ -209,9 +243,10 @@ class Turn:
             queue._head = None
             me.event.clear()
             queue._aside.append(me)
+            queue._hold(me, True)
             queue._promote()
         try:
-            await changed(max(0.0, self.deadline - time.monotonic()))
+            await changed(self.remaining())
         finally:
             if me in queue._aside:
                 queue._aside.remove(me)

@@ -12,6 +12,12 @@ from pdserve.services.router.slo import MAX_TARGET_MS
 ROUTING_POLICIES = ("kv-aware", "load")
 DEFAULT_MAX_KEYS = 1 << 20   # prefix-cache keys per worker: ~100 MB of Python objects at most, far above a real pool's blocks
 DISAGGREGATION_MODES = ("always", "conditional")
+# A queued request holds no KV, only itself: its prompt's text and token ids (a Python list, ~36 B
+# a token), its connection and task: ~120 KB for 1,024 tokens over HTTP (measured: the router's
+# RSS grew 23 MB with 200 of `vllm bench serve`'s random 1,024-token requests queued). 4,096 of
+# them are ~0.5 GB (prompts at SmolLM2's 8,192-token max_model_len, scaled: ~4 GB); the bound takes
+# the bursts clients send by default (vllm bench serve: 1,000 at once) with room to spare.
+DEFAULT_MAX_QUEUED = 4096
 
 
 @dataclass(slots=True)
@@ -54,9 +60,14 @@ class GenerationOptions:
     migration_limit: int = setting(3, "times one request may move to another worker after a fault before it fails")
     stall_timeout_s: float = setting(10.0, "a worker stream silent this long is treated as failed (and the request "
                                            "migrates)")
-    queue_timeout_s: float = setting(60.0, "how long a request may wait for decode capacity")
-    max_queued_requests: int = setting(256, "requests waiting for decode capacity; more are refused at once with a "
-                                            "retry hint")
+    queue_timeout_s: float | None = setting(
+        None, "longest wait for decode capacity, then 429 / RESOURCE_EXHAUSTED with a retry hint; none or 0: no "
+              "limit of its own (as vLLM): a queued request waits until capacity frees, its gRPC deadline passes or "
+              "its client goes away, holding no KV meanwhile")
+    max_queued_requests: int = setting(
+        DEFAULT_MAX_QUEUED, "requests waiting for decode capacity (each holds its prompt and its connection, "
+                            "~120 KB for 1,024 tokens, no KV); one more is refused at once (429 / "
+                            "RESOURCE_EXHAUSTED naming this limit, with a retry hint)")
     kv_lease_ms: int = setting(0, "idle KV lease asked for each reservation (0: the decode worker's default)")
     worker_wait_s: float = setting(
         60.0, "a role with no healthy worker (a restart) holds the requests that need it for at most this long, "
@@ -114,6 +125,10 @@ class GenerationOptions:
         if self.session_ttl_s < 0 or self.max_sessions < 1:
             raise ValueError(f"session_ttl_s must be >= 0 and max_sessions >= 1, got {self.session_ttl_s}, "
                              f"{self.max_sessions}")
-        for name in ("stall_timeout_s", "queue_timeout_s", "worker_wait_s"):
+        for name in ("stall_timeout_s", "worker_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.queue_timeout_s is not None and not self.queue_timeout_s >= 0:
+            raise ValueError(f"queue_timeout_s must be >= 0 (0 or none: no limit), got {self.queue_timeout_s}")
+        if self.queue_timeout_s == 0:
+            self.queue_timeout_s = None

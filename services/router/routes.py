@@ -1,11 +1,11 @@
 """The routes one request's attempt can take, and what they share.
 
 - **Disaggregated** (``DisaggregatedRoute``): reserve decode blocks (waiting in the admission
-  queue while every decode worker is full) → prefill on a prefill worker, which ships the KV chunk
-  by chunk and streams the sampled token at once → that token goes to the client (TTFT) while the
-  last blocks are still in flight, and the decode worker is asked to continue from it → tokens
-  stream back. With conditional disaggregation the chosen route may instead prefill on the decode
-  worker itself (``on_one_worker``).
+  queue while every decode worker is full, or the prefill worker is backlogged) → prefill on a
+  prefill worker, which ships the KV chunk by chunk and streams the sampled token at once → that
+  token goes to the client (TTFT) while the last blocks are still in flight, and the decode
+  worker is asked to continue from it → tokens stream back. With conditional disaggregation the
+  chosen route may instead prefill on the decode worker itself (``on_one_worker``).
 - **Colocated** (``colocated``): one worker prefills and decodes, chosen by its cost to serve
   (services/router/placement.py); a prompt whose prefix is still in flight there waits for it first.
 - **What they share** (``RouteContext``): the pool and its placement, the watchdog, the SLO gate
@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -273,7 +274,10 @@ class DisaggregatedRoute:
             prefill.index.note_routed(keys)
             gen.workers.add(prefill)
             ctx.gate.placed_prompt(gen)
-            with ctx.pool.placed(prefill, ctx.placement.uncached(prefill, keys, gen.n_tokens)):
+            with ctx.pool.placed(prefill), contextlib.ExitStack() as queued:
+                # its prompt tokens count as queued there until the first token (as on_one_worker's)
+                queued.enter_context(ctx.pool.placed(prefill, ctx.placement.uncached(prefill, keys, gen.n_tokens),
+                                                     count=False))
                 call = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
                     request_id=gen.worker_request_id, prompt_token_ids=gen.prompt, output_token_ids=gen.generated,
                     params=params_to_proto(gen.params),
@@ -285,6 +289,7 @@ class DisaggregatedRoute:
                 follow = ctx.spawn(self._follow_prefill(call, prefill, decode, gen, first_token))
                 try:
                     first = await first_token
+                    queued.close()
                     ctx.first_token(gen, first, "remote", routed_at)
                     if first.HasField("finish_reason"):   # the first token ends it: no decode needed
                         await ctx.release(gen)
@@ -388,7 +393,10 @@ class DisaggregatedRoute:
                                             output_token_ids=gen.generated, params=params_to_proto(gen.params),
                                             lease_ms=ctx.options.kv_lease_ms)
         now = time.monotonic()
-        deadline, own = own_deadline(gen, now + ctx.options.queue_timeout_s)   # the client's deadline bounds the queue too
+        limit = ctx.options.queue_timeout_s   # None: no limit of the router's own
+        deadline, own = own_deadline(gen, math.inf if limit is None else now + limit)   # the client's bounds it too
+        bound = ("the request's own deadline" if own else
+                 "" if limit is None else f"queue_timeout_s={limit:g}, set by --queue-timeout-s")
         shed_at = ctx.gate.ttft_deadline(gen)   # --slo-admission: shed once its TTFT target has passed
         shedding = shed_at is not None and shed_at < deadline
         if shedding:
@@ -402,7 +410,7 @@ class DisaggregatedRoute:
             ticket = gen.service.ticket
             if gen.timing.migrations:
                 ticket = dataclasses.replace(ticket, moved=True)
-            async with ctx.admission.turn(deadline - now, ticket) as turn:
+            async with ctx.admission.turn(deadline - now, ticket, bound) as turn:
                 placed = await self._place(gen, request, keys, wait_for_prefix, turn, t0)
                 return placed
         except RouterError as exc:   # it waited behind a request waiting for a restarting role: say so
@@ -424,15 +432,22 @@ class DisaggregatedRoute:
     async def _place(self, gen: Generation, request: worker_pb2.ReserveRequest, keys: list[int],
                      wait_for_prefix: bool, turn: Turn, t0: float) -> Placed | None:
         """_reserve as the head of the admission queue, until the turn's deadline (monotonic). A
-        head that a worker would take but for its own TPOT target steps aside while it waits."""
+        head that a worker would take but for its own TPOT target steps aside while it waits. A
+        remote route waits while its prefill worker is backlogged (Placement.prefill_backlogged):
+        its reservation would hold decode KV while the prompt waits there."""
         ctx, n_tokens = self.ctx, gen.n_tokens
         while True:
             routes = await ctx.watch.pick(gen, lambda: ctx.routes(gen, keys))
             own_target_only = False   # some worker would take it, were it not for its own TPOT target
+            backlogged = ctx.placement.prefill_backlogged(keys, n_tokens, gen.failed)
+            held_for_prefill = False   # some decode worker has room, but the prefill queue is long
             for route in routes:
                 worker = route.decode
                 if not ctx.placement.fits(worker, n_tokens):
                     continue   # cannot fit: do not ask
+                if backlogged and not route.local:
+                    held_for_prefill = True
+                    continue   # its prompt would wait behind a backlog there: wait here instead
                 if not ctx.gate.keeps_tpot(gen, worker):
                     own_target_only = own_target_only or ctx.gate.keeps_tpot(gen, worker, own=False)
                     continue   # one more sequence there would push a TPOT target past its limit
@@ -462,10 +477,12 @@ class DisaggregatedRoute:
                         f"cost={r.cost:.1f} running={ctx.placement.load(r.decode).running} "
                         f"free={r.decode.free_blocks}" for r in routes))
                 return worker, route, response, routed_at
-            remaining = turn.deadline - time.monotonic()
-            if remaining <= 0:
-                raise RouterError("RESOURCE_EXHAUSTED", f"no decode capacity for {n_tokens} tokens within "
-                                  f"{time.perf_counter() - t0:.3g}s", retry_after_s=ctx.admission.retry_after_s())
+            remaining = turn.remaining()   # None: no deadline
+            if remaining == 0:
+                why = f" ({turn.bound})" if turn.bound else ""
+                what = "room in a prefill worker's queue" if held_for_prefill else "decode capacity"
+                raise RouterError("RESOURCE_EXHAUSTED", f"no {what} for {n_tokens} tokens within "
+                                  f"{time.perf_counter() - t0:.3g}s{why}", retry_after_s=ctx.admission.retry_after_s())
             if own_target_only:
                 await turn.step_aside(ctx.pool.wait_changed)
             else:

@@ -321,6 +321,7 @@ def test_bench_serve_records_failures_and_sweeps(cluster, tmp_path: Path) -> Non
     res = json.loads((tmp_path / "fail.json").read_text())
     assert res["completed"] == 1 and res["failed"] == 1
     assert res["errors"][0].startswith("INVALID_ARGUMENT") and res["errors"][1] == ""
+    assert list(res["error_counts"].values()) == [1] and next(iter(res["error_counts"])).startswith("INVALID_ARGUMENT")
     assert res["output_lens"] == [0, 3] and not list(tmp_path.glob("fail*.png"))
 
     assert main(["--router", cluster.router_address, "--random-input-len", "8", "--random-output-len", "4",
@@ -333,7 +334,8 @@ def test_bench_serve_records_failures_and_sweeps(cluster, tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("backend", ["openai", "openai-chat"])
-def test_bench_serve_over_the_openai_http_api(cluster, tiny_qwen3: str, tmp_path: Path, backend: str) -> None:
+def test_bench_serve_over_the_openai_http_api(cluster, tiny_qwen3: str, tmp_path: Path, backend: str,
+                                              capsys) -> None:
     """The same load generator against pdserve's HTTP API (as against vLLM or SGLang): streaming SSE,
     TTFT and ITL from chunk arrival, every request completed, token counts from the usage chunk."""
     from pdserve.services.loadtest.serve import main
@@ -361,3 +363,6 @@ def test_bench_serve_over_the_openai_http_api(cluster, tiny_qwen3: str, tmp_path
     bad = json.loads((tmp_path / "bad.json").read_text())
     assert bad["completed"] == 0 and all(e.startswith("HTTP 404: The model 'no-such-model' does not exist")
                                          for e in bad["errors"]), bad["errors"]
+    (kind, count), = bad["error_counts"].items()   # counted by kind, in the JSON and the report
+    assert count == 2 and kind.startswith("HTTP 404: The model 'no-such-model' does not exist")
+    assert f"errors: 2 x {kind}" in capsys.readouterr().out.splitlines()

@@ -716,6 +716,7 @@ def test_429_when_the_admission_queue_is_full(limits: Served) -> None:
             client.completions.create(model=limits.model, prompt=PROMPTS[1], max_tokens=4)
         assert info.value.status_code == 429 and int(info.value.response.headers["retry-after"]) >= 1
         assert info.value.body["type"] == "rate_limit_error"
+        assert "max_queued_requests=0, set by --max-queued-requests" in info.value.body["message"]   # the limit
     finally:
         (decode,) = workers(limits.cluster, "decode")
         with channel(limits.cluster, decode) as ch:

@@ -256,6 +256,7 @@ def test_waiting_requests_cost_nothing_and_a_full_queue_answers_at_once(tiny_qwe
                     await client.generate(PROMPT, max_tokens=4, **GREEDY)
                 assert time.monotonic() - t0 < 5.0   # refused, not queued (queued would wait for capacity)
                 assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.value.details()
+                assert "max_queued_requests=20, set by --max-queued-requests" in err.value.details()   # what to raise
                 retry_ms = dict(err.value.trailing_metadata())[RETRY_AFTER_KEY]
                 assert int(retry_ms) >= 1000
                 async with c.spec.credentials.channel(decode) as ch:   # capacity comes back: the queue drains
@@ -270,6 +271,34 @@ def test_waiting_requests_cost_nothing_and_a_full_queue_answers_at_once(tiny_qwe
         assert_blocks_at_baseline(c)
     finally:
         c.stop()
+
+
+BURST, BURST_PROMPT, BURST_OUT = 500, 248, 8   # 32 blocks a request: 16 at a time fit the decode worker
+
+
+def test_a_burst_far_past_decode_capacity_all_completes_by_default(cluster) -> None:
+    """What `vllm bench serve` does at its defaults: every request at once, far more than decode
+    capacity. By default the router queues them all and serves each in turn: 500 requests, 16 of
+    which fit the decode worker at a time (more than 256 waiting: the old bound refused those, and
+    the old 60 s queue timeout failed the slow ones), every one completes with all its tokens, and
+    every block comes back."""
+    prompts = random_prompts(BURST, BURST_PROMPT, BURST_PROMPT, seed=11)
+    router_metrics = next(p.metrics_address for p in cluster.processes if p.name == "router")
+    peak = 0
+
+    async def scenario():
+        nonlocal peak
+        async with AsyncClient(cluster.router_address, timeout=600) as client:
+            tasks = [asyncio.create_task(client.generate(p, max_tokens=BURST_OUT, **GREEDY)) for p in prompts]
+            while not all(t.done() for t in tasks):
+                peak = max(peak, metric(await asyncio.to_thread(scrape, router_metrics), "pdserve:num_requests_running"))
+                await asyncio.wait(tasks, timeout=0.1)
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(scenario())
+    assert all(r.finish_reason == "length" and len(r.token_ids) == BURST_OUT for r in results)
+    assert peak > 1 + 256 + 16, peak   # in the router at once: past the head, the old bound and those decoding
+    assert_blocks_at_baseline(cluster)
 
 
 def test_a_reservation_storm_is_capped_by_the_lease_and_cannot_starve_a_stream(tiny_qwen3: str) -> None:

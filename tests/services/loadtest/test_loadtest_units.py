@@ -1,5 +1,5 @@
 """The load generator's pure parts: the arrival schedule, the summary statistics, goodput counting,
-SLO parsing and the classification of a request's outcome (no server)."""
+SLO parsing, the classification of a request's outcome and the failures counted by kind (no server)."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,8 @@ import pytest
 
 from pdserve.services.loadtest.arrivals import arrival_offsets
 from pdserve.services.loadtest.metrics import calculate_metrics, parse_goodput, parse_slo, percentile_key, server_breakdown
-from pdserve.services.loadtest.results import RequestResult, settle
+from pdserve.services.loadtest.report import print_errors
+from pdserve.services.loadtest.results import MAX_ERROR_KIND_CHARS, RequestResult, error_counts, settle
 
 
 def _ok(ttft: float, latency: float, n_out: int, prompt_len: int = 10, itl: list[float] | None = None) -> RequestResult:
@@ -108,3 +109,31 @@ def test_server_breakdown_is_the_mean_over_successful_requests() -> None:
     failed = RequestResult(server_timings=dict.fromkeys(keys, 100.0))
     assert server_breakdown([a, b, failed]) == dict.fromkeys(keys, 2.0)
     assert server_breakdown([failed]) == {}
+
+
+def test_failures_are_counted_by_kind_of_error_most_frequent_first(capsys) -> None:
+    """Every failure counts, grouped by status and message: numbers its requests differ in read N,
+    numbers they share stay, request ids go; the report prints one line per kind and the metrics
+    (the JSON result) hold the same counts."""
+    capacity = "HTTP 429: no decode capacity for 1024 tokens within {}s"
+    full = ("RESOURCE_EXHAUSTED: admission queue is full: 4096 requests wait for decode capacity "
+            "(max_queued_requests=4096, set by --max-queued-requests); retry later")
+    failed_on_workers = "HTTP 500: the request failed on its workers (request id cmpl-{}; the router's log has the details)"
+    errors = ([capacity.format(t) for t in (60, 60.2, 61.5)] * 3 + [full] * 2
+              + [failed_on_workers.format(i) for i in ("3f2a9b1c44d0", "deadbeef1234")] + ["timeout: no [DONE] within 600s"])
+    results = [RequestResult(error=e) for e in errors] + [_ok(0.1, 1.0, 4)]
+    counts = calculate_metrics(results, duration=1.0)["error_counts"]
+    assert counts == {"HTTP 429: no decode capacity for 1024 tokens within Ns": 9, full: 2,
+                      "HTTP 500: the request failed on its workers": 2, "timeout: no [DONE] within 600s": 1}
+    assert list(counts.values()) == [9, 2, 2, 1] and sum(counts.values()) == len(errors)
+    assert error_counts(["", ""]) == {} and calculate_metrics([_ok(0.1, 1.0, 4)], 1.0)["error_counts"] == {}
+    long = error_counts(["x" * 500 + "a", "x" * 500 + "b"])   # long messages that agree on their start: one kind
+    assert list(long.values()) == [2] and len(next(iter(long))) == MAX_ERROR_KIND_CHARS
+    print_errors(counts)
+    assert capsys.readouterr().out.splitlines() == [
+        "errors: 9 x HTTP 429: no decode capacity for 1024 tokens within Ns",
+        f"        2 x {full}",
+        "        2 x HTTP 500: the request failed on its workers",
+        "        1 x timeout: no [DONE] within 600s"]
+    print_errors({})
+    assert capsys.readouterr().out == ""

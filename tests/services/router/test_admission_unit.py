@@ -1,13 +1,24 @@
-"""The admission queue alone: arrival order, the bound on waiters, the wait's timeout, the retry
-hint, and the gate in front of it."""
+"""The admission queue alone: arrival order, the bound on waiters (a count, named when it refuses),
+the wait's timeout (opt-in), the retry hint, and the gate in front of it. Then the router's queue
+over a pool whose decode worker is full (no worker process): a burst waits holding nothing, past
+the count it is refused, and a wait ends with queue_timeout_s, the client's deadline, or the client."""
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import time
 
 import pytest
 
+from pdserve.engine import SamplingParams
 from pdserve.services.router.admission import AdmissionQueue, PendingGate
+from pdserve.services.router.config import GenerationOptions
 from pdserve.services.router.errors import RouterError
+from pdserve.services.router.generator import Generator
+from pdserve.services.router.router_metrics import RouterMetrics
+from pdserve.services.router.worker_pool import WorkerPool
+from pdserve.v1 import worker_pb2
 
 
 async def _until(condition, what: str, yields: int = 100) -> None:
@@ -53,6 +64,7 @@ def test_a_full_queue_refuses_at_once_with_a_retry_hint() -> None:
         return err.value
     err = asyncio.run(run())
     assert err.code == "RESOURCE_EXHAUSTED" and "queue is full" in err.message
+    assert "max_queued_requests=2, set by --max-queued-requests" in err.message   # the limit, and how to raise it
     assert 1.0 <= err.retry_after_s <= 60.0
 
 
@@ -298,3 +310,249 @@ def test_overload_shares_forget_old_refusals_whatever_the_number_of_priorities()
         shares.refused(Ticket(p, "x"), now=float(p) * 0.01)   # 100 a second, each a new class
     assert len(shares._refused_at) <= 101
     assert shares.yields(Ticket(0, "x"), now=1000.0) is None and not shares._refused_at
+
+
+# ---- the bound is a count; the wait's deadline is opt-in ----------------------------------------
+def _burst(capacity: int, n: int) -> tuple[int, list[int], list[RouterError]]:
+    """n requests arrive at once, without a deadline, while a head holds its turn: how many the
+    queue held (the head included), the admission order, and the refusals."""
+    async def run():
+        queue = AdmissionQueue(capacity)
+        head_in, release = asyncio.Event(), asyncio.Event()
+        admitted: list[int] = []
+        refused: list[RouterError] = []
+
+        async def one(i: int) -> None:
+            try:
+                async with queue.turn(None):
+                    if i == 0:
+                        head_in.set()
+                        await release.wait()
+                    admitted.append(i)
+            except RouterError as exc:
+                refused.append(exc)
+        tasks = [asyncio.create_task(one(0))]
+        await head_in.wait()
+        tasks += [asyncio.create_task(one(i)) for i in range(1, n + 1)]
+        await _until(lambda: len(queue) + len(refused) == n + 1, "every arrival queued or refused")
+        held = len(queue)
+        release.set()
+        await asyncio.gather(*tasks)
+        return held, admitted, refused
+    return asyncio.run(run())
+
+
+def test_vllm_bench_serves_default_burst_waits_and_the_old_bound_refused_most_of_it() -> None:
+    """vllm bench serve sends its 1,000 requests at once: with the default bound every one waits
+    (and is admitted in arrival order); under the old default (256) 744 were refused at once. The
+    refusal names the limit and its flag."""
+    default = GenerationOptions().max_queued_requests
+    assert default >= 1000
+    held, admitted, refused = _burst(default, 1000)
+    assert held == 1001 and admitted == list(range(1001)) and not refused
+    held, admitted, refused = _burst(256, 1000)
+    assert held == 257 and len(admitted) == 257 and len(refused) == 744
+    assert all(e.code == "RESOURCE_EXHAUSTED" and "max_queued_requests=256, set by --max-queued-requests"
+               in e.message and e.retry_after_s for e in refused), refused[0].message
+
+
+def test_a_wait_without_a_deadline_ends_at_its_turn_or_when_its_caller_goes() -> None:
+    """No timeout: a waiter waits for its turn however long (no timer at all), and a waiter whose
+    caller went away (its task cancelled: a client that disconnected) leaves no hole."""
+    async def run():
+        queue = AdmissionQueue(8)
+        head_in, release = asyncio.Event(), asyncio.Event()
+        order: list[str] = []
+        remaining: list[float | None] = []
+
+        async def one(name: str) -> None:
+            async with queue.turn(None) as turn:
+                remaining.append(turn.remaining())
+                if name == "head":
+                    head_in.set()
+                    await release.wait()
+                order.append(name)
+        head = asyncio.create_task(one("head"))
+        await head_in.wait()
+        gone, stays = asyncio.create_task(one("gone")), asyncio.create_task(one("stays"))
+        await _until(lambda: len(queue) == 3, "two waiting")
+        gone.cancel()
+        await _until(lambda: len(queue) == 2, "the cancelled waiter out of the queue")
+        release.set()
+        await asyncio.gather(head, stays)
+        return order, remaining, len(queue), gone.cancelled()
+    order, remaining, left, cancelled = asyncio.run(run())
+    assert order == ["head", "stays"] and remaining == [None, None] and left == 0 and cancelled
+
+
+def test_the_queues_counts_match_its_waiters_through_arrivals_refusals_cancellations_and_turns() -> None:
+    """len() and the bound's count are kept as waiters come and go (no scan per arrival): after
+    every step of a random mix (priorities, moving requests, evictions by a higher class,
+    refusals, cancelled waiters, heads finishing) they equal what a scan of the waiters gives."""
+    import random
+    from pdserve.services.router.admission import Ticket
+
+    async def run():
+        rng, queue = random.Random(7), AdmissionQueue(6)
+        tasks: list[asyncio.Task] = []
+        head_done: list[asyncio.Event] = []   # the current head's
+        seen: collections.Counter[str] = collections.Counter()
+
+        async def one(ticket: Ticket) -> None:
+            try:
+                async with queue.turn(None, ticket):
+                    seen["admitted"] += 1
+                    head_done[:] = [asyncio.Event()]
+                    await head_done[0].wait()
+            except RouterError as exc:
+                seen["evicted" if "took this one's place" in exc.message else "refused"] += 1
+
+        def scanned() -> tuple[int, int]:
+            held = [w for w in (*queue._waiting, *queue._aside) if not w.gone]
+            return len(held) + (queue._head is not None), sum(not w.ticket.moved for w in held)
+        for _ in range(1000):
+            op = rng.random()
+            if op < 0.5:
+                tasks.append(asyncio.create_task(one(Ticket(rng.randrange(3), rng.choice("abc"),
+                                                            moved=rng.random() < 0.05))))
+            elif op < 0.6 and tasks:
+                rng.choice(tasks).cancel()
+            elif head_done:
+                head_done[0].set()
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert (len(queue), queue._live()) == scanned()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return len(queue), queue._live(), seen
+    left, live, seen = asyncio.run(run())
+    assert (left, live) == (0, 0)
+    assert min(seen["admitted"], seen["refused"], seen["evicted"]) >= 10, seen   # every path was taken
+
+
+PROMPT = list(range(100, 124))   # 3 blocks of 8
+
+
+@contextlib.asynccontextmanager
+async def _full_decode_worker(decode_free: int = 0, prefill_queued: int = 0, **options):
+    """A router (Generator) over 1 prefill + 1 decode worker whose status the test writes: by
+    default the decode worker has no free block, so every request waits in the admission queue."""
+    pool = WorkerPool(["127.0.0.1:11"], ["127.0.0.1:21"], [])
+    for w in pool.workers:
+        prefill = w.role == "prefill"
+        w.status = worker_pb2.WorkerStatus(block_size=8, num_total_blocks=64, max_num_batched_tokens=2048,
+                                           num_free_blocks=64 if prefill else decode_free,
+                                           num_queued_prompt_tokens=prefill_queued if prefill else 0)
+        w.connected = True
+    try:
+        yield Generator(pool, GenerationOptions(**options), RouterMetrics()), pool.of_role("decode")[0]
+    finally:
+        await pool.close()
+
+
+async def _request(router: Generator, rid: str, deadline: float | None = None) -> RouterError:
+    """One request to its end, which can only be an error here (with its time in .waited)."""
+    t0 = time.monotonic()
+    try:
+        async for _ in router.generate(rid, PROMPT, SamplingParams(max_tokens=4), deadline=deadline):
+            raise AssertionError("a token from a full decode worker")
+    except RouterError as exc:
+        exc.waited = time.monotonic() - t0
+        return exc
+    raise AssertionError("ended without an error")
+
+
+def test_by_default_a_burst_waits_for_capacity_holding_nothing_until_its_clients_go() -> None:
+    """300 requests at once (past the old bound of 256), a decode worker with no room: by default
+    none is refused and none times out; while they wait, none holds a decode slot or asked a
+    worker for KV; when their clients go (tasks cancelled) they leave the queue and the router."""
+    async def run():
+        async with _full_decode_worker() as (router, decode):
+            tasks = [asyncio.create_task(_request(router, f"r{i}")) for i in range(300)]
+            await _until(lambda: len(router.admission) == 300, "all 300 queued", yields=1000)
+            await asyncio.sleep(0.3)   # kept: long enough for a timer, were there one, to fire
+            waiting = (len(router.admission), sum(t.done() for t in tasks), decode.inflight,
+                       sum(len(g.workers) for g in router.active.values()))
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return waiting, len(router.admission), len(router.active)
+    waiting, queued_after, active_after = asyncio.run(run())
+    assert waiting == (300, 0, 0, 0)
+    assert queued_after == 0 and active_after == 0
+
+
+def test_past_the_count_a_burst_is_refused_at_once_naming_the_limit() -> None:
+    async def run():
+        async with _full_decode_worker(max_queued_requests=3) as (router, _):
+            tasks = [asyncio.create_task(_request(router, f"r{i}")) for i in range(6)]
+            await _until(lambda: len(router.admission) == 4 and sum(t.done() for t in tasks) == 2,
+                         "the head and 3 waiting; 2 refused", yields=1000)
+            refused = [t.result() for t in tasks if t.done()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return refused
+    refused = asyncio.run(run())
+    assert len(refused) == 2
+    for err in refused:
+        assert err.code == "RESOURCE_EXHAUSTED" and err.retry_after_s, err.message
+        assert "queue is full" in err.message and "max_queued_requests=3, set by --max-queued-requests" in err.message
+
+
+def test_queue_timeout_s_and_the_clients_deadline_still_end_a_wait() -> None:
+    """Opt-in, the old behaviour: with queue_timeout_s a request that found no decode capacity in
+    time is refused, saying which limit ended it; without it the client's own deadline (gRPC)
+    ends the wait just before it passes."""
+    async def run():
+        async with _full_decode_worker(queue_timeout_s=0.2) as (router, _):
+            timed_out = await asyncio.gather(*(_request(router, f"t{i}") for i in range(3)))
+        async with _full_decode_worker() as (router, _):
+            own = await _request(router, "own", deadline=time.monotonic() + 1.3)   # its margin: 1 s before
+        return timed_out, own
+    timed_out, own = asyncio.run(run())
+    for err in timed_out:
+        assert err.code == "RESOURCE_EXHAUSTED" and "no decode capacity" in err.message, err.message
+        assert "queue_timeout_s=0.2, set by --queue-timeout-s" in err.message and err.retry_after_s
+        assert 0.15 <= err.waited < 2.0
+    assert own.code == "RESOURCE_EXHAUSTED" and "the request's own deadline" in own.message, own.message
+    assert 0.2 <= own.waited < 1.3
+
+
+def test_a_backlogged_prefill_worker_keeps_requests_in_the_router_queue_holding_no_kv() -> None:
+    """The decode worker has room, but the prefill worker has PREFILL_AHEAD_STEPS steps of prompts
+    queued: the head does not reserve decode KV (its reservation would wait there, and lapse at
+    the decode worker's lease cap under a long backlog); it reserves once the backlog shrinks."""
+    from pdserve.services.router.placement import PREFILL_AHEAD_STEPS
+
+    async def run():
+        async with _full_decode_worker(decode_free=64, prefill_queued=PREFILL_AHEAD_STEPS * 2048) as (router, decode):
+            reserved = asyncio.Event()
+
+            class Decode:   # the decode worker's Reserve, recorded (and never answered)
+                async def Reserve(self, request, **kwargs):
+                    reserved.set()
+                    await asyncio.Event().wait()
+            decode.decode = Decode()
+            task = asyncio.create_task(_request(router, "r"))
+            await _until(lambda: len(router.admission) == 1, "the request at the head")
+            await asyncio.sleep(0.2)   # kept: time to reserve, were it allowed
+            held = (reserved.is_set(), len(router.admission))
+            prefill = router.pool.of_role("prefill")[0]
+            prefill.status.num_queued_prompt_tokens = PREFILL_AHEAD_STEPS * 2048 - 1   # one step's room frees
+            router.pool.notify()
+            await asyncio.wait_for(reserved.wait(), 5.0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return held
+    assert asyncio.run(run()) == (False, 1)
+
+
+def test_queue_timeout_s_zero_or_none_means_no_limit_and_a_negative_one_is_refused() -> None:
+    assert GenerationOptions().queue_timeout_s is None
+    assert GenerationOptions(queue_timeout_s=0).queue_timeout_s is None
+    assert GenerationOptions(queue_timeout_s=30).queue_timeout_s == 30
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="queue_timeout_s"):
+            GenerationOptions(queue_timeout_s=bad)

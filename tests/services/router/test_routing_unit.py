@@ -1,7 +1,7 @@
 """Route choice over a pool of workers whose status the test writes (no worker process): the
 kv-aware policy follows the prefix cache, the load policy the requests in flight, a worker the
-request left after a fault is avoided while another serves, and a role with no healthy worker
-raises NoWorker."""
+request left after a fault is avoided while another serves, a role with no healthy worker
+raises NoWorker, and when a prefill worker counts as backlogged (reservations then wait)."""
 from __future__ import annotations
 
 import asyncio
@@ -126,3 +126,27 @@ def test_a_colocated_member_among_prefill_and_decode_workers_prefills_its_own_pr
         with pytest.raises(NoWorker) as err:
             placement.pick_prefill(request_keys(PROMPT, 8), len(PROMPT))
         assert err.value.role == "prefill"
+
+
+@pytest.mark.parametrize("routing", ["kv-aware", "load"])
+def test_a_prefill_worker_is_backlogged_past_its_steps_or_its_seconds_of_queued_prompts(pool, routing) -> None:
+    """Never under one step of queued prompt tokens (it would idle); past PREFILL_AHEAD_STEPS steps
+    always; in between when its learned step costs price the queue at PREFILL_AHEAD_S or more
+    (a slow worker: a backlog of a few steps would outlast the decode workers' lease cap)."""
+    from pdserve.services.router.placement import PREFILL_AHEAD_S, PREFILL_AHEAD_STEPS
+    placement = Placement(pool, routing)
+    prefill = pool.of_role("prefill")[0]
+    budget = prefill.status.max_num_batched_tokens or 2048
+
+    def backlogged(queued: int, ms_per_token: float) -> bool:
+        prefill.status.num_queued_prompt_tokens, prefill.status.step_ms_per_token = queued, ms_per_token
+        return placement.prefill_backlogged(request_keys(PROMPT, 8), len(PROMPT))
+    slow = 2 * PREFILL_AHEAD_S * 1e3 / budget   # a step's worth of tokens takes twice PREFILL_AHEAD_S
+    assert not backlogged(budget - 1, slow) and not backlogged(0, slow)
+    assert backlogged(budget, slow) and not backlogged(budget, 0.05)
+    assert backlogged(PREFILL_AHEAD_STEPS * budget, 0.05)
+    prefill.status.num_queued_prompt_tokens = 0
+    prefill.inflight_prompt_tokens = PREFILL_AHEAD_STEPS * budget   # routed there, not yet in its status
+    assert placement.prefill_backlogged([], len(PROMPT))
+    prefill.connected = False
+    assert not placement.prefill_backlogged([], len(PROMPT))   # none healthy: the route waits for one anyway
