@@ -66,14 +66,14 @@ log = logging.getLogger(__name__)
 
 THRESHOLD_LOG_INTERVAL_S = 5.0
 # A remote route reserves decode KV only while the prefill worker it would use is not backlogged:
-# less than a step (its max_num_batched_tokens) of prompt tokens queued there, or else less than
-# PREFILL_AHEAD_STEPS steps and an estimated PREFILL_AHEAD_S of work (its learned step costs).
-# That keeps it busy while the requests behind wait in the router's admission queue holding
-# nothing. Without it a burst reserves all the decode KV at once; once the prefill queue takes
-# longer than the decode workers' --kv-lease-max-s (300 s), reservations lapse before their KV
-# arrives, every prefill is wasted, and nothing completes (seen on a loaded 2-core CPU, where a
-# 2,048-token step of SmolLM2-135M took a minute and 40 reservations were made at once).
-PREFILL_AHEAD_STEPS = 2
+# less than a step (its max_num_batched_tokens) of prompt tokens queued there, or an estimated
+# wait (its learned step costs) under PREFILL_AHEAD_S. Requests past that wait in the router's
+# admission queue holding nothing. Without it a burst reserves all the decode KV at once; once the
+# prefill queue takes longer than the decode workers' --kv-lease-max-s (300 s), reservations lapse
+# before their KV arrives, every prefill is wasted, and nothing completes (seen on a loaded 2-core
+# CPU, where a 2,048-token step of SmolLM2-135M took a minute and 40 reservations were made at
+# once). A bound in seconds, not in steps: a worker with a small chunk budget (8 tokens in the fault
+# tests) must still hold a few prompts queued, and 30 s is a tenth of the lease cap.
 PREFILL_AHEAD_S = 30.0
 
 
@@ -158,8 +158,8 @@ class Placement:
         return healthy[i], cost
 
     def prefill_backlogged(self, keys: Sequence[int], n_tokens: int, exclude: set[str] = frozenset()) -> bool:
-        """Whether the prefill worker a remote route would use is backlogged (PREFILL_AHEAD_STEPS,
-        PREFILL_AHEAD_S); False with none healthy: the route waits for one anyway."""
+        """Whether the prefill worker a remote route would use is backlogged (PREFILL_AHEAD_S of
+        queued work); False with none healthy: the route waits for one anyway."""
         try:
             worker, _ = self.pick_prefill(keys, n_tokens, exclude)
         except NoWorker:
@@ -167,8 +167,7 @@ class Placement:
         cost, load = self.step_cost(worker), self.load(worker)
         if load.queued_tokens < cost.budget:
             return False   # less than a step: never held (it would idle)
-        return (load.queued_tokens >= PREFILL_AHEAD_STEPS * cost.budget
-                or self.costs.prefill_ms(cost, load, 0) >= PREFILL_AHEAD_S * 1e3)
+        return self.costs.prefill_ms(cost, load, 0) >= PREFILL_AHEAD_S * 1e3
 
     def _prefill_cost(self, worker: WorkerHandle, keys: Sequence[int], n_tokens: int) -> float:
         uncached = self.uncached(worker, keys, n_tokens)

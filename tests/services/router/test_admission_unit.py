@@ -521,13 +521,16 @@ def test_queue_timeout_s_and_the_clients_deadline_still_end_a_wait() -> None:
 
 
 def test_a_backlogged_prefill_worker_keeps_requests_in_the_router_queue_holding_no_kv() -> None:
-    """The decode worker has room, but the prefill worker has PREFILL_AHEAD_STEPS steps of prompts
-    queued: the head does not reserve decode KV (its reservation would wait there, and lapse at
-    the decode worker's lease cap under a long backlog); it reserves once the backlog shrinks."""
-    from pdserve.services.router.placement import PREFILL_AHEAD_STEPS
+    """The decode worker has room, but the prefill worker has PREFILL_AHEAD_S of prompts queued
+    (by its learned step costs): the head does not reserve decode KV (its reservation would wait
+    there, and lapse at the decode worker's lease cap under a long backlog); it reserves once the
+    backlog shrinks."""
+    from pdserve.services.router.placement import PREFILL_AHEAD_S
 
     async def run():
-        async with _full_decode_worker(decode_free=64, prefill_queued=PREFILL_AHEAD_STEPS * 2048) as (router, decode):
+        async with _full_decode_worker(decode_free=64, prefill_queued=2 * 2048) as (router, decode):
+            prefill = router.pool.of_role("prefill")[0]
+            prefill.status.step_ms_per_token = PREFILL_AHEAD_S * 1e3 / 2048   # two steps: twice the limit
             reserved = asyncio.Event()
 
             class Decode:   # the decode worker's Reserve, recorded (and never answered)
@@ -539,8 +542,7 @@ def test_a_backlogged_prefill_worker_keeps_requests_in_the_router_queue_holding_
             await _until(lambda: len(router.admission) == 1, "the request at the head")
             await asyncio.sleep(0.2)   # kept: time to reserve, were it allowed
             held = (reserved.is_set(), len(router.admission))
-            prefill = router.pool.of_role("prefill")[0]
-            prefill.status.num_queued_prompt_tokens = PREFILL_AHEAD_STEPS * 2048 - 1   # one step's room frees
+            prefill.status.num_queued_prompt_tokens = 2048 // 4   # the backlog drains to a fraction of the limit
             router.pool.notify()
             await asyncio.wait_for(reserved.wait(), 5.0)
             task.cancel()

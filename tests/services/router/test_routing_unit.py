@@ -129,11 +129,12 @@ def test_a_colocated_member_among_prefill_and_decode_workers_prefills_its_own_pr
 
 
 @pytest.mark.parametrize("routing", ["kv-aware", "load"])
-def test_a_prefill_worker_is_backlogged_past_its_steps_or_its_seconds_of_queued_prompts(pool, routing) -> None:
-    """Never under one step of queued prompt tokens (it would idle); past PREFILL_AHEAD_STEPS steps
-    always; in between when its learned step costs price the queue at PREFILL_AHEAD_S or more
-    (a slow worker: a backlog of a few steps would outlast the decode workers' lease cap)."""
-    from pdserve.services.router.placement import PREFILL_AHEAD_S, PREFILL_AHEAD_STEPS
+def test_a_prefill_worker_is_backlogged_past_its_seconds_of_queued_prompts(pool, routing) -> None:
+    """Never under one step of queued prompt tokens (it would idle); past that when its learned
+    step costs price the queue at PREFILL_AHEAD_S or more (a backlog that would outlast a tenth of
+    the decode workers' lease cap), however few or many steps that is: a worker with a small chunk
+    budget still takes a queue of prompts."""
+    from pdserve.services.router.placement import PREFILL_AHEAD_S
     placement = Placement(pool, routing)
     prefill = pool.of_role("prefill")[0]
     budget = prefill.status.max_num_batched_tokens or 2048
@@ -144,9 +145,11 @@ def test_a_prefill_worker_is_backlogged_past_its_steps_or_its_seconds_of_queued_
     slow = 2 * PREFILL_AHEAD_S * 1e3 / budget   # a step's worth of tokens takes twice PREFILL_AHEAD_S
     assert not backlogged(budget - 1, slow) and not backlogged(0, slow)
     assert backlogged(budget, slow) and not backlogged(budget, 0.05)
-    assert backlogged(PREFILL_AHEAD_STEPS * budget, 0.05)
+    assert not backlogged(20 * budget, 0.05)   # many steps, but seconds of work: taken
+    at_limit = PREFILL_AHEAD_S * 1e3 / 0.05    # tokens that take PREFILL_AHEAD_S at 0.05 ms a token
+    assert backlogged(int(at_limit), 0.05) and not backlogged(int(0.9 * at_limit), 0.05)
     prefill.status.num_queued_prompt_tokens = 0
-    prefill.inflight_prompt_tokens = PREFILL_AHEAD_STEPS * budget   # routed there, not yet in its status
+    prefill.inflight_prompt_tokens = int(at_limit)   # routed there, not yet in its status
     assert placement.prefill_backlogged([], len(PROMPT))
     prefill.connected = False
     assert not placement.prefill_backlogged([], len(PROMPT))   # none healthy: the route waits for one anyway
