@@ -10,7 +10,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, ContextManager
+from typing import AsyncIterator, ContextManager, Sequence
 
 import grpc
 
@@ -19,10 +19,11 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.services.api.detokenizer import IncrementalDetokenizer
 from pdserve.services.api.principals import ApiKeys, Principal, bound_to
-from pdserve.services.api.request_front import FrontRequest, Prompt, RequestFront, ValidatedRequest
+from pdserve.services.api.request_front import FrontRequest, Prompt, RequestFront, TokenizeRequest, ValidatedRequest
 from pdserve.services.api.request_limits import InvalidRequest, RequestLimits
 from pdserve.services.api.router_facade import RouterFacade
 from pdserve.services.common import tracing
+from pdserve.services.common.fd_limit import raise_fd_limit
 from pdserve.services.common.grpc_setup import check_port_free, service_registration, start_server, stop_on_signals
 from pdserve.services.common.metrics import start_metrics_server
 from pdserve.services.common.proofs import API_KEY_HEADER
@@ -214,6 +215,12 @@ class RouterServicerFacade(RouterFacade):
     async def prepare(self, request: FrontRequest) -> ValidatedRequest:
         return await self._servicer.front.prepare(request)
 
+    async def tokenize(self, request: TokenizeRequest) -> tuple[list[int], list[str] | None]:
+        return await self._servicer.front.tokenize(request)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        return await self._servicer.front.detokenize(token_ids)
+
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams, service: ServiceClass
                  ) -> AsyncIterator[tuple[Chunk, Generation]]:
         return self._servicer.generator.generate(request_id, prompt, params, service=service)
@@ -297,6 +304,7 @@ async def serve_router(options: RouterOptions, host: str, port: int, metrics_por
 
     credentials = credentials or Credentials()
     keys = api_keys(options.config, api_key)
+    raise_fd_limit()   # before any server starts: the HTTP API's connection cap follows it
     check_port_free(host, port)
     tracing.configure("pdserve-router", options.config.otlp_endpoint, credentials=credentials,
                       insecure=options.config.otlp_insecure)

@@ -4,7 +4,8 @@ uvicorn times a connection out only between requests (its keep-alive timer start
 response completes), so a socket that connects and never sends a complete request head holds a
 file descriptor for ever, and it accepts any number of them. ``BoundedHttpToolsProtocol`` (its
 httptools protocol, which the router uses) closes a connection whose first request head has not
-arrived within ``head_timeout_s``, and closes at once any connection past ``max_connections``.
+arrived within ``head_timeout_s``, and closes at once any connection past ``max_connections``
+(``bounded_protocol``: fixed when the server starts, from the file-descriptor limit then).
 Slow bodies are bounded by the API itself (``--http-body-timeout-s``). ``RequestGuard``: the API
 key, Host and Content-Type checks made on each request's head, before routing.
 """
@@ -20,25 +21,27 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from pdserve.services.api.openai_protocol import HTTPError
 from pdserve.services.api.principals import ApiKeys
 
-MAX_HTTP_CONNECTIONS = 1024     # open connections at once (at most a quarter of the fd limit); more are
-                                # closed as they are accepted
+MAX_HTTP_CONNECTIONS = 4096     # open connections at once (at most a quarter of the fd limit); more are
+                                # closed as they are accepted. As many as the router queues requests by
+                                # default (max_queued_requests): a burst of one connection per request fits
 HEAD_TIMEOUT_S = 10.0           # from accept to a complete first request head
 OPEN_PATHS = ("/health",)              # no API key, no Host check (orchestrators probe it)
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+JSON_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")   # POSTs of JSON bodies
 LOOPBACK_NAMES = ("localhost",)        # besides IP addresses: DNS rebinding needs a name
 
 
-def connection_cap() -> int:
-    """MAX_HTTP_CONNECTIONS, or a quarter of this process's file-descriptor limit if lower, so
-    idle sockets never starve gRPC accepts and shared-memory opens."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+def connection_cap(soft_fd_limit: int | None = None) -> int:
+    """MAX_HTTP_CONNECTIONS, or a quarter of the soft file-descriptor limit (this process's if not
+    given) if lower, so idle sockets never starve gRPC accepts and shared-memory opens. The router
+    raises its limit at start-up (services/common/fd_limit.py), before its HTTP server asks."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if soft_fd_limit is None else soft_fd_limit
     if soft == resource.RLIM_INFINITY:
         return MAX_HTTP_CONNECTIONS
     return max(16, min(MAX_HTTP_CONNECTIONS, soft // 4))
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    max_connections = connection_cap()
+    max_connections = MAX_HTTP_CONNECTIONS   # a server's own: bounded_protocol()
     head_timeout_s = HEAD_TIMEOUT_S
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -70,6 +73,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
 
+def bounded_protocol(max_connections: int | None = None) -> type[BoundedHttpToolsProtocol]:
+    """The protocol class a server uses, its cap fixed when the server starts (connection_cap()
+    if not given), not when this module was imported: the fd limit may have been raised since."""
+    cap = connection_cap() if max_connections is None else max_connections
+    return type("BoundedHttpToolsProtocol", (BoundedHttpToolsProtocol,), {"max_connections": cap})
+
+
 class RequestGuard:
     """The checks made on a request's head, before routing or reading its body.
     allowed_hosts: see RouterConfig."""
@@ -83,8 +93,8 @@ class RequestGuard:
         """What a browser could do to a server on the user's machine is refused here. With an
         API key set, the key (compared in constant time; a web page does not have it). Without
         one, the Host: a DNS-rebinding page reaches 127.0.0.1 under its own name, so only
-        localhost, IP addresses and --allowed-hosts are answered. Generation requests must be
-        application/json: a page can POST text/plain (or no type) cross-origin without a
+        localhost, IP addresses and --allowed-hosts are answered. Generation and (de)tokenize
+        requests must be application/json: a page can POST text/plain (or no type) cross-origin without a
         CORS preflight, never JSON."""
         headers = {k: v for k, v in scope.get("headers", ()) if k in (b"authorization", b"host", b"content-type")}
         if self.keys.required:
@@ -95,7 +105,7 @@ class RequestGuard:
             return HTTPError(421, f"Host header {headers[b'host'].decode('latin-1')[:100]!r} is not served without "
                                   f"an API key: use localhost or an IP address, or start the router with "
                                   f"--allowed-hosts NAME", "Host", "host_not_allowed")
-        if scope.get("method") == "POST" and scope["path"] in GENERATION_PATHS:
+        if scope.get("method") == "POST" and scope["path"] in JSON_PATHS:
             given = headers.get(b"content-type", b"").decode("latin-1")
             if given.split(";", 1)[0].strip().lower() != "application/json":
                 return HTTPError(415, f"Content-Type header must be application/json, got {given[:100]!r}",

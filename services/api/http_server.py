@@ -1,5 +1,6 @@
 """The router's OpenAI-compatible HTTP API: ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``, ``/health``, ``/metrics``, ``/version``.
+``/v1/models``, ``/health``, ``/metrics``, ``/version``, and vLLM's ``/tokenize`` and ``/detokenize``
+(services/api/tokenize_endpoints.py).
 
 It runs in the router's process, on the router's event loop, next to the grpc.aio server, and
 sends every request through the same ``Generator`` (admission queue, disaggregated or
@@ -25,7 +26,7 @@ Behaviour:
 * API key (when one is set): ``Authorization: Bearer KEY``, compared in constant time before
   anything else is done (``/health`` stays open, as gRPC health does); 401 otherwise. Without
   one, only ``Host`` values a DNS-rebinding page cannot send are answered (localhost, IP
-  addresses, ``--allowed-hosts``); 421 otherwise. Generation requests must be
+  addresses, ``--allowed-hosts``); 421 otherwise. Generation and (de)tokenize requests must be
   ``application/json`` (415): a web page can POST ``text/plain`` cross-origin unasked.
 * Errors: ``{"error": {"message", "type", "param", "code"}}``; 400 bad input (naming the
   field), 401 API key, 404 unknown model or path, 408 body not in within
@@ -66,12 +67,13 @@ from pdserve.engine.quoting import quoted
 from pdserve.services.api import prompt_scores
 from pdserve.services.api.chat_output import ChatOutput, ChatOutputSpec
 from pdserve.services.api.detokenizer import IncrementalDetokenizer, StopMatcher
-from pdserve.services.api.http_connections import BoundedHttpToolsProtocol, OPEN_PATHS, RequestGuard
+from pdserve.services.api.http_connections import OPEN_PATHS, RequestGuard, bounded_protocol
 from pdserve.services.api.openai_protocol import (ClientGone, HTTPError, ParsedBody, SSE_DONE, SSEResponse, cancel_all,
-    front_requests, gather_or_cancel, parse_body, read_json, sse_event, until_disconnect)
+    front_requests, gather_or_cancel, http_error, parse_body, read_json, sse_event, until_disconnect)
 from pdserve.services.api.principals import ApiKeys, bound_to
 from pdserve.services.api.request_limits import InvalidRequest
 from pdserve.services.api.router_facade import RouterFacade
+from pdserve.services.api.tokenize_endpoints import TokenizeEndpoints
 from pdserve.services.api.tool_parsers import parser_for_template
 from pdserve.services.common.ports import reuse_port
 from pdserve.services.router.errors import RouterError
@@ -177,6 +179,7 @@ class OpenAIServer:
         async def chat_completions(request: Request):
             return await self._handle(request, chat=True)
 
+        TokenizeEndpoints(self.router, self.served_model_name, self._check_model, self.max_body_bytes).add_routes(app)
         return app
 
     def asgi(self) -> Callable:
@@ -485,13 +488,6 @@ class OpenAIServer:
         return SSEResponse(events())
 
 
-def http_error(exc: RouterError | HTTPError | InvalidRequest, request_id: str) -> HTTPError:
-    """Any refusal in OpenAI's error shape."""
-    if isinstance(exc, RouterError):
-        return HTTPError.from_router(exc, request_id)
-    return HTTPError.from_invalid(exc) if isinstance(exc, InvalidRequest) else exc
-
-
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -557,7 +553,7 @@ async def start_http(router: RouterFacade, host: str, port: int, served_model_na
     ssl_files = {"ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key)} if tls is not None else {}
     config = uvicorn.Config(api.asgi(), log_config=None, access_log=False, lifespan="off",
                             timeout_graceful_shutdown=2, server_header=False,
-                            timeout_keep_alive=HTTP_KEEP_ALIVE_S, http=BoundedHttpToolsProtocol, **ssl_files)
+                            timeout_keep_alive=HTTP_KEEP_ALIVE_S, http=bounded_protocol(), **ssl_files)
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:

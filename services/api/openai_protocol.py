@@ -97,6 +97,13 @@ class HTTPError(Exception):
         return cls(413 if exc.too_large else 400, exc.message, exc.field, exc.code)
 
 
+def http_error(exc: RouterError | HTTPError | InvalidRequest, request_id: str) -> HTTPError:
+    """Any refusal in OpenAI's error shape."""
+    if isinstance(exc, RouterError):
+        return HTTPError.from_router(exc, request_id)
+    return HTTPError.from_invalid(exc) if isinstance(exc, InvalidRequest) else exc
+
+
 # ---- reading the body ----------------------------------------------------------------------------
 
 async def read_json(request: Request, limit: int, timeout_s: float) -> dict:
@@ -135,7 +142,7 @@ async def read_json(request: Request, limit: int, timeout_s: float) -> dict:
 
 # ---- request parsing --------------------------------------------------------------------------
 
-def _field(body: dict, name: str, types: type | tuple[type, ...], default: Any = None) -> Any:
+def typed_field(body: dict, name: str, types: type | tuple[type, ...], default: Any = None) -> Any:
     """body[name] if present and not null, checked against types (bool is not an int here)."""
     value = body.get(name)
     if value is None:
@@ -154,7 +161,7 @@ def _field(body: dict, name: str, types: type | tuple[type, ...], default: Any =
     return value
 
 
-def _int_list(value: Any, name: str, max_len: int | None = None, setting: str = "max_model_len") -> list[int]:
+def int_list(value: Any, name: str, max_len: int | None = None, setting: str = "max_model_len") -> list[int]:
     if not isinstance(value, list):
         raise HTTPError(400, f"{name} must be a list of integers", name)
     if max_len is not None and len(value) > max_len:   # the length before the scan
@@ -237,14 +244,14 @@ def _completion_prompts(body: dict, n: int, limits: RequestLimits, max_prompt_to
     first = prompt[0]
     if isinstance(first, int) and not isinstance(first, bool):
         _choices_limit(1, n, limits)
-        return [Prompt(token_ids=_int_list(prompt, "prompt", max_prompt_tokens))]
+        return [Prompt(token_ids=int_list(prompt, "prompt", max_prompt_tokens))]
     _choices_limit(len(prompt), n, limits)
     if all(isinstance(p, str) for p in prompt):
         for p in prompt:
             utf8_size(p, "prompt", limits.max_prompt_bytes)
         return [Prompt(text=p) for p in prompt]
     if all(isinstance(p, list) and p for p in prompt):
-        return [Prompt(token_ids=_int_list(p, "prompt", max_prompt_tokens)) for p in prompt]
+        return [Prompt(token_ids=int_list(p, "prompt", max_prompt_tokens)) for p in prompt]
     raise HTTPError(400, "prompt must be a string, a list of token ids, or a list of strings or of token-id lists",
                     "prompt")
 
@@ -306,55 +313,55 @@ def _parse_body(body: dict, chat: bool, default_model: str, limits: RequestLimit
         value = body.get(name)
         if value is not None and value != neutral and value not in NEUTRAL_OK.get(name, ()):
             raise HTTPError(400, f"{name}={quoted(value)} is not supported by pdserve", name)
-    model = _field(body, "model", str, default_model)
-    max_tokens = _field(body, "max_completion_tokens", int) if chat else None
+    model = typed_field(body, "model", str, default_model)
+    max_tokens = typed_field(body, "max_completion_tokens", int) if chat else None
     if max_tokens is None:
-        max_tokens = _field(body, "max_tokens", int)
+        max_tokens = typed_field(body, "max_tokens", int)
     stop_ids = body.get("stop_token_ids") or []
     if isinstance(stop_ids, list):
         check_count(len(stop_ids), "stop_token_ids", limits.max_stop_token_ids, "max_stop_token_ids")
-    params = SamplingParams(temperature=_field(body, "temperature", float, 1.0),
-                            top_p=_field(body, "top_p", float, 1.0),
-                            top_k=_field(body, "top_k", int, 0),
-                            seed=_field(body, "seed", int),
-                            stop_token_ids=_int_list(stop_ids, "stop_token_ids"),
-                            ignore_eos=_field(body, "ignore_eos", bool, False),
-                            min_tokens=_field(body, "min_tokens", int, 0),
-                            cache_salt=_field(body, "cache_salt", str))
+    params = SamplingParams(temperature=typed_field(body, "temperature", float, 1.0),
+                            top_p=typed_field(body, "top_p", float, 1.0),
+                            top_k=typed_field(body, "top_k", int, 0),
+                            seed=typed_field(body, "seed", int),
+                            stop_token_ids=int_list(stop_ids, "stop_token_ids"),
+                            ignore_eos=typed_field(body, "ignore_eos", bool, False),
+                            min_tokens=typed_field(body, "min_tokens", int, 0),
+                            cache_salt=typed_field(body, "cache_salt", str))
     if max_tokens is not None:   # else SamplingParams' default (a chat request: the rest of the context)
         params.max_tokens = max_tokens
     bad_words, structured_field = apply_sampling_fields(body, params)
     if chat:   # logprobs: bool, top_logprobs: how many alternatives
-        top = _field(body, "top_logprobs", int)
-        if _field(body, "logprobs", bool, False):
+        top = typed_field(body, "top_logprobs", int)
+        if typed_field(body, "logprobs", bool, False):
             params.logprobs = top or 0
         elif top is not None:
             raise HTTPError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     else:      # logprobs: how many alternatives (0: only the sampled token's)
-        params.logprobs = _field(body, "logprobs", int)
+        params.logprobs = typed_field(body, "logprobs", int)
     if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
         name = "top_logprobs" if chat else "logprobs"
         raise HTTPError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {params.logprobs}", name)
     echo, echo_only, prompt_logprobs = _prompt_scoring(body, chat, params, max_tokens)
     if params.top_k < 0:   # vLLM's -1: disabled
         params.top_k = 0 if params.top_k == -1 else params.top_k
-    n = _field(body, "n", int, 1)
+    n = typed_field(body, "n", int, 1)
     if n < 1:
         raise HTTPError(400, f"n must be >= 1, got {n}", "n")
-    stream = _field(body, "stream", bool, False)
-    options = _field(body, "stream_options", dict)
+    stream = typed_field(body, "stream", bool, False)
+    options = typed_field(body, "stream_options", dict)
     if options is not None and not stream:
         raise HTTPError(400, "stream_options is only allowed with stream=true", "stream_options")
     parsed = ParsedBody(prompts=[], params=params, n=n, stop=_stop_strings(body, limits), stream=stream,
                         include_usage=bool(options and options.get("include_usage")),
-                        skip_special_tokens=_field(body, "skip_special_tokens", bool, True), model=model,
+                        skip_special_tokens=typed_field(body, "skip_special_tokens", bool, True), model=model,
                         max_tokens_given=max_tokens is not None, chat=chat, service=_service_class(body),
                         bad_words=bad_words, structured_field=structured_field, echo=echo, echo_only=echo_only,
                         prompt_logprobs=prompt_logprobs)
     if chat:
         _choices_limit(1, n, limits)
         parsed.messages = _chat_messages(body, limits)
-        parsed.add_generation_prompt = _field(body, "add_generation_prompt", bool, True)
+        parsed.add_generation_prompt = typed_field(body, "add_generation_prompt", bool, True)
         _chat_tools(body, parsed)
         parsed.template_kwargs = _template_kwargs(body.get("chat_template_kwargs"), limits)
     else:
@@ -370,10 +377,10 @@ def _prompt_scoring(body: dict, chat: bool, params: SamplingParams,
     """echo (completions), vLLM's prompt_logprobs (not streamed, as vLLM), and what they ask of
     the workers: the prompt's logprobs with as many alternatives as either shows. echo with
     max_tokens=0 scores the prompt alone (one token is generated and dropped, as vLLM does)."""
-    echo = _field(body, "echo", bool, False)
+    echo = typed_field(body, "echo", bool, False)
     if echo and chat:
         raise HTTPError(400, "echo is for /v1/completions only", "echo")
-    shown = _field(body, "prompt_logprobs", int)
+    shown = typed_field(body, "prompt_logprobs", int)
     if shown is not None:
         if not 0 <= shown <= MAX_LOGPROBS:
             raise HTTPError(400, f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {shown}", "prompt_logprobs")
@@ -425,8 +432,9 @@ def _service_class(body: dict) -> ServiceClass:
     """vLLM's `priority` (lower first), OpenAI's `user` (the session without a session_id),
     pdserve's latency targets `slo_ttft_ms` / `slo_tpot_ms` (services/router/slo.py) and its
     `session_id` (services/router/routes.py, SessionTable)."""
-    values = (_field(body, "priority", int, 0), _field(body, "user", str, ""), _field(body, "slo_ttft_ms", float),
-              _field(body, "slo_tpot_ms", float), _field(body, "session_id", str, ""))
+    values = (typed_field(body, "priority", int, 0), typed_field(body, "user", str, ""),
+              typed_field(body, "slo_ttft_ms", float), typed_field(body, "slo_tpot_ms", float),
+              typed_field(body, "session_id", str, ""))
     try:
         return ServiceClass(*values)
     except ValueError as exc:

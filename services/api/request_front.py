@@ -7,7 +7,9 @@ services/api/openai_protocol.py from the JSON body, each after the counts and si
 the wire) and maps the InvalidRequest raised here back (gRPC INVALID_ARGUMENT, HTTP 400/413 in
 OpenAI's error shape). Order: the prompt's size, then tokenizing or chat rendering (on one
 thread, off the event loop), then its length against max_model_len, then the engine's own rules
-(engine.validation.validate_request). Every refusal names the field and the limit."""
+(engine.validation.validate_request). Every refusal names the field and the limit. The same
+checks and the same thread serve vLLM's /tokenize and /detokenize (TokenizeRequest, tokenize,
+detokenize): a prompt is tokenized there exactly as a generation request's would be."""
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +23,7 @@ from typing import Callable, Sequence
 import jinja2
 
 from pdserve.engine import SamplingParams
+from pdserve.engine.quoting import quoted
 from pdserve.engine.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, StructuredOutputsParams
 from pdserve.engine.structured.constraints import COMPILE_TIMEOUT_S, StructuredError, check_structured
 from pdserve.engine.validation import validate_request
@@ -94,6 +97,21 @@ class ValidatedRequest:
     reasoning_start: str | None = None   # chat with a thinking template: how the output starts (reasoning.py)
 
 
+@dataclass(slots=True)
+class TokenizeRequest:
+    """vLLM's /tokenize: a text prompt, or chat messages rendered by the chat template (what a chat
+    request's prompt would be). return_token_strs: the tokens' strings too."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Tool] = dataclasses.field(default_factory=list)
+    template_kwargs: dict = dataclasses.field(default_factory=dict)
+    return_token_strs: bool = False
+
+
 class RequestFront:
     """Checks, tokenizes and validates requests for one model. max_model_len: called per request
     (the workers report theirs); model_name: what a missing chat template's message calls it."""
@@ -163,6 +181,29 @@ class RequestFront:
                     out.append(ids)
         return out
 
+    async def tokenize(self, request: TokenizeRequest) -> tuple[list[int], list[str] | None]:
+        """The prompt's token ids (and their strings if asked), within the prompt limits."""
+        if request.messages is not None:
+            ids, _ = await self.render_chat(request.messages, request.add_generation_prompt, request.tools,
+                                            request.template_kwargs, request.continue_final_message,
+                                            request.add_special_tokens)
+        elif request.prompt is not None:
+            ids = await self.encode(request.prompt, "prompt", request.add_special_tokens)
+        else:
+            raise InvalidRequest("prompt: give either prompt or messages", "prompt")
+        strs = await self._off_loop(self.tokenizer.convert_ids_to_tokens, ids) if request.return_token_strs else None
+        return ids, strs
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids (special tokens included), at most max_model_len of them, each in
+        the vocabulary."""
+        self._check_length(len(token_ids), "tokens")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"tokens has id {quoted(bad)}, outside the vocabulary of {self.vocab_size} tokens "
+                                 f"(ids 0 to {self.vocab_size - 1})", "tokens")
+        return await self._off_loop(self.tokenizer.decode, list(token_ids), skip_special_tokens=False)
+
     async def _check_structured(self, spec: StructuredOutputsParams, field: str) -> None:
         """The constraint parses (no vocabulary needed), on the structured-check thread, within
         COMPILE_TIMEOUT_S: a runaway check holds back only constrained requests."""
@@ -193,26 +234,30 @@ class RequestFront:
         return template if isinstance(template, str) else None
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: Sequence[Tool] = (),
-                          template_kwargs: dict | None = None) -> tuple[list[int], str]:
+                          template_kwargs: dict | None = None, continue_final_message: bool = False,
+                          add_special_tokens: bool = False) -> tuple[list[int], str]:
         """The messages (and tools) through the model's chat template, then tokenized (the
-        template adds the special tokens): (token ids, the rendered text). The caller has counted
-        every string of the messages, the tools and the template's kwargs."""
+        template adds the special tokens; add_special_tokens: the tokenizer's too): (token ids,
+        the rendered text). continue_final_message: the last message left open (/tokenize only).
+        The caller has counted every string of the messages, the tools and the template's kwargs."""
         template = self.chat_template
         if not template:
             raise InvalidRequest(f"model {self.model_name} has no chat template (tokenizer_config.json "
                                  f"chat_template or chat_template.jinja); use /v1/completions", "messages",
                                  "no_chat_template")
         messages, tools_kwarg = messages_for_template(messages, list(tools), template_supports_tools(template))
+        kwargs = dict(template_kwargs or {})
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
         try:
             text = await self._off_loop(self.tokenizer.apply_chat_template, messages, tools=tools_kwarg,
-                                        tokenize=False, add_generation_prompt=add_generation_prompt,
-                                        **(template_kwargs or {}))
+                                        tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
         except jinja2.TemplateError as exc:   # the template's own message (raise_exception: roles must alternate)
             raise InvalidRequest(f"chat template failed: {exc}", "messages") from None
         except Exception:  # noqa: BLE001 - the request's, but its text is internal
             log.warning("chat template failed", exc_info=True)
             raise InvalidRequest("chat template failed on these messages", "messages") from None
-        return await self.encode(text, "messages", add_special_tokens=False), text
+        return await self.encode(text, "messages", add_special_tokens=add_special_tokens), text
 
     def _check_length(self, n: int, what: str) -> None:
         max_len = self.max_model_len()

@@ -7,10 +7,10 @@ metrics, and reaches them only through ``RouterFacade``. ``RouterServicerFacade`
 server any object with these members."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, AsyncIterator, ContextManager, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, ContextManager, Protocol, Sequence
 
 from pdserve.engine import SamplingParams
-from pdserve.services.api.request_front import FrontRequest, ValidatedRequest
+from pdserve.services.api.request_front import FrontRequest, TokenizeRequest, ValidatedRequest
 from pdserve.services.api.request_limits import RequestLimits
 from pdserve.services.router.generation_state import Chunk, Generation
 from pdserve.services.router.slo import ServiceClass
@@ -51,6 +51,12 @@ class RouterFacade(Protocol):
 
     async def prepare(self, request: FrontRequest) -> ValidatedRequest:
         """The request front: limits, tokenizing, chat template, validation; raises InvalidRequest."""
+
+    async def tokenize(self, request: TokenizeRequest) -> tuple[list[int], list[str] | None]:
+        """/tokenize through the request front: its limits, its chat template; raises InvalidRequest."""
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """/detokenize through the request front: its length and vocabulary checks; raises InvalidRequest."""
 
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams, service: ServiceClass
                  ) -> AsyncIterator[tuple[Chunk, Generation]]:

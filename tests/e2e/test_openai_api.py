@@ -6,6 +6,7 @@ import http.client
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 import urllib.error
@@ -516,6 +517,75 @@ def test_chat_completions_match_offline(served: Served, offline: LLM) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.prompt_tokens == len(prompt) and chunks[-1].usage.completion_tokens == MAX_NEW
+
+
+# ---- vLLM's /tokenize and /detokenize ------------------------------------------------------------
+
+# `vllm bench serve`'s check of its tokenizer against the server's, run by vLLM's own code in its
+# virtualenv (bench/vs_vllm.py's VLLM_PYTHON_ENV): prompt_len deliberately short, so it re-aligns
+ALIGN_WITH_VLLM = """
+import asyncio, json, sys
+from vllm.benchmarks.datasets import SampleRequest
+from vllm.benchmarks.serve import _align_prompts_to_server_tokenizer
+base, model, prompt, n = sys.argv[1:5]
+out = asyncio.run(_align_prompts_to_server_tokenizer(base, model, [SampleRequest(prompt, int(n), 4)]))
+print(json.dumps({"prompt": out[0].prompt, "prompt_len": out[0].prompt_len}))
+"""
+
+
+def test_tokenize_matches_the_tokenizer_and_the_chat_endpoint(disagg: Served, tiny_qwen3: str) -> None:
+    tok = load_tokenizer(tiny_qwen3)
+    for special in (True, False):
+        status, out = disagg.post("/tokenize", json.dumps({"model": disagg.model, "prompt": TEXT_PROMPT,
+                                                           "add_special_tokens": special}).encode())
+        assert status == 200 and out["tokens"] == tok.encode(TEXT_PROMPT, add_special_tokens=special)
+        assert out["count"] == len(out["tokens"]) and out["max_model_len"] == 2048 and out["token_strs"] is None
+    status, out = disagg.post("/tokenize", json.dumps({"prompt": TEXT_PROMPT, "return_token_strs": True}).encode())
+    assert status == 200 and out["token_strs"] == tok.convert_ids_to_tokens(out["tokens"])
+    status, chat = disagg.post("/tokenize", json.dumps({"model": disagg.model, "messages": CHAT}).encode())
+    usage = disagg.client().chat.completions.create(model=disagg.model, messages=CHAT, max_tokens=1).usage
+    assert status == 200 and chat["count"] == usage.prompt_tokens
+    status, out = disagg.post("/detokenize", json.dumps({"model": disagg.model, "tokens": chat["tokens"]}).encode())
+    assert status == 200 and out["prompt"] == tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+
+
+def test_tokenize_refusals_and_its_api_key(disagg: Served) -> None:
+    def refused(path: str, body: dict) -> tuple[int, str | None, str]:
+        status, out = disagg.post(path, json.dumps(body).encode())
+        return status, out["error"]["param"], out["error"]["message"]
+
+    status, param, message = refused("/detokenize", {"tokens": [1, 1024]})
+    assert (status, param) == (400, "tokens") and "vocabulary of 1024 tokens" in message
+    assert refused("/tokenize", {"model": disagg.model})[:2] == (400, "prompt")
+    status, param, message = refused("/tokenize", {"prompt": "hello " * 3000})   # past max_model_len
+    assert (status, param) == (400, "prompt") and "max_model_len is 2048" in message
+    with pytest.raises(openai.BadRequestError) as info:   # the completions endpoint's own refusal
+        disagg.client(max_retries=0).completions.create(model=disagg.model, prompt="hello " * 3000, max_tokens=1)
+    assert info.value.body["message"] == message
+    status, param, message = refused("/detokenize", {"tokens": [1] * 2049})
+    assert (status, param) == (400, "tokens") and "limit is 2048 (max_model_len)" in message
+    assert disagg.post("/tokenize", json.dumps({"model": "no-such-model", "prompt": "x"}).encode())[1][
+        "error"]["code"] == "model_not_found"
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+        req = urllib.request.Request(disagg.base + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:   # no API key
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == 401
+
+
+def test_vllm_bench_serve_aligns_its_prompts_with_tokenize(coloc: Served, tiny_qwen3: str) -> None:
+    python = os.environ.get("PDSERVE_VLLM_PYTHON")
+    if not python or not os.path.exists(python):
+        pytest.skip("no vLLM virtualenv (PDSERVE_VLLM_PYTHON)")
+    tok = load_tokenizer(tiny_qwen3)
+    prompt = "Once upon a time there was a tiny model that told stories"
+    ids = tok.encode(prompt, add_special_tokens=False)
+    out = subprocess.run([python, "-c", ALIGN_WITH_VLLM, coloc.base, coloc.model, prompt, "5"], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "unavailable" not in out.stdout and "re-aligning prompts" in out.stdout, out.stdout
+    assert len(ids) > 5 and json.loads(out.stdout.splitlines()[-1]) == {"prompt": tok.decode(ids[:5]), "prompt_len": 5}
 
 
 # ---- disconnects ---------------------------------------------------------------------------
