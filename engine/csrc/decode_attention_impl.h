@@ -163,17 +163,24 @@ static inline __m512 reduce16(const __m512* a) {
 
 // Both passes walk the row's blocks in order and, inside a block, every KV head (a block is
 // [bs, HKV, D] contiguous), prefetching the next block meanwhile. Scores are kept per KV head as
-// [L][G] (token-major), so 16 / G tokens' scores for the G query heads of a KV head come out of
-// one reduce16 and one store.
+// [L][GP] (token-major), so 16 / GP tokens' scores for the query heads of a KV head come out of
+// one reduce16 and one store. GP is G rounded up to a divisor of 16 (a group of 3 query heads, as
+// SmolLM2's 9 over 3, computes a fourth of zeros whose scores are never read); where G divides 16
+// the kernel is the one it was before GP existed.
+template <int G>
+constexpr int padded_group() { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : G <= 8 ? 8 : 16; }
+
 template <typename Q, typename T, int D, int G>
 static void decode_attn_avx512(const Q* q, int64_t q_stride, const T* kc, const T* vc, const int64_t* tables,
                                const int32_t* lens, Q* out, int64_t HKV, int64_t bs,
                                int64_t max_blocks, float scale, int64_t r0, int64_t r1) {
-    constexpr int V = D / 16, TC = 16 / G;
+    constexpr int GP = padded_group<G>();
+    constexpr int V = D / 16, TC = 16 / GP;
+    static_assert(G <= 8, "at most 8 query heads per KV head");
     const int64_t H = HKV * G, tok_stride = HKV * D;
     const int64_t block_bytes = bs * tok_stride * int64_t(sizeof(T));
     std::vector<float> scores;
-    std::vector<__m512> qv(H * V), o(H * V);
+    std::vector<__m512> qv(HKV * GP * V, _mm512_setzero_ps()), o(H * V);   // qv: padding heads stay zero
     alignas(64) float qbuf[D];
     // Every block this call reads, in reading order (per row: its K blocks, then its V blocks), so
     // prefetching runs PD blocks ahead across the K/V and row boundaries too.
@@ -191,14 +198,15 @@ static void decode_attn_avx512(const Q* q, int64_t q_stride, const T* kc, const 
         const int64_t L = lens[r];
         const int64_t nblocks = (L + bs - 1) / bs;
         const int64_t* table = tables + r * max_blocks;
-        const int64_t stride = (L + TC) * G;   // per KV head, with room for a tail chunk
+        const int64_t stride = (L + TC) * GP;   // per KV head, with room for a tail chunk
         scores.resize(HKV * stride);
         float* sc = scores.data();
         for (int64_t hq = 0; hq < H; hq++) {
             const Q* qh = q + r * q_stride + hq * D;
             for (int c = 0; c < V; c++)
                 for (int i = 0; i < 16; i++) qbuf[16 * c + i] = load(qh[value_index((T*)nullptr, c, i)]) * scale;
-            for (int c = 0; c < V; c++) qv[hq * V + c] = _mm512_load_ps(qbuf + 16 * c);
+            const int64_t slot = hq / G * GP + hq % G;
+            for (int c = 0; c < V; c++) qv[slot * V + c] = _mm512_load_ps(qbuf + 16 * c);
         }
         // Pass 1: scores. A block's tail chunk may read slots past the last valid token (inside
         // the block, so they exist); those scores are never used.
@@ -210,39 +218,39 @@ static void decode_attn_avx512(const Q* q, int64_t q_stride, const T* kc, const 
             const int64_t pf_step = (block_bytes + HKV * ((bs + TC - 1) / TC) - 1) / (HKV * ((bs + TC - 1) / TC));
             const int64_t t0 = j * bs, n = L - t0 < bs ? L - t0 : bs;
             for (int64_t h = 0; h < HKV; h++) {
-                const __m512* qh = qv.data() + h * G * V;
+                const __m512* qh = qv.data() + h * GP * V;
                 for (int64_t i = 0; i < n; i += TC) {
                     if (nxt) for (const int64_t end = pf + pf_step; pf < end && pf < block_bytes; pf += 64) _mm_prefetch(nxt + pf, PF_HINT);
                     __m512 acc[16];
                     for (int tt = 0; tt < TC; tt++) {
                         __m512 kv[V];
                         load_row(kb + (i + tt < bs ? i + tt : bs - 1) * tok_stride + h * D, kv, D);
-                        for (int g = 0; g < G; g++) {
+                        for (int g = 0; g < GP; g++) {
                             __m512 a = _mm512_mul_ps(qh[g * V], kv[0]);
                             for (int c = 1; c < V; c++) a = _mm512_fmadd_ps(qh[g * V + c], kv[c], a);
-                            acc[tt * G + g] = a;
+                            acc[tt * GP + g] = a;
                         }
                     }
-                    _mm512_storeu_ps(sc + h * stride + (t0 + i) * G, reduce16(acc));
+                    _mm512_storeu_ps(sc + h * stride + (t0 + i) * GP, reduce16(acc));
                 }
             }
         }
-        // Softmax over each query head: values g, g + G, ... of its KV head (lane i holds head i % G).
-        alignas(64) float inv[H];
+        // Softmax over each query head: values g, g + GP, ... of its KV head (lane i holds head i % GP).
+        alignas(64) float inv[HKV * GP];
         for (int64_t h = 0; h < HKV; h++) {
             float* sh = sc + h * stride;
-            const int64_t n = L * G, nv = n / 16 * 16;
+            const int64_t n = L * GP, nv = n / 16 * 16;
             __m512 vmax = _mm512_set1_ps(-INFINITY);
             for (int64_t t = 0; t < nv; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sh + t));
             alignas(64) float mx[16], sm[16];
             _mm512_store_ps(mx, vmax);
-            for (int64_t t = nv; t < n; t++) mx[t % G] = sh[t] > mx[t % G] ? sh[t] : mx[t % G];
-            for (int i = 0; i < G; i++)
-                for (int k = i + G; k < 16; k += G) mx[i] = mx[k] > mx[i] ? mx[k] : mx[i];
-            for (int i = G; i < 16; i++) mx[i] = mx[i % G];
+            for (int64_t t = nv; t < n; t++) mx[t % GP] = sh[t] > mx[t % GP] ? sh[t] : mx[t % GP];
+            for (int i = 0; i < GP; i++)
+                for (int k = i + GP; k < 16; k += GP) mx[i] = mx[k] > mx[i] ? mx[k] : mx[i];
+            for (int i = GP; i < 16; i++) mx[i] = mx[i % GP];
             exp_inplace(sh, n, mx, sm);
-            for (int i = G; i < 16; i++) sm[i % G] += sm[i];
-            for (int g = 0; g < G; g++) inv[h * G + g] = 1.f / sm[g];
+            for (int i = GP; i < 16; i++) sm[i % GP] += sm[i];
+            for (int g = 0; g < GP; g++) inv[h * GP + g] = 1.f / sm[g];
         }
         // Pass 2: out = P @ V, P unnormalized (scaled once at the end).
         for (auto& x : o) x = _mm512_setzero_ps();
@@ -259,12 +267,12 @@ static void decode_attn_avx512(const Q* q, int64_t q_stride, const T* kc, const 
                 __m512 acc[G][V];
                 for (int g = 0; g < G; g++)
                     for (int c = 0; c < V; c++) acc[g][c] = o[(h * G + g) * V + c];
-                const float* p = sc + h * stride + t0 * G;
+                const float* p = sc + h * stride + t0 * GP;
                 for (int64_t i = 0; i < n; i++) {
                     __m512 vv[V];
                     load_row(vb + i * tok_stride + h * D, vv, D);
                     for (int g = 0; g < G; g++) {
-                        const __m512 pg = _mm512_set1_ps(p[i * G + g]);
+                        const __m512 pg = _mm512_set1_ps(p[i * GP + g]);
                         for (int c = 0; c < V; c++) acc[g][c] = _mm512_fmadd_ps(pg, vv[c], acc[g][c]);
                     }
                 }
@@ -274,7 +282,8 @@ static void decode_attn_avx512(const Q* q, int64_t q_stride, const T* kc, const 
         }
         for (int64_t hq = 0; hq < H; hq++) {
             alignas(64) float tmp[D];
-            for (int c = 0; c < V; c++) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(o[hq * V + c], _mm512_set1_ps(inv[hq])));
+            const float norm = inv[hq / G * GP + hq % G];
+            for (int c = 0; c < V; c++) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(o[hq * V + c], _mm512_set1_ps(norm)));
             Q* oh = out + (r * H + hq) * D;
             for (int c = 0; c < V; c++)
                 for (int i = 0; i < 16; i++) oh[value_index((T*)nullptr, c, i)] = from_f32<Q>(tmp[16 * c + i]);
@@ -289,7 +298,11 @@ static bool try_avx512_g(int64_t G, const Q* q, int64_t qs, const T* kc, const T
     switch (G) {
         case 1: decode_attn_avx512<Q, T, D, 1>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
         case 2: decode_attn_avx512<Q, T, D, 2>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
+        case 3: decode_attn_avx512<Q, T, D, 3>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
         case 4: decode_attn_avx512<Q, T, D, 4>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
+        case 5: decode_attn_avx512<Q, T, D, 5>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
+        case 6: decode_attn_avx512<Q, T, D, 6>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
+        case 7: decode_attn_avx512<Q, T, D, 7>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
         case 8: decode_attn_avx512<Q, T, D, 8>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
         default: return false;
     }
@@ -510,7 +523,11 @@ static bool try_avx2_g(int64_t G, const float* q, int64_t qs, const T* kc, const
     switch (G) {
         case 1: decode_attn_avx2<T, D, 1>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
         case 2: decode_attn_avx2<T, D, 2>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
+        case 3: decode_attn_avx2<T, D, 3>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
         case 4: decode_attn_avx2<T, D, 4>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
+        case 5: decode_attn_avx2<T, D, 5>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
+        case 6: decode_attn_avx2<T, D, 6>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
+        case 7: decode_attn_avx2<T, D, 7>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
         case 8: decode_attn_avx2<T, D, 8>(q, qs, kc, vc, tables, lens, out, HKV, bs, max_blocks, scale, r0, r1); return true;
         default: return false;
     }
