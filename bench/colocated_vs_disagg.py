@@ -40,7 +40,7 @@ from bench import drivers  # noqa: E402
 
 SETUPS = {
     "colocated": ["--colocated-workers", "1"],
-    "disaggregated": ["--prefill-workers", "1", "--decode-workers", "1"],
+    "disaggregated": ["--prefill-workers", "1", "--decode-workers", "1", "--disaggregation", "always"],
 }
 PERCENTILES = (50, 90, 99)
 

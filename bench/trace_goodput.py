@@ -9,9 +9,12 @@ serve --dataset-name mooncake_trace`` replays it (services/loadtest/traces.py): 
 tokens with the same content wherever its hash id appears, outputs x ``--output-scale``, arrivals
 rescaled to each rate of ``--rates`` (req/s), greedy. One load generator measures every setup:
 
-* ``disagg``:       ``pdserve up`` with 1 prefill + 1 decode worker (``pdserve serve``'s shape)
-* ``conditional``:  the same with ``--disaggregation conditional`` (short prompts prefilled on the
-  decode worker when that is cheaper)
+* ``default``:      ``pdserve up`` with 1 prefill + 1 decode worker and nothing else: ``pdserve
+  serve``'s deployment (conditional disaggregation, shortest-first prompt order)
+* ``disagg``:       the same with ``--disaggregation always --prompt-order fcfs`` (every prompt on the
+  prefill worker, in arrival order: the deployment before those defaults)
+* ``conditional``:  the same with ``--disaggregation conditional --prompt-order fcfs`` (short
+  prompts prefilled on the decode worker when that is cheaper, in arrival order)
 * ``colocated``:    ``pdserve up`` with 1 colocated worker
 * ``vllm``:         vLLM-CPU's OpenAI server, started as ``bench/slo_goodput.py`` starts it
   (``--vllm-python``, default ``$PDSERVE_VLLM_PYTHON``) but with ``--max-model-len 4096`` (the
@@ -31,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -45,10 +49,12 @@ from bench.vs_vllm_server import (add_vllm_args, check_vllm_setup, run_stopping_
                                   vllm_server)
 from bench.vs_vllm_commands import format_command, machine_info  # noqa: E402
 
-SETUPS = ("disagg", "conditional", "colocated", "vllm")
+SETUPS = ("default", "disagg", "conditional", "colocated", "vllm")
 MAX_MODEL_LEN = 4096   # the trace's longest prompts scaled 1/32 and their outputs pass 2048 (the small model: 4096)
-UP_FLAGS = {"disagg": ["--prefill-workers", "1", "--decode-workers", "1"],
-            "conditional": ["--prefill-workers", "1", "--decode-workers", "1", "--disaggregation", "conditional"],
+ONE_ONE = ["--prefill-workers", "1", "--decode-workers", "1"]
+UP_FLAGS = {"default": ONE_ONE,
+            "disagg": [*ONE_ONE, "--disaggregation", "always", "--prompt-order", "fcfs"],
+            "conditional": [*ONE_ONE, "--disaggregation", "conditional", "--prompt-order", "fcfs"],
             "colocated": ["--colocated-workers", "1"]}
 
 
@@ -99,7 +105,7 @@ def run_setup(setup: str, args: argparse.Namespace, model: str, logs: Path, rate
     from pdserve.engine.model_config import ModelConfig
     vocab = ModelConfig.from_dir(model).vocab_size
     serve = (vllm_target(args, model, logs) if setup == "vllm"
-             else pdserve_target(setup, args, model, logs, UP_FLAGS[setup]))
+             else pdserve_target(setup, args, model, logs, [*UP_FLAGS[setup], *shlex.split(args.pdserve_args)]))
     rows = []
     with serve as target:
         warm = argparse.Namespace(**{**vars(args), "num_prompts": 4, "trace_start": args.trace_start + args.num_prompts})
@@ -162,6 +168,7 @@ def main() -> int:
     p.add_argument("--ttft-ms", type=float, default=2000.0)
     p.add_argument("--tpot-ms", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pdserve-args", default="", help="more `pdserve up` flags for every pdserve setup (one string)")
     p.add_argument("--out", default=str(REPO_ROOT / "docs" / "images"))
     add_vllm_args(p)
     args = p.parse_args()

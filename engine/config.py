@@ -11,6 +11,7 @@ from pdserve.engine.spec_decode.config import SpeculativeConfig
 
 ROLES = ("both", "prefill", "decode")
 SCHEDULE_POLICIES = ("prefill_first", "interleave", "mixed")
+PROMPT_ORDERS = ("fcfs", "shortest")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "w8a16")
 TP_TIMEOUT_RANGE_S = (0.5, 3600.0)   # tp_collective_timeout_s: above the slowest step, below "hung"
@@ -46,6 +47,11 @@ class EngineConfig:
                                       "prefill step while prompts wait), mixed (decodes and prefill chunks in "
                                       "one step); auto: mixed where decodes run (the best ITL tail, as vLLM "
                                       "does), prefill_first on prefill workers", choices=("auto", *SCHEDULE_POLICIES))
+    prompt_order: str = setting(
+        "shortest", "the order waiting prompts are admitted in, within a priority class: shortest: by arrival plus "
+                    "the prompt's time to compute alone at the learned prefill speed, so a burst's short prompts go "
+                    "first and a prompt is passed only by prompts that arrived before it would have finished alone "
+                    "(no starvation); fcfs: by arrival (vLLM's default)", choices=PROMPT_ORDERS)
     prompt_tokens_with_decodes: int | None = setting(
         None, "prompt tokens one step may compute while sequences decode in it (a prompt chunk delays each of "
               "them by its time, as Sarathi-Serve sizes chunks for the inter-token latency); none: decode workers "
@@ -82,6 +88,7 @@ class EngineConfig:
         _check_choice("role", self.role, ROLES)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)   # a dict or JSON: the dataclass
         _check_choice("schedule_policy", self.schedule_policy, ("auto", *SCHEDULE_POLICIES))
+        _check_choice("prompt_order", self.prompt_order, PROMPT_ORDERS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("compute_dtype", self.compute_dtype, DTYPES)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)

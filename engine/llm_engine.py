@@ -227,6 +227,8 @@ class LLMEngine:
             self.kv.expire()
             if self._learn_prompt_chunk:
                 self.scheduler.prompt_tokens_with_decodes = self.prompt_chunk_with_decodes()
+            if self.step_cost.fitted:
+                self.scheduler.prompt_s_per_token = self.step_cost.coefficients()[1] / 1e3
             batch = self.scheduler.schedule()
             if batch is not None:
                 self.num_steps += 1

@@ -95,8 +95,11 @@ class StepTrace:
 POLICIES = ("prefill_first", "interleave", "mixed")
 
 
-def _priority(seq: Sequence) -> int:
-    return seq.priority
+def _order(seq: Sequence) -> tuple[int, float]:
+    return seq.priority, seq.queue_key
+
+
+DEFAULT_PROMPT_S_PER_TOKEN = 1e-3   # prompt_order "shortest" before the engine has learned its prefill speed
 
 
 @dataclass(slots=True)
@@ -117,7 +120,7 @@ class Scheduler:
         the longest sequence (drafts stop short of it)."""
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[Sequence] = deque()   # by priority, FIFO within one
+        self.waiting: deque[Sequence] = deque()   # by (priority, queue_key); FIFO within equal keys
         self.running: list[Sequence] = []     # admission order: the last is the youngest
         self.last_kind: StepKind | None = None
         self.num_preemptions = 0
@@ -131,11 +134,17 @@ class Scheduler:
         # Prompt tokens a step that also decodes may hold (None: the step budget). The engine
         # updates it from its learned step costs where the config leaves it to the role.
         self.prompt_tokens_with_decodes = config.prompt_tokens_with_decodes
+        # Seconds one prompt token takes to compute (prompt_order "shortest"; the engine updates it
+        # from its learned step costs).
+        self.prompt_s_per_token = DEFAULT_PROMPT_S_PER_TOKEN
 
     # ---- queue management -------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        """Queue seq behind the waiting sequences of its class and of higher ones."""
-        self.waiting.insert(bisect_right(self.waiting, seq.priority, key=_priority), seq)
+        """Queue seq behind the waiting sequences of higher classes, and in its own class behind
+        those that came first (fcfs) or that would finish alone before it would (shortest)."""
+        seq.queue_key = (seq.arrival_time + seq.num_pending_tokens * self.prompt_s_per_token
+                         if self.config.prompt_order == "shortest" else 0.0)
+        self.waiting.insert(bisect_right(self.waiting, _order(seq), key=_order), seq)
 
     def add_running(self, seq: Sequence) -> None:
         """Decode role: a sequence whose KV arrived from elsewhere joins the batch."""
@@ -314,7 +323,8 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.insert(bisect_left(self.waiting, seq.priority, key=_priority), seq)
+        seq.queue_key = float("-inf")
+        self.waiting.insert(bisect_left(self.waiting, _order(seq), key=_order), seq)
         self.num_preemptions += 1
         self._preempted_this_step.append(seq.request_id)
 

@@ -32,6 +32,10 @@ class Sequence:
     finish_reason: str | None = None
     in_flight: bool = False          # in the forward pass running now: its blocks are freed after it
     arrival_time: float = field(default_factory=time.monotonic)
+    # Its place in the scheduler's waiting queue within its priority class (engine/scheduler.py):
+    # 0 in arrival order; under prompt_order "shortest" its arrival plus its prompt's estimated
+    # time alone; -inf once preempted (ahead of its class).
+    queue_key: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     # Its prefix blocks' background read from the disk KV tier (engine/kv/tiers.py): None before

@@ -23,8 +23,21 @@ P = TypeVar("P")
 TEST_ENGINE_ARGS = ["--block-size", "8", "--num-kv-blocks", "512", "--dtype", "float32"]
 
 
+# The suites that start deployments here test the disaggregated path (KV hand-offs, prefill
+# faults, migrations): every prompt goes to a prefill worker unless a test asks otherwise. The
+# default, conditional, lets a decode worker prefill short prompts itself; its own tests say so.
+ALWAYS_DISAGGREGATE = ["--disaggregation", "always"]
+
+
+def pinned_disaggregation(router_args: Sequence[str]) -> list[str]:
+    """router_args with --disaggregation always unless they choose a mode."""
+    chosen = any(a.split("=")[0] == "--disaggregation" for a in router_args)
+    return list(router_args) if chosen else [*router_args, *ALWAYS_DISAGGREGATE]
+
+
 def start_cluster(model: str, **kwargs) -> Cluster:
     engine_args = kwargs.pop("engine_args", TEST_ENGINE_ARGS)
+    kwargs["router_args"] = pinned_disaggregation(kwargs.get("router_args", ()))
     spec = Deployment(model=model, port=free_port(), engine_args=engine_args, metrics=True, **kwargs)
     cluster = Cluster(spec)
     cluster.start(timeout=120)

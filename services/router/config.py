@@ -79,11 +79,14 @@ class GenerationOptions:
                     "workers' prefix-cache events, queue and running load, KV blocks to ship) or load (fewest in "
                     "flight / queued prompt tokens)", choices=ROUTING_POLICIES)
     disaggregation: str = setting(
-        "always", "always: every prompt is prefilled on a prefill worker; conditional: on the chosen decode worker "
-                  "instead when the learned costs say it is cheaper (see /metrics and the response timings)",
+        "conditional", "conditional: a prompt is prefilled on the chosen decode worker instead of a prefill worker "
+                       "when the learned costs say it is cheaper (see /metrics and the response timings); always: "
+                       "every prompt is prefilled on a prefill worker",
         choices=DISAGGREGATION_MODES)
-    itl_weight: float = setting(1.0, "conditional disaggregation: ms of time to first token worth one ms of delay "
-                                     "added to each sequence decoding on the worker that would prefill locally")
+    itl_weight: float = setting(0.1, "conditional disaggregation: ms of time to first token worth one ms of delay "
+                                     "added to each sequence decoding on the worker that would prefill locally "
+                                     "(0.1: a decode worker takes prompts in a burst while its sequences stay far "
+                                     "inside their TPOT; docs/benchmarks.md, the production trace)")
     cache_affinity_weight: float = setting(
         1.0, "kv-aware routing: ms of cost per ms of prefill time of the prefix blocks another decode worker holds "
              "and the candidate lacks (0: only the transfer counts; 1: a prefix leaves its worker only when that "

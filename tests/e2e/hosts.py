@@ -16,6 +16,7 @@ import pytest
 from pdserve.services.deployment import netns
 from pdserve.services.common.security import CLUSTER_TOKEN_ENV, new_token
 from tests.certs import make_ca_and_cert
+from tests.serving import ALWAYS_DISAGGREGATE
 
 MAX_NEW = 10
 ENGINE = ["--block-size", "8", "--num-kv-blocks", "512", "--dtype", "float32", "--num-threads", "1"]
@@ -62,7 +63,7 @@ class HostDeployment:
 
     def start_router(self, host: netns.Host, prefill: list[str], decode: list[str]) -> None:
         self._start(host, "router", ["router", "--port", str(ROUTER_PORT), "--prefill", ",".join(prefill),
-                                     "--decode", ",".join(decode)])
+                                     "--decode", ",".join(decode), *ALWAYS_DISAGGREGATE])   # KV crosses hosts
         self.router = f"{host.address}:{ROUTER_PORT}"
         self.client_host = host
 

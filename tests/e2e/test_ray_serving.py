@@ -39,7 +39,7 @@ from tests.conftest import random_prompts
 from tests.faults.harness import observe, record, wait_for
 from tests.faults.test_engine_stall import (ENGINE_STALL_S, MAX_TOKENS, PROMPTS as STALL_PROMPTS,  # noqa: F401
                                             RAY_REPLACED_WITHIN_S, RUNNING, STALL_ROUTER, STALL_WORKER, reference)
-from tests.serving import SteadyLoad, catch_holder
+from tests.serving import SteadyLoad, catch_holder, pinned_disaggregation
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
 
@@ -195,6 +195,7 @@ def _listening(pids: set[int]) -> list[tuple[int, str]]:
 
 def _deploy(model: str, name: str, **kwargs):
     from pdserve.services.ray_deploy import RayDeployment, deploy
+    kwargs["router_args"] = pinned_disaggregation(kwargs.get("router_args", ()))   # KV through Ray's transports
     spec = RayDeployment(model=model, name=name, namespace=NAMESPACE, port=free_port(), engine=dict(ENGINE),
                          ready_timeout_s=180, **{**SMALL, **kwargs})
     return deploy(spec)
@@ -210,7 +211,8 @@ def _teardown(name: str) -> None:
 def cli_deployment(ray_cluster, tiny_qwen3: str):
     res = _cli("ray", "up", "--address", ray_cluster.address, "--namespace", NAMESPACE, "--name", "cli",
                "--model", tiny_qwen3, "--prefill-workers", "1", "--decode-workers", "1", "--port", str(free_port()),
-               "--worker-cpus", "0.5", "--router-cpus", "0.5", "--timeout", "180", "--json", *ENGINE_FLAGS)
+               "--worker-cpus", "0.5", "--router-cpus", "0.5", "--timeout", "180", "--json", *ENGINE_FLAGS,
+               *pinned_disaggregation([]))   # its tests follow the KV through Ray's object store
     assert res.returncode == 0, res.stderr[-4000:]
     info = json.loads(res.stdout.strip().splitlines()[-1])
     yield info

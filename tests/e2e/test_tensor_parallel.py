@@ -29,7 +29,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 PROMPTS = random_prompts(6, 3, 60, seed=11)
 # The shared TP=2 engine: prompts chunked by a 16-token budget, decodes beside the chunks (mixed),
 # and a pool small enough that 8 long prompts preempt.
-SHARED = dict(tensor_parallel_size=2, max_num_batched_tokens=16, schedule_policy="mixed", num_kv_blocks=32)
+# arrival order: the preemption test's 8 prompts all admitted before the pool runs out
+SHARED = dict(tensor_parallel_size=2, max_num_batched_tokens=16, schedule_policy="mixed", num_kv_blocks=32,
+              prompt_order="fcfs")
 TIMEOUT_S = 2.0   # the collective timeout of the failure tests (production default: 60 s)
 
 

@@ -151,19 +151,36 @@ def fill_with_two_lows(engine: LLMEngine, priority: int, tokens: dict[str, list[
 
 
 def test_waiting_requests_are_admitted_by_priority(tiny_qwen3: str) -> None:
-    engine = LLMEngine(EngineConfig(model=tiny_qwen3, num_kv_blocks=64, max_num_seqs=1, **KW))
+    engine = LLMEngine(EngineConfig(model=tiny_qwen3, num_kv_blocks=64, max_num_seqs=1, prompt_order="fcfs", **KW))
     prompts = random_prompts(6, 5, 12, seed=32)
     engine.add_request("a", prompts[0], greedy(4, 1))
     engine.step()                                 # the batch is full
     engine.add_request("b", prompts[1], greedy(4, 1))
     engine.add_request("c", prompts[2], greedy(4, 0))
-    for rid, p in zip("xyz", prompts[3:]):        # equal priorities: FIFO
+    for rid, p in zip("xyz", prompts[3:]):        # equal priorities: FIFO (prompt_order fcfs)
         engine.add_request(rid, p, greedy(4, 2))
     order: list[str] = []
     while engine.has_unfinished_requests():
         engine.step()
         order += [r for r in engine.trace[-1].request_ids if r not in order]
     assert order == ["a", "c", "b", "x", "y", "z"]
+
+
+def test_shortest_prompt_order_keeps_classes_and_orders_within_one(tiny_qwen3: str) -> None:
+    """The default order: classes first, then within one a burst's shorter prompts first."""
+    engine = LLMEngine(EngineConfig(model=tiny_qwen3, num_kv_blocks=64, max_num_seqs=1, **KW))
+    assert engine.config.prompt_order == "shortest"
+    prompts = random_prompts(4, 5, 12, seed=32)
+    engine.add_request("a", prompts[0], greedy(4, 1))
+    engine.step()                                 # the batch is full
+    for rid, n in (("long", 40), ("short", 6), ("mid", 20)):
+        engine.add_request(rid, prompts[1][:1] * n, greedy(4, 2))
+    engine.add_request("urgent-long", prompts[2][:1] * 50, greedy(4, 0))
+    order: list[str] = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        order += [r for r in engine.trace[-1].request_ids if r not in order]
+    assert order == ["a", "urgent-long", "short", "mid", "long"]
     assert engine.stats()["num_preemptions"] == 0
     assert_no_leak(engine)
 

@@ -11,9 +11,9 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=8)
 
 
 def make(policy: str = "mixed", blocks: int = 64, budget: int = 8, max_seqs: int = 8,
-         with_decodes: int | None = None) -> Scheduler:
+         with_decodes: int | None = None, order: str = "fcfs") -> Scheduler:
     config = EngineConfig(model="none", block_size=4, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                          schedule_policy=policy, prompt_tokens_with_decodes=with_decodes)
+                          schedule_policy=policy, prompt_tokens_with_decodes=with_decodes, prompt_order=order)
     return Scheduler(config, BlockManager(blocks, 4))
 
 
@@ -129,3 +129,49 @@ def test_watermark_holds_admission_back_while_others_run() -> None:
     s.remove(a)
     s.block_manager.free(a)                          # nothing runs: the watermark does not apply
     assert [rid for rid, _ in run(s)] == ["b"]
+
+
+def arrived(rid: str, n: int, at: float, priority: int = 0) -> Sequence:
+    q = Sequence(rid, list(range(n)), SamplingParams(temperature=0.0, max_tokens=8, priority=priority))
+    q.arrival_time = at
+    return q
+
+
+def test_fcfs_admits_in_arrival_order_within_a_class() -> None:
+    s = make(budget=1024, order="fcfs")
+    for q in (arrived("long", 40, 0.0), arrived("short", 4, 0.0), arrived("mid", 12, 0.0)):
+        s.add(q)
+    assert [q.request_id for q in s.waiting] == ["long", "short", "mid"]
+
+
+def test_shortest_admits_a_bursts_short_prompts_first() -> None:
+    s = make(budget=16, order="shortest")
+    s.prompt_s_per_token = 0.01
+    for q in (arrived("long", 40, 0.0), arrived("short", 4, 0.0), arrived("mid", 12, 0.0)):
+        s.add(q)
+    assert [q.request_id for q in s.waiting] == ["short", "mid", "long"]
+    assert run(s) == [("short", 4), ("mid", 12)]     # both finish in the first step; long waits
+
+
+def test_shortest_passes_a_prompt_only_by_those_that_arrived_before_it_would_finish_alone() -> None:
+    s = make(budget=1024, order="shortest")
+    s.prompt_s_per_token = 0.01                      # long alone: 40 tokens, 0.4 s
+    s.add(arrived("long", 40, 0.0))
+    s.add(arrived("early-short", 4, 0.3))            # 0.34 < 0.4: ahead of long
+    s.add(arrived("late-short", 4, 0.5))             # 0.54 > 0.4: after long, however short
+    assert [q.request_id for q in s.waiting] == ["early-short", "long", "late-short"]
+
+
+def test_shortest_keeps_classes_and_a_preempted_prompt_ahead_of_its_class() -> None:
+    s = make(budget=1024, order="shortest")
+    s.add(arrived("low-short", 2, 0.0, priority=1))
+    s.add(arrived("high-long", 40, 0.0, priority=0))
+    assert [q.request_id for q in s.waiting] == ["high-long", "low-short"]
+    s = make(budget=64, order="shortest")
+    s.add(arrived("old", 8, 0.0))
+    s.add(arrived("young", 8, 0.0))
+    run(s)
+    s.add(arrived("tiny", 1, 0.0))                   # shorter than young, and waiting before young is preempted
+    young = s.running[1]
+    s._preempt(young)                                # what growth or a higher class does to the youngest
+    assert [q.request_id for q in s.waiting] == ["young", "tiny"]

@@ -528,7 +528,8 @@ def test_a_backlogged_prefill_worker_keeps_requests_in_the_router_queue_holding_
     from pdserve.services.router.placement import PREFILL_AHEAD_S
 
     async def run():
-        async with _full_decode_worker(decode_free=64, prefill_queued=2 * 2048) as (router, decode):
+        async with _full_decode_worker(decode_free=64, prefill_queued=2 * 2048,
+                                       disaggregation="always") as (router, decode):   # the remote route's gate
             prefill = router.pool.of_role("prefill")[0]
             prefill.status.step_ms_per_token = PREFILL_AHEAD_S * 1e3 / 2048   # two steps: twice the limit
             reserved = asyncio.Event()
