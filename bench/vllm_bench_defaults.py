@@ -25,7 +25,7 @@ each run and the git commit. The exit code is 1 when pdserve completed fewer tha
 ``--num-prompts`` requests or a side gave no result::
 
     python bench/vllm_bench_defaults.py --vllm-python /work/vllm-venv/bin/python
-    python bench/vllm_bench_defaults.py --pdserve-args "--disaggregation conditional"
+    python bench/vllm_bench_defaults.py --pdserve-args "--disaggregation always"   # every prompt on the prefill worker
 """
 from __future__ import annotations
 
