@@ -227,7 +227,7 @@ class LLMEngine:
             self.kv.expire()
             if self._learn_prompt_chunk:
                 self.scheduler.prompt_tokens_with_decodes = self.prompt_chunk_with_decodes()
-            if self.step_cost.fitted:
+            if self.config.prompt_order == "shortest" and self.step_cost.fitted:
                 self.scheduler.prompt_s_per_token = self.step_cost.coefficients()[1] / 1e3
             batch = self.scheduler.schedule()
             if batch is not None:

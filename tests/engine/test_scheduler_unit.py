@@ -171,7 +171,7 @@ def test_shortest_keeps_classes_and_a_preempted_prompt_ahead_of_its_class() -> N
     s.add(arrived("old", 8, 0.0))
     s.add(arrived("young", 8, 0.0))
     run(s)
-    s.add(arrived("tiny", 1, 0.0))                   # shorter than young, and waiting before young is preempted
+    s.add(arrived("tiny", 1, -1.0))                  # shorter than young and here before it: its key is lower
     young = s.running[1]
     s._preempt(young)                                # what growth or a higher class does to the youngest
     assert [q.request_id for q in s.waiting] == ["young", "tiny"]
