@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from tests.conftest import random_prompts
-from tests.faults.harness import BLOCK_SIZE, STALL_S, Busy, FaultCluster, observe, record, wait_for
+from tests.faults.harness import STALL_S, Busy, FaultCluster, observe, record, wait_for
 from tests.serving import catch_holder, metric, scrape
 
 pytestmark = pytest.mark.faults
@@ -64,7 +64,8 @@ def _reach_phase(fc: FaultCluster, role: str, phase: str, prompts: list[list[int
     if (role, phase) in (("decode", "mid-decode"), ("decode", "mid-transfer")):
         for attempt, prompt in enumerate(prompts):
             catch = (functools.partial(_catch_receiving, before=_kv_received(fc), held=held)
-                     if phase == "mid-transfer" else _catch_decoding)
+                     if phase == "mid-transfer" else
+                     lambda fc, obs: fc.catch_decoding(obs, PROMPT_LEN, MAX_TOKENS, done_tokens=30, left_tokens=80))
             obs = observe(fc.router, prompt, MAX_TOKENS)
             victim = catch(fc, obs)
             if victim is not None:
@@ -201,28 +202,6 @@ def _catch_receiving(fc: FaultCluster, obs, before: dict[str, float], held: list
                     os.kill(pid, signal.SIGCONT)
         if victim is not None:
             held.extend(prefills)
-            return victim
-        time.sleep(0.005)
-    return None
-
-
-def _catch_decoding(fc: FaultCluster, obs) -> str | None:
-    """The decode worker running the request, returned frozen (the caller's fault lands on it)
-    while the request has made 30 tokens there and has 80 or more still to make: its blocks in use
-    say how far it is (it runs alone). What the client has seen says nothing: on a loaded machine
-    the stream lagged the worker by hundreds of tokens, and a worker caught with its last token
-    already sent let the request finish with no fault. One catch freezes every decode worker while
-    each is asked in turn; it is repeated until the request is in that window. None if it never
-    was: this model decodes 400 tokens in a third of a second, and a test process held off the CPU
-    that long (a loaded machine) misses the whole window."""
-    least = -(-(PROMPT_LEN + 30) // BLOCK_SIZE)
-    most = (PROMPT_LEN + MAX_TOKENS - 80) // BLOCK_SIZE
-
-    def decoding(s) -> bool:
-        return s.num_running > 0 and least <= s.num_total_blocks - s.num_free_blocks <= most
-    while not obs.done.is_set():
-        victim = fc.catch_holding("decode", decoding, keep_frozen=True)
-        if victim is not None:
             return victim
         time.sleep(0.005)
     return None
