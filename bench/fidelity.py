@@ -191,7 +191,7 @@ def up_deployment(name: str, model: str, flags: list[str], threads: int, logs: P
     port = free_port()
     cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--http-port", "none", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), "--threads", str(threads), "--drain-timeout-s", "5", "--no-restart",
-           "--log-dir", str(logs / name), *flags]
+           "--log-dir", str(logs / name), "--disaggregation", "always", *flags]   # 1P+1D: every KV over the path
     popen = drivers.start_up(cmd, logs / f"{name}-up.log", f"[{name}]")
     try:
         try:

@@ -278,7 +278,8 @@ class Deployment:
         self.prefill = self._worker(prefill, 1, "prefill", 0, [*engine, *prefill_extra])
         self.decode = self._worker(decode, 2, "decode", 1, [*engine, *decode_extra])
         self._start(router, 0, "router", ["router", "--port", str(ROUTER_PORT), "--prefill", self.prefill[0],
-                                       "--decode", self.decode[0], "--ready-timeout-s", str(cfg.start_timeout_s)])
+                                       "--decode", self.decode[0], "--ready-timeout-s", str(cfg.start_timeout_s),
+                                       "--disaggregation", "always"])   # every prompt's KV crosses the link
         self.router = f"{router.address}:{ROUTER_PORT}"
 
     def _start(self, host: Any, host_index: int, name: str, argv: list[str]) -> None:

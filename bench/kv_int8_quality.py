@@ -317,7 +317,8 @@ def run_cluster(model_dir: Path, codec: str, prompts: list[list[int]], max_token
 
     port = free_port()
     cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--http-port", "none", "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--prefill-workers", "1", "--decode-workers", "1", "--threads", str(threads),
+           "--port", str(port), "--prefill-workers", "1", "--decode-workers", "1", "--disaggregation", "always",
+           "--threads", str(threads),
            "--kv-compression", codec, "--no-kv-shared-memory"]
     popen = drivers.start_up(cmd, log_dir / f"up-{codec}.log", f"[{codec}]")
     results = []

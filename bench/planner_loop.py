@@ -193,7 +193,8 @@ def start_deployment(name: str, split: tuple[int, int], args: argparse.Namespace
     from pdserve.services.deployment.launcher import free_port, wait_serving
     port = free_port()
     cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--http-port", "none", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-           "--threads", "1", "--prefill-workers", str(split[0]), "--decode-workers", str(split[1]), "--metrics",
+           "--threads", "1", "--prefill-workers", str(split[0]), "--decode-workers", str(split[1]),
+           "--disaggregation", "always", "--metrics",
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--log-dir", str(logs / name)]
     log_path = logs / f"{name}-up.log"
     print(f"[{name}] {shlex.join(cmd)}", flush=True)

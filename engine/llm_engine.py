@@ -29,6 +29,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 from typing import Sequence as Seq
 
 from pdserve.engine.kv.block_manager import BlockManager, NoFreeBlocks
@@ -90,9 +91,12 @@ LOAD_WAIT_S = 0.05   # an idle step waits this long at most for a prompt's block
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, trace_limit: int = 10_000, lease: LeasePolicy | None = None,
-                 runner: ModelRunner | None = None, model_config: ModelConfig | None = None) -> None:
-        """runner, model_config: given by the planner's simulator (a runner that prices a step
-        instead of computing it, a model known from a profile); by default read from config.model."""
+                 runner: ModelRunner | None = None, model_config: ModelConfig | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """runner, model_config, clock: given by the planner's simulator (a runner that prices a
+        step instead of computing it, a model known from a profile, the simulated time its steps
+        take, which the step costs learn from); by default read from config.model, and the wall
+        clock."""
         self.config = config
         self.model_config = model_config or ModelConfig.from_dir(config.model)
         self.eos_token_ids = set(self.model_config.eos_token_ids) | _generation_eos(config.model)
@@ -117,6 +121,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}     # sequences the scheduler holds
         self.trace: deque[StepTrace] = deque(maxlen=trace_limit)
         self.num_steps = 0
+        self.clock = clock
 
     # ---- validation -------------------------------------------------------------
     def validate_request(self, prompt_token_ids: Seq[int], params: SamplingParams,
@@ -220,9 +225,16 @@ class LLMEngine:
         decode_step_ms = base_ms + ms_per_seq * max(1, len(self.scheduler.running))
         return max(bs, round(PROMPT_CHUNK_STEP_SHARE * decode_step_ms / ms_per_token))
 
+    def prompt_chunk_tokens(self) -> int:
+        """Prompt tokens one step computes here (the router's estimate of a prompt's steps): the
+        step budget, or less while sequences decode (a decode worker prefilling a prompt locally)."""
+        budget = self.config.max_num_batched_tokens
+        chunk = self.scheduler.prompt_tokens_with_decodes
+        return budget if chunk is None or self.config.role != "decode" else min(budget, chunk)
+
     # ---- the step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         with self.lock:
             self.kv.expire()
             if self._learn_prompt_chunk:
@@ -257,7 +269,7 @@ class LLMEngine:
                         self.block_manager.free(seq)
         with self.lock:
             outputs = self._apply(batch, result.tokens, result.prompt_logprobs)
-            ms = (time.perf_counter() - t0) * 1e3
+            ms = (self.clock() - t0) * 1e3
             if batch.num_decode_seqs < len(batch.seqs):
                 self.step_cost.observe(batch.num_tokens, ms)
             else:

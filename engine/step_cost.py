@@ -103,6 +103,19 @@ class StepCost:
         return self.line() or (0.0, self._sy / self._sx)
 
 
+def published_costs(prompt_steps: StepCost, decode_steps: StepCost) -> tuple[float, float, float]:
+    """What a worker publishes of its learned step costs (the fits of its steps that computed
+    prompt tokens and of its decode-only steps): (base_ms, ms_per_token, ms_per_seq).
+    ms_per_token is 0 until a step computed prompt tokens here (a decode worker that has only
+    decoded: the router borrows a peer's); base_ms then comes from the decode-only fit. ms_per_seq
+    is 0 unless the decode-only steps identify it (the router then uses its peers')."""
+    base_ms, ms_per_token = prompt_steps.coefficients()
+    decode_base, ms_per_seq = decode_steps.line() or (0.0, 0.0)
+    if not prompt_steps.fitted:
+        base_ms = decode_base
+    return base_ms, ms_per_token, ms_per_seq
+
+
 # ---- the router's view of a worker: the online fit, in milliseconds ------------------------------
 @dataclass(slots=True, frozen=True)
 class StepCostView:

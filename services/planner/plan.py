@@ -4,11 +4,16 @@ For every candidate within the core budget (colocated x K; xPyD), chunk budget
 (max_num_batched_tokens) and schedule policy, the simulator (services/planner/simulator.py: the real
 scheduler and block manager, step times from the profile's cost model) serves the same
 workload ``pdserve bench serve`` would send: services/loadtest's random dataset and Poisson
-arrivals, for the same seed. The metrics are the load generator's own (``calculate_metrics``).
+arrivals, for the same seed, or a slice of a production trace (``--dataset-name mooncake_trace``
+or ``azure_trace``: its arrival times and lengths, the same blocks for the same hash ids, scaled
+as bench serve scales it). The metrics are the load generator's own (``calculate_metrics``).
 The recommendation maximises goodput (requests meeting every SLO per second) per core; ties go
 to the lower TTFT p99.
 
     pdserve plan --profile P.json --rate 2 --input-len 256 --output-len 128 --slo ttft:500 --slo tpot:50
+    pdserve plan --profile P.json --dataset-name mooncake_trace --dataset-path conversation_trace.jsonl \
+        --num-prompts 240 --trace-token-scale 0.03125 --trace-output-scale 0.25 --rate 1 \
+        --slo ttft:2000 --slo tpot:100
 """
 from __future__ import annotations
 
@@ -23,10 +28,12 @@ from pdserve.engine.settings import setting
 from pdserve.services.loadtest.arrivals import arrival_offsets
 from pdserve.services.loadtest.datasets import DatasetOptions, sample_requests
 from pdserve.services.loadtest.metrics import calculate_metrics, parse_slo
+from pdserve.services.loadtest.traces import MOONCAKE_BLOCK, TRACES, TraceOptions, load_trace
 from pdserve.services.planner.cost_model import CostModel
 from pdserve.services.planner.simulator import Candidate, Overheads, Simulation
 
 PERCENTILES = (50, 90, 99)
+DEFAULT_RATE = 2.0   # req/s of the random dataset when --rate is not given
 
 
 @dataclass(slots=True)
@@ -48,13 +55,52 @@ class Workload:
         offsets = arrival_offsets(self.num_prompts, self.rate, self.burstiness, self.seed)
         return [r.prompt for r in reqs], [r.expected_output_len for r in reqs], offsets  # type: ignore[misc]
 
+    def describe(self) -> str:
+        return (f"{self.num_prompts} requests of {self.input_len} in / {self.output_len} out tokens at "
+                f"{self.rate:g} req/s (seed {self.seed})")
+
+
+@dataclass(slots=True)
+class TraceReplay:
+    """A slice of a production trace, as bench serve replays it (services/loadtest/traces.py)."""
+
+    options: TraceOptions
+    num_prompts: int
+    seed: int = 0
+    _loaded: dict = field(default_factory=dict, repr=False)   # (vocab, eos) -> requests: read once per plan
+
+    def requests(self, vocab_size: int, eos_token_id: int | None) -> tuple[list[list[int]], list[int], list[float]]:
+        key = (vocab_size, eos_token_id)
+        if key not in self._loaded:
+            trace = load_trace(self.options, self.num_prompts, vocab_size, seed=self.seed, eos_token_id=eos_token_id)
+            self._loaded[key] = ([r.prompt for r in trace.requests],
+                                 [r.expected_output_len for r in trace.requests], trace.offsets)
+        prompts, outs, offsets = self._loaded[key]
+        return [list(p) for p in prompts], list(outs), list(offsets)
+
+    def describe(self) -> str:
+        o = self.options
+        timing = f"rescaled to {o.rate:g} req/s" if o.rate is not None else f"its times x {o.time_scale:g}"
+        return (f"{self.num_prompts} rows of {o.name} {os.path.basename(o.path)} from row {o.start} (inputs x "
+                f"{o.token_scale:g}, outputs x {o.output_scale:g}, {timing}; seed {self.seed})")
+
 
 @dataclass(slots=True)
 class PlanConfig:
     """`pdserve plan` settings (flags generated from these fields; --slo is added by the CLI)."""
 
     profile: str | None = setting(None, "the cost model `pdserve profile` wrote (required)")
-    rate: float = setting(2.0, "requests per second (Poisson arrivals, as `bench serve --request-rate`)")
+    rate: float | None = setting(None, "requests per second: the random dataset's Poisson arrivals (default 2), or "
+                                       "a trace's slice rescaled to this mean rate (default: the trace's own times x "
+                                       "--trace-time-scale); as `bench serve --request-rate`")
+    dataset_name: str = setting("random", "the workload: bench serve's random dataset, or a production trace "
+                                          "replayed (as `bench serve --dataset-name`)", choices=("random", *TRACES))
+    dataset_path: str | None = setting(None, "the trace file (a trace's --dataset-name)")
+    trace_start: int = setting(0, "traces: rows skipped before the slice")
+    trace_token_scale: float = setting(1.0, "traces: input lengths (and a block's tokens) x this")
+    trace_output_scale: float = setting(1.0, "traces: output lengths x this")
+    trace_time_scale: float = setting(1.0, "traces: gaps between arrivals x this, unless --rate is given")
+    trace_block_size: int = setting(MOONCAKE_BLOCK, "mooncake_trace: tokens per hash id before scaling")
     num_prompts: int = setting(200, "requests simulated (as `bench serve --num-prompts`)")
     input_len: int = setting(256, "prompt tokens (as `bench serve --random-input-len`)")
     output_len: int = setting(128, "output tokens (as `bench serve --random-output-len`, with --ignore-eos)")
@@ -66,6 +112,8 @@ class PlanConfig:
                                       "cores, and with --watch a core per worker")
     chunk_budgets: str = setting("256,512,2048", "max_num_batched_tokens candidates, comma-separated")
     policies: str = setting("mixed,prefill_first,interleave", "schedule policy candidates of colocated workers")
+    disaggregations: str = setting("always,conditional", "the router's --disaggregation candidates of xPyD "
+                                                         "deployments")
     threads_per_worker: int = setting(1, "torch threads per worker (the profile's cost model is for its own count)")
     router_overhead_ms: float = setting(2.0, "client -> router -> worker, per request (on TTFT)")
     token_overhead_ms: float = setting(0.5, "a token's way back to the client")
@@ -75,8 +123,12 @@ class PlanConfig:
     slos: tuple[str, ...] = field(default=(), metadata={"cli": False})
 
     def __post_init__(self) -> None:
-        if not self.rate > 0:
+        if self.rate is not None and not self.rate > 0:
             raise ValueError(f"rate must be > 0, got {self.rate}")
+        if self.dataset_name in TRACES:
+            if not self.dataset_path:
+                raise ValueError(f"--dataset-name {self.dataset_name} needs --dataset-path")
+            self.trace_options.validate()
         for name in ("num_prompts", "input_len", "output_len", "threads_per_worker"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -85,9 +137,16 @@ class PlanConfig:
         parse_slos(self.slos)
 
     @property
-    def workload(self) -> Workload:
-        return Workload(self.rate, self.num_prompts, self.input_len, self.output_len, self.range_ratio,
-                        self.burstiness, self.seed)
+    def trace_options(self) -> TraceOptions:
+        return TraceOptions(str(self.dataset_path), self.dataset_name, self.trace_start, self.trace_token_scale,
+                            self.trace_output_scale, self.trace_time_scale, self.trace_block_size, self.rate)
+
+    @property
+    def workload(self) -> "Workload | TraceReplay":
+        if self.dataset_name in TRACES:
+            return TraceReplay(self.trace_options, self.num_prompts, self.seed)
+        return Workload(DEFAULT_RATE if self.rate is None else self.rate, self.num_prompts, self.input_len,
+                        self.output_len, self.range_ratio, self.burstiness, self.seed)
 
     @property
     def overheads(self) -> Overheads:
@@ -102,9 +161,10 @@ def parse_slos(items: Sequence[str]) -> dict[str, float]:
                 if part.strip())
 
 
-def candidates(cores: int, chunk_budgets: Sequence[int], policies: Sequence[str], threads: int = 1
-               ) -> list[Candidate]:
-    """Every colocated x K and xPyD deployment that fits in cores, for each budget (and policy)."""
+def candidates(cores: int, chunk_budgets: Sequence[int], policies: Sequence[str], threads: int = 1,
+               disaggregations: Sequence[str] = ("always",)) -> list[Candidate]:
+    """Every colocated x K and xPyD deployment that fits in cores, for each budget (and policy, or
+    disaggregation mode)."""
     slots = cores // threads
     out: list[Candidate] = []
     for budget in chunk_budgets:
@@ -114,12 +174,13 @@ def candidates(cores: int, chunk_budgets: Sequence[int], policies: Sequence[str]
                                      threads_per_worker=threads))
         for p in range(1, slots):
             for d in range(1, slots - p + 1):
-                out.append(Candidate(prefill_workers=p, decode_workers=d, max_num_batched_tokens=budget,
-                                     threads_per_worker=threads))
+                for mode in disaggregations:
+                    out.append(Candidate(prefill_workers=p, decode_workers=d, max_num_batched_tokens=budget,
+                                         threads_per_worker=threads, disaggregation=mode))
     return out
 
 
-def simulate(cost: CostModel, candidate: Candidate, workload: Workload, overheads: Overheads | None = None,
+def simulate(cost: CostModel, candidate: Candidate, workload: "Workload | TraceReplay", overheads: Overheads | None = None,
              slos: dict[str, float] | None = None) -> dict[str, Any]:
     """bench serve's metrics of candidate under workload, predicted; plus the simulation itself."""
     mc = cost.model_config
@@ -135,6 +196,7 @@ def simulate(cost: CostModel, candidate: Candidate, workload: Workload, overhead
     metrics["slo_attainment"] = (metrics["request_goodput"] * duration / len(results)) if slos else None
     metrics["cores"] = candidate.cores
     metrics["goodput_per_core"] = (metrics["request_goodput"] or 0.0) / candidate.cores if slos else None
+    metrics["local_prefills"] = sim.local_routes   # conditional disaggregation: prompts kept on their decode worker
     metrics["simulation"] = sim
     return metrics
 
@@ -175,12 +237,12 @@ def run_plan(config: PlanConfig, out=None) -> int:
     if profiled_threads and profiled_threads != config.threads_per_worker:
         print(f"warning: the profile was measured with {profiled_threads} thread(s), the candidates use "
               f"{config.threads_per_worker}", file=sys.stderr)
-    cands = candidates(cores, budgets, policies, config.threads_per_worker)
+    modes = [m.strip() for m in config.disaggregations.split(",") if m.strip()]
+    cands = candidates(cores, budgets, policies, config.threads_per_worker, modes)
     if not cands:
         raise ValueError(f"no deployment fits in {cores} core(s) at {config.threads_per_worker} thread(s) per worker")
     w = config.workload
-    print(f"pdserve plan: {len(cands)} candidates within {cores} core(s); {w.num_prompts} requests of {w.input_len} in / "
-          f"{w.output_len} out tokens at {w.rate:g} req/s (seed {w.seed}); SLOs "
+    print(f"pdserve plan: {len(cands)} candidates within {cores} core(s); {w.describe()}; SLOs "
           f"{', '.join(f'{k} <= {v:g} ms' for k, v in slos.items()) or 'none'}", file=out, flush=True)
     t0 = time.perf_counter()
     rows = [(c, simulate(cost, c, w, config.overheads, slos)) for c in cands]
@@ -197,11 +259,7 @@ def run_plan(config: PlanConfig, out=None) -> int:
         rows_json = [{"candidate": c.name, "up_flags": c.up_flags(),
                       **{k: v for k, v in m.items() if not isinstance(v, (list, Simulation))}} for c, m in ranked]
         with open(config.out, "w") as f:
-            json.dump({"workload": _fields(w), "slos": slos,
+            json.dump({"workload": w.describe(), "slos": slos,
                        "cores": cores, "candidates": rows_json}, f, indent=1)
     return 0
 
-
-def _fields(obj: Any) -> dict[str, Any]:
-    import dataclasses
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}

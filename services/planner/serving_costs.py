@@ -29,7 +29,11 @@ from pdserve.services.common.metrics import scrape_by_name
 from pdserve.services.deployment.launcher import wait_serving
 
 
-SETUPS = {"colocated": ["--colocated-workers", "1"], "disaggregated": ["--prefill-workers", "1", "--decode-workers", "1"]}
+# Disaggregated: every prompt prefilled on the prefill worker and its KV shipped (the hand-off's
+# costs are what this setup measures; under conditional disaggregation the router may keep a
+# prompt on the decode worker, and a loaded machine makes that likelier).
+SETUPS = {"colocated": ["--colocated-workers", "1"],
+          "disaggregated": ["--prefill-workers", "1", "--decode-workers", "1", "--disaggregation", "always"]}
 COUNTERS = ("process_cpu_seconds_total", "pdserve:engine_step_cpu_seconds_total", "pdserve:engine_step_seconds_count",
             "pdserve:generation_tokens_total", "pdserve:kv_transfer_bytes_total")   # what is read and kept
 

@@ -8,21 +8,28 @@ chunk reaches its last token, as ``ModelRunner.run``) and the step's duration. T
 simulated; nothing sleeps. What the services add around the engine is modelled by the same
 rules they follow, and the workers are placed by the router's own placement
 (services/router/placement.py, ``Placement`` over a ``WorkerSet`` of the simulated workers, each
-publishing a ``WorkerStatus`` read from its engine as a worker does; the load policy, every prompt
-prefilled on a prefill worker when disaggregated):
+publishing a ``WorkerStatus`` read from its engine as a worker does, its learned step costs
+included; the load policy, and the candidate's disaggregation mode):
 
 * colocated: a request goes to the best of ``Placement.decode_routes`` (the fewest in-flight
   requests, then the most free blocks);
 * disaggregated: requests wait in a FIFO admission queue until a decode worker, tried in the
   order of ``Placement.decode_routes`` among those whose free blocks hold the prompt
-  (``Placement.fits``), reserves blocks for the whole sequence (``LLMEngine.reserve``, real
-  headroom rules) unless the prefill worker is backlogged (``Placement.prefill_backlogged``);
-  the prefill worker of ``Placement.pick_prefill`` (the fewest queued prompt tokens) computes
+  (``Placement.fits``), takes it. Under conditional disaggregation a route the placement prices
+  local (the decode worker's own prefill beats the prefill worker's queue and the transfer, by
+  the costs the workers learned from their simulated steps) adds the whole request to that
+  decode worker's engine, as the router's Generate on it does. A remote route reserves blocks
+  for the whole sequence (``LLMEngine.reserve``, real headroom rules) unless the prefill worker
+  is backlogged (``Placement.prefill_backlogged``); the prefill worker of ``Placement.pick_prefill`` (the fewest queued prompt tokens) computes
   it; after each step its newly finished blocks travel to the decode worker (one stream per
   request, a profiled time per block); the first token goes back at once; the
   decode worker admits the request once every block arrived (``KVConnector.mark_received``: no
   bytes move) and the Decode call came (``LLMEngine.admit``); the prefill worker's pinned blocks
-  are released when the transfer ends.
+  are released when the transfer ends, and the placement learns the transfer's exposed time.
+
+Every engine's clock is the simulated one (``LLMEngine(clock=...)``): what it learns from its
+steps (the costs it publishes, a decode worker's prompt chunk, the prompt order's speed) is what
+a worker would learn from the same steps priced by the profile.
 
 A worker's engine steps back to back while it has work; a request that arrives during a step
 joins the next one, as on the engine thread. Workers that outnumber the cores they share
@@ -52,7 +59,10 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, StepTrace
 from pdserve.engine.step_cost import StepCostModel, StepSample, step_features
 from pdserve.services.loadtest.results import RequestResult
+from pdserve.engine.step_cost import published_costs
 from pdserve.services.planner.cost_model import CostModel
+from pdserve.services.router.config import DISAGGREGATION_MODES, GenerationOptions
+from pdserve.services.router.placement import CostModel as RouteCosts
 from pdserve.services.router.placement import Placement, Route
 from pdserve.services.router.prefix_index import PrefixIndex
 from pdserve.services.router.worker_pool import WorkerSet
@@ -71,6 +81,7 @@ class Candidate:
     max_num_batched_tokens: int = 2048
     schedule_policy: str = "auto"
     threads_per_worker: int = 1
+    disaggregation: str = "always"   # the router's --disaggregation (xPyD only)
     # The cores the workers share (several workers on one machine with fewer cores than their
     # threads: the ones stepping at once split them evenly); None: every worker has its own.
     shared_cores: int | None = None
@@ -82,6 +93,8 @@ class Candidate:
             raise ValueError(f"shared_cores must be >= 1, got {self.shared_cores}")
         if not self.colocated_workers and (self.prefill_workers < 1 or self.decode_workers < 1):
             raise ValueError("a disaggregated candidate needs prefill_workers >= 1 and decode_workers >= 1")
+        if self.disaggregation not in DISAGGREGATION_MODES:
+            raise ValueError(f"disaggregation must be one of {DISAGGREGATION_MODES}, got {self.disaggregation!r}")
 
     @property
     def colocated(self) -> bool:
@@ -98,13 +111,14 @@ class Candidate:
     @property
     def name(self) -> str:
         shape = f"colocated x{self.colocated_workers}" if self.colocated else \
-            f"{self.prefill_workers}P{self.decode_workers}D"
+            f"{self.prefill_workers}P{self.decode_workers}D {self.disaggregation}"
         return f"{shape}, budget {self.max_num_batched_tokens}, {self.schedule_policy}"
 
     def up_flags(self) -> str:
         """The `pdserve up` flags that deploy this candidate."""
         shape = (f"--colocated-workers {self.colocated_workers}" if self.colocated else
-                 f"--prefill-workers {self.prefill_workers} --decode-workers {self.decode_workers}")
+                 f"--prefill-workers {self.prefill_workers} --decode-workers {self.decode_workers} "
+                 f"--disaggregation {self.disaggregation}")
         flags = f"{shape} --threads {self.threads_per_worker} --max-num-batched-tokens {self.max_num_batched_tokens}"
         return flags + (f" --schedule-policy {self.schedule_policy}" if self.schedule_policy != "auto" else "")
 
@@ -140,6 +154,7 @@ class SimRequest:
     needed: frozenset[int] = frozenset()
     kv_free_at: float = 0.0
     first_token: int | None = None
+    local: bool = False    # prefilled on its decode worker (conditional disaggregation)
 
 
 class SimRunner:
@@ -152,11 +167,13 @@ class SimRunner:
         self.kv_bytes_per_block = kv_bytes_per_block
         self.last: StepSample | None = None
         self.last_seconds = 0.0
+        self.elapsed = 0.0   # the engine's clock: the priced time of every step run so far
 
     def run(self, batch: ScheduledBatch, stop_token_ids: Collection[int] = ()) -> StepResult:
         contexts = [s.num_computed_tokens for s in batch.seqs]
         self.last = step_features(contexts, batch.num_new_tokens, batch.num_decode_seqs)
         self.last_seconds = self.cost.step_seconds(self.last)
+        self.elapsed += self.last_seconds
         return StepResult([SIM_TOKEN if s.num_computed_tokens + n >= s.num_tokens else None
                            for s, n in zip(batch.seqs, batch.num_new_tokens)], {})
 
@@ -181,7 +198,8 @@ class SimWorker:
         self.address = name
         self.role = config.role
         self.runner = SimRunner(cost, num_kv_blocks, cost.kv_bytes_per_block)
-        self.engine = LLMEngine(config, runner=self.runner, model_config=model_config)  # type: ignore[arg-type]
+        self.engine = LLMEngine(config, runner=self.runner, model_config=model_config,  # type: ignore[arg-type]
+                                clock=lambda: self.runner.elapsed)
         self.export_s_per_block = cost.export_s_per_block if config.role == "prefill" else 0.0
         self.status: worker_pb2.WorkerStatus | None = None
         self.index = PrefixIndex()   # empty: the load policy routes without prefix keys
@@ -206,14 +224,16 @@ class SimWorker:
 
     def publish(self) -> None:
         """The status a worker would send now: the part of WorkerInfoServicer.status that placement
-        reads (no learned step costs: the load policy does not price by them), read as cheaply as
-        the engine allows, since the simulation publishes before every placement."""
+        reads (its learned step costs price conditional disaggregation's routes), read as cheaply
+        as the engine allows, since the simulation publishes before every placement."""
         engine = self.engine
+        base_ms, ms_per_token, ms_per_seq = published_costs(engine.step_cost, engine.decode_step_cost)
         self.status = worker_pb2.WorkerStatus(
             num_total_blocks=engine.block_manager.num_blocks, num_free_blocks=self.free_blocks,
             num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
             num_queued_prompt_tokens=engine.scheduler.num_queued_prompt_tokens,
-            block_size=engine.config.block_size, max_num_batched_tokens=engine.config.max_num_batched_tokens)
+            block_size=engine.config.block_size, max_num_batched_tokens=engine.prompt_chunk_tokens(),
+            step_base_ms=base_ms, step_ms_per_token=ms_per_token, decode_ms_per_seq=ms_per_seq)
 
     def kick(self) -> None:
         """Start a step now if idle with work (the engine thread wakes on new work)."""
@@ -293,8 +313,12 @@ class Simulation:
             self.colocated = []
             self.prefill = [worker("prefill", i) for i in range(candidate.prefill_workers)]
             self.decode = [worker("decode", i) for i in range(candidate.decode_workers)]
-        # The router's placement over the simulated workers: the load policy, remote prefill always.
-        self.placement = Placement(WorkerSet(self.workers), routing="load", disaggregation="always")
+        # The router's placement over the simulated workers: the load policy, the candidate's
+        # disaggregation mode, the router's default weights.
+        router = GenerationOptions()
+        self.placement = Placement(WorkerSet(self.workers), routing="load", disaggregation=candidate.disaggregation,
+                                   cost_model=RouteCosts(router.itl_weight, router.cache_affinity_weight))
+        self.local_routes = 0   # requests prefilled on their decode worker
         sv = cost.serving
         on = self.overheads.serving_cpu
         self.worker_s_per_token = sv.worker_s_per_token if on else 0.0
@@ -418,12 +442,13 @@ class Simulation:
         prefill worker is not backlogged (``Placement.prefill_backlogged``, as the router)."""
         while self.queue:
             req = self.queue[0]
-            if self.placement.prefill_backlogged((), len(req.prompt)):
-                return
+            backlogged = self.placement.prefill_backlogged((), len(req.prompt))
             for route in self._routes(req):
                 d = route.decode
-                if not self.placement.fits(d, len(req.prompt)):
+                if not self.placement.fits(d, len(req.prompt)) or (backlogged and not route.local):
                     continue
+                if route.local:
+                    break
                 try:
                     res = d.engine.reserve(req.request_id, req.prompt, self._params(req))
                 except NoCapacity:
@@ -433,6 +458,12 @@ class Simulation:
                 return
             self.queue.pop(0)
             d.inflight += 1
+            if route.local:   # the decode worker's own Generate: prompt and decode there
+                self.local_routes += 1
+                req.decode, req.local = d, True
+                d.engine.add_request(req.request_id, req.prompt, self._params(req))
+                d.kick()
+                continue
             d.core_debt_s += self.decode_s_per_request
             req.decode, req.needed = d, frozenset(res.needed_block_indices)
             p, _ = self.placement.pick_prefill((), len(req.prompt))
@@ -469,6 +500,8 @@ class Simulation:
         self._charge_tokens(p, 1)
         req.first_token = out.new_token_ids[0]
         kv_done = max(req.kv_free_at, self.now)
+        if shipped:   # what the router learns of a hand-off: its blocks after the token, until acknowledged
+            self.placement.costs.observe_transfer(shipped, (kv_done - self.now) * 1e3)
         self.at(kv_done, self._kv_delivered, req)
         if out.finished:   # the first token ends it: no decode needed (the router releases it)
             return

@@ -20,6 +20,7 @@ from typing import AsyncIterator, Callable
 import grpc
 
 from pdserve.engine import EngineConfig
+from pdserve.engine.step_cost import published_costs
 from pdserve.services.common import tracing
 from pdserve.services.common.grpc_setup import Server, service_registration, start_server, stop_on_signals
 from pdserve.services.common.metrics import start_metrics_server
@@ -39,27 +40,6 @@ log = logging.getLogger(__name__)
 STATUS_HEARTBEAT_S = 1.0     # WatchStatus sends the status at least this often
 STATUS_MIN_INTERVAL_S = 0.01  # and at most once per this interval
 MAX_KEYS_PER_MESSAGE = 16384  # WatchKVEvents: prefix-cache keys in one message (128 KiB)
-
-
-def step_cost_fields(engine) -> tuple[float, float, float]:
-    """What a worker publishes of its learned step costs (engine/step_cost.py): (base_ms,
-    ms_per_token, ms_per_seq). ms_per_token is 0 until a step computed prompt tokens here (a
-    decode worker that has only decoded: the router borrows a peer's); base_ms then comes from the
-    decode-only fit. ms_per_seq is 0 unless the decode-only steps identify it (the router then
-    uses its peers')."""
-    base_ms, ms_per_token = engine.step_cost.coefficients()
-    decode_base, ms_per_seq = engine.decode_step_cost.line() or (0.0, 0.0)
-    if not engine.step_cost.fitted:
-        base_ms = decode_base
-    return base_ms, ms_per_token, ms_per_seq
-
-
-def prompt_chunk_tokens(engine) -> int:
-    """Prompt tokens one step computes here (the router's estimate of a prompt's steps): the step
-    budget, or less while sequences decode (a decode worker prefilling a prompt locally)."""
-    budget = engine.config.max_num_batched_tokens
-    chunk = engine.scheduler.prompt_tokens_with_decodes
-    return budget if chunk is None or engine.config.role != "decode" else min(budget, chunk)
 
 
 def _role_name(value: int) -> str:
@@ -96,7 +76,7 @@ class WorkerInfoServicer(worker_pb2_grpc.WorkerServicer):
         stats = self.aengine.engine.stats()
         engine = self.aengine.engine
         mc = engine.model_config
-        base_ms, ms_per_token, ms_per_seq = step_cost_fields(engine)
+        base_ms, ms_per_token, ms_per_seq = published_costs(engine.step_cost, engine.decode_step_cost)
         return worker_pb2.WorkerStatus(
             role=ROLE_ENUM[self.role], worker_id=self.worker_id, model_name=self.aengine.config.model,
             kv_address=self.kv_address,
@@ -108,7 +88,7 @@ class WorkerInfoServicer(worker_pb2_grpc.WorkerServicer):
             draining=self.state.draining, num_sending=stats["num_pinned"],
             step_base_ms=_round3(base_ms), step_ms_per_token=_round3(ms_per_token),
             decode_ms_per_seq=_round3(ms_per_seq),
-            max_num_batched_tokens=prompt_chunk_tokens(engine),
+            max_num_batched_tokens=engine.prompt_chunk_tokens(),
             kv_tier_load_ms_per_block=_round3(engine.kv_tiers.load_ms_per_block) if engine.kv_tiers else 0.0)
 
     async def GetStatus(self, request, context):

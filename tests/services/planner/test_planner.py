@@ -13,7 +13,9 @@ import pytest
 
 from pdserve.engine.step_cost import StepSample, fit_nonnegative, step_features
 from pdserve.services.planner.cost_model import CostModel
-from pdserve.services.planner.plan import Workload, candidates, parse_slos, rank, simulate
+from pdserve.engine.step_cost import published_costs
+from pdserve.services.loadtest.traces import TraceOptions
+from pdserve.services.planner.plan import TraceReplay, Workload, candidates, parse_slos, rank, simulate
 from pdserve.services.planner.serving_costs import ServingCosts
 from pdserve.services.planner.simulator import Candidate, Overheads, Simulation
 from pdserve.services.router.placement import Placement
@@ -234,6 +236,7 @@ def test_slo_filtering_and_ranking(cost: CostModel) -> None:
             for c in (Candidate(prefill_workers=1, decode_workers=1), cand)]
     assert rank(rows)[0][0] is cand
     assert len(candidates(2, [256, 2048], ["mixed"])) == 2 * (2 + 1)   # colocated x1, x2, 1P1D per budget
+    assert len(candidates(2, [256], ["mixed"], disaggregations=("always", "conditional"))) == 2 + 2
 
 
 def test_plan_cli(cost: CostModel, tmp_path: Path, capsys) -> None:
@@ -246,7 +249,9 @@ def test_plan_cli(cost: CostModel, tmp_path: Path, capsys) -> None:
     assert code == 0, out
     assert "recommended:" in out and "pdserve up --model" in out and "1P1D" in out
     rows = json.loads(out_json.read_text())["candidates"]
-    assert len(rows) == 3 and all("p99_ttft_ms" in r for r in rows)
+    assert len(rows) == 4 and all("p99_ttft_ms" in r for r in rows)   # colocated x1, x2; 1P1D always, conditional
+    assert {r["candidate"].split(",")[0] for r in rows} >= {"1P1D always", "1P1D conditional"}
+    assert any("--disaggregation conditional" in r["up_flags"] for r in rows)
     code = main(["plan", "--profile", str(path), "--slo", "latency:5"])
     assert code == 2 and "--slo" in capsys.readouterr().err
     code = main(["plan", "--profile", str(tmp_path / "missing.json")])
@@ -334,3 +339,75 @@ def test_the_simulator_places_requests_with_the_router_s_placement(cost: CostMod
     placed = [sim.requests[f"sim-{i}"] for i in range(4)]
     assert sorted(r.decode.name for r in placed) == ["decode-0", "decode-0", "decode-1", "decode-1"]
     assert sorted(r.prefill.name for r in placed) == ["prefill-0", "prefill-0", "prefill-1", "prefill-1"]
+
+
+def _burst(n: int, input_len: int, output_len: int) -> tuple[list[list[int]], list[int], list[float]]:
+    """n distinct prompts arriving within 10 ms (a trace's burst)."""
+    return ([list(range(2 + i, 2 + i + input_len)) for i in range(n)], [output_len] * n,
+            [0.001 * i for i in range(n)])
+
+
+def test_conditional_disaggregation_prefills_on_the_decode_worker_when_prompts_queue(cost: CostModel) -> None:
+    """1P1D under a burst of 12 prompts: with conditional disaggregation the router's placement,
+    pricing each route with the costs the simulated workers learned from their priced steps,
+    keeps some prompts on the idle decode worker (its own prompt steps appear), so first tokens
+    come sooner than when every prompt queues on the prefill worker; every block is returned."""
+    prompts, outs, offsets = _burst(12, 200, 8)
+    runs = {}
+    for mode in ("always", "conditional"):
+        sim, res = _sim(cost, Candidate(prefill_workers=1, decode_workers=1, max_num_batched_tokens=256,
+                                        disaggregation=mode), prompts, outs, offsets)
+        assert all(r.success for r in res) and [r.output_len for r in res] == outs
+        for wk in sim.workers:
+            st = wk.engine.stats()
+            assert st["num_free_blocks"] == st["num_total_blocks"] and st["num_pinned"] == 0
+        runs[mode] = (sim, sorted(r.ttft for r in res))
+    always, conditional = runs["always"][0], runs["conditional"][0]
+    assert always.local_routes == 0 and not any(s.trace.num_prefill_tokens for s in always.decode[0].steps)
+    assert 0 < conditional.local_routes < 12
+    assert sum(s.trace.num_prefill_tokens for s in conditional.decode[0].steps) >= 200 * conditional.local_routes
+    assert sum(runs["conditional"][1]) < sum(runs["always"][1])
+    # what the workers publish is learned from simulated time: the profile's price of a prompt token
+    _, per_token, _ = published_costs(always.prefill[0].engine.step_cost, always.prefill[0].engine.decode_step_cost)
+    assert per_token == pytest.approx(1e3 * cost.fits["prefill"].coefficients["prefill_tokens"], rel=0.5)
+
+
+def _trace_file(path: Path, rows: int) -> Path:
+    """A Mooncake-format trace: bursts of 4 rows at a timestamp, each prompt opening with the
+    same two hash ids (a shared system prompt) and then its own."""
+    with open(path, "w") as f:
+        for i in range(rows):
+            f.write(json.dumps({"timestamp": 1000 * (i // 4), "input_length": 1536 + 512 * (i % 3),
+                                "output_length": 40, "hash_ids": [1, 2, 100 + i, 200 + i, 300 + i]}) + "\n")
+    return path
+
+
+def test_plan_on_a_trace_replays_its_arrivals_lengths_and_shared_prefixes(cost: CostModel, tmp_path: Path,
+                                                                          capsys) -> None:
+    """`pdserve plan --dataset-name mooncake_trace` simulates the slice bench serve would replay:
+    its scaled lengths and times, the same tokens for the same hash ids (the engines' prefix
+    caches hit on them), and ranks every candidate, conditional disaggregation among them."""
+    trace = _trace_file(tmp_path / "trace.jsonl", 24)
+    opts = TraceOptions(str(trace), token_scale=1 / 16, output_scale=0.5, time_scale=0.5)
+    replay = TraceReplay(opts, num_prompts=20, seed=0)
+    prompts, outs, offsets = replay.requests(1000, None)
+    assert [len(p) for p in prompts[:3]] == [96, 128, 160] and outs == [20] * 20
+    assert offsets[:5] == [0.0, 0.0, 0.0, 0.0, 0.5] and offsets[-1] == 2.0
+    assert all(p[:64] == prompts[0][:64] for p in prompts) and prompts[0][64:96] != prompts[1][64:96]
+    m = simulate(cost, Candidate(colocated_workers=1, max_num_batched_tokens=256, schedule_policy="mixed"), replay)
+    assert m["completed"] == 20
+    assert m["simulation"].colocated[0].engine.stats()["prefix_cache_hits"] >= 19 * 4   # 4 shared blocks of 16
+    path = cost.save(tmp_path / "profile.json")
+    out_json = tmp_path / "plan.json"
+    code = main(["plan", "--profile", str(path), "--dataset-name", "mooncake_trace", "--dataset-path", str(trace),
+                 "--num-prompts", "20", "--trace-token-scale", "0.0625", "--trace-output-scale", "0.5", "--rate", "4",
+                 "--slo", "ttft:2000", "--slo", "tpot:100", "--cores", "2", "--chunk-budgets", "256",
+                 "--policies", "mixed", "--out", str(out_json)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "20 rows of mooncake_trace trace.jsonl from row 0" in out and "rescaled to 4 req/s" in out
+    rows = json.loads(out_json.read_text())["candidates"]
+    assert len(rows) == 4 and all(r["completed"] == 20 for r in rows)
+    assert any(r["candidate"].startswith("1P1D conditional") for r in rows)
+    code = main(["plan", "--profile", str(path), "--dataset-name", "mooncake_trace"])
+    assert code == 2 and "--dataset-path" in capsys.readouterr().err

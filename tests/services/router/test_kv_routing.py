@@ -25,7 +25,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.kv.block_manager import BlockManager, prompt_block_hashes
 from pdserve.engine.kv.events import KVEventLog
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.step_cost import Load, StepCost, StepCostView
+from pdserve.engine.step_cost import Load, StepCost, StepCostView, published_costs
 from pdserve.services.client import AsyncClient
 from pdserve.services.router.placement import CostModel
 from pdserve.services.router.prefix_index import PrefixIndex
@@ -139,12 +139,11 @@ def test_decode_worker_publishes_no_prompt_token_cost_until_it_computes_a_prompt
     from types import SimpleNamespace
 
     from pdserve.v1 import worker_pb2
-    from pdserve.services.workers.worker_process import step_cost_fields
 
     engine = SimpleNamespace(step_cost=StepCost(), decode_step_cost=StepCost(min_spread=1.0))
     for seqs in [1, 2, 3, 4] * 30:
         engine.decode_step_cost.observe(seqs, 20.0 + 5.0 * seqs)
-    base, per_token, per_seq = step_cost_fields(engine)
+    base, per_token, per_seq = published_costs(engine.step_cost, engine.decode_step_cost)
     assert (base, per_token, per_seq) == pytest.approx((20.0, 0.0, 5.0))
     decode = worker_pb2.WorkerStatus(step_base_ms=base, step_ms_per_token=per_token, decode_ms_per_seq=per_seq)
     prefill = worker_pb2.WorkerStatus(step_base_ms=50.0, step_ms_per_token=1.5)
@@ -153,7 +152,7 @@ def test_decode_worker_publishes_no_prompt_token_cost_until_it_computes_a_prompt
     assert not view.learned
     for tokens in [64, 16, 130, 40] * 10:   # then it prefills prompts locally: its own cost
         engine.step_cost.observe(tokens, 30.0 + 2.0 * tokens)
-    assert step_cost_fields(engine) == pytest.approx((30.0, 2.0, 5.0))
+    assert published_costs(engine.step_cost, engine.decode_step_cost) == pytest.approx((30.0, 2.0, 5.0))
 
 
 def test_transfer_cost_is_a_fixed_part_plus_a_part_per_block() -> None:
@@ -279,7 +278,6 @@ def test_the_local_prefill_threshold_follows_the_prefill_workers_learned_speed()
     shipped is prefilled on the decode worker instead."""
     from types import SimpleNamespace
 
-    from pdserve.services.workers.worker_process import step_cost_fields
 
     async def run():
         pool, placement = _pool_with_statuses("kv-aware", "conditional")
@@ -291,7 +289,7 @@ def test_the_local_prefill_threshold_follows_the_prefill_workers_learned_speed()
         def prefill_steps(ms_per_token: float) -> None:
             for tokens in [64, 300, 128, 700] * 50:
                 engine.step_cost.observe(tokens, 5.0 + ms_per_token * tokens)
-            base, per_token, _ = step_cost_fields(engine)
+            base, per_token, _ = published_costs(engine.step_cost, engine.decode_step_cost)
             prefill.status.step_base_ms, prefill.status.step_ms_per_token = base, per_token
 
         decisions, thresholds = [], []
