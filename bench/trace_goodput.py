@@ -16,12 +16,17 @@ rescaled to each rate of ``--rates`` (req/s), greedy. One load generator measure
 * ``conditional``:  the same with ``--disaggregation conditional --prompt-order fcfs`` (short
   prompts prefilled on the decode worker when that is cheaper, in arrival order)
 * ``colocated``:    ``pdserve up`` with 1 colocated worker
+* ``planned``:      the deployment ``pdserve plan --objective goodput`` picks for the slice at each
+  rate (``--profile``: the cost model ``pdserve profile`` measured on this machine; every
+  candidate that fits in this machine's cores, both disaggregation modes)
 * ``vllm``:         vLLM-CPU's OpenAI server, started as ``bench/slo_goodput.py`` starts it
   (``--vllm-python``, default ``$PDSERVE_VLLM_PYTHON``) but with ``--max-model-len 4096`` (the
   small model's, pdserve's default), over ``/v1/completions``
 
 pdserve is loaded over its router's gRPC API, vLLM over HTTP (the same token-id prompts,
-streamed). Per point: attainment (requests within both targets / requests sent), goodput (those
+streamed). With ``--profile``, each pdserve setup's row also carries the planner's prediction of
+it (its simulator on the same slice, seed and targets): attainment and TTFT p50/p99 predicted
+beside the measured ones. Per point: attainment (requests within both targets / requests sent), goodput (those
 per second of the run), TTFT p50/p90/p99, TPOT p50/p90, failures; the table to stdout, the rows to
 ``trace_goodput.json`` and attainment against rate to ``trace_goodput.png`` in ``--out``::
 
@@ -49,13 +54,54 @@ from bench.vs_vllm_server import (add_vllm_args, check_vllm_setup, run_stopping_
                                   vllm_server)
 from bench.vs_vllm_commands import format_command, machine_info  # noqa: E402
 
-SETUPS = ("default", "disagg", "conditional", "colocated", "vllm")
+SETUPS = ("default", "disagg", "conditional", "colocated", "planned", "vllm")
 MAX_MODEL_LEN = 4096   # the trace's longest prompts scaled 1/32 and their outputs pass 2048 (the small model: 4096)
 ONE_ONE = ["--prefill-workers", "1", "--decode-workers", "1"]
 UP_FLAGS = {"default": ONE_ONE,
             "disagg": [*ONE_ONE, "--disaggregation", "always", "--prompt-order", "fcfs"],
             "conditional": [*ONE_ONE, "--disaggregation", "conditional", "--prompt-order", "fcfs"],
             "colocated": ["--colocated-workers", "1"]}
+PLAN_CHUNK_BUDGETS = (256, 512, 2048)
+
+
+def setup_candidate(setup: str):
+    """The planner's Candidate for a fixed setup (what its UP_FLAGS deploy)."""
+    from pdserve.services.planner.simulator import Candidate
+    if setup == "colocated":
+        return Candidate(colocated_workers=1)
+    flags = UP_FLAGS[setup]
+    mode = flags[flags.index("--disaggregation") + 1] if "--disaggregation" in flags else "conditional"
+    order = flags[flags.index("--prompt-order") + 1] if "--prompt-order" in flags else None
+    return Candidate(prefill_workers=1, decode_workers=1, disaggregation=mode, prompt_order=order)
+
+
+def predict(cost, candidate, args: argparse.Namespace, rate: float, seed: int) -> dict[str, Any]:
+    """The planner's simulation of candidate on the point's slice (services/planner/plan.py)."""
+    from pdserve.services.loadtest.traces import TraceOptions
+    from pdserve.services.planner.plan import TraceReplay, simulate
+    opts = TraceOptions(args.trace, start=args.trace_start, token_scale=args.token_scale,
+                        output_scale=args.output_scale, rate=rate)
+    m = simulate(cost, candidate, TraceReplay(opts, args.num_prompts, seed),
+                 slos={"ttft": args.ttft_ms, "tpot": args.tpot_ms})
+    return {"candidate": candidate.name, "up_flags": candidate.up_flags(), "attainment": m["slo_attainment"],
+            "ttft_p50_ms": m["p50_ttft_ms"], "ttft_p99_ms": m["p99_ttft_ms"], "tpot_p50_ms": m["p50_tpot_ms"],
+            "local_prefills": m["local_prefills"]}
+
+
+def plan_pick(cost, args: argparse.Namespace, rate: float, seed: int):
+    """`pdserve plan --objective goodput`'s pick for the point: the candidate with the most
+    requests within the targets on this machine's cores."""
+    import os
+
+    from pdserve.services.loadtest.traces import TraceOptions
+    from pdserve.services.planner.plan import TraceReplay, candidates, rank, simulate
+    opts = TraceOptions(args.trace, start=args.trace_start, token_scale=args.token_scale,
+                        output_scale=args.output_scale, rate=rate)
+    replay = TraceReplay(opts, args.num_prompts, seed)
+    slos = {"ttft": args.ttft_ms, "tpot": args.tpot_ms}
+    cands = candidates(os.cpu_count() or 1, PLAN_CHUNK_BUDGETS, ("auto", "mixed", "prefill_first", "interleave"),
+                       disaggregations=("always", "conditional"))
+    return rank([(c, simulate(cost, c, replay, slos=slos)) for c in cands], "goodput")[0][0]
 
 
 def workload(args: argparse.Namespace, rate: float, vocab: int, seed: int):
@@ -101,17 +147,42 @@ def vllm_target(args: argparse.Namespace, model: str, logs: Path) -> Iterator[Ta
         yield Target(base, lambda: OpenAIBackend(base, model=model))
 
 
-def run_setup(setup: str, args: argparse.Namespace, model: str, logs: Path, rates: list[float]) -> list[dict]:
+def run_setup(setup: str, args: argparse.Namespace, model: str, logs: Path, rates: list[float],
+              cost=None) -> list[dict]:
+    """The setup's rows at rates (with cost, the planner's prediction of each beside it). The
+    planned setup deploys, for each distinct pick of the planner among the rates, that pick."""
+    if setup == "planned":
+        picks: dict[str, tuple[Any, list[int]]] = {}
+        for i, rate in enumerate(rates):
+            cand = plan_pick(cost, args, rate, args.seed + 1 + i)
+            print(f"[planned] {rate:g} req/s: the planner picks {cand.name} ({cand.up_flags()})", flush=True)
+            picks.setdefault(cand.name, (cand, []))[1].append(i)
+        rows = [row for cand, idx in picks.values()
+                for row in _serve_rates(setup, args, model, logs, rates, idx, cost, cand)]
+        return sorted(rows, key=lambda r: r["rate"])
+    cand = setup_candidate(setup) if cost is not None and setup != "vllm" else None
+    return _serve_rates(setup, args, model, logs, rates, range(len(rates)), cost, cand)
+
+
+def _serve_rates(setup: str, args: argparse.Namespace, model: str, logs: Path, rates: list[float], which,
+                 cost, cand) -> list[dict]:
     from pdserve.engine.model_config import ModelConfig
     vocab = ModelConfig.from_dir(model).vocab_size
+    flags = shlex.split(cand.up_flags()) if setup == "planned" else UP_FLAGS.get(setup, [])
     serve = (vllm_target(args, model, logs) if setup == "vllm"
-             else pdserve_target(setup, args, model, logs, [*UP_FLAGS[setup], *shlex.split(args.pdserve_args)]))
+             else pdserve_target(setup, args, model, logs, [*flags, *shlex.split(args.pdserve_args)]))
     rows = []
     with serve as target:
         warm = argparse.Namespace(**{**vars(args), "num_prompts": 4, "trace_start": args.trace_start + args.num_prompts})
         point(target, 2.0, warm, vocab, args.seed)   # other rows and tokens: nothing of a point is cached by it
-        for i, rate in enumerate(rates):
+        for i in which:
+            rate = rates[i]
             row = {"setup": setup, **point(target, rate, args, vocab, args.seed + 1 + i)}
+            if cand is not None:
+                row["predicted"] = predict(cost, cand, args, rate, args.seed + 1 + i)
+                print(f"[{setup}] {rate:g} req/s predicted ({cand.name}): attainment "
+                      f"{row['predicted']['attainment']:.1%}, TTFT p50/p99 {row['predicted']['ttft_p50_ms']:.0f}/"
+                      f"{row['predicted']['ttft_p99_ms']:.0f} ms", flush=True)
             print(f"[{setup}] {rate:g} req/s: attainment {row['attainment']:.1%}, goodput {row['goodput']:.2f}, "
                   f"TTFT p50/p90/p99 {row['ttft_p50_ms'] or 0:.0f}/{row['ttft_p90_ms'] or 0:.0f}/"
                   f"{row['ttft_p99_ms'] or 0:.0f} ms, TPOT p50/p90 {row['tpot_p50_ms'] or 0:.1f}/"
@@ -124,13 +195,16 @@ def run_setup(setup: str, args: argparse.Namespace, model: str, logs: Path, rate
 def table(rows: list[dict]) -> str:
     base = {r["rate"]: r["goodput"] for r in rows if r["setup"] == "vllm"}
     lines = ["| setup | rate (req/s) | within SLO | goodput (req/s) | vs vLLM | TTFT p50 / p90 / p99 (ms) | "
-             "TPOT p50 / p90 (ms) | failed |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "TPOT p50 / p90 (ms) | failed | predicted: within SLO, TTFT p50 / p99 (ms) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = f"{r['goodput'] / base[r['rate']]:.2f}x" if base.get(r["rate"]) else "-"
         ttft = "/".join(f"{r[k]:.0f}" for k in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms")) if r["completed"] else "-"
         tpot = "/".join(f"{r[k]:.1f}" for k in ("tpot_p50_ms", "tpot_p90_ms")) if r["tpot_p50_ms"] else "-"
+        pred = r.get("predicted")
+        guess = (f"{pred['attainment']:.1%}, {pred['ttft_p50_ms']:.0f} / {pred['ttft_p99_ms']:.0f}" if pred else "-")
         lines.append(f"| {r['setup']} | {r['rate']:g} | {r['attainment']:.1%} | {r['goodput']:.2f} | {ratio} | "
-                     f"{ttft} | {tpot} | {r['failed']} |")
+                     f"{ttft} | {tpot} | {r['failed']} | {guess} |")
     return "\n".join(lines)
 
 
@@ -169,11 +243,15 @@ def main() -> int:
     p.add_argument("--tpot-ms", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pdserve-args", default="", help="more `pdserve up` flags for every pdserve setup (one string)")
+    p.add_argument("--profile", default=None, help="a `pdserve profile` cost model: the planner's prediction beside "
+                                                   "each pdserve row, and the planned setup")
     p.add_argument("--out", default=str(REPO_ROOT / "docs" / "images"))
     add_vllm_args(p)
     args = p.parse_args()
     setups = drivers.names(args.setups or ",".join(SETUPS), SETUPS, "setup")
     check_vllm_setup(p, args, setups)
+    if "planned" in setups and not args.profile:
+        p.error("the planned setup needs --profile (a `pdserve profile` cost model)")
     return run_stopping_servers(lambda: measure(args, setups))
 
 
@@ -184,7 +262,11 @@ def measure(args: argparse.Namespace, setups: list[str]) -> int:
     logs = drivers.result_dir(None, "trace-goodput")
     print(f"servers' logs in {logs}", flush=True)
     rates = [float(r) for r in args.rates.split(",")]
-    rows = [row for setup in setups for row in run_setup(setup, args, model, logs, rates)]
+    cost = None
+    if args.profile:
+        from pdserve.services.planner.cost_model import CostModel
+        cost = CostModel.load(args.profile)
+    rows = [row for setup in setups for row in run_setup(setup, args, model, logs, rates, cost)]
     print(table(rows))
     record: dict[str, Any] = {"args": vars(args), "setups": setups, "rows": rows, "cpu": machine_info()["cpu_model"]}
     if "vllm" in setups:

@@ -7,8 +7,9 @@ workload ``pdserve bench serve`` would send: services/loadtest's random dataset 
 arrivals, for the same seed, or a slice of a production trace (``--dataset-name mooncake_trace``
 or ``azure_trace``: its arrival times and lengths, the same blocks for the same hash ids, scaled
 as bench serve scales it). The metrics are the load generator's own (``calculate_metrics``).
-The recommendation maximises goodput (requests meeting every SLO per second) per core; ties go
-to the lower TTFT p99.
+The recommendation maximises goodput (requests meeting every SLO per second) per core (the
+cheapest deployment for the load), or with ``--objective goodput`` the goodput itself within the
+core budget (the best use of this machine; ties to fewer cores); ties go to the lower TTFT p99.
 
     pdserve plan --profile P.json --rate 2 --input-len 256 --output-len 128 --slo ttft:500 --slo tpot:50
     pdserve plan --profile P.json --dataset-name mooncake_trace --dataset-path conversation_trace.jsonl \
@@ -34,6 +35,7 @@ from pdserve.services.planner.simulator import Candidate, Overheads, Simulation
 
 PERCENTILES = (50, 90, 99)
 DEFAULT_RATE = 2.0   # req/s of the random dataset when --rate is not given
+OBJECTIVES = ("goodput_per_core", "goodput")
 
 
 @dataclass(slots=True)
@@ -119,6 +121,9 @@ class PlanConfig:
     token_overhead_ms: float = setting(0.5, "a token's way back to the client")
     handoff_overhead_ms: float = setting(2.0, "disaggregated: first token -> the decode worker's Decode call")
     kv_ms_per_block: float | None = setting(None, "KV transfer time per block; none: the profile's")
+    objective: str = setting("goodput_per_core", "what the recommendation maximises: goodput per core (the cheapest "
+                                                 "deployment for the load) or goodput (the best use of the core "
+                                                 "budget; ties to fewer cores)", choices=OBJECTIVES)
     out: str | None = setting(None, "also write every candidate's metrics to this JSON file")
     slos: tuple[str, ...] = field(default=(), metadata={"cli": False})
 
@@ -201,12 +206,19 @@ def simulate(cost: CostModel, candidate: Candidate, workload: "Workload | TraceR
     return metrics
 
 
-def rank(rows: list[tuple[Candidate, dict[str, Any]]]) -> list[tuple[Candidate, dict[str, Any]]]:
-    """Best first: goodput per core (throughput per core without SLOs), then TTFT p99."""
-    def key(row: tuple[Candidate, dict[str, Any]]) -> tuple[float, float]:
+def rank(rows: list[tuple[Candidate, dict[str, Any]]], objective: str = "goodput_per_core"
+         ) -> list[tuple[Candidate, dict[str, Any]]]:
+    """Best first: goodput per core (throughput per core without SLOs), then TTFT p99; or goodput
+    (throughput), then fewer cores, then TTFT p99."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+
+    def key(row: tuple[Candidate, dict[str, Any]]) -> tuple[float, ...]:
         _, m = row
-        per_core = m["goodput_per_core"] if m["goodput_per_core"] is not None else m["request_throughput"] / m["cores"]
-        return (-round(per_core, 6), m["p99_ttft_ms"])
+        served = (m["request_goodput"] or 0.0) if m["goodput_per_core"] is not None else m["request_throughput"]
+        if objective == "goodput":
+            return (-round(served, 6), m["cores"], m["p99_ttft_ms"])
+        return (-round(served / m["cores"], 6), m["p99_ttft_ms"])
     return sorted(rows, key=key)
 
 
@@ -246,7 +258,7 @@ def run_plan(config: PlanConfig, out=None) -> int:
           f"{', '.join(f'{k} <= {v:g} ms' for k, v in slos.items()) or 'none'}", file=out, flush=True)
     t0 = time.perf_counter()
     rows = [(c, simulate(cost, c, w, config.overheads, slos)) for c in cands]
-    ranked = rank(rows)
+    ranked = rank(rows, config.objective)
     print(table(ranked, slos), file=out)
     best, m = ranked[0]
     print(f"\nrecommended: {best.name} ({best.cores} core(s)): TTFT p50/p99 {m['p50_ttft_ms']:.0f}/{m['p99_ttft_ms']:.0f} ms,"

@@ -82,6 +82,7 @@ class Candidate:
     schedule_policy: str = "auto"
     threads_per_worker: int = 1
     disaggregation: str = "always"   # the router's --disaggregation (xPyD only)
+    prompt_order: str | None = None  # the workers' --prompt-order; None: the engine's default
     # The cores the workers share (several workers on one machine with fewer cores than their
     # threads: the ones stepping at once split them evenly); None: every worker has its own.
     shared_cores: int | None = None
@@ -112,7 +113,8 @@ class Candidate:
     def name(self) -> str:
         shape = f"colocated x{self.colocated_workers}" if self.colocated else \
             f"{self.prefill_workers}P{self.decode_workers}D {self.disaggregation}"
-        return f"{shape}, budget {self.max_num_batched_tokens}, {self.schedule_policy}"
+        order = f", {self.prompt_order}" if self.prompt_order is not None else ""
+        return f"{shape}, budget {self.max_num_batched_tokens}, {self.schedule_policy}{order}"
 
     def up_flags(self) -> str:
         """The `pdserve up` flags that deploy this candidate."""
@@ -120,7 +122,8 @@ class Candidate:
                  f"--prefill-workers {self.prefill_workers} --decode-workers {self.decode_workers} "
                  f"--disaggregation {self.disaggregation}")
         flags = f"{shape} --threads {self.threads_per_worker} --max-num-batched-tokens {self.max_num_batched_tokens}"
-        return flags + (f" --schedule-policy {self.schedule_policy}" if self.schedule_policy != "auto" else "")
+        flags += f" --schedule-policy {self.schedule_policy}" if self.schedule_policy != "auto" else ""
+        return flags + (f" --prompt-order {self.prompt_order}" if self.prompt_order is not None else "")
 
 
 @dataclass(slots=True)
@@ -303,7 +306,8 @@ class Simulation:
 
         def worker(role: str, i: int) -> SimWorker:
             policy = candidate.schedule_policy if role == "both" else "auto"
-            config = EngineConfig(model=model, role=role, schedule_policy=policy, **base)
+            order = {} if candidate.prompt_order is None else {"prompt_order": candidate.prompt_order}
+            config = EngineConfig(model=model, role=role, schedule_policy=policy, **order, **base)
             return SimWorker(self, f"{role}-{i}", config, self.model_config, cost, num_blocks)
 
         if candidate.colocated:

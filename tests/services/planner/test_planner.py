@@ -235,6 +235,13 @@ def test_slo_filtering_and_ranking(cost: CostModel) -> None:
     rows = [(c, simulate(cost, c, w, slos={"ttft": 1e6}))
             for c in (Candidate(prefill_workers=1, decode_workers=1), cand)]
     assert rank(rows)[0][0] is cand
+    # ... and by goodput itself, the two-core deployment when it keeps more requests within the SLOs
+    rows = [(c, simulate(cost, c, w, slos={"ttft": mid["ttft"]}))
+            for c in (Candidate(colocated_workers=2, max_num_batched_tokens=512, schedule_policy="mixed"), cand)]
+    assert rows[0][1]["request_goodput"] > rows[1][1]["request_goodput"]
+    assert rank(rows)[0][0] is cand and rank(rows, "goodput")[0][0] is rows[0][0]
+    with pytest.raises(ValueError, match="objective"):
+        rank(rows, "throughput")
     assert len(candidates(2, [256, 2048], ["mixed"])) == 2 * (2 + 1)   # colocated x1, x2, 1P1D per budget
     assert len(candidates(2, [256], ["mixed"], disaggregations=("always", "conditional"))) == 2 + 2
 
