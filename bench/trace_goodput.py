@@ -124,7 +124,10 @@ def point(target, rate: float, args: argparse.Namespace, vocab: int, seed: int) 
                                              backend=backend, sampling=Sampling(temperature=0.0, ignore_eos=True),
                                              tag="trace"))
     done = [r for r in results if r.success]
-    good = [r for r in done if r.ttft * 1e3 <= args.ttft_ms and (r.tpot or 0.0) * 1e3 <= args.tpot_ms]
+
+    def within(ttft_ms: float) -> list:
+        return [r for r in done if r.ttft * 1e3 <= ttft_ms and (r.tpot or 0.0) * 1e3 <= args.tpot_ms]
+    good = within(args.ttft_ms)
 
     def pct(values: list[float], q: float) -> float | None:
         return float(np.percentile(values, q)) if values else None
@@ -135,6 +138,7 @@ def point(target, rate: float, args: argparse.Namespace, vocab: int, seed: int) 
             "goodput": len(good) / duration, "throughput": len(done) / duration,
             "ttft_p50_ms": pct(ttft, 50), "ttft_p90_ms": pct(ttft, 90), "ttft_p99_ms": pct(ttft, 99),
             "tpot_p50_ms": pct(tpot, 50), "tpot_p90_ms": pct(tpot, 90),
+            "attainment_at_ttft_ms": {f"{ms:g}": len(within(ms)) / len(results) for ms in args.also_ttft_ms},
             "prompt_tokens": sum(r.prompt_len for r in replay.requests), "shared_blocks": replay.shared_blocks,
             "errors": sorted({r.error.split(";")[0][:80] for r in results if not r.success})[:3]}
 
@@ -183,7 +187,8 @@ def _serve_rates(setup: str, args: argparse.Namespace, model: str, logs: Path, r
                 print(f"[{setup}] {rate:g} req/s predicted ({cand.name}): attainment "
                       f"{row['predicted']['attainment']:.1%}, TTFT p50/p99 {row['predicted']['ttft_p50_ms']:.0f}/"
                       f"{row['predicted']['ttft_p99_ms']:.0f} ms", flush=True)
-            print(f"[{setup}] {rate:g} req/s: attainment {row['attainment']:.1%}, goodput {row['goodput']:.2f}, "
+            also = "".join(f", within TTFT {ms} ms {share:.1%}" for ms, share in row["attainment_at_ttft_ms"].items())
+            print(f"[{setup}] {rate:g} req/s: attainment {row['attainment']:.1%}{also}, goodput {row['goodput']:.2f}, "
                   f"TTFT p50/p90/p99 {row['ttft_p50_ms'] or 0:.0f}/{row['ttft_p90_ms'] or 0:.0f}/"
                   f"{row['ttft_p99_ms'] or 0:.0f} ms, TPOT p50/p90 {row['tpot_p50_ms'] or 0:.1f}/"
                   f"{row['tpot_p90_ms'] or 0:.1f} ms, failed {row['failed']}"
@@ -206,6 +211,20 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['setup']} | {r['rate']:g} | {r['attainment']:.1%} | {r['goodput']:.2f} | {ratio} | "
                      f"{ttft} | {tpot} | {r['failed']} | {guess} |")
     return "\n".join(lines)
+
+
+def rate_at_attainment(rows: list[dict], setup: str, target: float) -> tuple[float, bool] | None:
+    """DistServe's goodput: the highest rate at which setup keeps target of its requests within
+    the SLOs, interpolated linearly between measured rates: (rate, exact), exact False when it
+    kept the target at every rate measured (the rate is then a lower bound); None when it kept
+    it at none."""
+    pts = sorted((r["rate"], r["attainment"]) for r in rows if r["setup"] == setup)
+    if not pts or pts[0][1] < target:
+        return None
+    for (r0, a0), (r1, a1) in zip(pts, pts[1:]):
+        if a1 < target:
+            return r0 + (r1 - r0) * (a0 - target) / (a0 - a1), True
+    return pts[-1][0], False
 
 
 def plot(rows: list[dict], path: Path, args: argparse.Namespace) -> None:
@@ -241,6 +260,8 @@ def main() -> int:
     p.add_argument("--output-scale", type=float, default=0.25)
     p.add_argument("--ttft-ms", type=float, default=2000.0)
     p.add_argument("--tpot-ms", type=float, default=100.0)
+    p.add_argument("--also-ttft-ms", type=lambda text: [float(x) for x in text.split(",") if x.strip()], default=[],
+                   help="more TTFT targets (comma list, ms) whose attainment each point also reports, with --tpot-ms")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pdserve-args", default="", help="more `pdserve up` flags for every pdserve setup (one string)")
     p.add_argument("--profile", default=None, help="a `pdserve profile` cost model: the planner's prediction beside "
@@ -268,6 +289,13 @@ def measure(args: argparse.Namespace, setups: list[str]) -> int:
         cost = CostModel.load(args.profile)
     rows = [row for setup in setups for row in run_setup(setup, args, model, logs, rates, cost)]
     print(table(rows))
+    if len(rates) > 1:
+        for target in (0.9, 0.8):
+            said = []
+            for setup in setups:
+                got = rate_at_attainment(rows, setup, target)
+                said.append(f"{setup} " + ("none" if got is None else f"{'' if got[1] else '>= '}{got[0]:.2f}"))
+            print(f"highest rate (req/s) keeping {target:.0%} within the SLOs: {', '.join(said)}")
     record: dict[str, Any] = {"args": vars(args), "setups": setups, "rows": rows, "cpu": machine_info()["cpu_model"]}
     if "vllm" in setups:
         cmd, env = vllm_command(args, model, 0, MAX_MODEL_LEN)

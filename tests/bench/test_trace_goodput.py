@@ -7,7 +7,9 @@ import json
 import shlex
 from pathlib import Path
 
-from bench.trace_goodput import UP_FLAGS, plan_pick, predict, setup_candidate
+import pytest
+
+from bench.trace_goodput import UP_FLAGS, plan_pick, predict, rate_at_attainment, setup_candidate
 from pdserve.services.planner.cost_model import CostModel
 
 
@@ -47,3 +49,12 @@ def test_the_planned_setup_is_the_planner_s_best_goodput_within_the_cores(cost: 
     best = predict(cost, pick, args, 4.0, seed=1)["attainment"]
     for setup in UP_FLAGS:
         assert predict(cost, setup_candidate(setup), args, 4.0, seed=1)["attainment"] <= best + 1e-9
+
+
+def test_goodput_as_the_highest_rate_that_keeps_the_target() -> None:
+    rows = [{"setup": "a", "rate": 1.0, "attainment": 0.95}, {"setup": "a", "rate": 2.0, "attainment": 0.85},
+            {"setup": "b", "rate": 1.0, "attainment": 0.97}, {"setup": "b", "rate": 2.0, "attainment": 0.96},
+            {"setup": "c", "rate": 1.0, "attainment": 0.5}]
+    assert rate_at_attainment(rows, "a", 0.9) == (pytest.approx(1.5), True)
+    assert rate_at_attainment(rows, "b", 0.9) == (2.0, False)
+    assert rate_at_attainment(rows, "c", 0.9) is None
