@@ -185,8 +185,8 @@ def candidates(cores: int, chunk_budgets: Sequence[int], policies: Sequence[str]
     return out
 
 
-def simulate(cost: CostModel, candidate: Candidate, workload: "Workload | TraceReplay", overheads: Overheads | None = None,
-             slos: dict[str, float] | None = None) -> dict[str, Any]:
+def simulate(cost: CostModel, candidate: Candidate, workload: "Workload | TraceReplay",
+             overheads: Overheads | None = None, slos: dict[str, float] | None = None) -> dict[str, Any]:
     """bench serve's metrics of candidate under workload, predicted; plus the simulation itself."""
     mc = cost.model_config
     eos = mc.get("eos_token_id")

@@ -20,12 +20,13 @@ included; the load policy, and the candidate's disaggregation mode):
   the costs the workers learned from their simulated steps) adds the whole request to that
   decode worker's engine, as the router's Generate on it does. A remote route reserves blocks
   for the whole sequence (``LLMEngine.reserve``, real headroom rules) unless the prefill worker
-  is backlogged (``Placement.prefill_backlogged``); the prefill worker of ``Placement.pick_prefill`` (the fewest queued prompt tokens) computes
-  it; after each step its newly finished blocks travel to the decode worker (one stream per
-  request, a profiled time per block); the first token goes back at once; the
-  decode worker admits the request once every block arrived (``KVConnector.mark_received``: no
-  bytes move) and the Decode call came (``LLMEngine.admit``); the prefill worker's pinned blocks
-  are released when the transfer ends, and the placement learns the transfer's exposed time.
+  is backlogged (``Placement.prefill_backlogged``); the prefill worker of
+  ``Placement.pick_prefill`` (the fewest queued prompt tokens) computes it; after each step
+  its newly finished blocks travel to the decode worker (one stream per request, a profiled
+  time per block); the first token goes back at once; the decode worker admits the request
+  once every block arrived (``KVConnector.mark_received``: no bytes move) and the Decode call
+  came (``LLMEngine.admit``); the prefill worker's pinned blocks are released when the
+  transfer ends, and the placement learns the transfer's exposed time.
 
 Every engine's clock is the simulated one (``LLMEngine(clock=...)``): what it learns from its
 steps (the costs it publishes, a decode worker's prompt chunk, the prompt order's speed) is what
@@ -57,9 +58,8 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import StepResult
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, StepTrace
-from pdserve.engine.step_cost import StepCostModel, StepSample, step_features
+from pdserve.engine.step_cost import StepCostModel, StepSample, published_costs, step_features
 from pdserve.services.loadtest.results import RequestResult
-from pdserve.engine.step_cost import published_costs
 from pdserve.services.planner.cost_model import CostModel
 from pdserve.services.router.config import DISAGGREGATION_MODES, GenerationOptions
 from pdserve.services.router.placement import CostModel as RouteCosts
@@ -157,7 +157,6 @@ class SimRequest:
     needed: frozenset[int] = frozenset()
     kv_free_at: float = 0.0
     first_token: int | None = None
-    local: bool = False    # prefilled on its decode worker (conditional disaggregation)
 
 
 class SimRunner:
@@ -442,8 +441,9 @@ class Simulation:
             self._admit_queue()
 
     def _admit_queue(self) -> None:
-        """The head of the admission queue reserves decode blocks when a worker has room and the
-        prefill worker is not backlogged (``Placement.prefill_backlogged``, as the router)."""
+        """The head of the admission queue goes to the first route whose worker has room: a local
+        one at once, a remote one reserving decode blocks unless the prefill worker is backlogged
+        (``Placement.prefill_backlogged``), as the router's admission does."""
         while self.queue:
             req = self.queue[0]
             backlogged = self.placement.prefill_backlogged((), len(req.prompt))
@@ -464,7 +464,7 @@ class Simulation:
             d.inflight += 1
             if route.local:   # the decode worker's own Generate: prompt and decode there
                 self.local_routes += 1
-                req.decode, req.local = d, True
+                req.decode = d
                 d.engine.add_request(req.request_id, req.prompt, self._params(req))
                 d.kick()
                 continue

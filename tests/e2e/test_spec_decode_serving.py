@@ -97,25 +97,35 @@ MISSED_WINDOWS = 3
 
 @pytest.mark.faults
 def test_a_request_whose_decode_worker_dies_mid_speculation_continues_with_the_plain_tokens(tiny_qwen3: str) -> None:
-    """1 prefill + 2 decode workers: once the request has streamed 30 tokens and its decode worker
-    has verified drafts, that worker is killed; the router moves the request (its tokens so far
-    re-prefilled) to the other, which speculates on; the tokens are the plain ones. Accepted drafts
-    make the 300 tokens take a fraction of a second, which a loaded machine can let pass before the
-    kill: such a request (its tokens checked too) is sent again, up to MISSED_WINDOWS times."""
+    """1 prefill + 2 decode workers: once the request's decode worker has made 30 tokens (80 or
+    more still to make) and verified drafts, it is caught frozen and killed; the router moves the
+    request (its tokens so far re-prefilled) to the other, which speculates on; the tokens are the
+    plain ones. Accepted drafts make the 300 tokens take a fraction of a second, which a loaded
+    machine can let pass before the catch: such a request (its tokens checked too) is sent again,
+    up to MISSED_WINDOWS times."""
     prompt, max_tokens = copy_prompts(1, 200, seed=46)[0], 300
     want = LLM(tiny_qwen3, dtype="float32", block_size=8, num_kv_blocks=1024).generate(
         [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))[0].token_ids
     fc = FaultCluster(tiny_qwen3, prefill=1, decode=2, engine_args=FAULT_ENGINE + SPEC_ARGS)
     try:
+        drafted: dict[str, float] = {}
+
+        def has_drafted(name: str) -> bool:   # asked while the worker runs: its metrics answer
+            try:
+                samples = scrape(fc.process(name).metrics_address)
+            except OSError:
+                return False
+            drafted[name] = metric(samples, "pdserve:spec_decode_num_drafts_total")
+            return drafted[name] > 0
         for _ in range(MISSED_WINDOWS + 1):
             obs = observe(fc.router, prompt, max_tokens)
-            wait_for(lambda: len(obs.tokens) >= 30, 60, "30 tokens")
-            victim = fc.holding("decode", "num_running")
-            if victim is not None and not obs.done.is_set():
+            victim = fc.catch_decoding(obs, len(prompt), max_tokens, done_tokens=30, left_tokens=80, also=has_drafted)
+            if victim is not None:
                 break
             assert obs.done.wait(60) and obs.code is None and obs.tokens == want, obs
-        assert victim is not None and not obs.done.is_set(), f"every request ended before its kill: {obs}"
-        drafts = metric(scrape(fc.process(victim).metrics_address), "pdserve:spec_decode_num_drafts_total")
+            wait_for(fc.at_baseline, 30, "free blocks at baseline")
+        assert victim is not None, f"every request ended before its kill: {obs}"
+        drafts = drafted[victim]
         fc.signal(victim, signal.SIGKILL)
         assert obs.done.wait(120), fc.logs()
         assert obs.code is None, (obs.code, obs.details, fc.logs())

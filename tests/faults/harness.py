@@ -193,22 +193,33 @@ class FaultCluster:
                             keep_frozen=keep_frozen)
 
     def catch_decoding(self, obs: Observed, prompt_len: int, output_len: int, done_tokens: int,
-                       left_tokens: int) -> str | None:
+                       left_tokens: int, also: Callable[[str], bool] | None = None) -> str | None:
         """The decode worker running obs's request (it runs alone; its prompt_len tokens make
         output_len), returned frozen so the caller's fault lands on it, while it has made
-        done_tokens and has left_tokens or more still to make: its blocks in use say how far it is. What the client has seen says nothing: on a
-        loaded machine the stream lagged the worker by hundreds of tokens, and a worker caught
-        with its last token already sent let the request finish with no fault. One catch freezes
-        every decode worker while each is asked in turn; it is repeated until the request is in
-        that window. None if it never was (a test process held off the CPU for the whole window:
-        a small model decodes hundreds of tokens in a fraction of a second)."""
+        done_tokens and has left_tokens or more still to make: its blocks in use say how far it
+        is. also(name), if given, must hold of it too; it is asked while the worker runs (say, a
+        scrape of its metrics), before its status. What the client has seen says nothing: on a loaded machine the
+        stream lagged the worker by hundreds of tokens, and a worker caught with its last token
+        already sent let the request finish with no fault. One catch freezes every decode worker
+        while each is asked in turn; it is repeated until the request is in that window. None if
+        it never was (a test process held off the CPU for the whole window: a small model decodes
+        hundreds of tokens in a fraction of a second)."""
         least = -(-(prompt_len + done_tokens) // BLOCK_SIZE)
         most = (prompt_len + output_len - left_tokens) // BLOCK_SIZE
 
-        def decoding(s: worker_pb2.WorkerStatus) -> bool:
+        def decoding(name: str) -> bool:
+            # also first: the status must be the last thing asked before the worker is frozen
+            # again (it runs meanwhile, and a scrape is slow enough to finish the request)
+            if also is not None and not also(name):
+                return False
+            try:
+                s = self.status(name)
+            except grpc.RpcError:
+                return False
             return s.num_running > 0 and least <= s.num_total_blocks - s.num_free_blocks <= most
         while not obs.done.is_set():
-            victim = self.catch_holding("decode", decoding, keep_frozen=True)
+            victim = catch_holder(self.names("decode"), decoding, lambda name: self.process(name).popen.pid,
+                                  keep_frozen=True)
             if victim is not None:
                 return victim
             time.sleep(0.005)
