@@ -67,21 +67,20 @@ PLAN_CHUNK_BUDGETS = (256, 512, 2048)
 def setup_candidate(setup: str):
     """The planner's Candidate for a fixed setup (what its UP_FLAGS deploy)."""
     from pdserve.services.planner.simulator import Candidate
+    from pdserve.services.router.config import GenerationOptions
     if setup == "colocated":
         return Candidate(colocated_workers=1)
     flags = UP_FLAGS[setup]
-    mode = flags[flags.index("--disaggregation") + 1] if "--disaggregation" in flags else "conditional"
+    mode = (flags[flags.index("--disaggregation") + 1] if "--disaggregation" in flags
+            else GenerationOptions().disaggregation)   # the router's default
     order = flags[flags.index("--prompt-order") + 1] if "--prompt-order" in flags else None
     return Candidate(prefill_workers=1, decode_workers=1, disaggregation=mode, prompt_order=order)
 
 
 def predict(cost, candidate, args: argparse.Namespace, rate: float, seed: int) -> dict[str, Any]:
     """The planner's simulation of candidate on the point's slice (services/planner/plan.py)."""
-    from pdserve.services.loadtest.traces import TraceOptions
     from pdserve.services.planner.plan import TraceReplay, simulate
-    opts = TraceOptions(args.trace, start=args.trace_start, token_scale=args.token_scale,
-                        output_scale=args.output_scale, rate=rate)
-    m = simulate(cost, candidate, TraceReplay(opts, args.num_prompts, seed),
+    m = simulate(cost, candidate, TraceReplay(slice_options(args, rate), args.num_prompts, seed),
                  slos={"ttft": args.ttft_ms, "tpot": args.tpot_ms})
     return {"candidate": candidate.name, "up_flags": candidate.up_flags(), "attainment": m["slo_attainment"],
             "ttft_p50_ms": m["p50_ttft_ms"], "ttft_p99_ms": m["p99_ttft_ms"], "tpot_p50_ms": m["p50_tpot_ms"],
@@ -93,24 +92,26 @@ def plan_pick(cost, args: argparse.Namespace, rate: float, seed: int):
     requests within the targets on this machine's cores."""
     import os
 
-    from pdserve.services.loadtest.traces import TraceOptions
     from pdserve.services.planner.plan import TraceReplay, candidates, rank, simulate
-    opts = TraceOptions(args.trace, start=args.trace_start, token_scale=args.token_scale,
-                        output_scale=args.output_scale, rate=rate)
-    replay = TraceReplay(opts, args.num_prompts, seed)
+    replay = TraceReplay(slice_options(args, rate), args.num_prompts, seed)
     slos = {"ttft": args.ttft_ms, "tpot": args.tpot_ms}
     cands = candidates(os.cpu_count() or 1, PLAN_CHUNK_BUDGETS, ("auto", "mixed", "prefill_first", "interleave"),
                        disaggregations=("always", "conditional"))
     return rank([(c, simulate(cost, c, replay, slos=slos)) for c in cands], "goodput")[0][0]
 
 
+def slice_options(args: argparse.Namespace, rate: float):
+    """The slice's TraceOptions, its arrivals rescaled to rate."""
+    from pdserve.services.loadtest.traces import TraceOptions
+    return TraceOptions(args.trace, start=args.trace_start, token_scale=args.token_scale,
+                        output_scale=args.output_scale, rate=rate)
+
+
 def workload(args: argparse.Namespace, rate: float, vocab: int, seed: int):
     """The slice at rate; seed draws the blocks' tokens: a fresh one per point, so that no point
     finds the previous one's prompts in a server's prefix cache (the trace's own sharing stays)."""
-    from pdserve.services.loadtest.traces import TraceOptions, load_trace
-    opts = TraceOptions(args.trace, start=args.trace_start, token_scale=args.token_scale,
-                        output_scale=args.output_scale, rate=rate)
-    return load_trace(opts, args.num_prompts, vocab, seed=seed)
+    from pdserve.services.loadtest.traces import load_trace
+    return load_trace(slice_options(args, rate), args.num_prompts, vocab, seed=seed)
 
 
 def point(target, rate: float, args: argparse.Namespace, vocab: int, seed: int) -> dict[str, Any]:

@@ -77,8 +77,7 @@ class TraceReplay:
             trace = load_trace(self.options, self.num_prompts, vocab_size, seed=self.seed, eos_token_id=eos_token_id)
             self._loaded[key] = ([r.prompt for r in trace.requests],
                                  [r.expected_output_len for r in trace.requests], trace.offsets)
-        prompts, outs, offsets = self._loaded[key]
-        return [list(p) for p in prompts], list(outs), list(offsets)
+        return self._loaded[key]   # the simulation copies what it keeps
 
     def describe(self) -> str:
         o = self.options
