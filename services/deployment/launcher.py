@@ -260,9 +260,11 @@ class Cluster:
         """Process name -> its cores, when there are enough for every worker to have its own.
 
         A prefill step's length is a request's time to first token, so nothing else runs on a
-        prefill worker's cores; the router (which streams every token) shares the last decode
-        worker's cores, where a moment's delay costs an inter-token gap the decode batch absorbs.
-        Colocated workers leave the router any spare cores."""
+        prefill worker's cores. The router (which streams every token) gets the cores no worker
+        has; when there are none, it shares the last decode worker's cores (P/D workers: a
+        moment's delay there costs an inter-token gap the decode batch absorbs; floating over
+        both cores of a 2-core 1P1D measured TTFT p99 1.1-1.5x pinned, docs/benchmarks-history.md) or
+        floats (colocated workers)."""
         s = self.spec
         if not s.pin_workers or not hasattr(os, "sched_getaffinity"):
             return {}
@@ -277,10 +279,10 @@ class Cluster:
             pinned[name] = set(cores[at:at + width])
             at += width
         spare = set(cores[at:])
-        if not s.colocated_workers:
-            pinned["router"] = pinned[names[-1]]
-        elif spare:
+        if spare:
             pinned["router"] = spare
+        elif not s.colocated_workers:
+            pinned["router"] = pinned[names[-1]]
         return pinned
 
     def _process(self, name: str, args: list[str], port: int, reserved: list[int] = ()) -> Process:

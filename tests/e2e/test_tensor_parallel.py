@@ -436,7 +436,17 @@ def test_up_gives_each_tp_worker_a_core_per_rank(monkeypatch: pytest.MonkeyPatch
     assert (spec.tp("prefill"), spec.tp("decode")) == (2, 1)
     pinned = Cluster(spec)._cores()
     assert pinned["prefill-0"] == {0, 1} and pinned["decode-0"] == {2} and pinned["decode-1"] == {3}
-    assert pinned["router"] == {3}
+    assert pinned["router"] == {4, 5, 6, 7}   # the cores no worker has
+    # every core taken by a worker: the router shares the last decode worker's
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    assert Cluster(spec)._cores()["router"] == {3}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert Cluster(Deployment(model="m"))._cores() == {"prefill-0": {0}, "decode-0": {1}, "router": {1}}
+    # colocated workers: the router has the spare cores, or floats when there are none
+    assert Cluster(Deployment(model="m", prefill_workers=0, decode_workers=0, colocated_workers=1))._cores() == \
+        {"both-0": {0}, "router": {1}}
+    assert "router" not in Cluster(Deployment(model="m", prefill_workers=0, decode_workers=0,
+                                              colocated_workers=2))._cores()
     # not enough cores for every rank: nothing is pinned (the OS decides)
     assert Cluster(Deployment(model="m", prefill_tp=4, decode_tp=4, threads_per_worker=2))._cores() == {}
     with pytest.raises(ValueError, match="decode_tp"):
