@@ -261,10 +261,10 @@ class Cluster:
 
         A prefill step's length is a request's time to first token, so nothing else runs on a
         prefill worker's cores. The router (which streams every token) gets the cores no worker
-        has; when there are none, it shares the last decode worker's cores (P/D workers: a
+        has. When there are none it shares the last decode worker's cores (P/D workers: a
         moment's delay there costs an inter-token gap the decode batch absorbs; floating over
-        both cores of a 2-core 1P1D measured TTFT p99 1.1-1.5x pinned, docs/benchmarks-history.md) or
-        floats (colocated workers)."""
+        both cores of a 2-core 1P1D measured TTFT p99 1.1-1.5x pinned, as
+        docs/benchmarks-history.md records), or floats (colocated workers)."""
         s = self.spec
         if not s.pin_workers or not hasattr(os, "sched_getaffinity"):
             return {}

@@ -198,12 +198,12 @@ class FaultCluster:
         output_len), returned frozen so the caller's fault lands on it, while it has made
         done_tokens and has left_tokens or more still to make: its blocks in use say how far it
         is. also(name), if given, must hold of it too; it is asked while the worker runs (say, a
-        scrape of its metrics), before its status. What the client has seen says nothing: on a loaded machine the
-        stream lagged the worker by hundreds of tokens, and a worker caught with its last token
-        already sent let the request finish with no fault. One catch freezes every decode worker
-        while each is asked in turn; it is repeated until the request is in that window. None if
-        it never was (a test process held off the CPU for the whole window: a small model decodes
-        hundreds of tokens in a fraction of a second)."""
+        scrape of its metrics), before its status. What the client has seen says nothing: on a
+        loaded machine the stream lagged the worker by hundreds of tokens, and a worker caught
+        with its last token already sent let the request finish with no fault. One catch freezes
+        every decode worker while each is asked in turn; it is repeated until the request is in
+        that window. None if it never was (a test process held off the CPU for the whole window:
+        a small model decodes hundreds of tokens in a fraction of a second)."""
         least = -(-(prompt_len + done_tokens) // BLOCK_SIZE)
         most = (prompt_len + output_len - left_tokens) // BLOCK_SIZE
 
