@@ -16,10 +16,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 # GGUF architecture -> (HF architecture class, model_type); the engine runs these.
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
@@ -139,6 +141,8 @@ def _hf_name(name: str, path: Path) -> str | None:
 def _q8_0_per_channel(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0 rows ([rows, blocks * 34] bytes: float16 scale + 32 int8) -> int8 [rows, cols] and
     a float32 scale per row: each block's values requantized to the row's largest block scale."""
+    import torch   # only while converting: resolving a model (a router, `pdserve ray up`) stays torch-free
+
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, 34)
     d = blocks[:, :, :2].copy().view(np.float16).astype(np.float32)[:, :, 0]      # [rows, nb]
@@ -155,6 +159,7 @@ def convert(path: str | Path, out_dir: str | Path, w8a16: bool = False,
     Raises GGUFError for a file that is not GGUF, is truncated, or holds an architecture or a
     tensor pdserve does not run."""
     import gguf
+    import torch   # only while converting: resolving a model (a router, `pdserve ray up`) stays torch-free
     from safetensors.torch import save_file
 
     path, out = Path(path), Path(out_dir)

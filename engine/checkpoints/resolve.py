@@ -11,7 +11,6 @@ from typing import Callable
 from pdserve.engine.checkpoints import default_model, gguf_checkpoint, hub
 from pdserve.engine.cache_dir import build_once
 from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.model_maker import ensure_model
 from pdserve.engine.settings import pdserve_home
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -42,6 +41,7 @@ def _resolve(spec: str | None, report: Report | None, flag: str) -> str:
     if not spec:
         return str(default_model.ensure(pdserve_home(), report=report))
     if spec in RANDOM_MODELS and not Path(spec).exists():
+        from pdserve.engine.model_maker import ensure_model   # lazy: torch only when a preset is made
         return str(ensure_model(spec))
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":

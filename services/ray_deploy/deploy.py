@@ -425,7 +425,7 @@ def _deploy(spec: RayDeployment) -> DeploymentInfo:
         ).remote(json.dumps(router_spec))
         # Workers first: a worker that cannot start fails here with its own error.
         deadline = time.monotonic() + spec.ready_timeout_s
-        infos = _get([w.info.remote() for w in workers], deadline, "workers")
+        infos = _get([w.info.remote() for w in workers], deadline, "workers", names=[n for _, n in order])
         _get(router.address.remote(), deadline, "router")
         status = _get(router.health.remote(), deadline, "router health")
         if status != "SERVING":
@@ -517,16 +517,21 @@ def _check_head_fits(spec: RayDeployment, head: dict[str, float], worker_bundles
 UNAVAILABLE_RETRY_S = 0.5   # an actor being restarted (its node lost) is asked again this often
 
 
-def _get(refs, deadline: float, what: str, call=None):
+def _get(refs, deadline: float, what: str, call=None, names: list[str] | None = None):
     """ray.get(refs) by deadline. With call (which makes refs again), an actor that is only
-    temporarily unavailable (restarting after its node was lost) is asked again until then."""
+    temporarily unavailable (restarting after its node was lost) is asked again until then.
+    names (one per ref) say which actors a timeout left not ready."""
     import ray
 
     while True:
         try:
             return ray.get(refs, timeout=max(1.0, deadline - time.monotonic()))
         except ray.exceptions.GetTimeoutError:
-            raise DeploymentError(f"{what} not ready in time") from None
+            late = ""
+            if names and isinstance(refs, list):
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                late = ": " + ", ".join(n for n, r in zip(names, refs) if r not in ready) + " still starting"
+            raise DeploymentError(f"{what} not ready in time (--timeout){late}") from None
         except ray.exceptions.ActorUnavailableError as exc:
             if call is None or time.monotonic() + UNAVAILABLE_RETRY_S >= deadline:
                 raise DeploymentError(f"{what} unavailable: {exc}") from exc

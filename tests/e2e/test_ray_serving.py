@@ -494,6 +494,18 @@ def test_worker_that_cannot_start_fails_the_deployment(ray_cluster, tmp_path) ->
     assert list_actors("broken", NAMESPACE) == []
 
 
+def test_a_deployment_not_ready_by_its_deadline_names_the_late_actors_and_is_removed(ray_cluster, tiny_qwen3) -> None:
+    from pdserve.services.ray_deploy import DeploymentError, RayDeployment, deploy
+    from pdserve.services.ray_deploy.deploy import list_actors
+
+    spec = RayDeployment(model=tiny_qwen3, name="late", namespace=NAMESPACE, port=free_port(), engine=dict(ENGINE),
+                         router_args=pinned_disaggregation(()), **{**SMALL, "ready_timeout_s": 0.2})
+    with pytest.raises(DeploymentError, match=r"workers not ready in time \(--timeout\): late-prefill-0, "
+                                              r"late-decode-0 still starting"):
+        deploy(spec)
+    assert list_actors("late", NAMESPACE) == []
+
+
 # ---- 2 prefill + 2 decode through the Python API ---------------------------------------------
 def test_2p2d_matches_offline_and_survives_a_decode_kill(ray_cluster, tiny_qwen3, offline_reference) -> None:
     """KV through the object store (over gRPC, with a decode actor killed and followed after its
