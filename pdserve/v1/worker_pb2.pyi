@@ -200,14 +200,16 @@ class ReserveResponse(_message.Message):
     def __init__(self, needed_block_indices: _Optional[_Iterable[int]] = ..., held_block_hashes: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., transfer_token: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "kv_wait_ms")
+    __slots__ = ("request_id", "first_token_id", "kv_wait_ms", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     kv_wait_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv_wait_ms: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv_wait_ms: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class FailTransferRequest(_message.Message):
     __slots__ = ("request_id", "reason")
@@ -218,7 +220,7 @@ class FailTransferRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "finished", "kv_wait_ms", "first_decode_step_ms", "logprobs", "spec_decode")
+    __slots__ = ("token_ids", "finish_reason", "finished", "kv_wait_ms", "first_decode_step_ms", "logprobs", "spec_decode", "request_id", "error_code", "error_message")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +228,9 @@ class DecodeEvent(_message.Message):
     FIRST_DECODE_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     finished: bool
@@ -233,7 +238,24 @@ class DecodeEvent(_message.Message):
     first_decode_step_ms: float
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     spec_decode: _common_pb2.SpecDecodeCounts
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., finished: _Optional[bool] = ..., kv_wait_ms: _Optional[float] = ..., first_decode_step_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., spec_decode: _Optional[_Union[_common_pb2.SpecDecodeCounts, _Mapping]] = ...) -> None: ...
+    request_id: str
+    error_code: int
+    error_message: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., finished: _Optional[bool] = ..., kv_wait_ms: _Optional[float] = ..., first_decode_step_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., spec_decode: _Optional[_Union[_common_pb2.SpecDecodeCounts, _Mapping]] = ..., request_id: _Optional[str] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class DecodeControl(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: DecodeRequest
+    cancel: str
+    def __init__(self, start: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ...) -> None: ...
+
+class DecodeEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[DecodeEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ...) -> None: ...
 
 class GenerateLocalRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params")

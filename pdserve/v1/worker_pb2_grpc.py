@@ -379,6 +379,11 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeEvent.FromString,
                 _registered_method=True)
+        self.DecodeMany = channel.stream_stream(
+                '/pdserve.v1.DecodeWorker/DecodeMany',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeControl.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeEvents.FromString,
+                _registered_method=True)
         self.FailTransfer = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/FailTransfer',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.FailTransferRequest.SerializeToString,
@@ -403,7 +408,20 @@ class DecodeWorkerServicer:
 
     def Decode(self, request, context):
         """Waits (up to kv_wait_ms) for the reserved KV, admits the sequence with first_token_id
-        and streams the tokens after it; the last event has finished=true.
+        and streams the tokens after it; the last event has finished=true. One request per call:
+        the router uses DecodeMany; this stays for callers of one request (and routers before it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeMany(self, request_iterator, context):
+        """Decode for many requests over one stream (one per router and decode worker): the router
+        writes an empty DecodeControl first (the call's proof names it), then a start per request
+        (what Decode takes) and a cancel per request it stops reading; the worker answers with
+        batches, one per wake-up of its event loop, holding the events of every request that has
+        output (an engine step's tokens for all its requests in one message). A request that Decode
+        would fail with a status ends with an event carrying that status instead.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -438,6 +456,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeEvent.SerializeToString,
+            ),
+            'DecodeMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeMany,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeControl.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeEvents.SerializeToString,
             ),
             'FailTransfer': grpc.unary_unary_rpc_method_handler(
                     servicer.FailTransfer,
@@ -505,6 +528,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Decode',
             pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.DecodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.DecodeWorker/DecodeMany',
+            pdserve_dot_v1_dot_worker__pb2.DecodeControl.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.DecodeEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -106,19 +106,36 @@ def _guard(behavior: Callable, streaming_response: bool) -> Callable:
     return unary
 
 
+def _guard_both_streams(behavior: Callable) -> Callable:
+    async def stream(requests, context):
+        async def checked():
+            async for request in requests:
+                if isinstance(request, Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+                yield request
+        async for item in behavior(checked(), context):
+            yield item
+    return stream
+
+
 def service_registration(service: ServiceDescriptor, servicer: object) -> tuple[Callable, object, str]:
-    """Register servicer's methods for a proto service (request-streaming methods excepted:
-    they handle their own frames). Malformed requests get INVALID_ARGUMENT, and each response is
-    serialized as the type the proto declares (a wrong type fails loudly, in tests)."""
+    """Register servicer's methods for a proto service (methods that stream only their requests
+    excepted: they handle their own frames). Malformed requests get INVALID_ARGUMENT, and each
+    response is serialized as the type the proto declares (a wrong type fails loudly, in tests)."""
     def add(servicer: object, server: grpc.aio.Server) -> None:
         handlers = {}
         for method in service.methods:
-            if method.client_streaming:
-                raise ValueError(f"{service.full_name}.{method.name}: request streams register themselves")
             req, resp = GetMessageClass(method.input_type), GetMessageClass(method.output_type)
-            make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
-            handlers[method.name] = make(_guard(getattr(servicer, method.name), method.server_streaming),
-                                         request_deserializer=_safe_parser(req),
+            behavior = getattr(servicer, method.name)
+            if method.client_streaming and not method.server_streaming:
+                raise ValueError(f"{service.full_name}.{method.name}: request streams register themselves")
+            if method.client_streaming:
+                make, guarded = grpc.stream_stream_rpc_method_handler, _guard_both_streams(behavior)
+            elif method.server_streaming:
+                make, guarded = grpc.unary_stream_rpc_method_handler, _guard(behavior, True)
+            else:
+                make, guarded = grpc.unary_unary_rpc_method_handler, _guard(behavior, False)
+            handlers[method.name] = make(guarded, request_deserializer=_safe_parser(req),
                                          response_serializer=resp.SerializeToString)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
         server.add_registered_method_handlers(service.full_name, handlers)

@@ -179,7 +179,21 @@ def metadata(span: Any) -> tuple[tuple[str, str], ...]:
     return tuple(carrier.items())
 
 
+def traceparent(span: Any) -> str:
+    """The W3C traceparent that makes the callee's span a child of span, for a request carried
+    in a message rather than a call of its own ("" when off)."""
+    return dict(metadata(span)).get(TRACEPARENT, "")
+
+
+def start_from_traceparent(name: str, value: str, **attributes: Any) -> Any:
+    """A new span, a child of the caller's span that value (traceparent()) names, else a root."""
+    return start(name, metadata=((TRACEPARENT, value),) if value else None, **attributes)
+
+
 # ---- servers ------------------------------------------------------------------------------------
+
+# Methods that carry many requests and trace each one themselves (start_from_traceparent).
+SELF_TRACED = frozenset({"/pdserve.v1.DecodeWorker/DecodeMany"})
 
 WORKER_SERVICES = ("/pdserve.v1.PrefillWorker/", "/pdserve.v1.DecodeWorker/", "/pdserve.v1.ColocatedWorker/")
 
@@ -203,7 +217,7 @@ class _TracingInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if handler is None or not details.method.startswith(self.prefixes):
+        if handler is None or not details.method.startswith(self.prefixes) or details.method in SELF_TRACED:
             return handler
         return _traced(handler, details.method.rsplit("/", 1)[-1], details.invocation_metadata)
 

@@ -64,10 +64,11 @@ class WorkerWatch:
                 read = asyncio.ensure_future(call.read())
                 done, _ = await asyncio.wait((read, evicted), timeout=self.stall_timeout_s,
                                              return_when=asyncio.FIRST_COMPLETED)
+                if evicted in done:   # first: a stream whose events are always ready would never see it
+                    read.cancel()
+                    raise WorkerFailure(worker.address, "UNAVAILABLE", "the worker was removed from the deployment")
                 if read not in done:
                     read.cancel()
-                    if evicted in done:
-                        raise WorkerFailure(worker.address, "UNAVAILABLE", "the worker was removed from the deployment")
                     raise WorkerFailure(worker.address, "DEADLINE_EXCEEDED",
                                         f"no progress for {self.stall_timeout_s:g}s")
                 event = read.result()

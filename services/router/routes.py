@@ -316,9 +316,9 @@ class DisaggregatedRoute:
                       first_token_id: int) -> AsyncIterator[Chunk]:
         """The decode worker continues from the first token once its KV is in place."""
         ctx = self.ctx
-        call = decode.decode.Decode(worker_pb2.DecodeRequest(
+        call = decode.decode_mux.decode(worker_pb2.DecodeRequest(
             request_id=gen.worker_request_id, first_token_id=first_token_id,
-            kv_wait_ms=int(ctx.options.stall_timeout_s * 1e3)), metadata=tracing.metadata(gen.trace))
+            kv_wait_ms=int(ctx.options.stall_timeout_s * 1e3), traceparent=tracing.traceparent(gen.trace)))
         first_event = True
         async for event in ctx.watch.events(call, decode, gen):
             if first_event:

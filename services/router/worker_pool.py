@@ -36,6 +36,7 @@ import grpc
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.services.common.change_signal import ChangeSignal
 from pdserve.services.common.proto_convert import ROLE_ENUM
+from pdserve.services.router.decode_mux import DecodeMux
 from pdserve.services.router.prefix_index import DEFAULT_MAX_KEYS, PrefixIndex
 from pdserve.services.common.security import Credentials
 from pdserve.services.common.grpc_setup import options as channel_options
@@ -74,6 +75,7 @@ class WorkerHandle:
         self.info = worker_pb2_grpc.WorkerStub(self.channel)
         self.prefill = worker_pb2_grpc.PrefillWorkerStub(self.channel)
         self.decode = worker_pb2_grpc.DecodeWorkerStub(self.channel)
+        self.decode_mux = DecodeMux(self.decode)   # the requests decoding there, over one stream
         self.colocated = worker_pb2_grpc.ColocatedWorkerStub(self.channel)
 
     async def rebind(self, address: str) -> None:

@@ -51,6 +51,9 @@ def _stranger_calls(cluster, metadata, prompt: list[int]) -> dict[str, grpc.Stat
             metadata=metadata, timeout=10)),
         "DecodeWorker.Decode": (decode, lambda ch: list(worker_pb2_grpc.DecodeWorkerStub(ch).Decode(
             worker_pb2.DecodeRequest(request_id="poison", first_token_id=5), metadata=metadata, timeout=10))),
+        "DecodeWorker.DecodeMany": (decode, lambda ch: list(worker_pb2_grpc.DecodeWorkerStub(ch).DecodeMany(
+            iter([worker_pb2.DecodeControl(), worker_pb2.DecodeControl(start=worker_pb2.DecodeRequest(
+                request_id="poison", first_token_id=5))]), metadata=metadata, timeout=10))),
         "PrefillWorker.Prefill": (prefill, lambda ch: list(worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(
             worker_pb2.PrefillRequest(request_id="p", prompt_token_ids=prompt, params=params),
             metadata=metadata, timeout=10))),
@@ -156,6 +159,19 @@ def test_malformed_requests_get_invalid_argument(cluster, raw, what) -> None:
             list(generate(raw, timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, what
     assert "malformed request" in err.value.details()
+
+
+def test_a_malformed_control_on_a_decode_many_stream_gets_invalid_argument(cluster) -> None:
+    async def run() -> grpc.aio.AioRpcError:
+        async with cluster.spec.credentials.channel(workers(cluster, "decode")[0]) as ch:
+            many = ch.stream_stream("/pdserve.v1.DecodeWorker/DecodeMany", request_serializer=lambda b: b,
+                                    response_deserializer=worker_pb2.DecodeEvents.FromString)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in many(iter([b"", b"\x0a\xff\xff\xff\xff\x0f"]), timeout=10):
+                    pass
+            return err.value
+    error = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed request" in error.details()
 
 
 def test_a_tiny_top_p_is_judged_once_by_the_router_with_the_engine_rules(cluster) -> None:

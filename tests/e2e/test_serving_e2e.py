@@ -121,6 +121,31 @@ def test_cancel_mid_stream_frees_blocks(cluster_1p1d) -> None:
     assert_blocks_at_baseline(cluster_1p1d)
 
 
+def test_decode_many_answers_each_request_on_its_own_and_gives_refused_blocks_back(cluster_1p1d) -> None:
+    """One DecodeMany stream, two requests that cannot start: each ends with the status Decode
+    would fail with (no reservation; KV that never came), the stream ends once both did, and the
+    reservation whose KV never came is given back."""
+    decode = workers(cluster_1p1d, "decode")[0]
+    controls = [worker_pb2.DecodeControl(),
+                worker_pb2.DecodeControl(start=worker_pb2.DecodeRequest(request_id="mux-ghost", first_token_id=5)),
+                worker_pb2.DecodeControl(start=worker_pb2.DecodeRequest(request_id="mux-held", first_token_id=5,
+                                                                        kv_wait_ms=300))]
+
+    async def run() -> list[worker_pb2.DecodeEvent]:
+        async with aio_channel(cluster_1p1d, decode) as ch:
+            stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+            await stub.Reserve(worker_pb2.ReserveRequest(request_id="mux-held", prompt_token_ids=PROMPTS[0],
+                                                         params=common_pb2.SamplingParams(max_tokens=4)), timeout=10)
+            return [e async for batch in stub.DecodeMany(iter(controls), timeout=30) for e in batch.events]
+    events = asyncio.run(run())
+    ended = {e.request_id: (grpc.StatusCode.NOT_FOUND.value[0] == e.error_code and "NOT_FOUND"
+                            or grpc.StatusCode.DEADLINE_EXCEEDED.value[0] == e.error_code and "DEADLINE_EXCEEDED",
+                            e.error_message, e.finished) for e in events}
+    assert ended == {"mux-ghost": ("NOT_FOUND", "no reservation for request 'mux-ghost'", True),
+                     "mux-held": ("DEADLINE_EXCEEDED", "KV of 'mux-held' incomplete after waiting 0.3s", True)}, events
+    assert_blocks_at_baseline(cluster_1p1d)
+
+
 def test_router_abort_ends_stream_with_abort(cluster_1p1d) -> None:
     async def run() -> str | None:
         async with AsyncClient(cluster_1p1d.router_address, timeout=60) as client:
@@ -203,8 +228,13 @@ def test_corrupted_block_is_refused(cluster_1p1d) -> None:
             await stream.send([KVBlock("stranger", 0, hashes[0], torch.zeros(shape))])
             with pytest.raises(KVTransferError) as refused:
                 await stream.finish(timeout=10)
-            assert refused.value.code == "UNAUTHENTICATED", refused.value
+            # grpcio can lose the status of a stream refused while a write was in flight
+            # (grpc/grpc#36066, see tests/e2e/test_security.py): INTERNAL then, and the
+            # reservation's state below still holds the worker to the refusal
+            lost = refused.value.code == "INTERNAL" and "Internal error from Core" in str(refused.value)
+            assert refused.value.code == "UNAUTHENTICATED" or lost, refused.value
             await stranger.close()
+            assert worker_status(cluster_1p1d, decode_addr).num_reserved == 2   # nothing of the stranger's admitted
             # refused before its first frame was read: the reservation (this test's own) waits for
             # its lease, so the test frees it
             assert (await worker_pb2_grpc.WorkerStub(ch).Abort(common_pb2.AbortRequest(request_id="stranger"))).found

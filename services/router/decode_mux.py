@@ -1,0 +1,124 @@
+"""One DecodeMany stream per decode worker, shared by every request the router decodes there.
+
+A per-request Decode stream costs the worker's event loop (and the router's) one gRPC message per
+token per request; DecodeMany carries an engine step's tokens for all its requests in one
+message. Each request reads its own events through a ``MuxCall``, which looks to the progress
+watchdog (migration.WorkerWatch) like the call it replaces: ``read()`` returns events, then
+grpc.aio.EOF, and raises grpc.aio.AioRpcError with the status Decode would have failed with;
+``cancel()`` stops the request on the worker. When the stream itself fails (the worker died,
+the connection broke), every request on it fails with that error and moves, as separate calls
+would; the next request opens a new stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+import grpc
+
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class _Stream:
+    """One DecodeMany call and the requests reading from it."""
+
+    def __init__(self, stub: worker_pb2_grpc.DecodeWorkerStub) -> None:
+        self.controls: asyncio.Queue[worker_pb2.DecodeControl | None] = asyncio.Queue()
+        self.controls.put_nowait(worker_pb2.DecodeControl())   # the first message, which the call's proof names
+        self.readers: dict[str, asyncio.Queue] = {}
+        self.failed: grpc.aio.AioRpcError | None = None
+        self.call = stub.DecodeMany(self._control_stream())
+        self.task = asyncio.ensure_future(self._read())
+
+    async def _control_stream(self) -> AsyncIterator[worker_pb2.DecodeControl]:
+        while (control := await self.controls.get()) is not None:
+            yield control
+
+    async def _read(self) -> None:
+        try:
+            async for batch in self.call:
+                for event in batch.events:
+                    queue = self.readers.get(event.request_id)
+                    if queue is not None:
+                        queue.put_nowait(event)
+            error = _error(grpc.StatusCode.UNAVAILABLE, "the decode stream ended")
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        except asyncio.CancelledError:
+            error = _error(grpc.StatusCode.CANCELLED, "the decode stream was closed")
+        self.failed = error
+        self.controls.put_nowait(None)   # ends the request stream's writer
+        for queue in self.readers.values():
+            queue.put_nowait(error)
+        self.readers.clear()
+
+    def start(self, request: worker_pb2.DecodeRequest) -> MuxCall:
+        queue: asyncio.Queue = asyncio.Queue()
+        if self.failed is not None:
+            queue.put_nowait(self.failed)
+        else:
+            self.readers[request.request_id] = queue
+            self.controls.put_nowait(worker_pb2.DecodeControl(start=request))
+        return MuxCall(self, request.request_id, queue)
+
+    def stop(self, request_id: str, finished: bool) -> None:
+        if self.readers.pop(request_id, None) is not None and not finished and self.failed is None:
+            self.controls.put_nowait(worker_pb2.DecodeControl(cancel=request_id))
+
+    def close(self) -> None:
+        self.controls.put_nowait(None)
+        self.task.cancel()
+        self.call.cancel()
+
+
+class MuxCall:
+    """One request's events on a shared stream, read like its own Decode call."""
+
+    def __init__(self, stream: _Stream, request_id: str, queue: asyncio.Queue) -> None:
+        self._stream, self._request_id, self._queue = stream, request_id, queue
+        self._finished = False
+
+    async def read(self):
+        if self._finished:
+            return grpc.aio.EOF
+        item = await self._queue.get()
+        if isinstance(item, grpc.aio.AioRpcError):
+            self._finished = True
+            raise item
+        if item.error_code:
+            self._finished = True
+            raise _error(_CODES.get(item.error_code, grpc.StatusCode.UNKNOWN), item.error_message)
+        if item.finished:
+            self._finished = True
+        return item
+
+    def cancel(self) -> None:
+        self._stream.stop(self._request_id, self._finished)
+        self._finished = True
+
+
+class DecodeMux:
+    """The router's DecodeMany stream to one decode worker, opened on first use and again after
+    it failed."""
+
+    def __init__(self, stub: worker_pb2_grpc.DecodeWorkerStub) -> None:
+        self._stub = stub
+        self._stream: _Stream | None = None
+
+    def decode(self, request: worker_pb2.DecodeRequest) -> MuxCall:
+        if self._stream is None or self._stream.failed is not None:
+            self._stream = _Stream(self._stub)
+        return self._stream.start(request)
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
