@@ -27,6 +27,11 @@ def status_code(code: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL)
 
 
+# DecodeMany: events waiting to be written before its control stream is read further (a caller
+# that starts requests without reading their events holds at most this many in memory).
+MAX_PENDING_EVENTS = 4096
+
+
 class DecodeRefused(Exception):
     """A request's decode cannot start: the status Decode aborts with (DecodeMany: its last event)."""
 
@@ -85,7 +90,7 @@ class DecodeHandler(worker_pb2_grpc.DecodeWorkerServicer):
                          context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeEvents]:
         """Many requests' Decode over one stream: their events batched per wake-up of the loop."""
         pending: list[worker_pb2.DecodeEvent] = []
-        wake = asyncio.Event()
+        wake, written = asyncio.Event(), asyncio.Event()
         running: dict[str, asyncio.Task] = {}
 
         def emit(event: worker_pb2.DecodeEvent) -> None:
@@ -122,14 +127,19 @@ class DecodeHandler(worker_pb2_grpc.DecodeWorkerServicer):
 
         async def read_controls() -> None:
             async for control in requests:
+                while len(pending) >= MAX_PENDING_EVENTS:   # a caller that does not read stops being read
+                    written.clear()
+                    await written.wait()
                 kind = control.WhichOneof("kind")
                 if kind == "start":
                     rid = control.start.request_id
                     if rid in running:
                         emit(failed(rid, grpc.StatusCode.INVALID_ARGUMENT, f"request {rid[:64]!r} is already "
                                                                             f"decoding on this stream"))
-                    else:
+                    else:   # each start runs to its first wait before the next is read: one that
+                        # ends at once (no reservation) is pending then, and counts against the bound
                         running[rid] = asyncio.create_task(decode_one(control.start))
+                        await asyncio.sleep(0)
                 elif kind == "cancel" and (task := running.get(control.cancel)) is not None:
                     task.cancel()
 
@@ -143,6 +153,7 @@ class DecodeHandler(worker_pb2_grpc.DecodeWorkerServicer):
                     batch = worker_pb2.DecodeEvents(events=pending)
                     pending.clear()
                     yield batch
+                    written.set()
                 if reader.done() and not running and not pending:
                     reader.result()   # the router's side failed: end with its error
                     return
