@@ -7,7 +7,8 @@ watchdog (migration.WorkerWatch) like the call it replaces: ``read()`` returns e
 grpc.aio.EOF, and raises grpc.aio.AioRpcError with the status Decode would have failed with;
 ``cancel()`` stops the request on the worker. When the stream itself fails (the worker died,
 the connection broke), every request on it fails with that error and moves, as separate calls
-would; the next request opens a new stream.
+would; the next request opens a new stream. A worker that has no DecodeMany (an older pdserve)
+answers UNIMPLEMENTED: its requests, and every later one there, take a Decode call each.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class _Stream:
         self.controls.put_nowait(worker_pb2.DecodeControl())   # the first message, which the call's proof names
         self.readers: dict[str, asyncio.Queue] = {}
         self.failed: grpc.aio.AioRpcError | None = None
+        self.stub = stub
         self.call = stub.DecodeMany(self._control_stream())
         self.task = asyncio.ensure_future(self._read())
 
@@ -67,7 +69,7 @@ class _Stream:
         else:
             self.readers[request.request_id] = queue
             self.controls.put_nowait(worker_pb2.DecodeControl(start=request))
-        return MuxCall(self, request.request_id, queue)
+        return MuxCall(self, request, queue)
 
     def stop(self, request_id: str, finished: bool) -> None:
         if self.readers.pop(request_id, None) is not None and not finished and self.failed is None:
@@ -79,17 +81,29 @@ class _Stream:
         self.call.cancel()
 
 
+def single_decode(stub: worker_pb2_grpc.DecodeWorkerStub, request: worker_pb2.DecodeRequest):
+    """The request's own Decode call (a worker without DecodeMany), traced as the stream's start would be."""
+    metadata = (("traceparent", request.traceparent),) if request.traceparent else None
+    return stub.Decode(request, metadata=metadata)
+
+
 class MuxCall:
     """One request's events on a shared stream, read like its own Decode call."""
 
-    def __init__(self, stream: _Stream, request_id: str, queue: asyncio.Queue) -> None:
-        self._stream, self._request_id, self._queue = stream, request_id, queue
+    def __init__(self, stream: _Stream, request: worker_pb2.DecodeRequest, queue: asyncio.Queue) -> None:
+        self._stream, self._request, self._queue = stream, request, queue
         self._finished = False
+        self._single = None   # its own Decode call, once the worker said it has no DecodeMany
 
     async def read(self):
+        if self._single is not None:
+            return await self._single.read()
         if self._finished:
             return grpc.aio.EOF
         item = await self._queue.get()
+        if isinstance(item, grpc.aio.AioRpcError) and item.code() == grpc.StatusCode.UNIMPLEMENTED:
+            self._single = single_decode(self._stream.stub, self._request)
+            return await self._single.read()
         if isinstance(item, grpc.aio.AioRpcError):
             self._finished = True
             raise item
@@ -101,7 +115,9 @@ class MuxCall:
         return item
 
     def cancel(self) -> None:
-        self._stream.stop(self._request_id, self._finished)
+        if self._single is not None:
+            self._single.cancel()
+        self._stream.stop(self._request.request_id, self._finished)
         self._finished = True
 
 
@@ -113,7 +129,12 @@ class DecodeMux:
         self._stub = stub
         self._stream: _Stream | None = None
 
-    def decode(self, request: worker_pb2.DecodeRequest) -> MuxCall:
+    def decode(self, request: worker_pb2.DecodeRequest):
+        """The request's events, read as from its own Decode call (MuxCall, or that call itself
+        where the worker has no DecodeMany)."""
+        if self._stream is not None and self._stream.failed is not None \
+                and self._stream.failed.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return single_decode(self._stub, request)
         if self._stream is None or self._stream.failed is not None:
             self._stream = _Stream(self._stub)
         return self._stream.start(request)
