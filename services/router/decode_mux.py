@@ -13,14 +13,13 @@ answers UNIMPLEMENTED: its requests, and every later one there, take a Decode ca
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import AsyncIterator
 
 import grpc
 
+from pdserve.services.common import tracing
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
-log = logging.getLogger(__name__)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -54,8 +53,12 @@ class _Stream:
             error = _error(grpc.StatusCode.UNAVAILABLE, "the decode stream ended")
         except grpc.aio.AioRpcError as exc:
             error = exc
-        except asyncio.CancelledError:
-            error = _error(grpc.StatusCode.CANCELLED, "the decode stream was closed")
+        except asyncio.CancelledError:   # the router is stopping
+            self._fail(_error(grpc.StatusCode.CANCELLED, "the decode stream was closed"))
+            raise
+        self._fail(error)
+
+    def _fail(self, error: grpc.aio.AioRpcError) -> None:
         self.failed = error
         self.controls.put_nowait(None)   # ends the request stream's writer
         for queue in self.readers.values():
@@ -75,15 +78,10 @@ class _Stream:
         if self.readers.pop(request_id, None) is not None and not finished and self.failed is None:
             self.controls.put_nowait(worker_pb2.DecodeControl(cancel=request_id))
 
-    def close(self) -> None:
-        self.controls.put_nowait(None)
-        self.task.cancel()
-        self.call.cancel()
-
 
 def single_decode(stub: worker_pb2_grpc.DecodeWorkerStub, request: worker_pb2.DecodeRequest):
     """The request's own Decode call (a worker without DecodeMany), traced as the stream's start would be."""
-    metadata = (("traceparent", request.traceparent),) if request.traceparent else None
+    metadata = ((tracing.TRACEPARENT, request.traceparent),) if request.traceparent else None
     return stub.Decode(request, metadata=metadata)
 
 
@@ -123,7 +121,8 @@ class MuxCall:
 
 class DecodeMux:
     """The router's DecodeMany stream to one decode worker, opened on first use and again after
-    it failed."""
+    it failed (a worker handle's channel closing ends it); Decode calls instead, for as long as the
+    handle lasts, once the worker answered UNIMPLEMENTED."""
 
     def __init__(self, stub: worker_pb2_grpc.DecodeWorkerStub) -> None:
         self._stub = stub
@@ -138,8 +137,3 @@ class DecodeMux:
         if self._stream is None or self._stream.failed is not None:
             self._stream = _Stream(self._stub)
         return self._stream.start(request)
-
-    def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
