@@ -14,12 +14,19 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 SERVICE = "pdserve.v1.DecodeWorker"
 
 
-async def _serve(handlers: dict) -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, f"127.0.0.1:{port}"
+def _with_mux(handlers: dict, body) -> None:
+    """body(mux) against a server on loopback answering the DecodeWorker methods in handlers."""
+    async def main() -> None:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                await body(DecodeMux(worker_pb2_grpc.DecodeWorkerStub(channel)))
+        finally:
+            await server.stop(0)
+    asyncio.run(main())
 
 
 def _events(rid: str) -> list[worker_pb2.DecodeEvent]:
@@ -53,33 +60,28 @@ def test_each_request_gets_its_own_events_and_status_and_a_cancel_reaches_the_wo
             elif kind == "start":
                 yield worker_pb2.DecodeEvents(events=_events(control.start.request_id))
 
-    async def main() -> None:
-        server, address = await _serve({"DecodeMany": grpc.stream_stream_rpc_method_handler(
-            decode_many, request_deserializer=worker_pb2.DecodeControl.FromString,
-            response_serializer=worker_pb2.DecodeEvents.SerializeToString)})
-        try:
-            async with grpc.aio.insecure_channel(address) as channel:
-                mux = DecodeMux(worker_pb2_grpc.DecodeWorkerStub(channel))
-                ok, missing = (mux.decode(worker_pb2.DecodeRequest(request_id=r)) for r in ("ok", "missing"))
-                assert [list(e.token_ids) for e in await _read_all(ok)] == [[1, 2], [3]]
-                assert await ok.read() is grpc.aio.EOF
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await missing.read()
-                assert err.value.code() == grpc.StatusCode.NOT_FOUND and "'missing'" in err.value.details()
-                slow = mux.decode(worker_pb2.DecodeRequest(request_id="slow"))
-                assert list((await slow.read()).token_ids) == [1, 2]
-                slow.cancel()   # the router stops reading it: the worker is told
-                for _ in range(100):
-                    if cancelled:
-                        break
-                    await asyncio.sleep(0.01)
-                assert cancelled == ["slow"]
-                ok.cancel()   # finished: nothing to tell
-                await asyncio.sleep(0.05)
-                assert cancelled == ["slow"]
-        finally:
-            await server.stop(0)
-    asyncio.run(main())
+    async def body(mux: DecodeMux) -> None:
+        ok, missing = (mux.decode(worker_pb2.DecodeRequest(request_id=r)) for r in ("ok", "missing"))
+        assert [list(e.token_ids) for e in await _read_all(ok)] == [[1, 2], [3]]
+        assert await ok.read() is grpc.aio.EOF
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await missing.read()
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "'missing'" in err.value.details()
+        slow = mux.decode(worker_pb2.DecodeRequest(request_id="slow"))
+        assert list((await slow.read()).token_ids) == [1, 2]
+        slow.cancel()   # the router stops reading it: the worker is told
+        for _ in range(100):
+            if cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert cancelled == ["slow"]
+        ok.cancel()   # finished: nothing to tell
+        await asyncio.sleep(0.05)
+        assert cancelled == ["slow"]
+
+    _with_mux({"DecodeMany": grpc.stream_stream_rpc_method_handler(
+        decode_many, request_deserializer=worker_pb2.DecodeControl.FromString,
+        response_serializer=worker_pb2.DecodeEvents.SerializeToString)}, body)
 
 
 def test_a_worker_without_decode_many_gets_a_decode_call_per_request() -> None:
@@ -91,20 +93,15 @@ def test_a_worker_without_decode_many_gets_a_decode_call_per_request() -> None:
             event.ClearField("request_id")   # as Decode sends them
             yield event
 
-    async def main() -> None:
-        server, address = await _serve({"Decode": grpc.unary_stream_rpc_method_handler(
-            decode, request_deserializer=worker_pb2.DecodeRequest.FromString,
-            response_serializer=worker_pb2.DecodeEvent.SerializeToString)})
-        try:
-            async with grpc.aio.insecure_channel(address) as channel:
-                mux = DecodeMux(worker_pb2_grpc.DecodeWorkerStub(channel))
-                first = mux.decode(worker_pb2.DecodeRequest(request_id="a"))
-                assert [list(e.token_ids) for e in await _read_all(first)] == [[1, 2], [3]]
-                second = mux.decode(worker_pb2.DecodeRequest(request_id="b"))   # straight to Decode now
-                assert [list(e.token_ids) for e in await _read_all(second)] == [[1, 2], [3]]
-                first.cancel()
-                second.cancel()
-                assert seen == ["a", "b"]
-        finally:
-            await server.stop(0)
-    asyncio.run(main())
+    async def body(mux: DecodeMux) -> None:
+        first = mux.decode(worker_pb2.DecodeRequest(request_id="a"))
+        assert [list(e.token_ids) for e in await _read_all(first)] == [[1, 2], [3]]
+        second = mux.decode(worker_pb2.DecodeRequest(request_id="b"))   # straight to Decode now
+        assert [list(e.token_ids) for e in await _read_all(second)] == [[1, 2], [3]]
+        first.cancel()
+        second.cancel()
+        assert seen == ["a", "b"]
+
+    _with_mux({"Decode": grpc.unary_stream_rpc_method_handler(
+        decode, request_deserializer=worker_pb2.DecodeRequest.FromString,
+        response_serializer=worker_pb2.DecodeEvent.SerializeToString)}, body)
