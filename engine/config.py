@@ -14,6 +14,10 @@ SCHEDULE_POLICIES = ("prefill_first", "interleave", "mixed")
 PROMPT_ORDERS = ("fcfs", "shortest")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "w8a16")
+# max_num_batched_tokens left to the engine (None): STEP_TOKENS, or CPU_PREFILL_STEP_TOKENS on a CPU
+# prefill worker (steps of ~130-250 ms for the small model on a 2-core EPYC; docs/benchmarks.md, the trace)
+STEP_TOKENS = 2048
+CPU_PREFILL_STEP_TOKENS = 512
 TP_TIMEOUT_RANGE_S = (0.5, 3600.0)   # tp_collective_timeout_s: above the slowest step, below "hung"
 
 
@@ -27,7 +31,10 @@ class EngineConfig:
                                     "checkpoints (bf16 with AMX or fast bf16 GEMMs, else float32), "
                                     "elsewhere the checkpoint's dtype", choices=DTYPES)
     device: str = setting("auto", "cpu, cuda, cuda:N; auto: cuda when available")
-    max_num_batched_tokens: int = setting(2048, "token budget of one step (chunked prefill)")
+    max_num_batched_tokens: int | None = setting(
+        None, "token budget of one step (chunked prefill); none: 512 on a CPU prefill worker (a prompt token costs "
+              "about the same there batched or not, so smaller steps let a burst's short prompts finish first), "
+              "2048 otherwise")
     max_num_seqs: int = setting(64, "sequences in one step")
     max_model_len: int | None = setting(None, "longest sequence; default: the model's max_position_embeddings")
     block_size: int = setting(16, "tokens per KV block")
@@ -92,7 +99,8 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("compute_dtype", self.compute_dtype, DTYPES)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_num_batched_tokens is not None:
+            _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("block_size", self.block_size, 1)
         _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
@@ -117,6 +125,12 @@ class EngineConfig:
             _check_int("prompt_tokens_with_decodes", self.prompt_tokens_with_decodes, 1)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def default_step_tokens(self, on_cpu: bool) -> int:
+        """The step budget when max_num_batched_tokens is left to the engine: smaller on a CPU
+        prefill worker, where batching prompts saves little (compute-bound steps, a fixed part
+        of ~2 ms) while every prompt of a step waits for the step's end."""
+        return CPU_PREFILL_STEP_TOKENS if on_cpu and self.role == "prefill" else STEP_TOKENS
 
     @property
     def policy(self) -> str:

@@ -103,6 +103,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.runner = runner if runner is not None else ModelRunner(config, self.model_config)
+        self._auto_step_tokens = config.max_num_batched_tokens is None
+        self._resolve_step_tokens()
         self.grammars = Grammars(config.model, self.model_config.vocab_size, self.eos_token_ids)
         self.kv_events = KVEventLog()
         self.kv_tiers = tiers_for(config, self.runner)   # host RAM / disk under the prefix cache, or None
@@ -210,6 +212,13 @@ class LLMEngine:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         if self.speculator is not None:
             self.speculator.finished(seq)
+
+    def _resolve_step_tokens(self) -> None:
+        """A step budget the config leaves to the engine (None), set for its role and device in
+        the engine's config (where set_role writes the role too), which the scheduler reads."""
+        if self._auto_step_tokens:
+            device = getattr(self.runner, "device", None)   # the planner's simulated runner: a CPU
+            self.config.max_num_batched_tokens = self.config.default_step_tokens(device is None or device.type == "cpu")
 
     def prompt_chunk_with_decodes(self) -> int:
         """A decode worker's prompt chunk while sequences decode (a prompt the router had it
@@ -457,6 +466,7 @@ class LLMEngine:
                                  f"{', '.join(busy)}")
             self.kv.set_role(role)
             self.config.role = role
+            self._resolve_step_tokens()
             self._learn_prompt_chunk = self.config.prompt_tokens_with_decodes is None and self.kv.paces_local_prompts
             self.scheduler.prompt_tokens_with_decodes = self.config.prompt_tokens_with_decodes
             self.scheduler.last_kind = None

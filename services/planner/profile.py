@@ -137,7 +137,7 @@ def run_profile(engine_config, config: ProfileConfig, say: Callable[[str], None]
 
     t_start = time.perf_counter()
     engine = LLMEngine(dataclasses.replace(engine_config, schedule_policy="mixed"))
-    budget = engine_config.max_num_batched_tokens
+    budget = engine.config.max_num_batched_tokens   # as the engine resolved it
     rec = _Recorder(engine, config.clock)
     say(f"profiling {engine_config.model}: backend {getattr(engine.runner.backend, 'name', 'torch')}, compute "
         f"{str(engine.runner.compute_dtype).removeprefix('torch.')}, {torch.get_num_threads()} thread(s), "

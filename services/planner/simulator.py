@@ -78,7 +78,7 @@ class Candidate:
     colocated_workers: int = 0
     prefill_workers: int = 0
     decode_workers: int = 0
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None   # None: each worker's engine default for its role
     schedule_policy: str = "auto"
     threads_per_worker: int = 1
     disaggregation: str = "always"   # the router's --disaggregation (xPyD only)
@@ -114,14 +114,15 @@ class Candidate:
         shape = f"colocated x{self.colocated_workers}" if self.colocated else \
             f"{self.prefill_workers}P{self.decode_workers}D {self.disaggregation}"
         order = f", {self.prompt_order}" if self.prompt_order is not None else ""
-        return f"{shape}, budget {self.max_num_batched_tokens}, {self.schedule_policy}{order}"
+        return f"{shape}, budget {self.max_num_batched_tokens or 'by role'}, {self.schedule_policy}{order}"
 
     def up_flags(self) -> str:
         """The `pdserve up` flags that deploy this candidate."""
         shape = (f"--colocated-workers {self.colocated_workers}" if self.colocated else
                  f"--prefill-workers {self.prefill_workers} --decode-workers {self.decode_workers} "
                  f"--disaggregation {self.disaggregation}")
-        flags = f"{shape} --threads {self.threads_per_worker} --max-num-batched-tokens {self.max_num_batched_tokens}"
+        flags = f"{shape} --threads {self.threads_per_worker}"
+        flags += f" --max-num-batched-tokens {self.max_num_batched_tokens}" if self.max_num_batched_tokens else ""
         flags += f" --schedule-policy {self.schedule_policy}" if self.schedule_policy != "auto" else ""
         return flags + (f" --prompt-order {self.prompt_order}" if self.prompt_order is not None else "")
 

@@ -56,6 +56,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from pdserve.engine.config import STEP_TOKENS
 from pdserve.engine.step_cost import Load, StepCost, StepCostView
 from pdserve.services.router.config import DISAGGREGATION_MODES, ROUTING_POLICIES
 from pdserve.services.router.worker_pool import NoWorker, WorkerHandle, WorkerSet
@@ -347,7 +348,7 @@ class CostModel:
     # ---- estimates --------------------------------------------------------------------
     @staticmethod
     def step_cost(status: worker_pb2.WorkerStatus | None, peers: list[worker_pb2.WorkerStatus]) -> StepCostView:
-        budget = status.max_num_batched_tokens if status is not None and status.max_num_batched_tokens else 2048
+        budget = status.max_num_batched_tokens if status is not None and status.max_num_batched_tokens else STEP_TOKENS
         decoders = [p.decode_ms_per_seq for p in peers if p.decode_ms_per_seq > 0]
         if status is not None and status.decode_ms_per_seq > 0:
             per_seq = status.decode_ms_per_seq

@@ -103,3 +103,22 @@ def test_the_step_policy_follows_the_role_unless_set(tiny_qwen3: str, policy: st
         engine.set_role(role)
         assert engine.config.schedule_policy == policy and engine.config.policy == expected[role]
         assert engine.scheduler.config.policy == expected[role]   # what schedule() reads
+
+
+@pytest.mark.parametrize("budget, expected", [(None, {"prefill": 512, "decode": 2048, "both": 2048}),
+                                              (96, {"prefill": 96, "decode": 96, "both": 96})])
+def test_the_step_budget_follows_the_role_unless_set(tiny_qwen3: str, budget, expected: dict) -> None:
+    """Left to the engine, a CPU prefill worker's steps hold 512 tokens and other roles' 2048; a
+    budget that is set stays, whatever the role. A prompt longer than the budget runs in steps of
+    it, as the scheduler reads it."""
+    kw = {**KW, "max_num_batched_tokens": budget, "max_model_len": 2048, "num_kv_blocks": 160}
+    engine = LLMEngine(EngineConfig(model=tiny_qwen3, role="both", **kw))
+    assert engine.config.max_num_batched_tokens == expected["both"]
+    for role in ("prefill", "decode", "prefill"):
+        engine.set_role(role)
+        assert engine.config.max_num_batched_tokens == expected[role] == engine.prompt_chunk_tokens()
+    engine.add_request("long", [(7 * i) % 200 + 3 for i in range(1000)], GREEDY)
+    engine.step()
+    assert engine.trace[-1].num_prefill_tokens == expected["prefill"]
+    engine.abort("long")
+    assert_no_leak(engine)
