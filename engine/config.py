@@ -57,8 +57,9 @@ class EngineConfig:
     prompt_order: str = setting(
         "shortest", "the order waiting prompts are admitted in, within a priority class: shortest: by arrival plus "
                     "the prompt's time to compute alone at the learned prefill speed, so a burst's short prompts go "
-                    "first and a prompt is passed only by prompts that arrived before it would have finished alone "
-                    "(no starvation); fcfs: by arrival (vLLM's default)", choices=PROMPT_ORDERS)
+                    "first (a prompt under way too, by the tokens it has left) and a prompt is passed only by prompts "
+                    "that arrived before it would have finished alone (no starvation); fcfs: by arrival (vLLM's "
+                    "default)", choices=PROMPT_ORDERS)
     prompt_tokens_with_decodes: int | None = setting(
         None, "prompt tokens one step may compute while sequences decode in it (a prompt chunk delays each of "
               "them by its time, as Sarathi-Serve sizes chunks for the inter-token latency); none: decode workers "

@@ -5,7 +5,9 @@ that reaches the end of its tokens, the step also samples its next token. A deco
 special case n == 1, so prefill chunks and decodes share one batch format.
 
 Priority (SamplingParams.priority, lower first as vLLM's): the waiting queue is ordered by it,
-FIFO within a class, so all-equal priorities are plain FIFO. When the first waiting sequence
+and within a class by the prompt order (fcfs: arrival; shortest: arrival plus the prompt's time
+to compute alone, a prompt already under way by the tokens it has left, so short prompts pass a
+long one mid-prefill: _schedule_prefills). When the first waiting sequence
 does not fit in the pool, running sequences of a lower class (a higher value) are preempted
 for it, the lowest class and the latest arrival first, until it fits; a decode that finds the
 pool empty preempts the lowest class too, the last admitted first. Preemption is by recompute:
@@ -329,43 +331,77 @@ class Scheduler:
         self._preempted_this_step.append(seq.request_id)
 
     def _schedule_prefills(self, seqs: list[Sequence], counts: list[int], budget: int) -> None:
-        # First continue prompts already mid-prefill, oldest first.
-        for seq in self.running:
-            if budget <= 0:
-                return
-            if seq.is_prefilling and seq not in seqs:
-                n = min(seq.num_pending_tokens, budget)
-                seqs.append(seq)
-                counts.append(n)
-                budget -= n
-        # Then admit waiting prompts while tokens, sequence slots and blocks last.
-        bm = self.block_manager
+        """Continue prompts mid-prefill and admit waiting ones while tokens, sequence slots and
+        blocks last. fcfs: those under way first, oldest first, then the waiting queue. shortest:
+        both by their key, a started prompt's from the tokens it has left (_remaining_order), so a
+        burst's short prompts pass a long one already under way instead of waiting for its last
+        chunk; it is passed only by prompts that came before it would have finished alone."""
+        started = [s for s in self.running if s.is_prefilling]   # seqs holds decodes only so far
+        shortest = self.config.prompt_order == "shortest"
+        if shortest:
+            started.sort(key=self._remaining_order)
         i = 0   # the first waiting sequence not passed over (its blocks on their way from disk)
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[i]
-            if not bm.ready(seq):
-                i += 1   # its cached blocks are on their way from disk: the next ones go first
-                continue
-            if self.claim is not None and seq.priority > self.claim.priority:
-                break      # the room made for a higher-class reservation stays free for it
-            # Leave a little room for running decoders to grow, or admission and preemption thrash.
-            if self.running and bm.num_free_blocks - bm.blocks_needed(seq.num_tokens) < self.watermark_blocks:
-                break
-            try:
-                # a prompt being scored is computed from its first unscored position on
-                seq.num_computed_tokens = self.block_manager.allocate(seq, seq.next_prompt_score)
-            except NoFreeBlocks:
-                break
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.monotonic()
-                seq.num_cached_tokens = seq.num_computed_tokens
-            del self.waiting[i]
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+        admitting = True
+        while budget > 0:
+            head = None
+            if admitting:
+                i = self._next_admissible(i)
+                admitting = i is not None
+                head = self.waiting[i] if admitting else None
+            if started and (head is None or not shortest or self._remaining_order(started[0]) <= _order(head)):
+                seq = started.pop(0)
+            elif head is not None:
+                if not self._admit(head):
+                    admitting = False
+                    continue
+                del self.waiting[i]
+                seq = head
+            else:
+                return
             n = min(seq.num_pending_tokens, budget)
             seqs.append(seq)
             counts.append(n)
             budget -= n
+
+    def _remaining_order(self, seq: Sequence) -> tuple[int, float]:
+        """A started prompt's place among waiting ones under prompt_order "shortest": its arrival
+        plus the time its remaining tokens take alone (a waiting prompt's queue_key, for what is left)."""
+        return seq.priority, seq.arrival_time + seq.num_pending_tokens * self.prompt_s_per_token
+
+    def _next_admissible(self, i: int) -> int | None:
+        """The index of the first waiting sequence from i on that may be admitted now, passing over
+        those whose cached blocks are on their way from disk; None when admission stops here (no
+        sequence slot, a higher-class claim's room, the blocks running decoders grow into)."""
+        bm = self.block_manager
+        while i < len(self.waiting):
+            seq = self.waiting[i]
+            if not bm.ready(seq):
+                i += 1   # its cached blocks are on their way from disk: the next ones go first
+                continue
+            if len(self.running) >= self.config.max_num_seqs:
+                return None
+            if self.claim is not None and seq.priority > self.claim.priority:
+                return None      # the room made for a higher-class reservation stays free for it
+            # Leave a little room for running decoders to grow, or admission and preemption thrash.
+            if self.running and bm.num_free_blocks - bm.blocks_needed(seq.num_tokens) < self.watermark_blocks:
+                return None
+            return i
+        return None
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Give a waiting sequence its blocks and make it running (the caller takes it out of the
+        waiting queue); False if the pool cannot hold it."""
+        try:
+            # a prompt being scored is computed from its first unscored position on
+            seq.num_computed_tokens = self.block_manager.allocate(seq, seq.next_prompt_score)
+        except NoFreeBlocks:
+            return False
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+            seq.num_cached_tokens = seq.num_computed_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
 
     # ---- after the step ---------------------------------------------------------
     def trace(self, step: int, batch: ScheduledBatch) -> StepTrace:

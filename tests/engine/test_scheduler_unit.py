@@ -162,6 +162,31 @@ def test_shortest_passes_a_prompt_only_by_those_that_arrived_before_it_would_fin
     assert [q.request_id for q in s.waiting] == ["early-short", "long", "late-short"]
 
 
+def test_shortest_lets_a_burst_pass_a_long_prompt_already_under_way() -> None:
+    """A long prompt starts alone; a short one arrives while it is mid-prefill. shortest: the short
+    one takes the next step's budget first and the long one what is left (the key of a started
+    prompt counts the tokens it has left); fcfs: the long one's chunk first. A short prompt that
+    arrives after the long one would have finished alone does not pass it."""
+    def at(q: Sequence, t: float) -> Sequence:
+        q.arrival_time = t
+        return q
+    for order, want in (("shortest", [("short", 4), ("long", 12)]), ("fcfs", [("long", 16)])):
+        s = make(budget=16, order=order)
+        s.prompt_s_per_token = 0.01
+        s.add(at(seq("long", 64), 0.0))
+        assert run(s) == [("long", 16)]               # 48 tokens left: alone it ends at 0.48
+        s.add(at(seq("short", 4, base=1000), 0.1))     # 0.14 < 0.48
+        assert run(s) == want, order
+    s = make(budget=16, order="shortest")
+    s.prompt_s_per_token = 0.01
+    s.add(at(seq("long", 64), 0.0))
+    run(s)
+    s.add(at(seq("late", 4, base=1000), 0.5))          # 0.54 > 0.48: after the long one's chunks
+    assert run(s) == [("long", 16)]
+    assert [run(s) for _ in range(2)] == [[("long", 16)], [("long", 16)]]
+    assert run(s) == [("long", 1), ("late", 4)]       # the long one decodes; the late one is admitted
+
+
 def test_shortest_keeps_classes_and_a_preempted_prompt_ahead_of_its_class() -> None:
     s = make(budget=1024, order="shortest")
     s.add(arrived("low-short", 2, 0.0, priority=1))

@@ -86,10 +86,16 @@ def test_decode_cost_follows_a_kernel_switch_between_batch_sizes() -> None:
 
 
 def test_simulated_steps_are_the_real_schedulers_chunked_prefill(cost: CostModel) -> None:
-    """A 200-token prompt under a 64-token budget is chunked 64/64/64/8 by engine/scheduler.py;
-    a second request arriving meanwhile decodes in mixed steps beside the chunks."""
+    """A 200-token prompt under a 64-token budget is chunked 64/64/64/8 by engine/scheduler.py
+    (fcfs); a second request arriving meanwhile decodes in mixed steps beside the chunks. Under
+    the default prompt order (shortest) that short prompt passes the long one under way."""
     prompt = list(range(2, 202))
-    sim, res = _sim(cost, Candidate(colocated_workers=1, max_num_batched_tokens=64, schedule_policy="mixed"),
+    shortest, _ = _sim(cost, Candidate(colocated_workers=1, max_num_batched_tokens=64, schedule_policy="mixed"),
+                       [prompt, list(range(300, 320))], [4, 8], [0.0, 0.001])
+    assert [(t.request_ids, t.num_tokens) for t in (s.trace for s in shortest.colocated[0].steps[:2])] == \
+        [(["sim-0"], [64]), (["sim-1", "sim-0"], [20, 44])]
+    sim, res = _sim(cost, Candidate(colocated_workers=1, max_num_batched_tokens=64, schedule_policy="mixed",
+                                    prompt_order="fcfs"),
                     [prompt, list(range(300, 320))], [4, 8], [0.0, 0.001])
     assert all(r.success for r in res) and [r.output_len for r in res] == [4, 8]
     steps = sim.colocated[0].steps
