@@ -244,10 +244,18 @@ def test_bad_constraints_and_tools_are_refused_naming_the_field_and_the_server_s
 
 MISSED_WINDOWS = 3
 
-SPEC = StructuredOutputsParams(json={"type": "object", "properties": {
-    "a": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 25,
-          "maxItems": 40},
-    "b": {"type": "string", "maxLength": 30}}, "required": ["a", "b"]})
+
+def _numbers_spec(min_items: int, max_items: int) -> StructuredOutputsParams:
+    """An object of an array of min_items to max_items numbers and a short string."""
+    return StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": min_items,
+              "maxItems": max_items},
+        "b": {"type": "string", "maxLength": 30}}, "required": ["a", "b"]})
+
+
+SPEC = _numbers_spec(25, 40)
+LONG_SPEC = _numbers_spec(100, 130)   # long enough (565 tokens from the tiny model) for a wide window before a kill
+LONG_MAX_TOKENS = 1000
 
 
 def test_constrained_output_through_colocated_workers_is_the_offline_output(tiny_qwen3: str, served_reference) -> None:
@@ -275,19 +283,21 @@ def test_constrained_output_through_colocated_workers_is_the_offline_output(tiny
 @pytest.mark.faults
 def test_a_constrained_request_whose_decode_worker_dies_continues_exactly(tiny_qwen3: str, served_reference) -> None:
     """1 prefill + 2 decode workers: once the decode worker holding the request has made 20 tokens
-    (and has 20 more to make) it is caught frozen and killed; the router re-prefills prompt +
+    (and has 400 more to make) it is caught frozen and killed; the router re-prefills prompt +
     tokens on the other, whose grammar state is rebuilt from them: the output is the uninterrupted
-    one, and it follows the schema. A request that a loaded machine let pass the window (its
-    tokens checked too) is sent again, up to MISSED_WINDOWS times."""
+    one, and it follows the schema. The margin is wide because the worker runs between answering
+    the catch and being frozen: with 20 tokens left (of 212) a loaded CI machine once let the
+    request finish there, and its kill found nothing to move. A request that a loaded machine let
+    pass the window (its tokens checked too) is sent again, up to MISSED_WINDOWS times."""
     prompt = random_prompts(1, 12, 12, seed=46)[0]
-    params = SamplingParams(temperature=0.0, max_tokens=300, structured_outputs=SPEC)
+    params = SamplingParams(temperature=0.0, max_tokens=LONG_MAX_TOKENS, structured_outputs=LONG_SPEC)
     want = served_reference.generate([prompt], params)[0].token_ids
-    assert len(want) > 60
+    assert len(want) > 500
     fc = FaultCluster(tiny_qwen3, prefill=1, decode=2, engine_args=FAULT_ENGINE)
     try:
         for _ in range(MISSED_WINDOWS + 1):
-            obs = observe(fc.router, prompt, 300, structured_outputs=SPEC)
-            victim = fc.catch_decoding(obs, len(prompt), len(want), done_tokens=20, left_tokens=20)
+            obs = observe(fc.router, prompt, LONG_MAX_TOKENS, structured_outputs=LONG_SPEC)
+            victim = fc.catch_decoding(obs, len(prompt), len(want), done_tokens=20, left_tokens=400)
             if victim is not None:
                 break
             assert obs.done.wait(60) and obs.code is None and obs.tokens == want, obs
@@ -297,7 +307,7 @@ def test_a_constrained_request_whose_decode_worker_dies_continues_exactly(tiny_q
         assert obs.done.wait(120), fc.logs()
         assert obs.code is None, (obs.code, obs.details, fc.logs())
         assert obs.migrations >= 1 and obs.tokens == want
-        jsonschema.validate(json.loads(served_reference.tokenizer.decode(obs.tokens, skip_special_tokens=True)), json.loads(SPEC.json))
+        jsonschema.validate(json.loads(served_reference.tokenizer.decode(obs.tokens, skip_special_tokens=True)), json.loads(LONG_SPEC.json))
         wait_for(fc.all_healthy, 60, "the killed worker restarted")
         wait_for(fc.at_baseline, 30, "free blocks at baseline")
     finally:

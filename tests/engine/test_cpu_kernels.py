@@ -23,7 +23,11 @@ needs_avx2 = pytest.mark.skipif(cpu_kernels.load() is None or not detect().avx2_
 
 
 def _greedy_logits(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
-    """Greedy tokens of prompts and every logits row the model computed for them (float32)."""
+    """Greedy tokens of prompts and every logits row the model computed for them (float32), in
+    the order the steps computed them. Callers compare two engines' rows by position, so the
+    schedule must not depend on timing: prompt_order "shortest" keys prompts by arrival time and
+    the learned prefill speed, and under load once batched a run's prompts differently."""
+    assert llm.engine.config.prompt_order == "fcfs", "rows compared by position need a schedule free of timing"
     runner = llm.engine.runner
     captured: list[torch.Tensor] = []
     real = runner.model.compute_logits
@@ -223,7 +227,8 @@ def test_native_backend_matches_torch_backend_in_bf16(tiny_qwen3: str) -> None:
     prompts = random_prompts(4, 5, 40, seed=12)
     logits = []
     for native in (True, False):
-        llm = LLM(tiny_qwen3, dtype="bfloat16", compute_dtype="bfloat16", block_size=8, num_kv_blocks=64)
+        llm = LLM(tiny_qwen3, dtype="bfloat16", compute_dtype="bfloat16", block_size=8, num_kv_blocks=64,
+                  prompt_order="fcfs")
         runner = llm.engine.runner
         if native and runner.backend.name != "native-cpu":
             pytest.skip("no native kernels on this machine")
@@ -402,7 +407,7 @@ def test_native_prefill_attention_over_bf16_cache_matches_torch_backend(tiny_d64
     logits, tokens = [], []
     for native in (True, False):
         llm = LLM(tiny_d64, dtype="bfloat16", compute_dtype="float32", block_size=8, num_kv_blocks=64,
-                  max_num_batched_tokens=48, batch_invariant=False)
+                  max_num_batched_tokens=48, batch_invariant=False, prompt_order="fcfs")
         runner = llm.engine.runner
         assert runner.backend.name == "native-cpu"
         starts = _count_prefill_calls(monkeypatch)
@@ -456,7 +461,7 @@ def test_fused_decode_step_equals_layer_by_layer(tiny_qwen3: str, batch_invarian
     logits, used = [], []
     for fused in (True, False):
         llm = LLM(tiny_qwen3, dtype="bfloat16", compute_dtype="bfloat16", block_size=8, num_kv_blocks=64,
-                  num_threads=1, batch_invariant=batch_invariant)
+                  num_threads=1, batch_invariant=batch_invariant, prompt_order="fcfs")
         runner = llm.engine.runner
         assert runner.backend.name == "native-cpu" and runner.batch_invariant == batch_invariant
         if not fused:
@@ -486,7 +491,7 @@ def test_tuned_mode_runs_the_invariant_kernels_where_they_are_the_fastest(tiny_d
     logits, tokens = [], []
     for invariant in (True, False):
         llm = LLM(tiny_d64, dtype="bfloat16", compute_dtype="bfloat16", block_size=8, num_kv_blocks=128,
-                  max_num_batched_tokens=48, num_threads=1, batch_invariant=invariant)
+                  max_num_batched_tokens=48, num_threads=1, batch_invariant=invariant, prompt_order="fcfs")
         runner = llm.engine.runner
         assert runner.batch_invariant == invariant and runner.backend.name == "native-cpu"
         linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
@@ -519,7 +524,8 @@ def test_w8a16_native_matches_torch_backend_in_bf16(tiny_qwen3: str) -> None:
     logits = []
     for native in (True, False):
         llm = LLM(tiny_qwen3, dtype="bfloat16", compute_dtype="bfloat16", quantization="w8a16", block_size=8,
-                  num_kv_blocks=64, num_threads=1, batch_invariant=False)   # the tuned paths, as on AMX
+                  num_kv_blocks=64, num_threads=1, batch_invariant=False,   # the tuned paths, as on AMX
+                  prompt_order="fcfs")
         runner = llm.engine.runner
         if native and runner.backend.name != "native-cpu":
             pytest.skip("no native kernels on this machine")
