@@ -50,7 +50,8 @@ FIT_REPEATS = 5
 
 @dataclass(frozen=True)
 class PrefillCost:
-    """Seconds of one thread's prefill: a per token, b per (token x context token)."""
+    """Seconds of one thread's prefill: a n + b n^2 for a prompt of n tokens (the linears, the
+    attention), so n new tokens after p cached ones cost a n + b ((p + n)^2 - p^2)."""
     a: float
     b: float
 
@@ -58,15 +59,16 @@ class PrefillCost:
         return self.a * new + self.b * ((cached + new) ** 2 - cached ** 2)
 
 
-def measure_prefill(model: str, max_len: int) -> tuple[PrefillCost, list[tuple[int, float]]]:
-    """The model's prefill time alone at FIT_LENGTHS (best of FIT_REPEATS, one thread), fitted."""
+def measure_prefill(model: str) -> tuple[PrefillCost, list[tuple[int, float]]]:
+    """The model's prefill time alone at FIT_LENGTHS up to its longest sequence (best of
+    FIT_REPEATS, one thread), fitted."""
     from pdserve import LLM, SamplingParams
     llm = LLM(model, num_threads=1, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rng = np.random.default_rng(0)
     llm.generate([rng.integers(10, 1000, 64).tolist()], params)   # warm-up
     points = []
-    for n in (n for n in FIT_LENGTHS if n < max_len):
+    for n in (n for n in FIT_LENGTHS if n < llm.engine.max_model_len):
         best = min(_timed(llm, rng.integers(10, 1000, n).tolist(), params) for _ in range(FIT_REPEATS))
         points.append((n, best))
     ns = np.array([p[0] for p in points], dtype=float)
@@ -139,7 +141,7 @@ def main() -> int:
                    help="the most cores one prompt runs on (1: one thread, as pdserve's workers by default)")
     args = p.parse_args()
     model = drivers.model_dir(args.model)
-    cost, points = measure_prefill(model, max_len=4096)
+    cost, points = measure_prefill(model)
     print("prefill alone, one thread: " + ", ".join(f"{n} tokens {t * 1e3:.0f} ms" for n, t in points)
           + f"; fit a = {cost.a * 1e6:.1f} us/token, b = {cost.b * 1e9:.2f} ns/token^2")
     for rate in (float(r) for r in args.rates.split(",")):
