@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,25 +61,18 @@ class PrefillCost:
 def measure_prefill(model: str) -> tuple[PrefillCost, list[tuple[int, float]]]:
     """The model's prefill time alone at FIT_LENGTHS up to its longest sequence (best of
     FIT_REPEATS, one thread), fitted."""
-    from pdserve import LLM, SamplingParams
-    llm = LLM(model, num_threads=1, enable_prefix_caching=False)
+    from pdserve import LLM, SamplingParams   # here: the bound's unit tests need no model, nor torch
+    llm = LLM(model, num_threads=1, enable_prefix_caching=False)   # no prefix cache: each call computes it all
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rng = np.random.default_rng(0)
-    llm.generate([rng.integers(10, 1000, 64).tolist()], params)   # warm-up
     points = []
     for n in (n for n in FIT_LENGTHS if n < llm.engine.max_model_len):
-        best = min(_timed(llm, rng.integers(10, 1000, n).tolist(), params) for _ in range(FIT_REPEATS))
-        points.append((n, best))
+        prompt = rng.integers(10, 1000, n).tolist()
+        points.append((n, drivers.best_ms(lambda: llm.generate([prompt], params), FIT_REPEATS) / 1e3))
     ns = np.array([p[0] for p in points], dtype=float)
     ts = np.array([p[1] for p in points])
     (a, b), *_ = np.linalg.lstsq(np.stack([ns, ns ** 2], axis=1), ts, rcond=None)
     return PrefillCost(float(a), float(max(b, 0.0))), points
-
-
-def _timed(llm, prompt: list[int], params) -> float:
-    t0 = time.perf_counter()
-    llm.generate([prompt], params)
-    return time.perf_counter() - t0
 
 
 def prompt_work(opts: TraceOptions, num_prompts: int, cost: PrefillCost) -> tuple[list[float], list[float]]:
