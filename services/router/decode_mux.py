@@ -8,7 +8,11 @@ grpc.aio.EOF, and raises grpc.aio.AioRpcError with the status Decode would have 
 ``cancel()`` stops the request on the worker. When the stream itself fails (the worker died,
 the connection broke), every request on it fails with that error and moves, as separate calls
 would; the next request opens a new stream. A worker that has no DecodeMany (an older pdserve)
-answers UNIMPLEMENTED: its requests, and every later one there, take a Decode call each.
+answers UNIMPLEMENTED: its requests, and every later one there, take a Decode call each. grpcio
+can lose that status: a control written while the refusal arrives fails the call locally with
+INTERNAL. So a stream that fails with INTERNAL before it delivered anything leaves its requests
+to a Decode call each too (none of them had an event; a worker that has DecodeMany serves Decode
+as well), and the next request tries a stream again.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ class _Stream:
         self.controls.put_nowait(worker_pb2.DecodeControl())   # the first message, which the call's proof names
         self.readers: dict[str, asyncio.Queue] = {}
         self.failed: grpc.aio.AioRpcError | None = None
+        self.delivered = False   # whether any batch came: before one, an INTERNAL may be a lost UNIMPLEMENTED
         self.stub = stub
         self.call = stub.DecodeMany(self._control_stream())
         self.task = asyncio.ensure_future(self._read())
@@ -46,6 +51,7 @@ class _Stream:
     async def _read(self) -> None:
         try:
             async for batch in self.call:
+                self.delivered = True
                 for event in batch.events:
                     queue = self.readers.get(event.request_id)
                     if queue is not None:
@@ -74,6 +80,12 @@ class _Stream:
             self.controls.put_nowait(worker_pb2.DecodeControl(start=request))
         return MuxCall(self, request, queue)
 
+    def refused_before_use(self) -> bool:
+        """Whether the stream ended in a way that leaves its requests to Decode calls: the worker
+        has no DecodeMany, or (grpcio having lost that status) INTERNAL before any batch came."""
+        code = self.failed.code() if self.failed is not None else None
+        return code == grpc.StatusCode.UNIMPLEMENTED or (code == grpc.StatusCode.INTERNAL and not self.delivered)
+
     def stop(self, request_id: str, finished: bool) -> None:
         if self.readers.pop(request_id, None) is not None and not finished and self.failed is None:
             self.controls.put_nowait(worker_pb2.DecodeControl(cancel=request_id))
@@ -99,7 +111,7 @@ class MuxCall:
         if self._finished:
             return grpc.aio.EOF
         item = await self._queue.get()
-        if isinstance(item, grpc.aio.AioRpcError) and item.code() == grpc.StatusCode.UNIMPLEMENTED:
+        if isinstance(item, grpc.aio.AioRpcError) and self._stream.refused_before_use():
             self._single = single_decode(self._stream.stub, self._request)
             return await self._single.read()
         if isinstance(item, grpc.aio.AioRpcError):

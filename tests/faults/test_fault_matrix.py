@@ -77,7 +77,11 @@ def _reach_phase(fc: FaultCluster, role: str, phase: str, prompts: list[list[int
         raise AssertionError(f"no decode worker caught {phase} in {len(prompts)} requests\n{fc.logs()}")
     prompt = prompts[0]
     if phase == "queued":   # both prefill workers kept busy with long prompts: the request waits in a queue
-        busy += [fc.busy_prefill(name, 1800, streams=3) for name in fc.names("prefill")]
+        # decode-queued: one long prompt each, not three: the router reserves decode KV for a remote
+        # route only while its prefill worker's queue is under PREFILL_AHEAD_S (30 s) of work, and
+        # under CI load three 1,800-token prompts in 8-token steps were estimated past it (no reservation)
+        streams = 3 if role == "prefill" else 1
+        busy += [fc.busy_prefill(name, 1800, streams=streams) for name in fc.names("prefill")]
         if role == "prefill":
             _queue_behind(fc, busy)
         else:

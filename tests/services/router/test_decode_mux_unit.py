@@ -105,3 +105,57 @@ def test_a_worker_without_decode_many_gets_a_decode_call_per_request() -> None:
     _with_mux({"Decode": grpc.unary_stream_rpc_method_handler(
         decode, request_deserializer=worker_pb2.DecodeRequest.FromString,
         response_serializer=worker_pb2.DecodeEvent.SerializeToString)}, body)
+
+
+def _decode_handler(seen: list[str]):
+    async def decode(request, context):
+        seen.append(request.request_id)
+        for event in _events(request.request_id):
+            event.ClearField("request_id")
+            yield event
+    return grpc.unary_stream_rpc_method_handler(decode, request_deserializer=worker_pb2.DecodeRequest.FromString,
+                                                response_serializer=worker_pb2.DecodeEvent.SerializeToString)
+
+
+def _decode_many_handler(behaviour):
+    return grpc.stream_stream_rpc_method_handler(behaviour, request_deserializer=worker_pb2.DecodeControl.FromString,
+                                                 response_serializer=worker_pb2.DecodeEvents.SerializeToString)
+
+
+def test_a_stream_failing_with_internal_before_any_batch_leaves_its_requests_to_decode_calls() -> None:
+    """grpcio reports a worker's UNIMPLEMENTED as INTERNAL when a control was being written as it
+    came: a stream that ends so before delivering anything hands its requests to Decode calls;
+    one that ends so after a batch fails the requests still on it with that status."""
+    seen: list[str] = []
+
+    async def refuse_at_once(requests, context):
+        async for control in requests:
+            if control.WhichOneof("kind") == "start":
+                await context.abort(grpc.StatusCode.INTERNAL, "as grpcio reports a lost status")
+        yield worker_pb2.DecodeEvents()   # never reached
+
+    async def body(mux: DecodeMux) -> None:
+        call = mux.decode(worker_pb2.DecodeRequest(request_id="a"))
+        assert [list(e.token_ids) for e in await _read_all(call)] == [[1, 2], [3]]
+        call.cancel()
+        assert seen == ["a"]
+
+    _with_mux({"DecodeMany": _decode_many_handler(refuse_at_once), "Decode": _decode_handler(seen)}, body)
+
+    async def fail_after_a_batch(requests, context):
+        async for control in requests:
+            if control.WhichOneof("kind") == "start" and control.start.request_id == "x":
+                yield worker_pb2.DecodeEvents(events=_events("x"))
+            elif control.WhichOneof("kind") == "start":
+                await context.abort(grpc.StatusCode.INTERNAL, "a fault of the worker")
+
+    async def after(mux: DecodeMux) -> None:
+        x = mux.decode(worker_pb2.DecodeRequest(request_id="x"))
+        assert [list(e.token_ids) for e in await _read_all(x)] == [[1, 2], [3]]
+        y = mux.decode(worker_pb2.DecodeRequest(request_id="y"))
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await _read_all(y)
+        assert failed.value.code() == grpc.StatusCode.INTERNAL
+        assert seen == ["a"]   # no Decode call for y
+
+    _with_mux({"DecodeMany": _decode_many_handler(fail_after_a_batch), "Decode": _decode_handler(seen)}, after)
